@@ -1,0 +1,28 @@
+"""grpo: GRPO fine-tuning of causal LMs with verifiable rewards.
+
+Heavy parts (torch, DeepSpeed, transformers) load on first use, so `import grpo` and the CLI's
+error paths stay fast.
+"""
+from .config import GRPOConfig, parse_args
+from .errors import ConfigError, DatasetError, GRPOError, RewardError, TrainingError
+
+__all__ = [
+    "GRPOConfig", "GRPOTrainer", "parse_args", "register_reward", "load_dataset_registry",
+    "GRPOError", "ConfigError", "DatasetError", "RewardError", "TrainingError",
+]
+__version__ = "0.1.0"
+
+_LAZY = {
+    "GRPOTrainer": ("grpo.trainer", "GRPOTrainer"),
+    "register_reward": ("grpo.rewards", "register_reward"),
+    "load_dataset_registry": ("grpo.data", "load_dataset_registry"),
+}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+
+        module, attr = _LAZY[name]
+        return getattr(importlib.import_module(module), attr)
+    raise AttributeError(f"module 'grpo' has no attribute {name!r}")

@@ -1,0 +1,267 @@
+"""GRPOConfig: the one source of every option. CLI flags of train_grpo.py are generated from it.
+
+Each field's ``metadata["help"]`` is its one-line help; ``FLAG_GROUPS`` maps each field to the section it is
+listed under (README, --help). Invalid values and combinations raise ConfigError naming the flag, at construction.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import dataclass, field, fields
+from typing import Optional
+
+from .errors import ConfigError
+
+EMBEDDED_MODEL = "smollm2-135m-instruct"
+STRATEGIES = ("qlora", "lora", "full")
+AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+REWARD_SCALES = ("group", "batch", "none")
+SCHEDULERS = ("constant", "linear", "cosine")
+
+
+_groups_in_order: list[str] = []  # one entry per field, in definition order (fields() keeps that order)
+
+
+def _opt(default, help, group, **kw):
+    _groups_in_order.append(group)
+    # metadata is passed to argparse.add_argument by HfArgumentParser: keep only its keywords there.
+    return field(default=default, metadata={"help": help, **kw})
+
+
+def _list(default, help, group):
+    _groups_in_order.append(group)
+    return field(default_factory=lambda: list(default), metadata={"help": help})
+
+
+@dataclass
+class GRPOConfig:
+    # --- model and tuning strategy ---------------------------------------------------------------
+    model_name_or_path: str = _opt(
+        EMBEDDED_MODEL, f"HF model folder or hub id; '{EMBEDDED_MODEL}' is the embedded offline model.", "model")
+    tuning_strategy: str = _opt("lora", "What is trained: qlora (4-bit base + LoRA), lora, or full.", "model",
+                                choices=STRATEGIES)
+    lora_rank: int = _opt(16, "LoRA rank r (lora/qlora).", "model")
+    lora_alpha: int = _opt(32, "LoRA alpha; the update is scaled by alpha / r.", "model")
+    lora_dropout: float = _opt(0.05, "Dropout on the LoRA input.", "model")
+    lora_target_modules: str = _opt(
+        "all-linear", "Comma-separated module names to adapt, or 'all-linear'.", "model")
+    lora_adapter_path: Optional[str] = _opt(
+        None, "Continue training from a saved LoRA adapter folder (rank/alpha read from its config).", "model")
+    trust_remote_code: bool = _opt(False, "Allow model code from the model folder / hub repo.", "model")
+    gradient_checkpointing: bool = _opt(False, "Recompute activations in backward to save memory.", "model")
+    save_merged_model: bool = _opt(False, "With lora/qlora, also save the base model with the adapter merged.",
+                                   "model")
+
+    # --- data -------------------------------------------------------------------------------------
+    dataset_config_path: str = _opt(
+        "configs/dataset_config.json", "The dataset registry (JSON) that --dataset_names refer to.", "data")
+    dataset_names: list[str] = _list(["arith"], "Registered dataset names to mix (space or comma separated).",
+                                     "data")
+    train_split_ratio: float = _opt(0.95, "Fraction of rows used for training; the rest is held out for eval.",
+                                    "data")
+    max_prompt_length: int = _opt(256, "Longest prompt in tokens (chat template included); longer is an error.",
+                                  "data")
+    max_seq_length: int = _opt(768, "Longest prompt + completion in tokens.", "data")
+    reward_module: Optional[str] = _opt(
+        None, "Python file whose @register_reward functions become usable in the dataset config.", "data")
+
+    # --- optimisation -----------------------------------------------------------------------------
+    output_dir: str = _opt("outputs/grpo", "Where checkpoints, logs, plots and the final model go.", "training")
+    resume_from_checkpoint: Optional[str] = _opt(
+        None, "Checkpoint folder to continue from, or 'latest' for the newest in output_dir.", "training")
+    epochs: int = _opt(1, "Passes over the training prompts (ignored when --max_steps > 0).", "training")
+    max_steps: int = _opt(-1, "Optimizer steps to run; -1 means run --epochs.", "training")
+    per_device_train_batch_size: int = _opt(
+        2, "Prompts per rank per micro-batch; each yields --k_samples completions.", "training")
+    gradient_accumulation_steps: int = _opt(
+        1, "Micro-batches per optimizer step (prompts per rank per step = this x batch size).", "training")
+    learning_rate: float = _opt(1e-6, "Learning rate for full fine-tuning.", "training")
+    learning_rate_lora: float = _opt(2e-5, "Learning rate for lora and qlora.", "training")
+    weight_decay: float = _opt(0.0, "AdamW weight decay.", "training")
+    warmup_ratio: float = _opt(0.0, "Fraction of steps with linear learning-rate warmup.", "training")
+    lr_scheduler_type: str = _opt("constant", "Schedule after warmup: constant, linear or cosine.", "training",
+                                  choices=SCHEDULERS)
+    max_grad_norm: float = _opt(1.0, "Gradient clipping norm (0 disables).", "training")
+    seed: int = _opt(42, "Seed for data order, splits, sampling and initialisation.", "training")
+
+    # --- GRPO -------------------------------------------------------------------------------------
+    k_samples: int = _opt(8, "Completions per prompt (the group size G); at least 2.", "grpo")
+    rollout_max_new_tokens: int = _opt(256, "Longest completion in tokens.", "grpo")
+    temperature: float = _opt(1.0, "Sampling temperature of rollouts (log-probs use the same temperature).",
+                              "grpo")
+    top_p: float = _opt(1.0, "Nucleus sampling of rollouts.", "grpo")
+    use_kl_penalty: bool = _opt(False, "Add beta * KL(policy || reference) (k3 estimator) to the loss.", "grpo")
+    kl_beta: float = _opt(0.04, "KL coefficient beta, used with --use_kl_penalty.", "grpo")
+    clip_epsilon_low: float = _opt(0.2, "PPO clip: ratio is kept above 1 - eps_low.", "grpo")
+    clip_epsilon_high: Optional[float] = _opt(
+        None, "PPO clip: ratio is kept below 1 + eps_high (default: eps_low; DAPO uses 0.28).", "grpo")
+    loss_aggregation: str = _opt("token_mean", "How token losses become one number: " + ", ".join(AGGREGATIONS),
+                                 "grpo", choices=AGGREGATIONS)
+    scale_rewards: str = _opt("group", "Advantage scaling: group std, batch std, or none (Dr. GRPO).", "grpo",
+                              choices=REWARD_SCALES)
+    num_iterations: int = _opt(1, "Optimizer updates per rollout batch (mu); >1 reuses stored old log-probs.",
+                               "grpo")
+    mask_truncated_completions: bool = _opt(
+        False, "Exclude completions that hit --rollout_max_new_tokens from the loss.", "grpo")
+    rollout_is_correction: bool = _opt(
+        False, "Weight the loss by min(exp(trainer_old - rollout logprob), cap) (truncated IS).", "grpo")
+    rollout_is_cap: float = _opt(2.0, "Cap of the truncated importance-sampling weight.", "grpo")
+
+    # --- rollout engine ---------------------------------------------------------------------------
+    use_vllm_rollout: bool = _opt(False, "Generate rollouts with colocated vLLM (GPU, pip install .[vllm]).",
+                                  "rollout")
+    vllm_tp: int = _opt(1, "Tensor-parallel size of each vLLM engine; must divide the number of ranks.",
+                        "rollout")
+    vllm_gpu_memory_utilization: float = _opt(0.3, "Fraction of GPU memory vLLM may take.", "rollout")
+    vllm_sleep: bool = _opt(True, "Put vLLM to sleep (free KV cache) while DeepSpeed trains.", "rollout")
+
+    # --- eval, checkpoints, logging -------------------------------------------------------------
+    eval_steps: int = _opt(0, "Evaluate on the held-out split every N steps (0: only at the end).", "logging")
+    eval_max_prompts: int = _opt(64, "Held-out prompts used per evaluation.", "logging")
+    eval_greedy: bool = _opt(True, "Greedy decoding in eval (else sampled with --temperature).", "logging")
+    save_steps: int = _opt(50, "Save a checkpoint every N steps (0 disables).", "logging")
+    save_total_limit: int = _opt(2, "Checkpoints kept in output_dir (oldest removed first).", "logging")
+    logging_steps: int = _opt(1, "Print a metrics line every N steps (metrics.jsonl gets every step).", "logging")
+    log_to_file: bool = _opt(True, "Also write the console log to output_dir/train.log.", "logging")
+    use_wandb: bool = _opt(False, "Log metrics to Weights & Biases (WANDB_MODE=offline works).", "logging")
+    wandb_project: str = _opt("grpo", "W&B project name.", "logging")
+    wandb_run_name: Optional[str] = _opt(None, "W&B run name (default: output_dir's name).", "logging")
+
+    # --- distributed ------------------------------------------------------------------------------
+    deepspeed: str = _opt("configs/zero2.json",
+                          "DeepSpeed config file, or 'zero2' / 'zero3' for the shipped ones.", "distributed")
+    local_rank: int = _opt(-1, "Set by the deepspeed launcher; leave alone.", "distributed")
+
+    def __post_init__(self):
+        if isinstance(self.dataset_names, str):
+            self.dataset_names = [self.dataset_names]
+        self.dataset_names = [n for part in self.dataset_names for n in part.split(",") if n.strip()]
+        self.dataset_names = [n.strip() for n in self.dataset_names]
+        if self.clip_epsilon_high is None:
+            self.clip_epsilon_high = self.clip_epsilon_low
+        self.validate()
+
+    # ------------------------------------------------------------------------------------------------
+    def validate(self) -> None:
+        def need(cond: bool, flag: str, msg: str):
+            if not cond:
+                raise ConfigError(f"--{flag}: {msg}")
+
+        need(self.tuning_strategy in STRATEGIES, "tuning_strategy",
+             f"got '{self.tuning_strategy}', choose one of {', '.join(STRATEGIES)}")
+        need(self.loss_aggregation in AGGREGATIONS, "loss_aggregation",
+             f"got '{self.loss_aggregation}', choose one of {', '.join(AGGREGATIONS)}")
+        need(self.scale_rewards in REWARD_SCALES, "scale_rewards",
+             f"got '{self.scale_rewards}', choose one of {', '.join(REWARD_SCALES)}")
+        need(self.lr_scheduler_type in SCHEDULERS, "lr_scheduler_type",
+             f"got '{self.lr_scheduler_type}', choose one of {', '.join(SCHEDULERS)}")
+        need(self.k_samples >= 2, "k_samples",
+             f"must be at least 2 (got {self.k_samples}): group-relative advantages need a group to compare with")
+        if self.tuning_strategy in ("lora", "qlora") and not self.lora_adapter_path:
+            need(self.lora_rank > 0, "lora_rank", f"must be > 0 with --tuning_strategy {self.tuning_strategy}")
+            need(self.lora_alpha > 0, "lora_alpha", "must be > 0")
+        need(0.0 <= self.lora_dropout < 1.0, "lora_dropout", "must be in [0, 1)")
+        need(self.lora_adapter_path is None or self.tuning_strategy != "full", "lora_adapter_path",
+             "needs --tuning_strategy lora or qlora (an adapter cannot be continued with full fine-tuning)")
+        need(bool(self.dataset_names), "dataset_names", "give at least one registered dataset name")
+        need(0.0 < self.train_split_ratio <= 1.0, "train_split_ratio", "must be in (0, 1]")
+        need(self.max_prompt_length > 0, "max_prompt_length", "must be > 0")
+        need(self.rollout_max_new_tokens > 0, "rollout_max_new_tokens", "must be > 0")
+        need(self.max_seq_length >= self.max_prompt_length + self.rollout_max_new_tokens, "max_seq_length",
+             f"must be >= --max_prompt_length + --rollout_max_new_tokens "
+             f"({self.max_prompt_length} + {self.rollout_max_new_tokens}); got {self.max_seq_length}")
+        need(self.epochs >= 1, "epochs", "must be >= 1")
+        need(self.max_steps == -1 or self.max_steps > 0, "max_steps", "must be -1 (use --epochs) or > 0")
+        need(self.per_device_train_batch_size >= 1, "per_device_train_batch_size", "must be >= 1")
+        need(self.gradient_accumulation_steps >= 1, "gradient_accumulation_steps", "must be >= 1")
+        need(self.learning_rate > 0, "learning_rate", "must be > 0")
+        need(self.learning_rate_lora > 0, "learning_rate_lora", "must be > 0")
+        need(0.0 <= self.warmup_ratio < 1.0, "warmup_ratio", "must be in [0, 1)")
+        need(self.max_grad_norm >= 0, "max_grad_norm", "must be >= 0 (0 disables clipping)")
+        need(self.temperature > 0, "temperature", "must be > 0 (use --eval_greedy for greedy eval)")
+        need(0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]")
+        need(self.kl_beta >= 0, "kl_beta", "must be >= 0")
+        need(0.0 < self.clip_epsilon_low < 1.0, "clip_epsilon_low", "must be in (0, 1)")
+        need(self.clip_epsilon_high > 0, "clip_epsilon_high", "must be > 0")
+        need(self.num_iterations >= 1, "num_iterations", "must be >= 1")
+        need(self.rollout_is_cap >= 1.0, "rollout_is_cap", "must be >= 1")
+        need(self.vllm_tp >= 1, "vllm_tp", "must be >= 1")
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        need(world % self.vllm_tp == 0, "vllm_tp",
+             f"must divide the number of ranks (WORLD_SIZE={world}); got {self.vllm_tp}")
+        need(0.0 < self.vllm_gpu_memory_utilization < 1.0, "vllm_gpu_memory_utilization", "must be in (0, 1)")
+        need(self.save_steps >= 0, "save_steps", "must be >= 0")
+        need(self.save_total_limit >= 1, "save_total_limit", "must be >= 1")
+        need(self.eval_steps >= 0, "eval_steps", "must be >= 0")
+        need(self.logging_steps >= 1, "logging_steps", "must be >= 1")
+        need(self.eval_max_prompts >= 1, "eval_max_prompts", "must be >= 1")
+
+    # ------------------------------------------------------------------------------------------------
+    @property
+    def kl_coef(self) -> float:
+        """The beta actually applied (0 when the KL penalty is off)."""
+        return self.kl_beta if self.use_kl_penalty else 0.0
+
+    @property
+    def uses_lora(self) -> bool:
+        return self.tuning_strategy in ("lora", "qlora")
+
+    @property
+    def effective_learning_rate(self) -> float:
+        return self.learning_rate_lora if self.uses_lora else self.learning_rate
+
+    def to_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def save(self, path: str) -> None:
+        with open(path, "w") as fh:
+            json.dump(self.to_dict(), fh, indent=2)
+
+
+FLAG_GROUPS: dict[str, str] = {f.name: g for f, g in zip(fields(GRPOConfig), _groups_in_order)}
+
+
+def parse_args(argv: Optional[list[str]] = None) -> GRPOConfig:
+    """Parse CLI flags (and an optional ``--config file.json`` whose values act as defaults)."""
+    from transformers import HfArgumentParser
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = HfArgumentParser(GRPOConfig, description="GRPO fine-tuning with verifiable rewards.")
+    parser.add_argument("--config", default=None, help="JSON file of flag values; command-line flags win.")
+    config_path = _pop_config_flag(argv)
+    if config_path:
+        parser.set_defaults(**_read_config_json(config_path, {f.name for f in fields(GRPOConfig)}))
+    # the extra --config argument (already consumed above) comes back as a second, unused namespace
+    return parser.parse_args_into_dataclasses(args=argv)[0]
+
+
+def _pop_config_flag(argv: list[str]) -> Optional[str]:
+    for i, arg in enumerate(argv):
+        if arg == "--config":
+            if i + 1 >= len(argv):
+                raise ConfigError("--config: give a JSON file path")
+            path = argv[i + 1]
+            del argv[i:i + 2]
+            return path
+        if arg.startswith("--config="):
+            del argv[i]
+            return arg.split("=", 1)[1]
+    return None
+
+
+def _read_config_json(path: str, known: set[str]) -> dict:
+    if not os.path.isfile(path):
+        raise ConfigError(f"--config: file not found: {path}")
+    try:
+        with open(path) as fh:
+            values = json.load(fh)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"--config: {path} is not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})")
+    if not isinstance(values, dict):
+        raise ConfigError(f"--config: {path} must hold a JSON object of flag names to values")
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ConfigError(f"--config: {path} has unknown option(s) {', '.join(unknown)}; "
+                          f"see `python train_grpo.py --help` for the valid names")
+    return values

