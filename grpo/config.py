@@ -68,6 +68,9 @@ class GRPOConfig:
 
     # --- optimisation -----------------------------------------------------------------------------
     output_dir: str = _opt("outputs/grpo", "Where checkpoints, logs, plots and the final model go.", "training")
+    overwrite_output_dir: bool = _opt(
+        False, "Start afresh in an output_dir that holds checkpoints (they are deleted as new ones are saved).",
+        "training")
     resume_from_checkpoint: Optional[str] = _opt(
         None, "Checkpoint folder to continue from, or 'latest' for the newest in output_dir.", "training")
     epochs: int = _opt(1, "Passes over the training prompts (ignored when --max_steps > 0).", "training")

@@ -1,0 +1,68 @@
+"""Rollout tensors: prompts left-padded to a common width P, completions right-padded to width T.
+
+    input_ids        # [N, P+T]  prompt | completion, N = prompts x k_samples
+    attention_mask   # [N, P+T]
+    completion_mask  # [N, T]    1 on completion tokens that enter the loss
+Every completion starts at column P, so one forward with `logits_to_keep=T+1` yields exactly the logits
+that predict the completion tokens, and the prompt never enters the (large) logits tensor.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+from .rollout.base import Completion
+
+
+@dataclass
+class RolloutBatch:
+    input_ids: torch.Tensor          # [N, P+T] long
+    attention_mask: torch.Tensor     # [N, P+T] long
+    completion_ids: torch.Tensor     # [N, T] long
+    completion_mask: torch.Tensor    # [N, T] float
+    rollout_logprobs: torch.Tensor   # [N, T] float, from the rollout engine
+    truncated: torch.Tensor          # [N] bool, completion hit the length limit
+
+    @property
+    def completion_width(self) -> int:
+        return self.completion_ids.shape[1]
+
+    def rows(self, start: int, end: int) -> "RolloutBatch":
+        return RolloutBatch(**{f.name: getattr(self, f.name)[start:end] for f in fields(self)})
+
+    def to(self, device) -> "RolloutBatch":
+        return RolloutBatch(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+
+
+def build_rollout_batch(prompt_ids: list[list[int]], completions: list[Completion], pad_id: int,
+                        mask_truncated: bool = False) -> RolloutBatch:
+    """Pad prompts (left) and completions (right) into one batch; completion i belongs to its prompt_index."""
+    prompt_width = max(len(prompt_ids[c.prompt_index]) for c in completions)
+    comp_width = max(1, max(len(c.token_ids) for c in completions))
+    n = len(completions)
+    input_ids = torch.full((n, prompt_width + comp_width), pad_id, dtype=torch.long)
+    attention = torch.zeros((n, prompt_width + comp_width), dtype=torch.long)
+    comp_ids = torch.full((n, comp_width), pad_id, dtype=torch.long)
+    comp_mask = torch.zeros((n, comp_width), dtype=torch.float32)
+    rollout_lp = torch.zeros((n, comp_width), dtype=torch.float32)
+    truncated = torch.zeros(n, dtype=torch.bool)
+    for i, c in enumerate(completions):
+        p = prompt_ids[c.prompt_index]
+        input_ids[i, prompt_width - len(p):prompt_width] = torch.tensor(p)
+        attention[i, prompt_width - len(p):prompt_width] = 1
+        t = len(c.token_ids)
+        if t:
+            input_ids[i, prompt_width:prompt_width + t] = torch.tensor(c.token_ids)
+            attention[i, prompt_width:prompt_width + t] = 1
+            comp_ids[i, :t] = torch.tensor(c.token_ids)
+            rollout_lp[i, :t] = torch.tensor(c.logprobs, dtype=torch.float32)
+        truncated[i] = c.finish_reason == "length"
+        if not (mask_truncated and truncated[i]):
+            comp_mask[i, :t] = 1.0
+    return RolloutBatch(input_ids, attention, comp_ids, comp_mask, rollout_lp, truncated)
+
+
+def position_ids_for(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions that skip left padding, so a padded prompt sees the same positions as an unpadded one."""
+    return (attention_mask.cumsum(-1) - 1).clamp(min=0)

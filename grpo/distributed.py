@@ -1,0 +1,91 @@
+"""Process-group setup and small collective helpers.
+
+DeepSpeed is the only training path, also for a single process started without a launcher (a notebook):
+the environment variables a launcher would set get defaults here, so both share one code path.
+"""
+from __future__ import annotations
+
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed() -> None:
+    """Start the process group (nccl on GPU, gloo on CPU) once; fill launcher variables when absent."""
+    if dist.is_available() and dist.is_initialized():
+        return
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    import deepspeed
+
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank())
+    deepspeed.init_distributed(dist_backend=backend)
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def is_main() -> bool:
+    return rank() == 0
+
+
+def device() -> torch.device:
+    return torch.device("cuda", local_rank()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def barrier() -> None:
+    if world_size() > 1:
+        dist.barrier()
+
+
+def _reduce(values: torch.Tensor, op) -> torch.Tensor:
+    if world_size() > 1:
+        # gloo reduces CPU tensors, nccl GPU tensors
+        values = values.to(device())
+        dist.all_reduce(values, op=op)
+    return values.cpu()
+
+
+def all_sum(values: list[float]) -> list[float]:
+    """Element-wise sum of a list of floats over ranks (float64 so counts stay exact)."""
+    return _reduce(torch.tensor(values, dtype=torch.float64), dist.ReduceOp.SUM).tolist()
+
+
+def all_max(values: list[float]) -> list[float]:
+    return _reduce(torch.tensor(values, dtype=torch.float64), dist.ReduceOp.MAX).tolist()
+
+
+def any_rank(flag: bool) -> bool:
+    """True when the flag is set on any rank (all ranks must call it together)."""
+    return all_max([1.0 if flag else 0.0])[0] > 0
+
+
+def gather_objects(obj) -> list:
+    """Every rank's `obj`, in rank order, on every rank."""
+    if world_size() == 1:
+        return [obj]
+    out = [None] * world_size()
+    dist.all_gather_object(out, obj)
+    return out

@@ -1,0 +1,476 @@
+"""GRPOTrainer: one training step reads top to bottom as
+
+    rollout -> rewards -> advantages -> old/ref log-probs -> loss + DeepSpeed step -> weight sync -> log/eval/save
+
+Everything that is not wiring lives elsewhere: math in algorithm.py, data in data.py, rewards in rewards.py,
+models in models.py, engines in rollout/, weight sync in sync.py, checkpoints in checkpoint.py.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import random
+import signal
+import time
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+import torch
+
+from . import distributed as dist_utils
+from .algorithm import group_advantages, masked_mean, policy_loss
+from .batch import RolloutBatch, build_rollout_batch
+from .checkpoint import TrainerState, list_checkpoints, load_checkpoint, resolve_resume_path, save_checkpoint
+from .config import EMBEDDED_MODEL, GRPOConfig
+from .data import dataset_routes, load_dataset_registry, load_prompt_datasets, render_prompts
+from .ds_config import default_dtype, load_deepspeed_config, zero_stage
+from .embedded import resolve_model_path
+from .errors import ConfigError, TrainingError
+from .models import load_policy, load_reference, load_tokenizer, reference_mode, save_final_model
+from .plots import plot_training_curves
+from .reporting import RunReporter, read_metrics, setup_console_logging
+from .rewards import RewardRouter, load_reward_module
+from .rollout.base import SamplingSettings
+from .sampler import PromptOrder
+from .scoring import completion_logprobs
+
+logger = logging.getLogger("grpo")
+MAX_BAD_STEPS = 3
+
+
+class GRPOTrainer:
+    """GRPO on DeepSpeed. `GRPOTrainer(config=GRPOConfig(...), reward_funcs=[...]).train()`.
+
+    `reward_funcs` are extra batched reward callables `fn(completions, answers, **row) -> list[float]` applied to
+    every row with weight 1, on top of the rewards the dataset registry names.
+    """
+
+    def __init__(self, config: GRPOConfig, reward_funcs: Sequence[Callable] = ()):
+        self.config = config
+        dist_utils.init_distributed()
+        self.rank, self.world = dist_utils.rank(), dist_utils.world_size()
+        self.is_main = dist_utils.is_main()
+        os.makedirs(config.output_dir, exist_ok=True)
+        setup_console_logging(self.is_main, os.path.join(config.output_dir, "train.log")
+                              if config.log_to_file else None)
+        _seed_everything(config.seed + self.rank)
+        if config.use_vllm_rollout and not torch.cuda.is_available():
+            raise ConfigError("--use_vllm_rollout needs a GPU; drop the flag to use the HF engine on CPU")
+
+        # --- data and rewards first: their errors must come before any model loads -------------------
+        if config.reward_module:
+            load_reward_module(config.reward_module)
+        registry = load_dataset_registry(config.dataset_config_path)
+        train_rows, eval_rows = load_prompt_datasets(config.dataset_config_path, config.dataset_names,
+                                                     config.train_split_ratio, config.seed)
+        routes, reward_kwargs = dataset_routes(registry, config.dataset_names)
+        self.rewards = RewardRouter(routes, reward_kwargs, extra_funcs=reward_funcs)
+        self.model_path = resolve_model_path(config.model_name_or_path)
+        try:
+            self.tokenizer = load_tokenizer(self.model_path, config.trust_remote_code)
+        except OSError as exc:  # not a folder, and not reachable on the hub
+            raise ConfigError(f"--model_name_or_path: cannot load '{config.model_name_or_path}' ({exc}); give a "
+                              f"local model folder, a reachable hub id, or '{EMBEDDED_MODEL}'") from exc
+        self.train_set = render_prompts(train_rows, self.tokenizer, config.max_prompt_length)
+        self.eval_set = render_prompts(eval_rows, self.tokenizer, config.max_prompt_length) if len(eval_rows) else None
+        self.prompts_per_step = config.per_device_train_batch_size * config.gradient_accumulation_steps
+        self.order = PromptOrder(len(self.train_set), self.prompts_per_step, config.seed, self.rank, self.world)
+        if self.order.steps_per_epoch == 0:
+            raise ConfigError(
+                f"--per_device_train_batch_size: the training split has {len(self.train_set)} prompts, but one step "
+                f"needs {self.prompts_per_step} per rank x {self.world} ranks; lower the batch size or "
+                f"--gradient_accumulation_steps, or raise --train_split_ratio")
+        self.total_steps = config.max_steps if config.max_steps > 0 else config.epochs * self.order.steps_per_epoch
+
+        # --- models, DeepSpeed, rollout engine --------------------------------------------------------
+        self.device, self.dtype = dist_utils.device(), default_dtype()
+        self.ds_config = load_deepspeed_config(config, use_bf16=self.dtype == torch.bfloat16)
+        self.zero3 = zero_stage(self.ds_config) == 3
+        policy = load_policy(config, self.model_path, self.dtype, self.device)
+        self.reference = load_reference(config, self.model_path, self.dtype, self.device)
+        self.engine = self._init_deepspeed(policy)
+        self.rollout_engine = self._init_rollout_engine()
+        self.state = TrainerState()
+        if not config.resume_from_checkpoint and list_checkpoints(config.output_dir) and \
+                not config.overwrite_output_dir:
+            raise ConfigError(f"--output_dir {config.output_dir} holds checkpoints of an earlier run; continue it with "
+                              f"--resume_from_checkpoint latest, or start over with --overwrite_output_dir")
+        if config.resume_from_checkpoint:
+            path = resolve_resume_path(config.resume_from_checkpoint, config.output_dir)
+            self.state = load_checkpoint(self.engine, path, frozen_excluded=config.uses_lora)
+            logger.info(f"resumed from {path} at step {self.state.step}")
+        if self.is_main:
+            config.save(os.path.join(config.output_dir, "grpo_config.json"))
+        self._stop_signal: Optional[int] = None
+
+    # ================================================================================================
+    def train(self) -> dict:
+        """Run until max_steps / epochs; returns the final metrics (and paths of what was saved)."""
+        cfg = self.config
+        reporter = RunReporter(cfg, self.is_main, self.total_steps, start_step=self.state.step)
+        logger.info(f"training {cfg.tuning_strategy} on {', '.join(cfg.dataset_names)}: {len(self.train_set)} "
+                    f"prompts, {self.world} rank(s), {self.total_steps} steps of {self.prompts_per_step} prompts "
+                    f"x {cfg.k_samples} samples per rank")
+        previous_handlers = self._install_signal_handlers()
+        self._sync_rollout_weights(first=True)
+        metrics: dict = {}
+        try:
+            while self.state.step < self.total_steps:
+                step_start = time.perf_counter()
+                prompts = self._next_prompts()
+                batch, completions_text, times = self._generate_rollouts(prompts)
+                rewards, reward_metrics, times["reward"] = self._score_rewards(prompts, completions_text)
+                advantages = group_advantages(rewards, cfg.k_samples, scale=cfg.scale_rewards)  # [N]
+                old_logprobs, ref_logprobs, times["logprobs"] = self._old_and_reference_logprobs(batch)
+                train_metrics, times["train"] = self._optimize(batch, advantages, old_logprobs, ref_logprobs)
+                times["sync"] = self._sync_rollout_weights()
+                self.state.step += 1
+                times["step"] = time.perf_counter() - step_start
+
+                metrics = self._step_metrics(batch, rewards, advantages, reward_metrics, train_metrics, times)
+                reporter.log_step(self.state.step, metrics)
+                self._log_completions(prompts, completions_text, rewards)
+                if cfg.eval_steps and self.state.step % cfg.eval_steps == 0:
+                    self.evaluate(reporter)
+                stop = dist_utils.any_rank(self._stop_signal is not None)
+                if stop or (cfg.save_steps and self.state.step % cfg.save_steps == 0):
+                    self._save_checkpoint()
+                if stop:
+                    raise TrainingError(f"stopped by signal at step {self.state.step}; checkpoint saved to "
+                                        f"{self.state.last_checkpoint}; continue with "
+                                        f"--resume_from_checkpoint latest")
+            if self.eval_set is not None and not (cfg.eval_steps and self.state.step % cfg.eval_steps == 0):
+                self.evaluate(reporter)
+            saved = self._save_final_model()
+        finally:
+            self._restore_signal_handlers(previous_handlers)
+            reporter.close()
+            self._plot()
+        return {**metrics, "saved": saved}
+
+    # ---------------------------------------------------------------------------------------- phases
+    def _next_prompts(self) -> list[dict]:
+        """This rank's prompts for the step (different on every rank), advancing the resumable position."""
+        indices, self.state.epoch, self.state.position = self.order.next(self.state.epoch, self.state.position)
+        rows = self.train_set.select(indices)
+        return [dict(row, index=i) for row, i in zip(rows, indices)]
+
+    def _generate_rollouts(self, prompts: list[dict]) -> tuple[RolloutBatch, list[str], dict]:
+        cfg = self.config
+        start = time.perf_counter()
+        self.rollout_engine.wake()
+        sampling = SamplingSettings(n=cfg.k_samples, max_new_tokens=cfg.rollout_max_new_tokens,
+                                    temperature=cfg.temperature, top_p=cfg.top_p)
+        completions = self.rollout_engine.generate([p["prompt_ids"] for p in prompts], sampling)
+        self.rollout_engine.sleep()
+        batch = build_rollout_batch([p["prompt_ids"] for p in prompts], completions, self.tokenizer.pad_token_id,
+                                    mask_truncated=cfg.mask_truncated_completions)
+        texts = self.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
+        seconds = time.perf_counter() - start
+        tokens = sum(len(c.token_ids) for c in completions)
+        return batch, texts, {"rollout": seconds, "_rollout_tokens": tokens}
+
+    def _score_rewards(self, prompts: list[dict], completions: list[str]) -> tuple[torch.Tensor, dict, float]:
+        start = time.perf_counter()
+        k = self.config.k_samples
+        per_completion = [p for p in prompts for _ in range(k)]  # completions are grouped by prompt
+        result = self.rewards(completions, [p["answer"] for p in per_completion],
+                              [p["data_source"] for p in per_completion],
+                              prompts=[p["prompt_text"] for p in per_completion])
+        rewards = torch.tensor(result.total, dtype=torch.float32)  # [N]
+        return rewards, {f"rewards/{name}": value for name, value in result.means().items()}, \
+            time.perf_counter() - start
+
+    @torch.no_grad()
+    def _old_and_reference_logprobs(self, batch: RolloutBatch):
+        """Old-policy log-probs (needed when one rollout feeds several updates) and reference log-probs (KL)."""
+        cfg = self.config
+        start = time.perf_counter()
+        need_old = cfg.num_iterations > 1
+        need_ref = cfg.kl_coef > 0
+        old, ref = [], []
+        if need_old or need_ref:
+            for mb in self._micro_batches(batch):
+                if need_old:
+                    old.append(completion_logprobs(self.engine, mb, cfg.temperature)[0].float())
+                if need_ref:
+                    ref.append(self._reference_logprobs(mb))
+        seconds = time.perf_counter() - start
+        return (torch.cat(old) if old else None), (torch.cat(ref) if ref else None), seconds
+
+    def _optimize(self, batch: RolloutBatch, advantages: torch.Tensor, old_logprobs, ref_logprobs):
+        """num_iterations passes over the rollout; each pass is one optimizer step over all micro-batches."""
+        cfg = self.config
+        start = time.perf_counter()
+        sums: dict[str, float] = {}
+        count = 0
+        mismatch = {"rollout/logprob_diff_mean": [], "rollout/logprob_diff_max": []}
+        for iteration in range(cfg.num_iterations):
+            bad = False
+            for lo, hi, mb in self._micro_batch_slices(batch):
+                mb_adv = advantages[lo:hi].to(self.device)
+                logprobs, entropy = completion_logprobs(self.engine, mb, cfg.temperature, with_entropy=True)
+                logprobs = logprobs.float()
+                mb_old = old_logprobs[lo:hi].to(self.device) if old_logprobs is not None else logprobs.detach()
+                mb_ref = ref_logprobs[lo:hi].to(self.device) if ref_logprobs is not None else None
+                if iteration == 0:
+                    diff = ((mb_old - mb.rollout_logprobs).abs() * mb.completion_mask)
+                    if mb.completion_mask.sum() > 0:
+                        mismatch["rollout/logprob_diff_mean"].append(
+                            (diff.sum() / mb.completion_mask.sum()).item())
+                        mismatch["rollout/logprob_diff_max"].append(diff.max().item())
+                is_weights = None
+                if cfg.rollout_is_correction:
+                    # truncated importance sampling: the rollout engine sampled from a slightly different policy
+                    is_weights = torch.exp(mb_old - mb.rollout_logprobs).clamp(max=cfg.rollout_is_cap)
+                loss, m = policy_loss(logprobs, mb_old, mb_adv, mb.completion_mask, ref_logprobs=mb_ref,
+                                      beta=cfg.kl_coef, eps_low=cfg.clip_epsilon_low, eps_high=cfg.clip_epsilon_high,
+                                      aggregation=cfg.loss_aggregation,
+                                      max_completion_length=cfg.rollout_max_new_tokens, is_weights=is_weights)
+                if dist_utils.any_rank(not torch.isfinite(loss).item()):
+                    bad = True
+                    # keep DeepSpeed's micro-step count in sync with a zero loss; the update is cancelled below
+                    loss = sum((p.sum() * 0.0 for p in self.engine.module.parameters() if p.requires_grad),
+                               torch.zeros((), device=self.device))
+                else:
+                    m["loss"] = loss.item()
+                    m["entropy"] = masked_mean(entropy, mb.completion_mask).item()
+                    for key, value in m.items():
+                        sums[key] = sums.get(key, 0.0) + float(value)
+                    count += 1
+                self.engine.backward(loss)
+                if hi == len(batch.input_ids) and bad:
+                    self._cancel_update()
+                self.engine.step()
+            grad_norm = self._grad_norm()
+            if bad or not math.isfinite(grad_norm):
+                self._record_bad_step("non-finite loss" if bad else f"non-finite gradient norm ({grad_norm})")
+            else:
+                self.state.consecutive_bad_steps = 0
+        out = {key: value / max(count, 1) for key, value in sums.items()}
+        out.update({k: (max(v) if k.endswith("max") else sum(v) / len(v)) for k, v in mismatch.items() if v})
+        out["grad_norm"] = self._grad_norm()
+        out["lr"] = self.engine.get_lr()[0]
+        return out, time.perf_counter() - start
+
+    def _sync_rollout_weights(self, first: bool = False) -> float:
+        """Push the updated policy into the rollout engine (vLLM); the HF engine samples the live model."""
+        if not self.config.use_vllm_rollout:
+            return 0.0
+        from .sync import sync_weights
+
+        stats = sync_weights(self.rollout_engine, self.engine.module, self.config.tuning_strategy,
+                             zero3=self.zero3, first_sync=first)
+        self._last_sync = stats
+        return stats.seconds
+
+    # ------------------------------------------------------------------------------------------- eval
+    @torch.no_grad()
+    def evaluate(self, reporter: Optional[RunReporter] = None) -> dict:
+        """Mean reward and per-function accuracy on held-out prompts (sharded over ranks), plus sample rows."""
+        cfg = self.config
+        if self.eval_set is None:
+            return {}
+        count = min(cfg.eval_max_prompts, len(self.eval_set))
+        mine = list(range(self.rank, count, self.world))
+        rows = [self.eval_set[i] for i in mine]
+        samples = []
+        if rows:
+            self.rollout_engine.wake()
+            sampling = SamplingSettings(n=1, max_new_tokens=cfg.rollout_max_new_tokens,
+                                        temperature=cfg.temperature, top_p=cfg.top_p, greedy=cfg.eval_greedy)
+            completions = self.rollout_engine.generate([r["prompt_ids"] for r in rows], sampling)
+            self.rollout_engine.sleep()
+            texts = self.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
+            result = self.rewards(texts, [r["answer"] for r in rows], [r["data_source"] for r in rows],
+                                  prompts=[r["prompt_text"] for r in rows])
+            for i, (row, text, comp) in enumerate(zip(rows, texts, completions)):
+                samples.append({"data_source": row["data_source"], "prompt": row["prompt_text"], "completion": text,
+                                "answer": row["answer"], "reward": result.total[i], "length": len(comp.token_ids),
+                                **{f"rewards/{k}": v[i] for k, v in result.per_function.items()}})
+        all_samples = [s for part in dist_utils.gather_objects(samples) for s in part]
+        metrics = {"eval/reward/mean": float(np.mean([s["reward"] for s in all_samples]))}
+        for key in sorted({k for s in all_samples for k in s if k.startswith("rewards/")}):
+            values = [s[key] for s in all_samples if s.get(key) is not None]
+            if values:
+                metrics[f"eval/{key}"] = float(np.mean(values))
+        metrics["eval/completion/length_mean"] = float(np.mean([s["length"] for s in all_samples]))
+        if reporter is not None:
+            reporter.log_eval(self.state.step, metrics, all_samples)
+            self._plot()
+        return metrics
+
+    # -------------------------------------------------------------------------------------- internals
+    def _init_deepspeed(self, policy):
+        import deepspeed
+
+        trainable = [p for p in policy.parameters() if p.requires_grad]
+        if not trainable:
+            raise ConfigError("the model has no trainable parameters; check --tuning_strategy and "
+                              "--lora_target_modules")
+        optimizer = None
+        if "optimizer" not in self.ds_config:
+            optimizer = torch.optim.AdamW(trainable, lr=self.config.effective_learning_rate,
+                                          weight_decay=self.config.weight_decay)
+        scheduler = _lr_schedule(optimizer, self.config, self.total_steps * self.config.num_iterations) \
+            if optimizer is not None else None
+        engine, _, _, _ = deepspeed.initialize(model=policy, model_parameters=trainable, optimizer=optimizer,
+                                               lr_scheduler=scheduler, config=self.ds_config)
+        return engine
+
+    def _init_rollout_engine(self):
+        cfg = self.config
+        if cfg.use_vllm_rollout:
+            from .rollout.vllm import VLLMRolloutEngine
+
+            return VLLMRolloutEngine(self.model_path, tensor_parallel_size=cfg.vllm_tp,
+                                     gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
+                                     max_model_len=cfg.max_seq_length, seed=cfg.seed + self.rank,
+                                     enable_sleep=cfg.vllm_sleep)
+        from .rollout.hf import HFRolloutEngine
+
+        return HFRolloutEngine(self.engine.module, self.tokenizer)
+
+    def _micro_batch_slices(self, batch: RolloutBatch):
+        rows = self.config.per_device_train_batch_size * self.config.k_samples
+        for lo in range(0, len(batch.input_ids), rows):
+            hi = min(lo + rows, len(batch.input_ids))
+            yield lo, hi, batch.rows(lo, hi).to(self.device)
+
+    def _micro_batches(self, batch: RolloutBatch):
+        for _, _, mb in self._micro_batch_slices(batch):
+            yield mb
+
+    def _reference_logprobs(self, mb: RolloutBatch) -> torch.Tensor:
+        if self.reference is not None:  # full fine-tuning: a frozen copy of the base model
+            return completion_logprobs(self.reference, mb, self.config.temperature)[0].float()
+        with reference_mode(self.engine.module):  # lora / qlora: the same weights, adapter off
+            return completion_logprobs(self.engine, mb, self.config.temperature)[0].float()
+
+    def _cancel_update(self) -> None:
+        """Make the coming optimizer step a no-op (lr 0); the scheduler sets the next lr afterwards."""
+        for group in self.engine.optimizer.param_groups:
+            group["lr"] = 0.0
+
+    def _grad_norm(self) -> float:
+        norm = self.engine.get_global_grad_norm()
+        return float(norm) if norm is not None else 0.0
+
+    def _record_bad_step(self, why: str) -> None:
+        self.state.consecutive_bad_steps += 1
+        logger.warning(f"step {self.state.step + 1}: {why}; update skipped "
+                       f"({self.state.consecutive_bad_steps}/{MAX_BAD_STEPS} in a row)")
+        if self.state.consecutive_bad_steps >= MAX_BAD_STEPS:
+            last = self.state.last_checkpoint or (list_checkpoints(self.config.output_dir) or [(0, None)])[-1][1]
+            raise TrainingError(
+                f"{MAX_BAD_STEPS} steps in a row had a non-finite loss or gradient ({why}). "
+                + (f"The last good checkpoint is {last}; resume from it with a lower --learning_rate"
+                   f"{'_lora' if self.config.uses_lora else ''} or --max_grad_norm."
+                   if last else "No checkpoint was saved yet; lower the learning rate and start again."))
+
+    def _step_metrics(self, batch, rewards, advantages, reward_metrics, train_metrics, times) -> dict:
+        k = self.config.k_samples
+        grouped = rewards.view(-1, k)
+        lengths = batch.attention_mask[:, -batch.completion_width:].sum(1).float()  # [N] completion tokens
+        local = {
+            "reward/mean": rewards.mean().item(),
+            "reward/std": rewards.std().item() if len(rewards) > 1 else 0.0,
+            "reward/zero_std_group_frac": (grouped.std(dim=1) < 1e-6).float().mean().item(),
+            "advantage/abs_mean": advantages.abs().mean().item(),
+            "completion/length_mean": lengths.mean().item(),
+            "completion/length_max": lengths.max().item(),
+            "completion/truncated_frac": batch.truncated.float().mean().item(),
+            **reward_metrics, **train_metrics,
+            **{f"time/{k_}": v for k_, v in times.items() if not k_.startswith("_")},
+            "throughput/rollout_tokens_per_s": times["_rollout_tokens"] / max(times["rollout"], 1e-9),
+        }
+        if getattr(self, "_last_sync", None) is not None and self.config.use_vllm_rollout:
+            local["sync/bytes"] = float(self._last_sync.bytes)
+        return _mean_over_ranks(local)
+
+    def _log_completions(self, prompts, texts, rewards) -> None:
+        """One rollout sample per prompt and rank each step, for reading what the model writes."""
+        path = os.path.join(self.config.output_dir, "completions", f"rank{self.rank}.jsonl")
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        k = self.config.k_samples
+        with open(path, "a") as fh:
+            for i, p in enumerate(prompts):
+                fh.write(json.dumps({"step": self.state.step, "index": p["index"], "data_source": p["data_source"],
+                                     "prompt": p["prompt_text"], "completion": texts[i * k],
+                                     "reward": rewards[i * k].item(), "answer": p["answer"]}) + "\n")
+
+    def _save_checkpoint(self) -> None:
+        path = save_checkpoint(self.engine, self.state, self.config.output_dir, self.config.save_total_limit,
+                               frozen_excluded=self.config.uses_lora)
+        logger.info(f"checkpoint saved: {path}")
+
+    def _save_final_model(self) -> dict:
+        state_dict = self.engine._zero3_consolidated_16bit_state_dict() if self.zero3 else None
+        saved = {}
+        if self.is_main:
+            saved = save_final_model(self.engine.module, self.tokenizer, self.config.output_dir, self.config,
+                                     self.model_path, self.dtype, state_dict=state_dict)
+            logger.info("final model saved: " + ", ".join(saved.values()))
+        dist_utils.barrier()
+        return saved
+
+    def _plot(self) -> None:
+        if self.is_main:
+            rows = read_metrics(os.path.join(self.config.output_dir, "metrics.jsonl"))
+            if rows:
+                plot_training_curves(rows, os.path.join(self.config.output_dir, "training_curves.png"))
+
+    def _install_signal_handlers(self) -> dict:
+        def request_stop(signum, _frame):
+            if self._stop_signal is not None:  # a second signal: stop now
+                raise KeyboardInterrupt
+            self._stop_signal = signum
+            logger.warning(f"signal {signum}: saving a checkpoint after this step, then stopping")
+
+        previous = {}
+        try:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                previous[sig] = signal.signal(sig, request_stop)
+        except ValueError:  # not the main thread (e.g. some notebook runners): no graceful stop
+            pass
+        return previous
+
+    def _restore_signal_handlers(self, previous: dict) -> None:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _mean_over_ranks(local: dict) -> dict:
+    """Average each metric over the ranks that have it (max for *_max keys)."""
+    parts = dist_utils.gather_objects(local)
+    out = {}
+    for key in sorted({k for p in parts for k in p}):
+        values = [p[key] for p in parts if key in p and p[key] is not None and not math.isnan(p[key])]
+        if values:
+            out[key] = max(values) if key.endswith("_max") else sum(values) / len(values)
+    return out
+
+
+def _lr_schedule(optimizer, config: GRPOConfig, total_updates: int):
+    """Linear warmup over warmup_ratio of the updates, then constant / linear decay / cosine decay."""
+    warmup = math.ceil(config.warmup_ratio * total_updates)
+
+    def factor(update: int) -> float:
+        if update < warmup:
+            return (update + 1) / (warmup + 1)
+        progress = (update - warmup) / max(1, total_updates - warmup)
+        if config.lr_scheduler_type == "linear":
+            return max(0.0, 1.0 - progress)
+        if config.lr_scheduler_type == "cosine":
+            return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
+        return 1.0
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)

@@ -1,0 +1,26 @@
+#!/usr/bin/env python
+"""GRPO fine-tuning from the command line.
+
+    python train_grpo.py --help
+    deepspeed --num_gpus 8 train_grpo.py --tuning_strategy qlora --model_name_or_path ... --dataset_names gsm8k
+"""
+import sys
+
+
+def main(argv=None) -> int:
+    from grpo.config import parse_args
+    from grpo.errors import GRPOError
+
+    try:
+        config = parse_args(argv)
+        from grpo.trainer import GRPOTrainer
+
+        GRPOTrainer(config).train()
+    except GRPOError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
