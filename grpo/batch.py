@@ -25,6 +25,12 @@ class RolloutBatch:
     truncated: torch.Tensor          # [N] bool, completion hit the length limit
 
     @property
+    def completion_id_lists(self) -> list[list[int]]:
+        """Each completion's token ids without padding (the ids the rollout engine returned)."""
+        lengths = self.attention_mask[:, -self.completion_width:].sum(1).tolist()
+        return [row[:n] for row, n in zip(self.completion_ids.tolist(), lengths)]
+
+    @property
     def completion_width(self) -> int:
         return self.completion_ids.shape[1]
 

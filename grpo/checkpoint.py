@@ -35,6 +35,7 @@ class TrainerState:
     position: int = 0            # prompts of this epoch already consumed (per rank)
     consecutive_bad_steps: int = 0
     last_checkpoint: Optional[str] = None
+    last_good_checkpoint: Optional[str] = None  # newest one saved outside a streak of non-finite steps
     best_eval_reward: Optional[float] = None
     extra: dict = field(default_factory=dict)
 
@@ -67,8 +68,14 @@ def resolve_resume_path(resume: str, output_dir: str) -> str:
 
 
 def save_checkpoint(engine, state: TrainerState, output_dir: str, keep: int, frozen_excluded: bool) -> str:
-    """Write checkpoint-<step> atomically on every rank; returns its path. Collective: all ranks call it."""
+    """Write checkpoint-<step> atomically on every rank; returns its path. Collective: all ranks call it.
+
+    Rotation keeps the newest `keep` checkpoints and, besides them, the last good one.
+    """
     final = os.path.join(output_dir, f"checkpoint-{state.step}")
+    state.last_checkpoint = final
+    if state.consecutive_bad_steps == 0:
+        state.last_good_checkpoint = final
     tmp = final + ".tmp"
     if dist_utils.is_main():
         shutil.rmtree(tmp, ignore_errors=True)
@@ -79,14 +86,12 @@ def save_checkpoint(engine, state: TrainerState, output_dir: str, keep: int, fro
     torch.save(_rng_state(), os.path.join(tmp, f"rng_rank{dist_utils.rank()}.pt"))
     dist_utils.barrier()
     if dist_utils.is_main():
-        state.last_checkpoint = final
         with open(os.path.join(tmp, STATE_FILE), "w") as fh:
             json.dump(asdict(state), fh, indent=2)
         if os.path.isdir(final):
             shutil.rmtree(final)
         os.replace(tmp, final)
-        _rotate(output_dir, keep)
-    state.last_checkpoint = final
+        _rotate(output_dir, keep, protect=state.last_good_checkpoint)
     dist_utils.barrier()
     return final
 
@@ -105,9 +110,10 @@ def load_checkpoint(engine, path: str, frozen_excluded: bool) -> TrainerState:
     return state
 
 
-def _rotate(output_dir: str, keep: int) -> None:
+def _rotate(output_dir: str, keep: int, protect: Optional[str]) -> None:
     for _, path in list_checkpoints(output_dir)[:-keep]:
-        shutil.rmtree(path, ignore_errors=True)
+        if protect is None or os.path.abspath(path) != os.path.abspath(protect):
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def _rng_state() -> dict:

@@ -121,7 +121,8 @@ class GRPOTrainer:
                 step_start = time.perf_counter()
                 prompts = self._next_prompts()
                 batch, completions_text, times = self._generate_rollouts(prompts)
-                rewards, reward_metrics, times["reward"] = self._score_rewards(prompts, completions_text)
+                rewards, reward_metrics, times["reward"] = self._score_rewards(prompts, completions_text,
+                                                                               batch.completion_id_lists)
                 advantages = group_advantages(rewards, cfg.k_samples, scale=cfg.scale_rewards)  # [N]
                 old_logprobs, ref_logprobs, times["logprobs"] = self._old_and_reference_logprobs(batch)
                 train_metrics, times["train"] = self._optimize(batch, advantages, old_logprobs, ref_logprobs)
@@ -172,13 +173,14 @@ class GRPOTrainer:
         tokens = sum(len(c.token_ids) for c in completions)
         return batch, texts, {"rollout": seconds, "_rollout_tokens": tokens}
 
-    def _score_rewards(self, prompts: list[dict], completions: list[str]) -> tuple[torch.Tensor, dict, float]:
+    def _score_rewards(self, prompts: list[dict], completions: list[str],
+                       completion_ids: list[list[int]]) -> tuple[torch.Tensor, dict, float]:
         start = time.perf_counter()
         k = self.config.k_samples
         per_completion = [p for p in prompts for _ in range(k)]  # completions are grouped by prompt
         result = self.rewards(completions, [p["answer"] for p in per_completion],
                               [p["data_source"] for p in per_completion],
-                              prompts=[p["prompt_text"] for p in per_completion])
+                              prompts=[p["prompt_text"] for p in per_completion], completion_ids=completion_ids)
         rewards = torch.tensor(result.total, dtype=torch.float32)  # [N]
         return rewards, {f"rewards/{name}": value for name, value in result.means().items()}, \
             time.perf_counter() - start
@@ -363,12 +365,13 @@ class GRPOTrainer:
         logger.warning(f"step {self.state.step + 1}: {why}; update skipped "
                        f"({self.state.consecutive_bad_steps}/{MAX_BAD_STEPS} in a row)")
         if self.state.consecutive_bad_steps >= MAX_BAD_STEPS:
-            last = self.state.last_checkpoint or (list_checkpoints(self.config.output_dir) or [(0, None)])[-1][1]
+            last = self.state.last_good_checkpoint
+            lr_flag = "--learning_rate_lora" if self.config.uses_lora else "--learning_rate"
             raise TrainingError(
                 f"{MAX_BAD_STEPS} steps in a row had a non-finite loss or gradient ({why}). "
-                + (f"The last good checkpoint is {last}; resume from it with a lower --learning_rate"
-                   f"{'_lora' if self.config.uses_lora else ''} or --max_grad_norm."
-                   if last else "No checkpoint was saved yet; lower the learning rate and start again."))
+                + (f"The last good checkpoint is {last}; resume from it (--resume_from_checkpoint {last}) with a "
+                   f"lower {lr_flag} or --max_grad_norm." if last else
+                   f"No checkpoint was saved before; start again with a lower {lr_flag} or --max_grad_norm."))
 
     def _step_metrics(self, batch, rewards, advantages, reward_metrics, train_metrics, times) -> dict:
         k = self.config.k_samples

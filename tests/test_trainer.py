@@ -1,0 +1,161 @@
+"""End to end on CPU with a tiny random model: it learns, resumes exactly, skips bad steps, saves what it should."""
+import json
+import os
+import signal
+
+import pytest
+import torch
+
+from grpo.checkpoint import list_checkpoints
+from grpo.errors import TrainingError
+from grpo.reporting import read_metrics
+from grpo.trainer import GRPOTrainer
+
+from .tiny_models import make_tiny_model_dir
+from .trainer_setup import tiny_config, write_prompt_registry
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    return make_tiny_model_dir(str(tmp_path_factory.mktemp("tiny_model")))
+
+
+@pytest.fixture(scope="module")
+def registry(tmp_path_factory):
+    return write_prompt_registry(str(tmp_path_factory.mktemp("data")))
+
+
+def target_token_reward(target_id):
+    """Pays the fraction of completion tokens that are `target_id`: a signal any policy can learn."""
+    def emits_target(completions, answers, completion_ids, **row):
+        return [sum(t == target_id for t in ids) / max(len(ids), 1) for ids in completion_ids]
+    return emits_target
+
+
+def pick_target(model_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    return tok.convert_tokens_to_ids(tok.tokenize("7")[0])
+
+
+@pytest.mark.parametrize("strategy", ["full", "lora", "qlora"])
+def test_it_learns(strategy, tiny_model, registry, tmp_path):
+    target = pick_target(tiny_model)
+    steps = 30
+    config = tiny_config(tiny_model, registry, str(tmp_path / strategy), tuning_strategy=strategy, max_steps=steps,
+                         per_device_train_batch_size=4, k_samples=8, temperature=1.0,
+                         learning_rate=3e-3, learning_rate_lora=3e-2, lora_rank=8, lora_alpha=16)
+    GRPOTrainer(config, reward_funcs=[target_token_reward(target)]).train()
+    rows = [r for r in read_metrics(str(tmp_path / strategy / "metrics.jsonl")) if "rewards/emits_target" in r]
+    first = sum(r["rewards/emits_target"] for r in rows[:5]) / 5
+    last = sum(r["rewards/emits_target"] for r in rows[-5:]) / 5
+    assert len(rows) == steps
+    assert last >= 3 * first and last > first + 0.05, (first, last)
+
+
+def test_notebook_run_writes_every_output(tiny_model, registry, tmp_path):
+    out = tmp_path / "run"
+    config = tiny_config(tiny_model, registry, str(out), max_steps=2, save_steps=1, save_total_limit=1,
+                         eval_steps=1, save_merged_model=True)
+    result = GRPOTrainer(config).train()
+    assert os.path.isfile(result["saved"]["lora_adapter"] + "/adapter_config.json")
+    rows = read_metrics(str(out / "metrics.jsonl"))
+    train_rows = [r for r in rows if "loss" in r]
+    assert [r["step"] for r in train_rows] == [1, 2]
+    for key in ["reward/mean", "reward/std", "reward/zero_std_group_frac", "rewards/boxed_accuracy", "loss", "kl",
+                "clip_frac_low", "clip_frac_high", "entropy", "completion/length_mean", "completion/truncated_frac",
+                "lr", "grad_norm", "time/rollout", "time/reward", "time/logprobs", "time/train", "time/sync",
+                "throughput/rollout_tokens_per_s", "rollout/logprob_diff_mean", "rollout/logprob_diff_max"]:
+        assert key in train_rows[0], key
+    # the HF engine samples from the trained model itself, in fp32: rollout and trainer log-probs agree
+    assert train_rows[0]["rollout/logprob_diff_max"] < 1e-3
+    assert any("eval/reward/mean" in r for r in rows)
+    assert os.path.isfile(out / "eval" / "samples_step2.jsonl")
+    assert os.path.isfile(out / "training_curves.png") and os.path.getsize(out / "training_curves.png") > 10_000
+    assert os.path.isfile(out / "train.log") and "step 2" in (out / "train.log").read_text()
+    assert [step for step, _ in list_checkpoints(str(out))] == [2]  # save_total_limit=1 removed checkpoint-1
+    assert os.path.isdir(out / "merged_model")
+    sample = json.loads((out / "completions" / "rank0.jsonl").read_text().splitlines()[0])
+    assert {"prompt", "completion", "reward", "index"} <= set(sample)
+
+
+def final_weights(trainer):
+    return {n: p.detach().clone() for n, p in trainer.engine.module.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize("strategy", ["full", "lora"])
+def test_resume_is_exact(strategy, tiny_model, registry, tmp_path):
+    common = dict(tuning_strategy=strategy, max_steps=4, save_steps=2, lora_dropout=0.1)
+    straight = GRPOTrainer(tiny_config(tiny_model, registry, str(tmp_path / "a"), **common))
+    straight.train()
+    expected = final_weights(straight)
+
+    first_half = GRPOTrainer(tiny_config(tiny_model, registry, str(tmp_path / "b"), **{**common, "max_steps": 2}))
+    first_half.train()
+    resumed = GRPOTrainer(tiny_config(tiny_model, registry, str(tmp_path / "b"), resume_from_checkpoint="latest",
+                                      **common))
+    assert resumed.state.step == 2
+    resumed.train()
+    got = final_weights(resumed)
+    assert expected.keys() == got.keys()
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=0, atol=1e-6, msg=name)
+    rows_a = [r for r in read_metrics(str(tmp_path / "a" / "metrics.jsonl")) if "loss" in r]
+    rows_b = [r for r in read_metrics(str(tmp_path / "b" / "metrics.jsonl")) if "loss" in r]
+    assert [r["reward/mean"] for r in rows_a] == [r["reward/mean"] for r in rows_b]
+
+
+def test_fresh_run_refuses_a_folder_with_checkpoints(tiny_model, registry, tmp_path):
+    GRPOTrainer(tiny_config(tiny_model, registry, str(tmp_path), max_steps=1, save_steps=1)).train()
+    with pytest.raises(Exception, match="resume_from_checkpoint latest"):
+        GRPOTrainer(tiny_config(tiny_model, registry, str(tmp_path), max_steps=1))
+
+
+def test_non_finite_loss_skips_then_stops(tiny_model, registry, tmp_path, monkeypatch):
+    import grpo.trainer as trainer_module
+
+    real_loss = trainer_module.policy_loss
+    calls = {"n": 0}
+
+    def nan_after_first_step(*args, **kwargs):
+        calls["n"] += 1
+        loss, metrics = real_loss(*args, **kwargs)
+        return (loss * float("nan") if calls["n"] > 1 else loss), metrics
+
+    monkeypatch.setattr(trainer_module, "policy_loss", nan_after_first_step)
+    trainer = GRPOTrainer(tiny_config(tiny_model, registry, str(tmp_path), tuning_strategy="full", max_steps=6,
+                                      save_steps=1, save_total_limit=1))
+    after_first_step = {}
+
+    def remember_weights(*args, **kwargs):
+        if not after_first_step and trainer.state.step == 1:
+            after_first_step.update(final_weights(trainer))
+        return real_save(*args, **kwargs)
+
+    real_save = trainer._save_checkpoint
+    trainer._save_checkpoint = remember_weights
+    # step 1 is fine; steps 2, 3, 4 are non-finite: skipped, and the third stops the run
+    with pytest.raises(TrainingError, match="last good checkpoint is .*checkpoint-1"):
+        trainer.train()
+    assert trainer.state.step == 3
+    # skipped updates left the weights as they were after step 1; checkpoint-1 survived rotation
+    for name, value in final_weights(trainer).items():
+        torch.testing.assert_close(value, after_first_step[name], rtol=0, atol=0)
+    assert [step for step, _ in list_checkpoints(str(tmp_path))] == [1, 3]
+
+
+def test_sigterm_saves_a_checkpoint(tiny_model, registry, tmp_path):
+    def stop_at_second_step(completions, answers, **row):
+        stop_at_second_step.calls += 1
+        if stop_at_second_step.calls == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return [0.0] * len(completions)
+    stop_at_second_step.calls = 0
+
+    trainer = GRPOTrainer(tiny_config(tiny_model, registry, str(tmp_path), max_steps=5),
+                          reward_funcs=[stop_at_second_step])
+    with pytest.raises(TrainingError, match="resume_from_checkpoint latest"):
+        trainer.train()
+    assert [step for step, _ in list_checkpoints(str(tmp_path))] == [2]
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL

@@ -1,0 +1,31 @@
+"""Shared set-up for the end-to-end trainer tests: a tiny model, a tiny prompt set, and a config for both."""
+import json
+import os
+
+from grpo.config import GRPOConfig
+
+PROMPTS = [f"What is {a} + {b} ?" for a in range(1, 9) for b in range(1, 6)]  # 40 prompts
+
+
+def write_prompt_registry(folder: str, reward: str = "boxed_accuracy") -> str:
+    """A registry with one dataset `toy` of 40 arithmetic prompts; returns the registry path."""
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "toy.jsonl"), "w") as fh:
+        for text in PROMPTS:
+            a, b = int(text.split()[2]), int(text.split()[4])
+            fh.write(json.dumps({"question": text, "answer": str(a + b)}) + "\n")
+    registry = os.path.join(folder, "registry.json")
+    with open(registry, "w") as fh:
+        json.dump({"toy": {"path": "toy.jsonl", "prompt_field": "question", "answer_field": "answer",
+                           "rewards": {reward: 1.0}}}, fh)
+    return registry
+
+
+def tiny_config(model_dir: str, registry: str, output_dir: str, **overrides) -> GRPOConfig:
+    values = dict(model_name_or_path=model_dir, dataset_config_path=registry, dataset_names=["toy"],
+                  output_dir=output_dir, per_device_train_batch_size=2, gradient_accumulation_steps=1, k_samples=4,
+                  rollout_max_new_tokens=8, max_prompt_length=32, max_seq_length=48, max_steps=2, save_steps=0,
+                  eval_steps=0, eval_max_prompts=4, train_split_ratio=0.9, lora_rank=4, lora_alpha=8,
+                  lora_dropout=0.0, learning_rate=1e-3, learning_rate_lora=1e-2, seed=0, log_to_file=True)
+    values.update(overrides)
+    return GRPOConfig(**values)
