@@ -287,7 +287,8 @@ class GRPOTrainer:
             self.rollout_engine.sleep()
             texts = self.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
             result = self.rewards(texts, [r["answer"] for r in rows], [r["data_source"] for r in rows],
-                                  prompts=[r["prompt_text"] for r in rows])
+                                  prompts=[r["prompt_text"] for r in rows],
+                                  completion_ids=[c.token_ids for c in completions])
             for i, (row, text, comp) in enumerate(zip(rows, texts, completions)):
                 samples.append({"data_source": row["data_source"], "prompt": row["prompt_text"], "completion": text,
                                 "answer": row["answer"], "reward": result.total[i], "length": len(comp.token_ids),

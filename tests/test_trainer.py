@@ -44,14 +44,14 @@ def test_it_learns(strategy, tiny_model, registry, tmp_path):
     target = pick_target(tiny_model)
     steps = 30
     config = tiny_config(tiny_model, registry, str(tmp_path / strategy), tuning_strategy=strategy, max_steps=steps,
-                         per_device_train_batch_size=4, k_samples=8, temperature=1.0,
-                         learning_rate=3e-3, learning_rate_lora=3e-2, lora_rank=8, lora_alpha=16)
+                         per_device_train_batch_size=4, k_samples=16, rollout_max_new_tokens=16, temperature=1.0,
+                         learning_rate=1e-3, learning_rate_lora=2e-2, lora_rank=8, lora_alpha=16)
     GRPOTrainer(config, reward_funcs=[target_token_reward(target)]).train()
     rows = [r for r in read_metrics(str(tmp_path / strategy / "metrics.jsonl")) if "rewards/emits_target" in r]
     first = sum(r["rewards/emits_target"] for r in rows[:5]) / 5
     last = sum(r["rewards/emits_target"] for r in rows[-5:]) / 5
     assert len(rows) == steps
-    assert last >= 3 * first and last > first + 0.05, (first, last)
+    assert last >= 3 * first and last > 0.3, (first, last)
 
 
 def test_notebook_run_writes_every_output(tiny_model, registry, tmp_path):

@@ -1,0 +1,142 @@
+"""Tuning strategies (full / lora / qlora), the reference policy, tokenizer loading and final model saving."""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+from typing import Optional
+
+import torch
+
+from .config import GRPOConfig
+from .errors import ConfigError
+
+logger = logging.getLogger("grpo")
+
+
+def load_tokenizer(model_path: str, trust_remote_code: bool = False):
+    """Tokenizer with a pad token (EOS when it has none) and left padding (for batched generation)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"
+    return tokenizer
+
+
+def _load_base(model_path: str, dtype: torch.dtype, device: torch.device, trust_remote_code: bool,
+               quantization_config=None):
+    from transformers import AutoModelForCausalLM
+
+    kwargs = dict(dtype=dtype, trust_remote_code=trust_remote_code)
+    if quantization_config is not None:
+        kwargs.update(quantization_config=quantization_config, device_map={"": device})
+    model = AutoModelForCausalLM.from_pretrained(model_path, **kwargs)
+    return model if quantization_config is not None else model.to(device)
+
+
+def lora_target_modules(value: str):
+    return "all-linear" if value.strip() == "all-linear" else [m.strip() for m in value.split(",") if m.strip()]
+
+
+def load_policy(config: GRPOConfig, model_path: str, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+    """The trainable policy: the full model, or the base with a (new or continued) LoRA adapter."""
+    quantization = None
+    if config.tuning_strategy == "qlora":
+        from transformers import BitsAndBytesConfig
+
+        quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                          bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=dtype)
+    model = _load_base(model_path, dtype, device, config.trust_remote_code, quantization)
+    if config.tuning_strategy == "qlora":
+        from peft import prepare_model_for_kbit_training
+
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=config.gradient_checkpointing,
+                                                gradient_checkpointing_kwargs={"use_reentrant": False})
+    elif config.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if config.uses_lora:
+        model = _attach_lora(model, config)
+        if config.gradient_checkpointing:
+            model.enable_input_require_grads()  # checkpointed blocks need an input that requires grad
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    logger.info(f"{config.tuning_strategy}: {trainable:,} trainable of {total:,} parameters "
+                f"({100 * trainable / max(total, 1):.2f}%)")
+    return model
+
+
+def _attach_lora(model, config: GRPOConfig):
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    if config.lora_adapter_path:
+        adapter_config = os.path.join(config.lora_adapter_path, "adapter_config.json")
+        if not os.path.isfile(adapter_config):
+            raise ConfigError(f"--lora_adapter_path: no adapter_config.json in {config.lora_adapter_path}")
+        with open(adapter_config) as fh:
+            saved = json.load(fh)
+        logger.info(f"continuing the adapter in {config.lora_adapter_path} (r={saved.get('r')}, "
+                    f"alpha={saved.get('lora_alpha')})")
+        return PeftModel.from_pretrained(model, config.lora_adapter_path, is_trainable=True)
+    lora = LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
+                      target_modules=lora_target_modules(config.lora_target_modules), task_type="CAUSAL_LM")
+    try:
+        return get_peft_model(model, lora)
+    except ValueError as exc:  # e.g. target modules not found
+        raise ConfigError(f"--lora_target_modules {config.lora_target_modules}: {exc}") from exc
+
+
+def load_reference(config: GRPOConfig, model_path: str, dtype: torch.dtype,
+                   device: torch.device) -> Optional[torch.nn.Module]:
+    """A frozen copy of the base model for full fine-tuning with the KL term; otherwise None.
+
+    LoRA / QLoRA need no copy: the reference is the policy with its adapter disabled (see reference_mode).
+    """
+    if config.tuning_strategy != "full" or config.kl_coef <= 0:
+        return None
+    reference = _load_base(model_path, dtype, device, config.trust_remote_code)
+    reference.eval()
+    reference.requires_grad_(False)
+    return reference
+
+
+@contextlib.contextmanager
+def reference_mode(model):
+    """Within the block, a peft model computes with its adapter off (= the base model); others are unchanged."""
+    if hasattr(model, "disable_adapter") and hasattr(model, "peft_config"):
+        with model.disable_adapter():
+            yield model
+    else:
+        yield model
+
+
+def save_final_model(model, tokenizer, output_dir: str, config: GRPOConfig, model_path: str, dtype: torch.dtype,
+                     state_dict: Optional[dict] = None) -> dict[str, str]:
+    """Save in HF format: output_dir/model (full) or output_dir/lora_adapter (+ merged_model on request).
+
+    `state_dict` supplies gathered parameters when DeepSpeed ZeRO-3 holds them partitioned.
+    """
+    saved = {}
+    if not config.uses_lora:
+        path = os.path.join(output_dir, "model")
+        model.save_pretrained(path, state_dict=state_dict, safe_serialization=True)
+        tokenizer.save_pretrained(path)
+        return {"model": path}
+    path = os.path.join(output_dir, "lora_adapter")
+    model.peft_config["default"].base_model_name_or_path = model_path
+    model.save_pretrained(path, state_dict=state_dict, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    saved["lora_adapter"] = path
+    if config.save_merged_model:
+        from peft import PeftModel
+
+        # merge into the full-precision base (for qlora too): the training model itself is never merged
+        base = _load_base(model_path, dtype, torch.device("cpu"), config.trust_remote_code)
+        merged = PeftModel.from_pretrained(base, path).merge_and_unload()
+        merged_path = os.path.join(output_dir, "merged_model")
+        merged.save_pretrained(merged_path, safe_serialization=True)
+        tokenizer.save_pretrained(merged_path)
+        saved["merged_model"] = merged_path
+    return saved

@@ -1,0 +1,41 @@
+"""The rollout-engine protocol shared by the HF engine (CPU, fallback) and the colocated vLLM engine.
+
+Engines work on token ids; the trainer owns tokenization and chat templates.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Protocol
+
+import torch
+
+
+@dataclass
+class SamplingSettings:
+    n: int                      # completions per prompt
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    greedy: bool = False
+
+
+@dataclass
+class Completion:
+    prompt_index: int           # which prompt of the generate() call this completes
+    token_ids: list[int]        # includes the stop token when finish_reason == "stop"
+    logprobs: list[float]       # log-prob of each token under softmax(logits / temperature), no top-p renormalising
+    finish_reason: str          # "stop" | "length"
+
+
+class RolloutEngine(Protocol):
+    def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingSettings) -> list[Completion]:
+        """Completions ordered prompt by prompt: prompt 0's n completions, then prompt 1's, ..."""
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Replace the engine's weights by these (HF checkpoint names)."""
+
+    def sleep(self) -> None:
+        """Release memory while the trainer runs."""
+
+    def wake(self) -> None:
+        """Take memory back before the next rollout."""

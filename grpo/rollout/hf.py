@@ -1,0 +1,94 @@
+"""Rollouts with Hugging Face `generate` on the policy being trained (CPU, or any GPU without vLLM)."""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+
+from .base import Completion, SamplingSettings
+
+
+def stop_token_ids(model, tokenizer) -> list[int]:
+    """Every id that ends a turn: the tokenizer's EOS plus the generation config's (e.g. <|im_end|>)."""
+    ids = set()
+    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    for value in (tokenizer.eos_token_id, gen_eos):
+        if isinstance(value, int):
+            ids.add(value)
+        elif value:
+            ids.update(value)
+    return sorted(ids)
+
+
+class HFRolloutEngine:
+    """Samples from the live policy module, so weights never need syncing (load_weights is a no-op)."""
+
+    def __init__(self, model, tokenizer, max_batch_size: int = 64):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.max_batch_size = max_batch_size
+        self.stop_ids = stop_token_ids(model, tokenizer)
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.stop_ids[0]
+
+    @torch.no_grad()
+    def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingSettings) -> list[Completion]:
+        was_training = self.model.training
+        config = getattr(self.model, "config", None)
+        use_cache = getattr(config, "use_cache", True)
+        self.model.eval()
+        if config is not None:
+            config.use_cache = True  # gradient checkpointing turns the cache off for training
+        try:
+            out = []
+            per_call = max(1, self.max_batch_size // max(sampling.n, 1))
+            for start in range(0, len(prompt_token_ids), per_call):
+                chunk = prompt_token_ids[start:start + per_call]
+                out += [Completion(c.prompt_index + start, c.token_ids, c.logprobs, c.finish_reason)
+                        for c in self._generate_chunk(chunk, sampling)]
+            return out
+        finally:
+            if config is not None:
+                config.use_cache = use_cache
+            self.model.train(was_training)
+
+    def _generate_chunk(self, prompts: list[list[int]], sampling: SamplingSettings) -> list[Completion]:
+        device = next(self.model.parameters()).device
+        width = max(len(p) for p in prompts)
+        input_ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
+        attention = torch.zeros((len(prompts), width), dtype=torch.long)
+        for i, p in enumerate(prompts):  # left padding: every prompt ends where generation starts
+            input_ids[i, width - len(p):] = torch.tensor(p)
+            attention[i, width - len(p):] = 1
+        kwargs = dict(max_new_tokens=sampling.max_new_tokens, num_return_sequences=sampling.n,
+                      eos_token_id=self.stop_ids, pad_token_id=self.pad_id, output_logits=True,
+                      return_dict_in_generate=True)
+        if sampling.greedy:
+            kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+        else:
+            kwargs.update(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p, top_k=0)
+        result = self.model.generate(input_ids=input_ids.to(device), attention_mask=attention.to(device), **kwargs)
+        new_tokens = result.sequences[:, width:].cpu()                          # [P*n, T]
+        temperature = 1.0 if sampling.greedy else sampling.temperature
+        # one step at a time: the whole [P*n, T, V] logits tensor in fp32 would be large
+        logprobs = torch.stack([
+            torch.log_softmax(step_logits.float() / temperature, dim=-1)
+            .gather(-1, new_tokens[:, t].to(step_logits.device).unsqueeze(-1)).squeeze(-1).cpu()
+            for t, step_logits in enumerate(result.logits)], dim=1)             # [P*n, T]
+        completions = []
+        stop = set(self.stop_ids)
+        for row in range(new_tokens.shape[0]):
+            tokens = new_tokens[row].tolist()
+            end = next((i + 1 for i, t in enumerate(tokens) if t in stop), None)
+            finish = "stop" if end is not None else "length"
+            end = end if end is not None else len(tokens)
+            completions.append(Completion(row // sampling.n, tokens[:end], logprobs[row, :end].tolist(), finish))
+        return completions
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Nothing to do: generation uses the trained module itself."""
+
+    def sleep(self) -> None:
+        pass
+
+    def wake(self) -> None:
+        pass

@@ -1,0 +1,50 @@
+"""A tiny random Llama with a real (offline) word-level tokenizer and a ChatML chat template, for fast tests."""
+import os
+
+import torch
+
+SPECIALS = ["<pad>", "<unk>", "<|im_start|>", "<|im_end|>"]
+WORDS = ["system", "user", "assistant", "What", "is", "+", "-", "*", "?", "Give", "the", "answer", "\\", "boxed",
+         "{", "}", ".", "think", "<", ">", "/", "#"] + [str(i) for i in range(100)]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def make_tiny_tokenizer(with_chat_template: bool = True):
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(SPECIALS + WORDS)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in SPECIALS])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>",
+                                   eos_token="<|im_end|>")
+    if with_chat_template:
+        fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def make_tiny_model_dir(path: str, with_chat_template: bool = True, seed: int = 0) -> str:
+    """Write a ~100k-parameter random Llama + tokenizer to `path` (loadable with from_pretrained).
+
+    Weights are drawn wider than the usual 0.02 so the output logits span a few units, as a trained model's do:
+    with the final RMSNorm fixing the hidden-state scale, a 0.02 output layer keeps every distribution near uniform
+    and no adapter could make any token likely.
+    """
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = make_tiny_tokenizer(with_chat_template)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         tie_word_embeddings=False, pad_token_id=tokenizer.pad_token_id, initializer_range=0.1,
+                         eos_token_id=tokenizer.eos_token_id, bos_token_id=None)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    model.generation_config = GenerationConfig(eos_token_id=tokenizer.eos_token_id,
+                                               pad_token_id=tokenizer.pad_token_id)
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    return path
