@@ -5,6 +5,7 @@ listed under (README, --help). Invalid values and combinations raise ConfigError
 """
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import sys
@@ -236,7 +237,13 @@ def parse_args(argv: Optional[list[str]] = None) -> GRPOConfig:
     if config_path:
         parser.set_defaults(**_read_config_json(config_path, {f.name for f in fields(GRPOConfig)}))
     # the extra --config argument (already consumed above) comes back as a second, unused namespace
-    return parser.parse_args_into_dataclasses(args=argv)[0]
+    *parsed, unknown = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
+    if unknown:
+        flags = [f"--{f.name}" for f in fields(GRPOConfig)]
+        hints = [f"{u} (did you mean {close[0]}?)" if (close := difflib.get_close_matches(u.split("=")[0], flags, 1))
+                 else u for u in unknown if u.startswith("-")]
+        parser.error(f"unrecognized arguments: {' '.join(hints or unknown)}")  # exits with status 2
+    return parsed[0]
 
 
 def _pop_config_flag(argv: list[str]) -> Optional[str]:
