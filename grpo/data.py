@@ -239,10 +239,11 @@ def _split(rows: datasets.Dataset, ratio: float, seed: int) -> tuple[datasets.Da
     if ratio >= 1.0:
         return rows, rows.select([])
     held_out = max(1, round(len(rows) * (1.0 - ratio))) if len(rows) > 1 else 0
-    parts = rows.train_test_split(test_size=held_out, seed=seed, shuffle=True, keep_in_memory=True) \
-        if held_out else None
-    if parts is None:
+    if held_out == 0:
         return rows, rows.select([])
+    if held_out >= len(rows):
+        return rows.select([]), rows
+    parts = rows.train_test_split(test_size=held_out, seed=seed, shuffle=True, keep_in_memory=True)
     return parts["train"], parts["test"]
 
 

@@ -89,12 +89,11 @@ def last_number(text: str) -> Optional[str]:
 
 
 def extract_gsm8k_prediction(completion: str) -> Optional[str]:
-    """The number after the last '####' if there is one, else the last number in the text."""
+    """The first number after the last '####' if there is one, else the last number in the text."""
     if "####" in completion:
-        tail = completion.rsplit("####", 1)[1]
-        found = last_number(tail.split("\n")[0]) or last_number(tail)
+        found = _NUMBER.search(completion.rsplit("####", 1)[1])  # the first number after the marker
         if found is not None:
-            return found
+            return found.group(0)
     return last_number(completion)
 
 
@@ -163,6 +162,22 @@ def boxed_accuracy(completions: list[str], answers: list, **_) -> list[float]:
     for completion, answer in zip(completions, answers):
         boxed = last_boxed(completion)
         scores.append(1.0 if boxed is not None and math_equal(boxed, str(answer)) else 0.0)
+    return scores
+
+
+@register_reward("number_accuracy")
+def number_accuracy(completions: list[str], answers: list, **_) -> list[float]:
+    """1.0 when the final number (the last \\boxed{} if any, else the last number) equals the answer.
+
+    Partial credit for models that answer correctly but do not yet use the requested format.
+    """
+    scores = []
+    for completion, answer in zip(completions, answers):
+        boxed = last_boxed(completion)
+        pred = parse_number(boxed) if boxed is not None else parse_number(last_number(completion))
+        gold = parse_number(answer)
+        scores.append(1.0 if pred is not None and gold is not None and math.isclose(pred, gold, abs_tol=1e-6)
+                      else 0.0)
     return scores
 
 

@@ -1,0 +1,184 @@
+"""GRPO math against numbers worked out by hand."""
+import math
+
+import pytest
+import torch
+
+from grpo.algorithm import aggregate, group_advantages, kl_k3, masked_mean, policy_loss, token_entropy, token_logprobs
+
+
+# ------------------------------------------------------------------------------------------- advantages
+def test_group_advantages_group_scale():
+    # group 1: [1, 0, 1, 0]: mean 0.5, unbiased std = sqrt((4 * 0.25) / 3) = sqrt(1/3) = 0.57735
+    #   A = +-0.5 / (0.57735 + 1e-4) = +-0.86588
+    # group 2: [2, 2, 2, 2]: all equal -> 0
+    rewards = torch.tensor([1.0, 0.0, 1.0, 0.0, 2.0, 2.0, 2.0, 2.0])
+    adv = group_advantages(rewards, group_size=4, scale="group")
+    a = 0.5 / (math.sqrt(1 / 3) + 1e-4)
+    torch.testing.assert_close(adv, torch.tensor([a, -a, a, -a, 0, 0, 0, 0]))
+
+
+def test_group_advantages_batch_and_none_scale():
+    # groups [0, 1] and [3, 5]: centered [-0.5, 0.5, -1, 1]
+    # batch std of [0, 1, 3, 5]: mean 2.25, squares 5.0625 + 1.5625 + 0.5625 + 7.5625 = 14.75, /3 = 4.91667,
+    #   sqrt = 2.21736
+    rewards = torch.tensor([0.0, 1.0, 3.0, 5.0])
+    torch.testing.assert_close(group_advantages(rewards, 2, scale="none"), torch.tensor([-0.5, 0.5, -1.0, 1.0]))
+    s = math.sqrt(14.75 / 3) + 1e-4
+    torch.testing.assert_close(group_advantages(rewards, 2, scale="batch"),
+                               torch.tensor([-0.5 / s, 0.5 / s, -1 / s, 1 / s]))
+    # group scale: group std of [0, 1] = sqrt(0.5) = 0.70711; of [3, 5] = sqrt(2) = 1.41421
+    torch.testing.assert_close(group_advantages(rewards, 2, scale="group"),
+                               torch.tensor([-0.5 / (0.70711 + 1e-4), 0.5 / (0.70711 + 1e-4),
+                                             -1 / (1.41421 + 1e-4), 1 / (1.41421 + 1e-4)]), atol=1e-4, rtol=1e-4)
+
+
+def test_group_advantages_zero_variance_is_exactly_zero():
+    adv = group_advantages(torch.tensor([0.3, 0.3, 0.3]), 3)
+    assert torch.equal(adv, torch.zeros(3))
+
+
+def test_group_advantages_bad_input():
+    with pytest.raises(ValueError, match="groups of 4"):
+        group_advantages(torch.zeros(6), 4)
+    with pytest.raises(ValueError, match="unknown advantage scale"):
+        group_advantages(torch.zeros(4), 2, scale="rank")
+
+
+# ------------------------------------------------------------------------------------------- log-probs
+def test_token_logprobs_by_hand():
+    # logits [0, ln 2, ln 3] -> softmax [1/6, 2/6, 3/6]; token 2 -> ln(0.5), token 0 -> ln(1/6)
+    logits = torch.tensor([[[0.0, math.log(2), math.log(3)], [0.0, math.log(2), math.log(3)]]])
+    lp = token_logprobs(logits, torch.tensor([[2, 0]]))
+    torch.testing.assert_close(lp, torch.tensor([[math.log(0.5), math.log(1 / 6)]]))
+    # temperature 2: logits / 2 = [0, ln sqrt2, ln sqrt3] -> weights [1, 1.41421, 1.73205], sum 4.14626
+    lp_t = token_logprobs(logits, torch.tensor([[2, 0]]), temperature=2.0)
+    torch.testing.assert_close(lp_t, torch.tensor([[math.log(1.73205 / 4.14626), math.log(1 / 4.14626)]]),
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_token_logprobs_chunked_equals_full_and_has_grads():
+    torch.manual_seed(0)
+    logits = torch.randn(5, 7, 11, requires_grad=True)
+    ids = torch.randint(0, 11, (5, 7))
+    reference = torch.log_softmax(logits, -1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+    for chunk in (1, 2, 5, 16):
+        torch.testing.assert_close(token_logprobs(logits, ids, chunk_size=chunk), reference)
+    token_logprobs(logits, ids, chunk_size=2).sum().backward()
+    assert logits.grad is not None and logits.grad.abs().sum() > 0
+
+
+def test_token_entropy_uniform_and_peaked():
+    uniform = torch.zeros(1, 1, 4)                        # H = ln 4
+    peaked = torch.tensor([[[0.0, math.log(3), -1e9, -1e9]]])  # p = [1/4, 3/4]: H = -(.25 ln .25 + .75 ln .75)
+    torch.testing.assert_close(token_entropy(uniform), torch.tensor([[math.log(4)]]))
+    torch.testing.assert_close(token_entropy(peaked), torch.tensor([[-(0.25 * math.log(0.25) + 0.75 * math.log(0.75))]]))
+
+
+# ------------------------------------------------------------------------------------------------- KL
+def test_kl_k3_values():
+    # d = ref - lp.  d = 0 -> e^0 - 0 - 1 = 0;  d = 1 -> e - 2 = 0.71828;  d = -1 -> e^-1 + 1 - 1 = 0.36788
+    lp = torch.tensor([-1.0, -2.0, -1.0])
+    ref = torch.tensor([-1.0, -1.0, -2.0])
+    torch.testing.assert_close(kl_k3(lp, ref), torch.tensor([0.0, math.e - 2, math.exp(-1)]))
+
+
+def test_kl_k3_clamps():
+    # d = 50 is clamped to 10: e^10 - 11 = 22015.5 -> clamped to 10;  d = -50 -> -10: e^-10 + 9 = 9.0000454
+    out = kl_k3(torch.tensor([0.0, 0.0]), torch.tensor([50.0, -50.0]))
+    torch.testing.assert_close(out, torch.tensor([10.0, math.exp(-10) + 9.0]))
+
+
+def test_masked_mean_and_empty_mask():
+    v = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
+    m = torch.tensor([[1, 1, 0], [0, 0, 0]])
+    assert masked_mean(v, m).item() == pytest.approx(1.5)
+    torch.testing.assert_close(masked_mean(v, m, dim=1), torch.tensor([1.5, 0.0]))
+
+
+# ----------------------------------------------------------------------------------------- policy loss
+# Two sequences, three tokens. Sequence 0 (A = +1) has 3 tokens, sequence 1 (A = -1) has 2 (last masked).
+LP = torch.tensor([[math.log(1.5), 0.0, math.log(0.5)], [math.log(0.5), math.log(1.1), 0.0]])
+OLD = torch.zeros(2, 3)
+ADV = torch.tensor([1.0, -1.0])
+MASK = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+# ratios: [[1.5, 1.0, 0.5], [0.5, 1.1, 1.0]]
+# eps_low = 0.2, eps_high = 0.3 -> clip range [0.8, 1.3]
+#   seq 0 (A=+1): min(r, clip(r)) = [min(1.5, 1.3), 1.0, min(0.5, 0.8)] = [1.3, 1.0, 0.5] -> per-token loss -[...]
+#   seq 1 (A=-1): min(-r, -clip(r)) = [min(-0.5, -0.8), min(-1.1, -1.1), ...] = [-0.8, -1.1] -> loss [0.8, 1.1]
+PER_TOKEN = [[-1.3, -1.0, -0.5], [0.8, 1.1, 0.0]]
+
+
+def test_policy_loss_token_mean_and_clip_fractions():
+    loss, m = policy_loss(LP, OLD, ADV, MASK, eps_low=0.2, eps_high=0.3)
+    # sum over 5 masked tokens: -1.3 - 1.0 - 0.5 + 0.8 + 1.1 = -0.9; / 5 = -0.18
+    assert loss.item() == pytest.approx(-0.18, abs=1e-6)
+    # clipped high: seq 0 token 0 (A>0, 1.5 > 1.3) -> 1/5; clipped low: seq 1 token 0 (A<0, 0.5 < 0.8) -> 1/5
+    # seq 0 token 2 (ratio 0.5 < 0.8 but A > 0) is not clipped: the min picks the unclipped term
+    assert m["clip_frac_high"] == pytest.approx(0.2)
+    assert m["clip_frac_low"] == pytest.approx(0.2)
+    assert m["clip_frac"] == pytest.approx(0.4)
+    # ratio mean over masked: (1.5 + 1 + 0.5 + 0.5 + 1.1) / 5 = 0.92; max 1.5
+    assert m["ratio_mean"] == pytest.approx(0.92)
+    assert m["ratio_max"] == pytest.approx(1.5)
+    assert m["kl"] == 0.0 and m["pg_loss"] == pytest.approx(-0.18, abs=1e-6)
+
+
+def test_policy_loss_same_eps_clips_differently():
+    # with eps_high = eps_low = 0.2 the range is [0.8, 1.2]: seq 0 token 0 becomes min(1.5, 1.2) = 1.2
+    # sum: -1.2 - 1.0 - 0.5 + 0.8 + 1.1 = -0.8; / 5 = -0.16
+    loss, m = policy_loss(LP, OLD, ADV, MASK, eps_low=0.2)
+    assert loss.item() == pytest.approx(-0.16, abs=1e-6)
+
+
+def test_policy_loss_other_aggregations():
+    # seq_mean_token_mean: seq 0 mean (-1.3 - 1 - 0.5) / 3 = -0.93333; seq 1 (0.8 + 1.1) / 2 = 0.95
+    #   mean = (-0.93333 + 0.95) / 2 = 0.0083333
+    loss, _ = policy_loss(LP, OLD, ADV, MASK, eps_low=0.2, eps_high=0.3, aggregation="seq_mean_token_mean")
+    assert loss.item() == pytest.approx((-2.8 / 3 + 1.9 / 2) / 2, abs=1e-6)
+    # seq_mean_token_sum_norm with L = 4: seq sums -2.8 and 1.9 -> (-0.7 + 0.475) / 2 = -0.1125
+    loss, _ = policy_loss(LP, OLD, ADV, MASK, eps_low=0.2, eps_high=0.3, aggregation="seq_mean_token_sum_norm",
+                          max_completion_length=4)
+    assert loss.item() == pytest.approx(-0.1125, abs=1e-6)
+    with pytest.raises(ValueError, match="max_completion_length"):
+        policy_loss(LP, OLD, ADV, MASK, aggregation="seq_mean_token_sum_norm")
+    with pytest.raises(ValueError, match="unknown loss aggregation"):
+        policy_loss(LP, OLD, ADV, MASK, aggregation="sum")
+
+
+def test_seq_mean_skips_empty_sequences():
+    # a fully masked sequence does not count: mean over the one remaining sequence
+    per_token = torch.tensor([[2.0, 4.0], [100.0, 100.0]])
+    mask = torch.tensor([[1.0, 1.0], [0.0, 0.0]])
+    assert aggregate(per_token, mask, "seq_mean_token_mean").item() == pytest.approx(3.0)
+
+
+def test_policy_loss_with_kl_penalty():
+    # ref = lp + d with d = [[0, 1, 0], [-1, 0, 0]] -> k3 = [[0, e-2, 0], [e^-1, 0, 0]]
+    ref = LP + torch.tensor([[0.0, 1.0, 0.0], [-1.0, 0.0, 0.0]])
+    loss, m = policy_loss(LP, OLD, ADV, MASK, ref_logprobs=ref, beta=0.1, eps_low=0.2, eps_high=0.3)
+    kl_sum = (math.e - 2) + math.exp(-1)  # masked tokens only
+    assert loss.item() == pytest.approx((-0.9 + 0.1 * kl_sum) / 5, abs=1e-6)
+    assert m["kl"] == pytest.approx(kl_sum / 5, abs=1e-6)
+    assert m["pg_loss"] == pytest.approx(-0.18, abs=1e-6)
+
+
+def test_policy_loss_is_weights_scale_the_policy_term():
+    w = torch.tensor([[2.0, 1.0, 1.0], [1.0, 0.5, 1.0]])
+    # per-token pg: [-2.6, -1.0, -0.5, 0.8, 0.55] -> sum -2.75 / 5 = -0.55
+    loss, _ = policy_loss(LP, OLD, ADV, MASK, eps_low=0.2, eps_high=0.3, is_weights=w)
+    assert loss.item() == pytest.approx(-0.55, abs=1e-6)
+
+
+def test_gradients_flow_only_through_logprobs():
+    lp = LP.clone().requires_grad_(True)
+    old = OLD.clone().requires_grad_(True)
+    adv = ADV.clone().requires_grad_(True)
+    ref = (LP + 0.5).requires_grad_(True)
+    loss, _ = policy_loss(lp, old, adv, MASK, ref_logprobs=ref, beta=0.0, eps_low=0.2, eps_high=0.3)
+    loss.backward()
+    assert old.grad is None and adv.grad is None and ref.grad is None
+    # d loss / d lp_t = -A * ratio_t / 5 where the unclipped term is the active one, else 0:
+    #   seq 0: token 0 clipped (1.5 > 1.3) -> 0; token 1 -> -1/5; token 2 (0.5, unclipped side wins) -> -0.5/5
+    #   seq 1: token 0 clipped (0.5 < 0.8) -> 0; token 1 -> +1.1/5; token 2 masked -> 0
+    torch.testing.assert_close(lp.grad, torch.tensor([[0.0, -0.2, -0.1], [0.0, 0.22, 0.0]]))
