@@ -119,6 +119,8 @@ class GRPOConfig:
                         "rollout")
     vllm_gpu_memory_utilization: float = _opt(0.3, "Fraction of GPU memory vLLM may take.", "rollout")
     vllm_sleep: bool = _opt(True, "Put vLLM to sleep (free KV cache) while DeepSpeed trains.", "rollout")
+    vllm_enforce_eager: bool = _opt(False, "Run vLLM without CUDA graphs / torch.compile (starts faster).",
+                                    "rollout")
 
     # --- eval, checkpoints, logging -------------------------------------------------------------
     eval_steps: int = _opt(0, "Evaluate on the held-out split every N steps (0: only at the end).", "logging")

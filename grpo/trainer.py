@@ -7,6 +7,7 @@ models in models.py, engines in rollout/, weight sync in sync.py, checkpoints in
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import math
@@ -33,6 +34,7 @@ from .plots import plot_training_curves
 from .reporting import RunReporter, read_metrics, setup_console_logging
 from .rewards import RewardRouter, load_reward_module
 from .rollout.base import SamplingSettings
+from .rollout.hf import HFRolloutEngine, stop_token_ids
 from .sampler import PromptOrder
 from .scoring import completion_logprobs
 
@@ -56,8 +58,11 @@ class GRPOTrainer:
         setup_console_logging(self.is_main, os.path.join(config.output_dir, "train.log")
                               if config.log_to_file else None)
         _seed_everything(config.seed + self.rank)
-        if config.use_vllm_rollout and not torch.cuda.is_available():
-            raise ConfigError("--use_vllm_rollout needs a GPU; drop the flag to use the HF engine on CPU")
+        if config.use_vllm_rollout:
+            if not torch.cuda.is_available():
+                raise ConfigError("--use_vllm_rollout needs a GPU; drop the flag to use the HF engine on CPU")
+            if importlib.util.find_spec("vllm") is None:
+                raise ConfigError("--use_vllm_rollout needs vLLM: pip install .[vllm] (tested with vllm 0.26.0)")
 
         # --- data and rewards first: their errors must come before any model loads -------------------
         if config.reward_module:
@@ -328,12 +333,12 @@ class GRPOTrainer:
         if cfg.use_vllm_rollout:
             from .rollout.vllm import VLLMRolloutEngine
 
+            # ranks of one tensor-parallel group share a seed: they must sample the same completions
             return VLLMRolloutEngine(self.model_path, tensor_parallel_size=cfg.vllm_tp,
                                      gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
-                                     max_model_len=cfg.max_seq_length, seed=cfg.seed + self.rank,
-                                     enable_sleep=cfg.vllm_sleep)
-        from .rollout.hf import HFRolloutEngine
-
+                                     max_model_len=cfg.max_seq_length, seed=cfg.seed + self.rank // cfg.vllm_tp,
+                                     enable_sleep=cfg.vllm_sleep, enforce_eager=cfg.vllm_enforce_eager,
+                                     stop_token_ids=stop_token_ids(self.engine.module, self.tokenizer))
         return HFRolloutEngine(self.engine.module, self.tokenizer)
 
     def _micro_batch_slices(self, batch: RolloutBatch):
@@ -390,8 +395,9 @@ class GRPOTrainer:
             **{f"time/{k_}": v for k_, v in times.items() if not k_.startswith("_")},
             "throughput/rollout_tokens_per_s": times["_rollout_tokens"] / max(times["rollout"], 1e-9),
         }
-        if getattr(self, "_last_sync", None) is not None and self.config.use_vllm_rollout:
+        if self.config.use_vllm_rollout:
             local["sync/bytes"] = float(self._last_sync.bytes)
+            local["memory/vllm_sleep_freed_gib"] = self.rollout_engine.last_sleep_freed_bytes / 2**30
         return _mean_over_ranks(local)
 
     def _log_completions(self, prompts, texts, rewards) -> None:

@@ -139,3 +139,13 @@ def test_reward_module_registers_a_reward(tmp_path):
                       "--output_dir", str(tmp_path / "o"), env={"HF_HUB_OFFLINE": "1"})
     assert_clean_failure(proc, "--model_name_or_path", "no_model")
     assert "my_reward" not in proc.stderr
+
+
+def test_readme_documents_every_flag():
+    from dataclasses import fields
+
+    from grpo.config import GRPOConfig
+
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    missing = [f.name for f in fields(GRPOConfig) if f"`--{f.name}`" not in readme]
+    assert not missing, f"README lacks {missing}; regenerate with python scripts/flag_table.py"

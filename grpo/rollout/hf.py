@@ -59,7 +59,9 @@ class HFRolloutEngine:
         for i, p in enumerate(prompts):  # left padding: every prompt ends where generation starts
             input_ids[i, width - len(p):] = torch.tensor(p)
             attention[i, width - len(p):] = 1
-        kwargs = dict(max_new_tokens=sampling.max_new_tokens, num_return_sequences=sampling.n,
+        # greedy samples of one prompt are identical: decode once, repeat below
+        per_prompt = 1 if sampling.greedy else sampling.n
+        kwargs = dict(max_new_tokens=sampling.max_new_tokens, num_return_sequences=per_prompt,
                       eos_token_id=self.stop_ids, pad_token_id=self.pad_id, output_logits=True,
                       return_dict_in_generate=True)
         if sampling.greedy:
@@ -81,7 +83,8 @@ class HFRolloutEngine:
             end = next((i + 1 for i, t in enumerate(tokens) if t in stop), None)
             finish = "stop" if end is not None else "length"
             end = end if end is not None else len(tokens)
-            completions.append(Completion(row // sampling.n, tokens[:end], logprobs[row, :end].tolist(), finish))
+            completions += [Completion(row // per_prompt, tokens[:end], logprobs[row, :end].tolist(), finish)
+                            for _ in range(sampling.n // per_prompt)]
         return completions
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -1,0 +1,131 @@
+"""Tuning strategies, the reference policy, saving, and the embedded model, on a tiny random Llama."""
+import json
+import os
+
+import pytest
+import torch
+
+from grpo.config import EMBEDDED_MODEL, GRPOConfig
+from grpo.errors import ConfigError
+from grpo.models import load_policy, load_reference, load_tokenizer, reference_mode, save_final_model
+
+from .tiny_models import make_tiny_model_dir
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_model_dir(str(tmp_path_factory.mktemp("tiny")))
+
+
+def config(model_dir, **kw):
+    return GRPOConfig(**{"model_name_or_path": model_dir, "lora_rank": 4, "lora_alpha": 8, "lora_dropout": 0.0, **kw})
+
+
+def logits_of(model, ids):
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+IDS = torch.tensor([[5, 7, 8, 28, 9, 29]])
+
+
+@pytest.mark.parametrize("strategy", ["full", "lora", "qlora"])
+def test_strategies_train_the_right_parameters(strategy, model_dir):
+    model = load_policy(config(model_dir, tuning_strategy=strategy), model_dir, torch.float32, CPU)
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    if strategy == "full":
+        assert len(trainable) == len(list(model.parameters()))
+    else:
+        assert trainable and all("lora_" in n for n in trainable)
+        # all-linear: attention and MLP projections, not the output layer
+        assert any("q_proj" in n for n in trainable) and any("down_proj" in n for n in trainable)
+        assert not any("lm_head" in n for n in trainable)
+    if strategy == "qlora":
+        import bitsandbytes as bnb
+
+        assert any(isinstance(m, bnb.nn.Linear4bit) for m in model.modules())
+    loss = model(input_ids=IDS, labels=IDS).loss
+    loss.backward()
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+
+def test_reference_mode_is_the_base_model_for_lora(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(model_dir)
+    policy = load_policy(config(model_dir, tuning_strategy="lora"), model_dir, torch.float32, CPU)
+    for name, p in policy.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.5)  # a trained adapter: the policy now differs from the base
+    assert not torch.allclose(logits_of(policy, IDS), logits_of(base, IDS), atol=1e-3)
+    with reference_mode(policy):
+        torch.testing.assert_close(logits_of(policy, IDS), logits_of(base, IDS))
+    assert not torch.allclose(logits_of(policy, IDS), logits_of(base, IDS), atol=1e-3)  # adapter back on
+
+
+def test_full_reference_only_with_kl(model_dir):
+    assert load_reference(config(model_dir, tuning_strategy="full"), model_dir, torch.float32, CPU) is None
+    assert load_reference(config(model_dir, tuning_strategy="lora", use_kl_penalty=True), model_dir,
+                          torch.float32, CPU) is None
+    ref = load_reference(config(model_dir, tuning_strategy="full", use_kl_penalty=True), model_dir,
+                         torch.float32, CPU)
+    assert ref is not None and not ref.training and not any(p.requires_grad for p in ref.parameters())
+
+
+def test_saved_outputs_load_without_grpo_and_match(model_dir, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    cfg = config(model_dir, tuning_strategy="lora", save_merged_model=True)
+    policy = load_policy(cfg, model_dir, torch.float32, CPU)
+    for name, p in policy.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.5)
+    expected = logits_of(policy, IDS)
+    saved = save_final_model(policy, load_tokenizer(model_dir), str(tmp_path), cfg, model_dir, torch.float32)
+    adapter_cfg = json.load(open(os.path.join(saved["lora_adapter"], "adapter_config.json")))
+    assert adapter_cfg["r"] == 4 and adapter_cfg["base_model_name_or_path"] == model_dir
+    reloaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir), saved["lora_adapter"])
+    torch.testing.assert_close(logits_of(reloaded, IDS), expected, atol=1e-5, rtol=1e-5)
+    merged = AutoModelForCausalLM.from_pretrained(saved["merged_model"])
+    torch.testing.assert_close(logits_of(merged, IDS), expected, atol=1e-4, rtol=1e-4)
+
+    # continuing from the saved adapter: rank and alpha come from its config, and it is trainable
+    cont = load_policy(config(model_dir, tuning_strategy="lora", lora_adapter_path=saved["lora_adapter"],
+                              lora_rank=16), model_dir, torch.float32, CPU)
+    assert cont.peft_config["default"].r == 4
+    assert any(p.requires_grad for p in cont.parameters())
+    torch.testing.assert_close(logits_of(cont, IDS), expected, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ConfigError, match="no adapter_config.json"):
+        load_policy(config(model_dir, tuning_strategy="lora", lora_adapter_path=str(tmp_path)), model_dir,
+                    torch.float32, CPU)
+
+
+def test_full_model_saves_in_hf_format(model_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    cfg = config(model_dir, tuning_strategy="full")
+    policy = load_policy(cfg, model_dir, torch.float32, CPU)
+    saved = save_final_model(policy, load_tokenizer(model_dir), str(tmp_path), cfg, model_dir, torch.float32)
+    torch.testing.assert_close(logits_of(AutoModelForCausalLM.from_pretrained(saved["model"]), IDS),
+                               logits_of(policy, IDS))
+
+
+def test_embedded_model_resolves_and_generates():
+    from transformers import AutoModelForCausalLM
+
+    from grpo.embedded import resolve_model_path
+
+    path = resolve_model_path(EMBEDDED_MODEL)  # converted once into the cache, then reused
+    assert resolve_model_path(EMBEDDED_MODEL) == path and resolve_model_path("/some/folder") == "/some/folder"
+    tokenizer = load_tokenizer(path)
+    assert tokenizer.eos_token == "<|im_end|>" and tokenizer.padding_side == "left"
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is 2 + 3?"}],
+                                           add_generation_prompt=True, tokenize=False)
+    assert prompt.endswith("<|im_start|>assistant\n")
+    model = AutoModelForCausalLM.from_pretrained(path)
+    ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)
+    out = model.generate(**ids, max_new_tokens=12, do_sample=False)
+    assert "5" in tokenizer.decode(out[0, ids["input_ids"].shape[1]:])
