@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, fields
 from typing import Optional
 
 from .errors import ConfigError
+from .jsonfile import read_json_object
 
 EMBEDDED_MODEL = "smollm2-135m-instruct"
 STRATEGIES = ("qlora", "lora", "full")
@@ -263,15 +264,7 @@ def _pop_config_flag(argv: list[str]) -> Optional[str]:
 
 
 def _read_config_json(path: str, known: set[str]) -> dict:
-    if not os.path.isfile(path):
-        raise ConfigError(f"--config: file not found: {path}")
-    try:
-        with open(path) as fh:
-            values = json.load(fh)
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"--config: {path} is not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})")
-    if not isinstance(values, dict):
-        raise ConfigError(f"--config: {path} must hold a JSON object of flag names to values")
+    values = read_json_object(path, ConfigError, "--config")
     unknown = sorted(set(values) - known)
     if unknown:
         raise ConfigError(f"--config: {path} has unknown option(s) {', '.join(unknown)}; "

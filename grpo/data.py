@@ -13,6 +13,7 @@ from typing import Optional
 import datasets
 
 from .errors import DatasetError
+from .jsonfile import read_json_object
 from .rewards import last_boxed
 
 FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
@@ -43,16 +44,9 @@ _ENTRY_KEYS = [f.name for f in fields(DatasetSpec) if f.name != "name"]
 
 def load_dataset_registry(path: str) -> dict[str, DatasetSpec]:
     """Parse and check the registry file; relative data paths become absolute (against the file's folder)."""
-    if not os.path.isfile(path):
-        raise DatasetError(f"dataset registry not found: {os.path.abspath(path)} (set --dataset_config_path)")
-    try:
-        with open(path) as fh:
-            raw = json.load(fh)
-    except json.JSONDecodeError as exc:
-        raise DatasetError(f"dataset registry {path} is not valid JSON: line {exc.lineno}, column {exc.colno}: "
-                           f"{exc.msg}")
-    if not isinstance(raw, dict) or not raw:
-        raise DatasetError(f"dataset registry {path} must be a JSON object mapping dataset names to entries")
+    raw = read_json_object(path, DatasetError, "--dataset_config_path")
+    if not raw:
+        raise DatasetError(f"--dataset_config_path: {path} registers no dataset")
     folder = os.path.dirname(os.path.abspath(path))
     return {name: _parse_entry(name, entry, folder, path) for name, entry in raw.items()}
 

@@ -1,7 +1,6 @@
 """DeepSpeed config files: read the shipped or the user's JSON and fill its "auto" values from GRPOConfig."""
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
 
@@ -9,6 +8,7 @@ import torch
 
 from .config import GRPOConfig
 from .errors import ConfigError
+from .jsonfile import read_json_object
 
 _SHIPPED = {"zero2": "zero2.json", "zero3": "zero3.json"}
 _CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
@@ -29,11 +29,7 @@ def load_deepspeed_config(config: GRPOConfig, use_bf16: bool) -> dict[str, Any]:
     One DeepSpeed micro-batch is per_device_train_batch_size prompts x k_samples completions.
     """
     path = resolve_deepspeed_path(config.deepspeed)
-    try:
-        with open(path) as fh:
-            ds = json.load(fh)
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"--deepspeed: {path} is not valid JSON (line {exc.lineno}: {exc.msg})")
+    ds = read_json_object(path, ConfigError, "--deepspeed")
     auto = {
         "train_micro_batch_size_per_gpu": config.per_device_train_batch_size * config.k_samples,
         "gradient_accumulation_steps": config.gradient_accumulation_steps,

@@ -155,7 +155,7 @@ def test_data_errors(jsonl):
 
 
 def test_missing_registry_file(tmp_path):
-    with pytest.raises(DatasetError, match="dataset registry not found"):
+    with pytest.raises(DatasetError, match="--dataset_config_path: file not found"):
         load_dataset_registry(str(tmp_path / "none.json"))
 
 
