@@ -159,3 +159,21 @@ def test_sigterm_saves_a_checkpoint(tiny_model, registry, tmp_path):
         trainer.train()
     assert [step for step, _ in list_checkpoints(str(tmp_path))] == [2]
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def test_kl_reference_reused_rollouts_and_is_correction(tiny_model, registry, tmp_path):
+    # full fine-tuning with the KL term (frozen reference copy), two updates per rollout from stored old log-probs,
+    # the truncated importance-sampling correction and truncated completions masked out
+    config = tiny_config(tiny_model, registry, str(tmp_path), tuning_strategy="full", max_steps=3,
+                         use_kl_penalty=True, kl_beta=0.1, num_iterations=2, rollout_is_correction=True,
+                         mask_truncated_completions=True, rollout_max_new_tokens=8, temperature=1.0,
+                         per_device_train_batch_size=4, k_samples=8, learning_rate=1e-2,
+                         loss_aggregation="seq_mean_token_sum_norm")
+    trainer = GRPOTrainer(config, reward_funcs=[target_token_reward(pick_target(tiny_model))])
+    assert trainer.reference is not None
+    trainer.train()
+    rows = [r for r in read_metrics(str(tmp_path / "metrics.jsonl")) if "loss" in r]
+    assert len(rows) == 3
+    assert all(torch.isfinite(torch.tensor([r["loss"], r["kl"], r["grad_norm"]])).all() for r in rows)
+    # the second update of each rollout starts from a moved policy: its KL to the frozen reference is positive
+    assert all(r["kl"] > 0 for r in rows)
