@@ -80,6 +80,8 @@ class GRPOTrainer:
                               f"local model folder, a reachable hub id, or '{EMBEDDED_MODEL}'") from exc
         self.train_set = render_prompts(train_rows, self.tokenizer, config.max_prompt_length)
         self.eval_set = render_prompts(eval_rows, self.tokenizer, config.max_prompt_length) if len(eval_rows) else None
+        if config.use_vllm_rollout and config.vllm_tp > 1:
+            _check_tensor_parallel(self.model_path, config)
         self.prompts_per_step = config.per_device_train_batch_size * config.gradient_accumulation_steps
         self.order = PromptOrder(len(self.train_set), self.prompts_per_step, config.seed, self.rank, self.world)
         if self.order.steps_per_epoch == 0:
@@ -461,6 +463,18 @@ def _mean_over_ranks(local: dict) -> dict:
         if values:
             out[key] = max(values) if key.endswith("_max") else sum(values) / len(values)
     return out
+
+
+def _check_tensor_parallel(model_path: str, config: GRPOConfig) -> None:
+    """vLLM splits attention heads over the group: say so now rather than after the models load."""
+    from transformers import AutoConfig
+
+    heads = getattr(AutoConfig.from_pretrained(model_path, trust_remote_code=config.trust_remote_code),
+                    "num_attention_heads", None)
+    if heads and heads % config.vllm_tp:
+        divisors = [d for d in range(1, heads + 1) if heads % d == 0]
+        raise ConfigError(f"--vllm_tp {config.vllm_tp}: the model has {heads} attention heads, which tensor "
+                          f"parallelism must divide; use one of {divisors}")
 
 
 def _lr_schedule(optimizer, config: GRPOConfig, total_updates: int):
