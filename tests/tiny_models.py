@@ -1,5 +1,6 @@
 """A tiny random Llama with a real (offline) word-level tokenizer and a ChatML chat template, for fast tests."""
 import os
+from typing import Optional
 
 import torch
 
@@ -26,8 +27,11 @@ def make_tiny_tokenizer(with_chat_template: bool = True):
     return fast
 
 
-def make_tiny_model_dir(path: str, with_chat_template: bool = True, seed: int = 0) -> str:
+def make_tiny_model_dir(path: str, vocab_size: Optional[int] = None, with_chat_template: bool = True,
+                        seed: int = 0) -> str:
     """Write a ~100k-parameter random Llama + tokenizer to `path` (loadable with from_pretrained).
+
+    `vocab_size` (default: the tokenizer's size) may exceed the tokenizer, as real models pad their embeddings.
 
     Weights are drawn wider than the usual 0.02 so the output logits span a few units, as a trained model's do:
     with the final RMSNorm fixing the hidden-state scale, a 0.02 output layer keeps every distribution near uniform
@@ -36,7 +40,10 @@ def make_tiny_model_dir(path: str, with_chat_template: bool = True, seed: int = 
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
     tokenizer = make_tiny_tokenizer(with_chat_template)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    vocab_size = vocab_size or len(tokenizer)
+    if vocab_size < len(tokenizer):
+        raise ValueError(f"vocab_size {vocab_size} is smaller than the tokenizer ({len(tokenizer)} tokens)")
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                          tie_word_embeddings=False, pad_token_id=tokenizer.pad_token_id, initializer_range=0.1,
                          eos_token_id=tokenizer.eos_token_id, bos_token_id=None)

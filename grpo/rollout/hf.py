@@ -21,17 +21,28 @@ def stop_token_ids(model, tokenizer) -> list[int]:
 
 
 class HFRolloutEngine:
-    """Samples from the live policy module, so weights never need syncing (load_weights is a no-op)."""
+    """Samples from the live policy module, so weights never need syncing (load_weights is a no-op).
+
+    `max_batch_size` bounds the prompts per `generate` call (each call decodes n sequences per prompt).
+    """
 
     def __init__(self, model, tokenizer, max_batch_size: int = 64):
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be at least 1, got {max_batch_size}")
         self.model = model
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
         self.stop_ids = stop_token_ids(model, tokenizer)
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.stop_ids[0]
+        # the pad id only fills the left of short prompts (masked) and the tail of finished rows (cut off)
+        fallback_pad = self.stop_ids[0] if self.stop_ids else 0
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else fallback_pad
 
     @torch.no_grad()
     def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingSettings) -> list[Completion]:
+        """n completions per prompt, prompt by prompt, each cut after its first stop token."""
+        if not sampling.greedy and sampling.temperature <= 0:
+            raise ValueError(f"temperature must be > 0 when sampling (got {sampling.temperature}); "
+                             "use greedy=True for argmax decoding")
         was_training = self.model.training
         config = getattr(self.model, "config", None)
         use_cache = getattr(config, "use_cache", True)
@@ -40,9 +51,8 @@ class HFRolloutEngine:
             config.use_cache = True  # gradient checkpointing turns the cache off for training
         try:
             out = []
-            per_call = max(1, self.max_batch_size // max(sampling.n, 1))
-            for start in range(0, len(prompt_token_ids), per_call):
-                chunk = prompt_token_ids[start:start + per_call]
+            for start in range(0, len(prompt_token_ids), self.max_batch_size):
+                chunk = prompt_token_ids[start:start + self.max_batch_size]
                 out += [Completion(c.prompt_index + start, c.token_ids, c.logprobs, c.finish_reason)
                         for c in self._generate_chunk(chunk, sampling)]
             return out
@@ -62,8 +72,8 @@ class HFRolloutEngine:
         # greedy samples of one prompt are identical: decode once, repeat below
         per_prompt = 1 if sampling.greedy else sampling.n
         kwargs = dict(max_new_tokens=sampling.max_new_tokens, num_return_sequences=per_prompt,
-                      eos_token_id=self.stop_ids, pad_token_id=self.pad_id, output_logits=True,
-                      return_dict_in_generate=True)
+                      eos_token_id=self.stop_ids, pad_token_id=self.pad_id, use_cache=True,
+                      output_logits=True, return_dict_in_generate=True)
         if sampling.greedy:
             kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
         else:
@@ -91,7 +101,7 @@ class HFRolloutEngine:
         """Nothing to do: generation uses the trained module itself."""
 
     def sleep(self) -> None:
-        pass
+        """Nothing to release: the policy's memory is the trainer's."""
 
     def wake(self) -> None:
-        pass
+        """Nothing to take back (see sleep)."""
