@@ -38,6 +38,7 @@ def _load_base(model_path: str, dtype: torch.dtype, device: torch.device, trust_
 
 
 def lora_target_modules(value: str):
+    """--lora_target_modules as peft wants it: "all-linear" or a list of module names."""
     return "all-linear" if value.strip() == "all-linear" else [m.strip() for m in value.split(",") if m.strip()]
 
 
@@ -56,7 +57,7 @@ def load_policy(config: GRPOConfig, model_path: str, dtype: torch.dtype, device:
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=config.gradient_checkpointing,
                                                 gradient_checkpointing_kwargs={"use_reentrant": False})
     elif config.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        _enable_checkpointing(model)
     if config.uses_lora:
         model = _attach_lora(model, config)
         if config.gradient_checkpointing:
@@ -66,6 +67,14 @@ def load_policy(config: GRPOConfig, model_path: str, dtype: torch.dtype, device:
     logger.info(f"{config.tuning_strategy}: {trainable:,} trainable of {total:,} parameters "
                 f"({100 * trainable / max(total, 1):.2f}%)")
     return model
+
+
+def _enable_checkpointing(model) -> None:
+    """Recompute activations in backward; non-reentrant, so frozen inputs (peft) still get gradients through."""
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.23 renamed it
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def _attach_lora(model, config: GRPOConfig):

@@ -1,4 +1,6 @@
 """The HF rollout engine: order, stop handling, padding, and log-probs equal to a teacher-forced recomputation."""
+import copy
+
 import pytest
 import torch
 
@@ -46,8 +48,9 @@ def test_logprobs_match_teacher_forcing(engine):
     eng, tok = engine
     torch.manual_seed(1)
     ps = prompts(tok)
-    for temperature in (1.0, 0.7):
-        out = eng.generate(ps, SamplingSettings(n=3, max_new_tokens=10, temperature=temperature))
+    # top-p only narrows what is sampled: the log-probs stay those of the full softmax(logits / T)
+    for temperature, top_p in ((1.0, 1.0), (0.7, 1.0), (1.0, 0.8)):
+        out = eng.generate(ps, SamplingSettings(n=3, max_new_tokens=10, temperature=temperature, top_p=top_p))
         batch = build_rollout_batch(ps, out, tok.pad_token_id)
         with torch.no_grad():
             recomputed, _ = completion_logprobs(eng.model, batch, temperature)
@@ -55,17 +58,40 @@ def test_logprobs_match_teacher_forcing(engine):
         torch.testing.assert_close(recomputed[mask], batch.rollout_logprobs[mask], atol=1e-4, rtol=1e-4)
 
 
-def test_greedy_is_deterministic_and_chunking_changes_nothing(engine):
+@pytest.mark.parametrize("max_batch_size", [1, 2])  # 3 prompts: chunks of 1+1+1, and 2+1
+def test_greedy_is_deterministic_and_chunking_changes_nothing(engine, max_batch_size):
     eng, tok = engine
     settings = SamplingSettings(n=2, max_new_tokens=8, greedy=True)
     one = eng.generate(prompts(tok), settings)
-    eng_small = HFRolloutEngine(eng.model, tok, max_batch_size=2)  # one prompt per generate call
-    chunked = eng_small.generate(prompts(tok), settings)
+    assert [c.token_ids for c in eng.generate(prompts(tok), settings)] == [c.token_ids for c in one]
+    chunked = HFRolloutEngine(eng.model, tok, max_batch_size=max_batch_size).generate(prompts(tok), settings)
     assert [c.token_ids for c in one] == [c.token_ids for c in chunked]
-    assert [c.prompt_index for c in one] == [c.prompt_index for c in chunked]
+    assert [c.prompt_index for c in chunked] == [0, 0, 1, 1, 2, 2]
     assert one[0].token_ids == one[1].token_ids  # greedy: both samples of a prompt agree
     for a, b in zip(one, chunked):
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4, rtol=1e-4)
+
+
+def test_stop_token_ends_a_completion_and_the_rest_is_cut(engine):
+    """A stop id the greedy path is known to hit: that row stops there, the others run to the length limit."""
+    eng, tok = engine
+    settings = SamplingSettings(n=1, max_new_tokens=8, greedy=True)
+    free = eng.generate(prompts(tok), settings)
+    assert all(c.finish_reason == "length" and len(c.token_ids) == 8 for c in free)  # no EOS in 8 greedy steps
+    stop = free[0].token_ids[2]  # the third token prompt 0 generates
+    generation_config = copy.deepcopy(eng.model.generation_config)
+    generation_config.eos_token_id = [tok.eos_token_id, stop]
+    model = copy.copy(eng.model)  # same weights, another generation config
+    model.generation_config = generation_config
+    stopped = HFRolloutEngine(model, tok).generate(prompts(tok), settings)
+    finish = []
+    for before, after in zip(free, stopped):
+        cut = before.token_ids.index(stop) + 1 if stop in before.token_ids else None
+        assert after.token_ids == before.token_ids[:cut]  # stop token kept, nothing after it (no padding)
+        assert after.logprobs == pytest.approx(before.logprobs[:cut], abs=1e-5)
+        assert after.finish_reason == ("stop" if cut else "length")
+        finish.append(after.finish_reason)
+    assert finish[0] == "stop" and len(stopped[0].token_ids) <= 3 and "length" in finish
 
 
 def test_training_mode_restored(engine):

