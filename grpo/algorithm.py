@@ -1,6 +1,7 @@
 """GRPO math as pure tensor functions: no model, no engine, no config object.
 
-Shapes: N = completions in the batch (prompts x group size G), T = completion tokens, V = vocabulary.
+Shapes: N = completions in the batch (B prompts x group size G), T = completion tokens, V = vocabulary.
+Bad arguments raise ValueError with a message that says what to pass instead.
 """
 from __future__ import annotations
 
@@ -8,75 +9,104 @@ from typing import Optional
 
 import torch
 
+ADVANTAGE_SCALES = ("group", "batch", "none")
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
-LOG_RATIO_CLAMP = 10.0
+KL_CLAMP = 10.0  # bound on the k3 log-ratio before exp and on k3 itself
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group", eps: float = 1e-4) -> torch.Tensor:
-    """Group-relative advantages of a flat reward vector whose groups are consecutive.
+    """Group-relative advantages of a flat reward vector `[B*G]` whose groups are consecutive.
 
-        A_i = (r_i - mean_g) / (std_g + eps)      scale="group"  (GRPO, std unbiased as torch.std)
+        A_i = (r_i - mean_g) / (std_g + eps)      scale="group"  (GRPO, Shao et al. 2024, sec. 4.1.2)
         A_i = (r_i - mean_g) / (std_batch + eps)  scale="batch"
-        A_i =  r_i - mean_g                        scale="none"   (Dr. GRPO)
-    A group whose rewards are all equal gets exactly 0 (its numerator is 0).
+        A_i =  r_i - mean_g                        scale="none"   (Dr. GRPO, Liu et al. 2025)
+    std is unbiased (torch.std's default). A group whose rewards are all equal gets exactly 0: its numerator is 0.
     """
-    rewards = rewards.float()                                  # [N]
+    if rewards.dim() != 1:
+        raise ValueError(f"rewards must be a flat [B*G] vector, got shape {tuple(rewards.shape)}")
     if group_size < 1 or rewards.numel() % group_size != 0:
-        raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
-    grouped = rewards.view(-1, group_size)                     # [N/G, G]
-    centered = grouped - grouped.mean(dim=1, keepdim=True)     # [N/G, G]
+        raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}: pass one reward "
+                         f"per completion, {group_size} consecutive completions per prompt")
+    if scale not in ADVANTAGE_SCALES:
+        raise ValueError(f"unknown advantage scale '{scale}' (use one of {', '.join(ADVANTAGE_SCALES)})")
+    rewards = rewards.float()                                   # [B*G]
+    grouped = rewards.view(-1, group_size)                      # [B, G]
+    centered = grouped - grouped.mean(dim=1, keepdim=True)      # [B, G]
+    if scale == "none":
+        return centered.reshape(-1)
     if scale == "group":
-        std = grouped.std(dim=1, keepdim=True) if group_size > 1 else torch.zeros_like(grouped[:, :1])
-        advantages = centered / (std + eps)
-    elif scale == "batch":
-        std = rewards.std() if rewards.numel() > 1 else rewards.new_zeros(())
-        advantages = centered / (std + eps)
-    elif scale == "none":
-        advantages = centered
+        # a group of one has no spread (torch.std would give NaN); its centered reward is 0 anyway
+        std = grouped.std(dim=1, keepdim=True) if group_size > 1 else torch.zeros_like(grouped[:, :1])  # [B, 1]
     else:
-        raise ValueError(f"unknown advantage scale '{scale}' (use group, batch or none)")
-    return advantages.reshape(-1)                              # [N]
+        std = rewards.std() if rewards.numel() > 1 else rewards.new_zeros(())                            # []
+    return (centered / (std + eps)).reshape(-1)                 # [B*G]
+
+
+def _check_chunking(temperature: float, chunk_size: int) -> None:
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+
+
+def _scaled_fp32(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    z = logits.float()                                           # [n, T, V], a copy only for bf16/fp16 input
+    return z / temperature if temperature != 1.0 else z
 
 
 def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, temperature: float = 1.0,
                    chunk_size: int = 8) -> torch.Tensor:
-    """log softmax(logits / temperature)[token] for every position, in fp32.
+    """Log-probability of each token under softmax(logits / temperature), in fp32.
 
         log p(y_t) = z_t[y_t] - logsumexp(z_t),   z_t = logits_t / temperature
-    Rows are processed `chunk_size` at a time so the fp32 copy of the logits never covers the whole batch.
-    logits [N, T, V], token_ids [N, T] -> [N, T]; differentiable w.r.t. logits.
+    Rows are processed `chunk_size` at a time, so the fp32 copy of the logits (and logsumexp's workspace)
+    never covers the whole batch. logits [N, T, V], token_ids [N, T] -> [N, T] fp32; differentiable w.r.t. logits.
     """
+    _check_chunking(temperature, chunk_size)
+    if logits.dim() != 3 or token_ids.shape != logits.shape[:2]:
+        raise ValueError(f"token_logprobs needs logits [N, T, V] and token_ids [N, T], got "
+                         f"{tuple(logits.shape)} and {tuple(token_ids.shape)}")
     out = []
     for start in range(0, logits.shape[0], chunk_size):
-        z = logits[start:start + chunk_size].float() / temperature                  # [n, T, V]
-        picked = z.gather(-1, token_ids[start:start + chunk_size].unsqueeze(-1)).squeeze(-1)  # [n, T]
-        out.append(picked - torch.logsumexp(z, dim=-1))
-    return torch.cat(out, dim=0)                                                    # [N, T]
+        z = _scaled_fp32(logits[start:start + chunk_size], temperature)                        # [n, T, V]
+        ids = token_ids[start:start + chunk_size].long().unsqueeze(-1)                          # [n, T, 1]
+        out.append(z.gather(-1, ids).squeeze(-1) - torch.logsumexp(z, dim=-1))                 # [n, T]
+    return torch.cat(out, dim=0)                                                                # [N, T]
 
 
 @torch.no_grad()
 def token_entropy(logits: torch.Tensor, temperature: float = 1.0, chunk_size: int = 8) -> torch.Tensor:
-    """H_t = -sum_v p_v log p_v of softmax(logits / temperature), per position. [N, T, V] -> [N, T]."""
+    """Entropy of softmax(logits / temperature) at every position, for logging (no grad), chunked over rows.
+
+        H_t = -sum_v p_v log p_v
+    logits [N, T, V] -> [N, T] fp32.
+    """
+    _check_chunking(temperature, chunk_size)
+    if logits.dim() != 3:
+        raise ValueError(f"token_entropy needs logits [N, T, V], got {tuple(logits.shape)}")
     out = []
     for start in range(0, logits.shape[0], chunk_size):
-        logp = torch.log_softmax(logits[start:start + chunk_size].float() / temperature, dim=-1)  # [n, T, V]
-        out.append(-(logp.exp() * logp).sum(-1))
-    return torch.cat(out, dim=0)
+        logp = torch.log_softmax(_scaled_fp32(logits[start:start + chunk_size], temperature), dim=-1)  # [n, T, V]
+        out.append(-(logp.exp() * logp).sum(dim=-1))                                                  # [n, T]
+    return torch.cat(out, dim=0)                                                                        # [N, T]
 
 
 def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
-    """Per-token k3 estimator of KL(pi || ref) (Schulman, "Approximating KL divergence"):
+    """Per-token k3 estimator of KL(pi || ref) (Schulman, "Approximating KL divergence", 2020):
 
-        k3 = exp(ref - lp) - (ref - lp) - 1     (>= 0, unbiased, low variance)
-    The log-ratio (ref - lp) is clamped to [-10, 10] before exp, and k3 itself to [-10, 10], so one
-    token the policy has moved far from the reference cannot blow up the loss.
+        k3 = exp(ref - lp) - (ref - lp) - 1       (>= 0; unbiased for samples drawn from pi)
+    Two clamps keep one token the policy has moved far from the reference from blowing up the loss:
+    the log-ratio (ref - lp) is clamped to [-10, 10] before exp, and the result k3 to [-10, 10].
     """
-    log_ratio = (ref_logprobs - logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    return (torch.exp(log_ratio) - log_ratio - 1.0).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    log_ratio = (ref_logprobs - logprobs).clamp(-KL_CLAMP, KL_CLAMP)                  # [N, T]
+    return (torch.exp(log_ratio) - log_ratio - 1.0).clamp(-KL_CLAMP, KL_CLAMP)      # [N, T]
 
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: Optional[int] = None) -> torch.Tensor:
-    """Mean of values where mask is 1 (0 where the mask is empty, not NaN)."""
+    """Mean of `values` where `mask` is nonzero, over all entries or along `dim`; 0 (not NaN) where the mask is empty.
+
+        masked_mean(x, m) = sum(m * x) / max(sum(m), 1)
+    """
     mask = mask.to(values.dtype)
     if dim is None:
         return (values * mask).sum() / mask.sum().clamp(min=1.0)
@@ -85,25 +115,42 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: Optional[int] = N
 
 def aggregate(per_token: torch.Tensor, mask: torch.Tensor, aggregation: str = "token_mean",
               max_completion_length: Optional[int] = None) -> torch.Tensor:
-    """Reduce a per-token quantity [N, T] to one number.
+    """Reduce a per-token quantity [N, T] under a mask [N, T] to one number.
 
-        token_mean:              sum_{i,t} m_it x_it / sum_{i,t} m_it
-        seq_mean_token_mean:     mean over sequences with >= 1 token of (sum_t m_it x_it / sum_t m_it)
-        seq_mean_token_sum_norm: mean_i (sum_t m_it x_it / max_completion_length)       (Dr. GRPO)
+        token_mean:              sum_{i,t} m_it x_it / sum_{i,t} m_it                    (DAPO)
+        seq_mean_token_mean:     mean over sequences with >= 1 token of sum_t m_it x_it / sum_t m_it   (GRPO)
+        seq_mean_token_sum_norm: mean_i sum_t m_it x_it / max_completion_length           (Dr. GRPO)
     """
-    mask = mask.to(per_token.dtype)
+    mask = mask.to(per_token.dtype)                                       # [N, T]
     if aggregation == "token_mean":
-        return (per_token * mask).sum() / mask.sum().clamp(min=1.0)
+        return masked_mean(per_token, mask)
     if aggregation == "seq_mean_token_mean":
-        tokens = mask.sum(dim=1)                                         # [N]
-        has_tokens = tokens > 0
-        per_seq = (per_token * mask).sum(dim=1) / tokens.clamp(min=1.0)  # [N]
-        return (per_seq * has_tokens).sum() / has_tokens.sum().clamp(min=1)
+        has_tokens = (mask.sum(dim=1) > 0).to(per_token.dtype)            # [N]
+        per_seq = masked_mean(per_token, mask, dim=1)                     # [N]
+        return (per_seq * has_tokens).sum() / has_tokens.sum().clamp(min=1.0)
     if aggregation == "seq_mean_token_sum_norm":
-        if not max_completion_length:
-            raise ValueError("aggregation 'seq_mean_token_sum_norm' needs max_completion_length")
+        if max_completion_length is None or max_completion_length <= 0:
+            raise ValueError("aggregation 'seq_mean_token_sum_norm' needs max_completion_length > 0 "
+                             f"(the constant that replaces the per-sequence length), got {max_completion_length}")
         return ((per_token * mask).sum(dim=1) / max_completion_length).mean()
     raise ValueError(f"unknown loss aggregation '{aggregation}' (use one of {', '.join(AGGREGATIONS)})")
+
+
+def _check_loss_inputs(logprobs, old_logprobs, advantages, mask, ref_logprobs, is_weights, eps_low, eps_high, beta):
+    if logprobs.dim() != 2:
+        raise ValueError(f"logprobs must be [N, T], got shape {tuple(logprobs.shape)}")
+    named = {"old_logprobs": old_logprobs, "mask": mask, "ref_logprobs": ref_logprobs, "is_weights": is_weights}
+    for name, tensor in named.items():
+        if tensor is not None and tensor.shape != logprobs.shape:
+            raise ValueError(f"{name} must have the shape of logprobs {tuple(logprobs.shape)}, "
+                             f"got {tuple(tensor.shape)}")
+    if advantages.shape != logprobs.shape[:1]:
+        raise ValueError(f"advantages must be [N] = {tuple(logprobs.shape[:1])} (one per sequence), "
+                         f"got {tuple(advantages.shape)}")
+    if not 0.0 <= eps_low < 1.0 or eps_high < 0.0:
+        raise ValueError(f"clip range needs 0 <= eps_low < 1 and eps_high >= 0, got {eps_low} and {eps_high}")
+    if beta < 0:
+        raise ValueError(f"beta (KL coefficient) must be >= 0, got {beta}")
 
 
 def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
@@ -111,41 +158,49 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
                 eps_high: Optional[float] = None, aggregation: str = "token_mean",
                 max_completion_length: Optional[int] = None,
                 is_weights: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, dict]:
-    """PPO-clipped GRPO surrogate with an optional k3 KL penalty, masked and aggregated.
+    """PPO-clipped GRPO surrogate with an optional k3 KL penalty, masked and aggregated over the given rows.
 
         ratio_t = exp(lp_t - old_t)
-        pg_t    = -min(ratio_t * A, clip(ratio_t, 1 - eps_low, 1 + eps_high) * A) * w_t    (w: is_weights or 1)
-        loss_t  = pg_t + beta * k3(lp_t, ref_t)
-    logprobs / old_logprobs / ref_logprobs / mask / is_weights: [N, T]; advantages: [N].
-    Gradients flow only through `logprobs`. Returns (loss, metrics) with metrics as python floats:
-    clip_frac_low (A < 0 and ratio < 1 - eps_low), clip_frac_high (A > 0 and ratio > 1 + eps_high), clip_frac,
-    ratio_mean, ratio_max, kl, pg_loss.
+        pg_t    = -min(ratio_t * A, clip(ratio_t, 1 - eps_low, 1 + eps_high) * A) * w_t    (w = is_weights, or 1)
+        loss_t  = pg_t + beta * k3(lp_t, ref_t)                                            (KL only if beta > 0)
+        loss    = aggregate(loss_t, mask, aggregation)
+    The clip is PPO's (Schulman et al. 2017, eq. 7) with DAPO's decoupled upper bound (eps_high; None = eps_low).
+    `is_weights` is the truncated importance-sampling correction for rollout/trainer mismatch.
+    logprobs / old_logprobs / ref_logprobs / mask / is_weights: [N, T]; advantages: [N], broadcast over tokens.
+    Gradients flow only through `logprobs`. Called per micro-batch, the loss aggregates those rows only.
+
+    Returns (loss, metrics); metrics are python floats over masked tokens: clip_frac_low (A < 0 and
+    ratio < 1 - eps_low), clip_frac_high (A > 0 and ratio > 1 + eps_high), clip_frac (their sum), ratio_mean,
+    ratio_max, kl (mean k3 whenever ref_logprobs is given, else 0.0) and pg_loss (pg_t alone, aggregated alike).
     """
     eps_high = eps_low if eps_high is None else eps_high
-    old_logprobs = old_logprobs.detach()
+    _check_loss_inputs(logprobs, old_logprobs, advantages, mask, ref_logprobs, is_weights, eps_low, eps_high, beta)
+    old_logprobs = old_logprobs.detach()                                  # [N, T]
     adv = advantages.detach().to(logprobs.dtype).unsqueeze(1)             # [N, 1]
     mask = mask.to(logprobs.dtype)                                         # [N, T]
+
     ratio = torch.exp(logprobs - old_logprobs)                             # [N, T]
-    unclipped = ratio * adv
-    clipped = ratio.clamp(1.0 - eps_low, 1.0 + eps_high) * adv
+    unclipped = ratio * adv                                                # [N, T]
+    clipped = ratio.clamp(1.0 - eps_low, 1.0 + eps_high) * adv             # [N, T]
     pg_per_token = -torch.min(unclipped, clipped)                          # [N, T]
     if is_weights is not None:
-        pg_per_token = pg_per_token * is_weights.detach()
+        pg_per_token = pg_per_token * is_weights.detach().to(logprobs.dtype)
     per_token = pg_per_token
     kl = None
-    if beta > 0 and ref_logprobs is not None:
+    if ref_logprobs is not None:
         kl = kl_k3(logprobs, ref_logprobs.detach())                        # [N, T]
-        per_token = per_token + beta * kl
+        if beta > 0:
+            per_token = per_token + beta * kl
     loss = aggregate(per_token, mask, aggregation, max_completion_length)
 
     with torch.no_grad():
-        low = ((ratio < 1.0 - eps_low) & (adv < 0)).to(mask.dtype)
-        high = ((ratio > 1.0 + eps_high) & (adv > 0)).to(mask.dtype)
+        clipped_low = ((ratio < 1.0 - eps_low) & (adv < 0)).to(mask.dtype)    # [N, T]
+        clipped_high = ((ratio > 1.0 + eps_high) & (adv > 0)).to(mask.dtype)  # [N, T]
         metrics = {
-            "clip_frac_low": masked_mean(low, mask).item(),
-            "clip_frac_high": masked_mean(high, mask).item(),
+            "clip_frac_low": masked_mean(clipped_low, mask).item(),
+            "clip_frac_high": masked_mean(clipped_high, mask).item(),
             "ratio_mean": masked_mean(ratio, mask).item(),
-            "ratio_max": (ratio * mask).max().item() if mask.any() else 0.0,
+            "ratio_max": ratio[mask > 0].max().item() if mask.any() else 0.0,
             "kl": masked_mean(kl, mask).item() if kl is not None else 0.0,
             "pg_loss": aggregate(pg_per_token, mask, aggregation, max_completion_length).item(),
         }

@@ -43,6 +43,14 @@ def test_group_advantages_bad_input():
         group_advantages(torch.zeros(6), 4)
     with pytest.raises(ValueError, match="unknown advantage scale"):
         group_advantages(torch.zeros(4), 2, scale="rank")
+    with pytest.raises(ValueError, match="flat"):
+        group_advantages(torch.zeros(2, 2), 2)
+
+
+def test_group_advantages_group_of_one_is_zero_not_nan():
+    # one completion per prompt: r - mean = 0, so every advantage is 0 with any scale
+    for scale in ("group", "batch", "none"):
+        assert torch.equal(group_advantages(torch.tensor([1.0, 3.0]), 1, scale=scale), torch.zeros(2))
 
 
 # ------------------------------------------------------------------------------------------- log-probs
@@ -57,15 +65,49 @@ def test_token_logprobs_by_hand():
                                atol=1e-5, rtol=1e-5)
 
 
-def test_token_logprobs_chunked_equals_full_and_has_grads():
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_token_logprobs_chunked_equals_full_log_softmax(temperature):
     torch.manual_seed(0)
-    logits = torch.randn(5, 7, 11, requires_grad=True)
+    logits = torch.randn(5, 7, 11)
     ids = torch.randint(0, 11, (5, 7))
-    reference = torch.log_softmax(logits, -1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+    reference = torch.log_softmax(logits / temperature, -1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
     for chunk in (1, 2, 5, 16):
-        torch.testing.assert_close(token_logprobs(logits, ids, chunk_size=chunk), reference)
-    token_logprobs(logits, ids, chunk_size=2).sum().backward()
-    assert logits.grad is not None and logits.grad.abs().sum() > 0
+        torch.testing.assert_close(token_logprobs(logits, ids, temperature=temperature, chunk_size=chunk), reference)
+
+
+def test_token_logprobs_bf16_logits_give_fp32_and_grads():
+    torch.manual_seed(0)
+    logits = torch.randn(3, 4, 9).to(torch.bfloat16).requires_grad_(True)
+    ids = torch.randint(0, 9, (3, 4))
+    lp = token_logprobs(logits, ids, chunk_size=2)
+    assert lp.dtype == torch.float32
+    # same numbers as an fp32 log-softmax of the (exactly representable) bf16 values
+    reference = torch.log_softmax(logits.detach().float(), -1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+    torch.testing.assert_close(lp, reference)
+    lp.sum().backward()
+    assert logits.grad is not None and logits.grad.dtype == torch.bfloat16 and logits.grad.abs().sum() > 0
+
+
+def test_token_logprobs_gradient_by_hand():
+    # d log p(y) / d logits = (onehot(y) - softmax(logits / T)) / T
+    # logits [0, ln 2, ln 3], token 2, T = 1: p = [1/6, 1/3, 1/2] -> grad [-1/6, -1/3, 1/2]
+    logits = torch.tensor([[[0.0, math.log(2), math.log(3)]]], requires_grad=True)
+    token_logprobs(logits, torch.tensor([[2]])).sum().backward()
+    torch.testing.assert_close(logits.grad, torch.tensor([[[-1 / 6, -1 / 3, 1 / 2]]]))
+    # T = 2: p = [1, 1.41421, 1.73205] / 4.14626 = [0.24118, 0.34108, 0.41774]
+    #   grad = ([0, 0, 1] - p) / 2 = [-0.12059, -0.17054, 0.29113]
+    logits.grad = None
+    token_logprobs(logits, torch.tensor([[2]]), temperature=2.0).sum().backward()
+    torch.testing.assert_close(logits.grad, torch.tensor([[[-0.12059, -0.17054, 0.29113]]]), atol=1e-5, rtol=1e-4)
+
+
+def test_token_logprobs_bad_arguments():
+    with pytest.raises(ValueError, match="token_ids"):
+        token_logprobs(torch.zeros(2, 3, 5), torch.zeros(2, 4, dtype=torch.long))
+    with pytest.raises(ValueError, match="temperature"):
+        token_logprobs(torch.zeros(2, 3, 5), torch.zeros(2, 3, dtype=torch.long), temperature=0.0)
+    with pytest.raises(ValueError, match="chunk_size"):
+        token_entropy(torch.zeros(2, 3, 5), chunk_size=0)
 
 
 def test_token_entropy_uniform_and_peaked():
@@ -73,6 +115,16 @@ def test_token_entropy_uniform_and_peaked():
     peaked = torch.tensor([[[0.0, math.log(3), -1e9, -1e9]]])  # p = [1/4, 3/4]: H = -(.25 ln .25 + .75 ln .75)
     torch.testing.assert_close(token_entropy(uniform), torch.tensor([[math.log(4)]]))
     torch.testing.assert_close(token_entropy(peaked), torch.tensor([[-(0.25 * math.log(0.25) + 0.75 * math.log(0.75))]]))
+    # temperature 2 halves the logits: [0, ln sqrt3] -> p = [1, 1.73205] / 2.73205 = [0.36603, 0.63397]
+    #   H = -(0.36603 ln 0.36603 + 0.63397 ln 0.63397) = 0.36787 + 0.28893 = 0.65681
+    torch.testing.assert_close(token_entropy(peaked, temperature=2.0), torch.tensor([[0.65681]]), atol=1e-5, rtol=1e-5)
+
+
+def test_token_entropy_chunked_equals_full():
+    torch.manual_seed(0)
+    logits = torch.randn(5, 3, 7)
+    logp = torch.log_softmax(logits, -1)
+    torch.testing.assert_close(token_entropy(logits, chunk_size=2), -(logp.exp() * logp).sum(-1))
 
 
 # ------------------------------------------------------------------------------------------------- KL
@@ -166,8 +218,56 @@ def test_policy_loss_with_kl_penalty():
 def test_policy_loss_is_weights_scale_the_policy_term():
     w = torch.tensor([[2.0, 1.0, 1.0], [1.0, 0.5, 1.0]])
     # per-token pg: [-2.6, -1.0, -0.5, 0.8, 0.55] -> sum -2.75 / 5 = -0.55
-    loss, _ = policy_loss(LP, OLD, ADV, MASK, eps_low=0.2, eps_high=0.3, is_weights=w)
+    loss, m = policy_loss(LP, OLD, ADV, MASK, eps_low=0.2, eps_high=0.3, is_weights=w)
     assert loss.item() == pytest.approx(-0.55, abs=1e-6)
+    assert m["pg_loss"] == pytest.approx(-0.55, abs=1e-6)
+    # the weights scale the loss, not the ratio: the clip fractions stay those of the unweighted case
+    assert m["clip_frac_high"] == pytest.approx(0.2) and m["clip_frac_low"] == pytest.approx(0.2)
+
+
+def test_policy_loss_kl_is_logged_without_penalty_when_beta_is_zero():
+    # same ref as above: the kl metric is reported, the loss is the plain surrogate
+    ref = LP + torch.tensor([[0.0, 1.0, 0.0], [-1.0, 0.0, 0.0]])
+    loss, m = policy_loss(LP, OLD, ADV, MASK, ref_logprobs=ref, beta=0.0, eps_low=0.2, eps_high=0.3)
+    assert loss.item() == pytest.approx(-0.18, abs=1e-6)
+    assert m["kl"] == pytest.approx(((math.e - 2) + math.exp(-1)) / 5, abs=1e-6)
+
+
+def test_policy_loss_per_micro_batch_aggregates_its_rows_only():
+    # row 0 alone: (-1.3 - 1.0 - 0.5) / 3 = -0.93333; row 1 alone: (0.8 + 1.1) / 2 = 0.95
+    loss0, m0 = policy_loss(LP[:1], OLD[:1], ADV[:1], MASK[:1], eps_low=0.2, eps_high=0.3)
+    loss1, m1 = policy_loss(LP[1:], OLD[1:], ADV[1:], MASK[1:], eps_low=0.2, eps_high=0.3)
+    assert loss0.item() == pytest.approx(-2.8 / 3, abs=1e-6)
+    assert loss1.item() == pytest.approx(0.95, abs=1e-6)
+    # row 0 has only the high clip (1 of 3 tokens), row 1 only the low one (1 of 2 tokens)
+    assert (m0["clip_frac_high"], m0["clip_frac_low"]) == (pytest.approx(1 / 3), 0.0)
+    assert (m1["clip_frac_high"], m1["clip_frac_low"]) == (0.0, pytest.approx(0.5))
+
+
+def test_policy_loss_fully_masked_row_is_skipped_in_seq_mean():
+    # row 1 fully masked: seq_mean_token_mean is row 0's mean alone, -2.8 / 3; token_mean likewise
+    mask = torch.tensor([[1.0, 1.0, 1.0], [0.0, 0.0, 0.0]])
+    for aggregation in ("seq_mean_token_mean", "token_mean"):
+        loss, m = policy_loss(LP, OLD, ADV, mask, eps_low=0.2, eps_high=0.3, aggregation=aggregation)
+        assert loss.item() == pytest.approx(-2.8 / 3, abs=1e-6)
+    # ratio over row 0 only: mean (1.5 + 1 + 0.5) / 3 = 1.0, max 1.5
+    assert m["ratio_mean"] == pytest.approx(1.0) and m["ratio_max"] == pytest.approx(1.5)
+    # nothing masked in at all: a zero loss and zero metrics, no NaN
+    loss, m = policy_loss(LP, OLD, ADV, torch.zeros(2, 3))
+    assert loss.item() == 0.0 and m["ratio_max"] == 0.0 and m["clip_frac"] == 0.0
+
+
+def test_policy_loss_bad_arguments():
+    with pytest.raises(ValueError, match="advantages must be"):
+        policy_loss(LP, OLD, torch.zeros(2, 3), MASK)
+    with pytest.raises(ValueError, match="mask must have the shape"):
+        policy_loss(LP, OLD, ADV, MASK[:, :2])
+    with pytest.raises(ValueError, match="ref_logprobs must have the shape"):
+        policy_loss(LP, OLD, ADV, MASK, ref_logprobs=LP[:1], beta=0.1)
+    with pytest.raises(ValueError, match="eps_low"):
+        policy_loss(LP, OLD, ADV, MASK, eps_low=1.5)
+    with pytest.raises(ValueError, match="max_completion_length > 0"):
+        policy_loss(LP, OLD, ADV, MASK, aggregation="seq_mean_token_sum_norm", max_completion_length=0)
 
 
 def test_gradients_flow_only_through_logprobs():
@@ -182,3 +282,31 @@ def test_gradients_flow_only_through_logprobs():
     #   seq 0: token 0 clipped (1.5 > 1.3) -> 0; token 1 -> -1/5; token 2 (0.5, unclipped side wins) -> -0.5/5
     #   seq 1: token 0 clipped (0.5 < 0.8) -> 0; token 1 -> +1.1/5; token 2 masked -> 0
     torch.testing.assert_close(lp.grad, torch.tensor([[0.0, -0.2, -0.1], [0.0, 0.22, 0.0]]))
+
+
+def test_gradients_with_kl_and_is_weights():
+    lp = LP.clone().requires_grad_(True)
+    old = OLD.clone().requires_grad_(True)
+    adv = ADV.clone().requires_grad_(True)
+    ref = (LP + torch.tensor([[0.0, 1.0, 0.0], [-1.0, 0.0, 0.0]])).requires_grad_(True)
+    w = torch.tensor([[2.0, 1.0, 1.0], [1.0, 0.5, 1.0]], requires_grad=True)
+    loss, _ = policy_loss(lp, old, adv, MASK, ref_logprobs=ref, beta=0.1, eps_low=0.2, eps_high=0.3, is_weights=w)
+    loss.backward()
+    assert old.grad is None and adv.grad is None and ref.grad is None and w.grad is None
+    # token_mean over 5 tokens: d loss / d lp_t = (d pg_t + 0.1 * d k3_t) / 5
+    #   d pg_t  = -A * ratio_t * w_t on unclipped tokens: [[0, -1, -0.5], [0, 1.1 * 0.5 = 0.55, 0]]
+    #   d k3_t  = d/d lp (e^(ref - lp) - (ref - lp) - 1) = 1 - e^(ref - lp): [[0, 1 - e, 0], [1 - e^-1, 0, 0]]
+    #   -> [[0, (-1 + 0.1 (1 - e)) / 5 = -0.2343656, -0.1], [0.1 (1 - e^-1) / 5 = 0.0126424, 0.11, 0]]
+    expected = torch.tensor([[0.0, (-1 + 0.1 * (1 - math.e)) / 5, -0.1],
+                             [0.1 * (1 - math.exp(-1)) / 5, 0.11, 0.0]])
+    torch.testing.assert_close(lp.grad, expected)
+
+
+def test_gradient_with_seq_sum_norm_aggregation():
+    lp = LP.clone().requires_grad_(True)
+    loss, _ = policy_loss(lp, OLD, ADV, MASK, eps_low=0.2, eps_high=0.3, aggregation="seq_mean_token_sum_norm",
+                          max_completion_length=4)
+    loss.backward()
+    # every token is divided by L = 4 and by the 2 sequences: d loss / d lp_t = -A * ratio_t / 8 on unclipped
+    #   tokens: [[0, -1/8, -0.5/8], [0, 1.1/8, 0]] = [[0, -0.125, -0.0625], [0, 0.1375, 0]]
+    torch.testing.assert_close(lp.grad, torch.tensor([[0.0, -0.125, -0.0625], [0.0, 0.1375, 0.0]]))
