@@ -1,14 +1,18 @@
 """Dataset registry (configs/dataset_config.json) -> prompt rows {messages, answer, data_source} -> token ids.
 
-Every check here runs before any model loads, and every error names the dataset and the fix.
+Every check here runs before any model loads, and every error names the dataset, the file and the fix.
 """
 from __future__ import annotations
 
+import contextlib
+import difflib
 import json
 import os
 import re
+import tempfile
+from collections import Counter
 from dataclasses import dataclass, field, fields
-from typing import Optional
+from typing import Optional, Sequence
 
 import datasets
 
@@ -18,35 +22,51 @@ from .rewards import last_boxed
 
 FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 EXTRACTORS = ("none", "gsm8k", "boxed", "regex:<pattern>")
-GSM8K_SOURCE = ("GSM8K comes from https://github.com/openai/grade-school-math: download "
+GSM8K_SOURCE = ("GSM8K comes from https://github.com/openai/grade-school-math: download its file "
                 "grade_school_math/data/train.jsonl to that path")
+# One schema for every dataset, so that datasets of different origins concatenate.
+ROW_FEATURES = datasets.Features({
+    "messages": datasets.List({"role": datasets.Value("string"), "content": datasets.Value("string")}),
+    "answer": datasets.Value("string"),
+    "data_source": datasets.Value("string"),
+})
 
 
 @dataclass
 class DatasetSpec:
+    """One registry entry. `path` is absolute once read by load_dataset_registry."""
     name: str
-    rewards: dict
-    answer_field: str
     path: Optional[str] = None
     hub_id: Optional[str] = None
     split: str = "train"
     prompt_field: Optional[str] = None
     messages_field: Optional[str] = None
+    answer_field: str = ""
     system_prompt: Optional[str] = None
     prompt_template: Optional[str] = None
     answer_extractor: str = "none"
-    reward_kwargs: dict = field(default_factory=dict)
+    rewards: dict[str, float] = field(default_factory=dict)
+    reward_kwargs: dict[str, dict] = field(default_factory=dict)
     max_samples: Optional[int] = None
 
+    @property
+    def source(self) -> str:
+        """Where the rows come from, for messages."""
+        return self.path or f"hub dataset '{self.hub_id}'"
 
-_ENTRY_KEYS = [f.name for f in fields(DatasetSpec) if f.name != "name"]
+
+ENTRY_KEYS = [f.name for f in fields(DatasetSpec) if f.name != "name"]
+_TEXT_KEYS = ("path", "hub_id", "split", "prompt_field", "messages_field", "answer_field", "system_prompt",
+              "prompt_template", "answer_extractor")
 
 
+# ------------------------------------------------------------------------------------------------ registry
 def load_dataset_registry(path: str) -> dict[str, DatasetSpec]:
     """Parse and check the registry file; relative data paths become absolute (against the file's folder)."""
     raw = read_json_object(path, DatasetError, "--dataset_config_path")
     if not raw:
-        raise DatasetError(f"--dataset_config_path: {path} registers no dataset")
+        raise DatasetError(f"--dataset_config_path: {path} registers no dataset; add an entry "
+                           f"(see configs/dataset_config.json)")
     folder = os.path.dirname(os.path.abspath(path))
     return {name: _parse_entry(name, entry, folder, path) for name, entry in raw.items()}
 
@@ -54,213 +74,377 @@ def load_dataset_registry(path: str) -> dict[str, DatasetSpec]:
 def _parse_entry(name: str, entry, folder: str, registry_path: str) -> DatasetSpec:
     where = f"dataset '{name}' in {registry_path}"
     if not isinstance(entry, dict):
-        raise DatasetError(f"{where}: the entry must be a JSON object")
-    unknown = sorted(set(entry) - set(_ENTRY_KEYS))
+        raise DatasetError(f"{where}: the entry must be a JSON object {{\"path\": ..., \"rewards\": ...}}, "
+                           f"got {json.dumps(entry)}")
+    unknown = sorted(set(entry) - set(ENTRY_KEYS))
     if unknown:
-        raise DatasetError(f"{where}: unknown key(s) {', '.join(unknown)}; valid keys: {', '.join(_ENTRY_KEYS)}")
-    if bool(entry.get("path")) == bool(entry.get("hub_id")):
+        hints = [f"{k} (did you mean {close[0]}?)" if (close := difflib.get_close_matches(k, ENTRY_KEYS, 1)) else k
+                 for k in unknown]
+        raise DatasetError(f"{where}: unknown key(s) {', '.join(hints)}; valid keys: {', '.join(ENTRY_KEYS)}")
+    values = {k: v for k, v in entry.items() if v is not None}  # null means "not set"
+    for key in _TEXT_KEYS:
+        if key in values and not isinstance(values[key], str):
+            raise DatasetError(f"{where}: \"{key}\" must be a string, got {json.dumps(values[key])}")
+    if bool(values.get("path")) == bool(values.get("hub_id")):
         raise DatasetError(f"{where}: give exactly one of \"path\" (a local file or folder) or \"hub_id\"")
-    if bool(entry.get("prompt_field")) == bool(entry.get("messages_field")):
+    if bool(values.get("prompt_field")) == bool(values.get("messages_field")):
         raise DatasetError(f"{where}: give exactly one of \"prompt_field\" (a text column) or \"messages_field\" "
                            f"(a column of chat messages)")
-    if not entry.get("answer_field"):
+    if not values.get("answer_field"):
         raise DatasetError(f"{where}: \"answer_field\" is required (the column holding the ground truth)")
-    rewards = entry.get("rewards")
+    rewards = values.get("rewards")
     if not isinstance(rewards, dict) or not rewards or \
             not all(isinstance(w, (int, float)) and not isinstance(w, bool) for w in rewards.values()):
         raise DatasetError(f"{where}: \"rewards\" must map reward names to numeric weights, e.g. "
-                           f"{{\"boxed_accuracy\": 1.0}}")
-    extractor = entry.get("answer_extractor", "none")
-    if extractor not in ("none", "gsm8k", "boxed") and not str(extractor).startswith("regex:"):
-        raise DatasetError(f"{where}: unknown answer_extractor '{extractor}'; use one of {', '.join(EXTRACTORS)}")
-    if extractor.startswith("regex:"):
-        try:
-            re.compile(extractor[len("regex:"):])
-        except re.error as exc:
-            raise DatasetError(f"{where}: answer_extractor regex does not compile: {exc}")
-    max_samples = entry.get("max_samples")
-    if max_samples is not None and (not isinstance(max_samples, int) or max_samples < 1):
-        raise DatasetError(f"{where}: \"max_samples\" must be a positive integer or null")
-    template = entry.get("prompt_template")
-    if template is not None and "{prompt}" not in template:
-        raise DatasetError(f"{where}: \"prompt_template\" must contain the placeholder {{prompt}}")
-    kwargs = entry.get("reward_kwargs", {})
+                           f"{{\"boxed_accuracy\": 1.0}}; got {json.dumps(rewards)}")
+    kwargs = values.get("reward_kwargs", {})
     if not isinstance(kwargs, dict) or not all(isinstance(v, dict) for v in kwargs.values()):
-        raise DatasetError(f"{where}: \"reward_kwargs\" must map reward names to objects of keyword arguments")
-    spec = DatasetSpec(name=name, **entry)
-    if spec.path and not os.path.isabs(spec.path):
-        spec.path = os.path.normpath(os.path.join(folder, spec.path))
+        raise DatasetError(f"{where}: \"reward_kwargs\" must map reward names to objects of keyword arguments, "
+                           f"e.g. {{\"format\": {{\"pattern\": \"...\"}}}}")
+    max_samples = values.get("max_samples")
+    if max_samples is not None and (isinstance(max_samples, bool) or not isinstance(max_samples, int)
+                                    or max_samples < 1):
+        raise DatasetError(f"{where}: \"max_samples\" must be a positive integer or null, got "
+                           f"{json.dumps(max_samples)}")
+    _check_extractor(where, values.get("answer_extractor", "none"))
+    template = values.get("prompt_template")
+    if template is not None and "{prompt}" not in template:
+        raise DatasetError(f"{where}: \"prompt_template\" must contain the placeholder {{prompt}} (where the "
+                           f"question goes)")
+    spec = DatasetSpec(name=name, **values)
+    if spec.path:
+        spec.path = os.path.normpath(os.path.join(folder, os.path.expanduser(spec.path)))
     return spec
 
 
-def dataset_routes(registry: dict[str, DatasetSpec], names: list[str]) -> tuple[dict, dict]:
-    """({dataset: {reward: weight}}, {dataset: {reward: kwargs}}) for the reward router."""
+def _check_extractor(where: str, extractor: str) -> None:
+    if extractor in ("none", "gsm8k", "boxed"):
+        return
+    if not extractor.startswith("regex:"):
+        raise DatasetError(f"{where}: unknown answer_extractor '{extractor}'; use one of {', '.join(EXTRACTORS)}")
+    try:
+        groups = re.compile(extractor[len("regex:"):]).groups
+    except re.error as exc:
+        raise DatasetError(f"{where}: the answer_extractor regex does not compile ({exc})") from None
+    if groups < 1:
+        raise DatasetError(f"{where}: the answer_extractor regex needs a capture group holding the answer, "
+                           f"e.g. \"regex:answer: (\\\\d+)\"")
+
+
+def dataset_routes(registry: dict[str, DatasetSpec],
+                   names: Sequence[str]) -> tuple[dict[str, dict[str, float]], dict[str, dict[str, dict]]]:
+    """({dataset: {reward: weight}}, {dataset: {reward: kwargs}}) of the named datasets, for the reward router."""
     specs = [_lookup(registry, n) for n in names]
-    return {s.name: dict(s.rewards) for s in specs}, {s.name: dict(s.reward_kwargs) for s in specs}
+    return ({s.name: dict(s.rewards) for s in specs},
+            {s.name: {reward: dict(kw) for reward, kw in s.reward_kwargs.items()} for s in specs})
 
 
-def _lookup(registry: dict[str, DatasetSpec], name: str) -> DatasetSpec:
+def _lookup(registry: dict[str, DatasetSpec], name: str, registry_path: Optional[str] = None) -> DatasetSpec:
     if name not in registry:
-        raise DatasetError(f"unknown dataset '{name}'; registered: {', '.join(sorted(registry))} "
-                           f"(add it to the registry file given by --dataset_config_path)")
+        where = f" in {registry_path}" if registry_path else ""
+        raise DatasetError(f"unknown dataset '{name}'; registered{where}: {', '.join(sorted(registry))} "
+                           f"(add an entry to the registry file given by --dataset_config_path)")
     return registry[name]
 
 
 # ------------------------------------------------------------------------------------------------- loading
-def load_prompt_datasets(registry_path: str, names: list[str], train_split_ratio: float,
+def load_prompt_datasets(registry_path: str, names: Sequence[str], train_split_ratio: float,
                          seed: int) -> tuple[datasets.Dataset, datasets.Dataset]:
-    """(train, eval) rows with columns messages, answer, data_source; each dataset split by seed, then mixed."""
-    datasets.disable_progress_bars()  # a few small maps per run: their bars are noise in the log
+    """(train, eval) rows with columns messages, answer, data_source.
+
+    Each named dataset is split on its own (train_split_ratio of its rows for train, chosen by `seed`), then the
+    train parts and the eval parts are concatenated in the order of `names`.
+    """
+    names = [names] if isinstance(names, str) else list(names)
+    if not names:
+        raise DatasetError(f"--dataset_names: no dataset given; name one or more entries of {registry_path}")
+    repeated = sorted(n for n, count in Counter(names).items() if count > 1)
+    if repeated:
+        raise DatasetError(f"--dataset_names: {', '.join(repeated)} listed more than once; name each dataset once")
+    if not 0.0 < train_split_ratio <= 1.0:
+        raise DatasetError(f"--train_split_ratio must be in (0, 1], got {train_split_ratio}")
     registry = load_dataset_registry(registry_path)
+    specs = [_lookup(registry, n, registry_path) for n in names]  # every name checked before any file is read
     train_parts, eval_parts = [], []
-    for name in names:
-        spec = _lookup(registry, name)
-        rows = _standardize(spec, _load_raw(spec))
-        train, held_out = _split(rows, train_split_ratio, seed)
-        if len(train) == 0:
-            raise DatasetError(f"dataset '{name}': the training split is empty ({len(rows)} rows with "
-                               f"--train_split_ratio {train_split_ratio}); add rows or raise the ratio")
-        train_parts.append(train)
-        eval_parts.append(held_out)
+    with _quiet_progress():
+        for spec in specs:
+            rows = _standardize(spec, _load_raw(spec))
+            train, held_out = _split(rows, train_split_ratio, seed)
+            if len(train) == 0:
+                raise DatasetError(f"dataset '{spec.name}': the training split is empty ({len(rows)} rows with "
+                                   f"--train_split_ratio {train_split_ratio}); add rows, raise max_samples or "
+                                   f"raise --train_split_ratio")
+            train_parts.append(train)
+            eval_parts.append(held_out)
     return datasets.concatenate_datasets(train_parts), datasets.concatenate_datasets(eval_parts)
 
 
+@contextlib.contextmanager
+def _quiet_progress():
+    """A few small builds and maps per run: their progress bars are noise in the training log."""
+    was_enabled = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            datasets.enable_progress_bars()
+
+
+def _hub_offline() -> bool:
+    return any(os.environ.get(var, "").strip().upper() in ("1", "ON", "YES", "TRUE")
+               for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
+
+
 def _load_raw(spec: DatasetSpec) -> datasets.Dataset:
-    if spec.hub_id:
-        if os.environ.get("HF_HUB_OFFLINE") == "1" or os.environ.get("HF_DATASETS_OFFLINE") == "1":
-            raise DatasetError(f"dataset '{spec.name}': hub_id '{spec.hub_id}' needs the network, but this run is "
-                               f"offline; download it and point \"path\" at the local file")
-        try:
-            return datasets.load_dataset(spec.hub_id, split=spec.split)
-        except Exception as exc:
-            raise DatasetError(f"dataset '{spec.name}': could not load '{spec.hub_id}' from the hub: {exc}") from exc
+    if not spec.hub_id:
+        return _load_local(spec)
+    if _hub_offline():
+        raise DatasetError(f"dataset '{spec.name}': hub_id '{spec.hub_id}' needs the network, but HF_HUB_OFFLINE / "
+                           f"HF_DATASETS_OFFLINE is set; download it where the hub is reachable (e.g. "
+                           f"datasets.load_dataset('{spec.hub_id}', split='{spec.split}').to_json('x.jsonl')) and "
+                           f"give its local file as \"path\" instead of \"hub_id\"")
+    try:
+        return datasets.load_dataset(spec.hub_id, split=spec.split)
+    except Exception as exc:
+        raise DatasetError(f"dataset '{spec.name}': could not load '{spec.hub_id}' (split '{spec.split}') from the "
+                           f"hub ({type(exc).__name__}: {exc}); check hub_id and split, or use a local \"path\"") \
+            from exc
+
+
+def _load_local(spec: DatasetSpec) -> datasets.Dataset:
     path = spec.path
     if os.path.isdir(path):
-        try:
-            loaded = datasets.load_from_disk(path)
-        except Exception as exc:
-            raise DatasetError(f"dataset '{spec.name}': {path} is a folder but not one written by "
-                               f"datasets' save_to_disk ({exc})") from exc
-        if isinstance(loaded, datasets.DatasetDict):
-            if spec.split not in loaded:
-                raise DatasetError(f"dataset '{spec.name}': split '{spec.split}' not in {path} "
-                                   f"(splits: {', '.join(loaded)})")
-            loaded = loaded[spec.split]
-        return loaded
+        return _load_saved_folder(spec)
     if not os.path.isfile(path):
-        hint = GSM8K_SOURCE if "gsm8k" in spec.name.lower() else "fix \"path\" in the registry"
+        hint = GSM8K_SOURCE if "gsm8k" in (spec.name + path).lower() else "fix \"path\" in the registry"
         raise DatasetError(f"dataset '{spec.name}': data file not found: {path}; {hint}")
     ext = os.path.splitext(path)[1].lower()
     if ext not in FILE_BUILDERS:
         raise DatasetError(f"dataset '{spec.name}': unsupported file type '{ext}' ({path}); use .jsonl, .json, "
-                           f".parquet, .csv or a save_to_disk folder")
+                           f".parquet, .csv or a folder written by datasets' save_to_disk")
     if ext == ".jsonl":
-        _check_jsonl(spec.name, path)
+        _check_json_lines(spec.name, path)
+    elif ext == ".json":
+        _check_json_file(spec.name, path)
     try:
-        return datasets.load_dataset(FILE_BUILDERS[ext], data_files=path, split="train", keep_in_memory=True)
+        # A throw-away cache: nothing is written next to the data or kept in ~/.cache, and an edited file is never
+        # served from a stale copy. keep_in_memory holds the rows once the folder is gone.
+        with tempfile.TemporaryDirectory(prefix="grpo-data-") as cache:
+            return datasets.load_dataset(FILE_BUILDERS[ext], data_files=path, split="train", keep_in_memory=True,
+                                         cache_dir=cache)
     except Exception as exc:
-        raise DatasetError(f"dataset '{spec.name}': could not read {path}: {exc}") from exc
+        raise DatasetError(f"dataset '{spec.name}': could not read {path} ({type(exc).__name__}: {exc}); check "
+                           f"that it is a valid {ext} file with one row per record") from exc
 
 
-def _check_jsonl(name: str, path: str) -> None:
-    """datasets' own message for a bad line names no line; find it first."""
-    with open(path, encoding="utf-8") as fh:
+def _load_saved_folder(spec: DatasetSpec) -> datasets.Dataset:
+    try:
+        loaded = datasets.load_from_disk(spec.path)
+    except Exception as exc:
+        raise DatasetError(f"dataset '{spec.name}': {spec.path} is a folder but not one written by datasets' "
+                           f"save_to_disk ({exc}); point \"path\" at a data file or a saved dataset") from exc
+    if isinstance(loaded, datasets.DatasetDict):
+        if spec.split not in loaded:
+            raise DatasetError(f"dataset '{spec.name}': split '{spec.split}' is not in {spec.path}; set \"split\" "
+                               f"to one of {', '.join(loaded)}")
+        loaded = loaded[spec.split]
+    return loaded
+
+
+def _check_json_lines(name: str, path: str) -> None:
+    """datasets' own message for a bad line names no line: find it first (and catch an empty file)."""
+    rows = 0
+    with _open_text(name, path) as fh:
         for number, line in enumerate(fh, start=1):
-            if line.strip():
-                try:
-                    json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise DatasetError(f"dataset '{name}': {path} line {number} is not valid JSON ({exc.msg})")
+            if not line.strip():
+                continue
+            try:
+                value = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DatasetError(f"dataset '{name}': {path} line {number} is not valid JSON ({exc.msg} at column "
+                                   f"{exc.colno}); fix or delete that line") from None
+            if not isinstance(value, dict):
+                raise DatasetError(f"dataset '{name}': {path} line {number} is not a JSON object; each line must be "
+                                   f"one record like {{\"question\": ..., \"answer\": ...}}")
+            rows += 1
+    if rows == 0:
+        raise DatasetError(f"dataset '{name}': {path} has no rows; add records (one JSON object per line)")
 
 
+def _check_json_file(name: str, path: str) -> None:
+    """A .json file is either one JSON array of records or JSON lines; check whichever it is."""
+    with _open_text(name, path) as fh:
+        text = fh.read()
+    if not text.lstrip().startswith("["):
+        return _check_json_lines(name, path)
+    try:
+        records = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise DatasetError(f"dataset '{name}': {path} is not valid JSON (line {exc.lineno}, column {exc.colno}: "
+                           f"{exc.msg})") from None
+    if not records:
+        raise DatasetError(f"dataset '{name}': {path} holds an empty list; add records")
+    bad = next((i for i, r in enumerate(records) if not isinstance(r, dict)), None)
+    if bad is not None:
+        raise DatasetError(f"dataset '{name}': {path} record {bad + 1} is not a JSON object; the list must hold "
+                           f"records like {{\"question\": ..., \"answer\": ...}}")
+
+
+@contextlib.contextmanager
+def _open_text(name: str, path: str):
+    try:
+        with open(path, encoding="utf-8") as fh:
+            yield fh
+    except UnicodeDecodeError as exc:
+        raise DatasetError(f"dataset '{name}': {path} is not UTF-8 text ({exc.reason} at byte {exc.start}); "
+                           f"save it as UTF-8") from None
+
+
+# ------------------------------------------------------------------------------------------ standard rows
 def _standardize(spec: DatasetSpec, raw: datasets.Dataset) -> datasets.Dataset:
-    if spec.max_samples:
+    if spec.max_samples is not None:
         raw = raw.select(range(min(spec.max_samples, len(raw))))
     if len(raw) == 0:
-        raise DatasetError(f"dataset '{spec.name}' is empty ({spec.path or spec.hub_id})")
+        raise DatasetError(f"dataset '{spec.name}' has no rows ({spec.source}); add rows or fix \"path\"")
     present = raw.column_names
-    for kind, column in (("prompt_field", spec.prompt_field), ("messages_field", spec.messages_field),
-                         ("answer_field", spec.answer_field)):
+    for key, column in (("prompt_field", spec.prompt_field), ("messages_field", spec.messages_field),
+                        ("answer_field", spec.answer_field)):
         if column and column not in present:
-            raise DatasetError(f"dataset '{spec.name}': {kind} '{column}' is not a column of "
-                               f"{spec.path or spec.hub_id}; columns present: {', '.join(present)}")
+            raise DatasetError(f"dataset '{spec.name}': {key} '{column}' is not a column of {spec.source}; "
+                               f"columns present: {', '.join(present)}")
 
-    def to_row(example):
-        return {"messages": build_messages(spec, example), "answer": extract_answer(spec, example[spec.answer_field]),
+    def to_row(example, index):
+        if example[spec.answer_field] is None:
+            raise DatasetError(f"dataset '{spec.name}': record {index + 1} of {spec.source} has no value in "
+                               f"'{spec.answer_field}'; fill it in or drop the row")
+        return {"messages": build_messages(spec, example, index),
+                "answer": extract_answer(spec.answer_extractor, example[spec.answer_field]),
                 "data_source": spec.name}
 
-    return raw.map(to_row, remove_columns=present, keep_in_memory=True, load_from_cache_file=False,
-                   desc=None)
+    rows = raw.map(to_row, with_indices=True, remove_columns=present, features=ROW_FEATURES,
+                   keep_in_memory=True, load_from_cache_file=False)
+    unanswered = [i for i, answer in enumerate(rows["answer"]) if answer is None]
+    if unanswered:
+        first = unanswered[0]
+        raise DatasetError(f"dataset '{spec.name}': answer_extractor '{spec.answer_extractor}' finds no answer in "
+                           f"{len(unanswered)} of {len(rows)} rows of {spec.source} (first: record {first + 1}, "
+                           f"{str(raw[first][spec.answer_field])[-80:]!r}); choose another answer_extractor "
+                           f"({', '.join(EXTRACTORS)}) or fix those rows")
+    return rows
 
 
-def build_messages(spec: DatasetSpec, example: dict) -> list[dict]:
-    """Chat messages of one row: system prompt first (when configured), template applied to the user turn."""
+def build_messages(spec: DatasetSpec, example: dict, index: int = 0) -> list[dict]:
+    """Chat messages of the row at `index` (0-based): the system prompt first (unless the row has its own), the
+    template applied to the last user message."""
+    where = f"dataset '{spec.name}': record {index + 1} of {spec.source}"
     if spec.prompt_field:
+        if example[spec.prompt_field] is None:
+            raise DatasetError(f"{where} has no value in '{spec.prompt_field}'; fill it in or drop the row")
         messages = [{"role": "user", "content": str(example[spec.prompt_field])}]
     else:
-        messages = [{"role": str(m["role"]), "content": str(m["content"])} for m in example[spec.messages_field]]
-        if not messages:
-            raise DatasetError(f"dataset '{spec.name}': a row has an empty '{spec.messages_field}' list")
+        messages = _chat_messages(where, spec.messages_field, example[spec.messages_field])
     if spec.prompt_template:
-        last_user = max(i for i, m in enumerate(messages) if m["role"] == "user") \
-            if any(m["role"] == "user" for m in messages) else len(messages) - 1
-        messages[last_user] = {**messages[last_user],
-                               "content": spec.prompt_template.replace("{prompt}", messages[last_user]["content"])}
+        users = [i for i, m in enumerate(messages) if m["role"] == "user"]
+        if not users:
+            raise DatasetError(f"{where} has no user message to apply prompt_template to; give every row a "
+                               f"{{\"role\": \"user\", ...}} message or drop prompt_template")
+        last = users[-1]
+        # replace, not str.format: templates hold other braces, such as \boxed{}
+        messages[last]["content"] = spec.prompt_template.replace("{prompt}", messages[last]["content"])
     if spec.system_prompt and messages[0]["role"] != "system":
-        messages = [{"role": "system", "content": spec.system_prompt}] + messages
+        messages.insert(0, {"role": "system", "content": spec.system_prompt})
     return messages
 
 
-def extract_answer(spec: DatasetSpec, value) -> str:
-    """The ground truth as a string, read from the answer field by the configured extractor."""
+def _chat_messages(where: str, column: str, value) -> list[dict]:
+    fix = f"'{column}' must hold a non-empty list of {{\"role\": ..., \"content\": ...}} messages"
+    if not isinstance(value, list) or not value:
+        raise DatasetError(f"{where}: {fix}, got {type(value).__name__}")
+    messages = []
+    for m in value:
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or m.get("content") is None:
+            raise DatasetError(f"{where}: {fix}, got the message {m!r}")
+        messages.append({"role": m["role"], "content": str(m["content"])})
+    return messages
+
+
+def extract_answer(extractor: str, value) -> Optional[str]:
+    """The ground truth as a string, read from an answer-field value; None when the extractor finds nothing.
+
+    none: the value itself; gsm8k: the text after the last '####', commas removed ("#### 1,000" -> "1000");
+    boxed: the content of the last \\boxed{...} (nested braces kept); regex:<p>: group 1 of the last match of p.
+    """
     text = str(value)
-    extractor = spec.answer_extractor
     if extractor == "gsm8k":
-        return text.rsplit("####", 1)[-1].strip().replace(",", "")
-    if extractor == "boxed":
-        boxed = last_boxed(text)
-        return boxed.strip() if boxed is not None else text.strip()
-    if extractor.startswith("regex:"):
+        found = text.rsplit("####", 1)[1].strip().replace(",", "") if "####" in text else None
+    elif extractor == "boxed":
+        found = last_boxed(text)
+    elif extractor.startswith("regex:"):
         matches = list(re.finditer(extractor[len("regex:"):], text))
-        if matches:
-            m = matches[-1]
-            return (m.group(1) if m.groups() else m.group(0)).strip()
-        return text.strip()
-    return text.strip()
+        found = matches[-1].group(1) if matches else None
+    else:
+        found = text
+    found = found.strip() if found is not None else None
+    return found or None
 
 
 def _split(rows: datasets.Dataset, ratio: float, seed: int) -> tuple[datasets.Dataset, datasets.Dataset]:
-    if ratio >= 1.0:
+    """round(n * ratio) rows for train, the rest held out, chosen by `seed`; a ratio below 1 holds out at least
+    one row (of two or more)."""
+    n = len(rows)
+    n_eval = n - round(n * ratio)
+    if ratio < 1.0 and n > 1:
+        n_eval = max(n_eval, 1)
+    if n_eval == 0:
         return rows, rows.select([])
-    held_out = max(1, round(len(rows) * (1.0 - ratio))) if len(rows) > 1 else 0
-    if held_out == 0:
-        return rows, rows.select([])
-    if held_out >= len(rows):
+    if n_eval >= n:
         return rows.select([]), rows
-    parts = rows.train_test_split(test_size=held_out, seed=seed, shuffle=True, keep_in_memory=True)
+    parts = rows.train_test_split(test_size=n_eval, seed=seed, shuffle=True, keep_in_memory=True)
     return parts["train"], parts["test"]
 
 
 # ----------------------------------------------------------------------------------------------- rendering
 def render_prompts(dataset: datasets.Dataset, tokenizer, max_prompt_length: int) -> datasets.Dataset:
-    """Add prompt_text and prompt_ids, using the tokenizer's chat template when it has one."""
+    """Add prompt_text and prompt_ids: the tokenizer's chat template when it has one, else the message contents
+    joined by blank lines. Prompts over max_prompt_length tokens raise DatasetError."""
     has_template = bool(getattr(tokenizer, "chat_template", None))
 
-    def render(example):
+    def render(batch):
         if has_template:
-            text = tokenizer.apply_chat_template(example["messages"], add_generation_prompt=True, tokenize=False)
-            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            texts = [_apply_template(tokenizer, messages, source)
+                     for messages, source in zip(batch["messages"], batch["data_source"])]
         else:
-            text = "\n\n".join(m["content"] for m in example["messages"]) + "\n"
-            ids = tokenizer(text, add_special_tokens=True)["input_ids"]
-        return {"prompt_text": text, "prompt_ids": ids}
+            texts = ["\n\n".join(m["content"] for m in messages) + "\n" for messages in batch["messages"]]
+        # a chat template writes its own BOS / special tokens; plain text gets the tokenizer's usual ones
+        ids = tokenizer(texts, add_special_tokens=not has_template)["input_ids"]
+        return {"prompt_text": texts, "prompt_ids": ids}
 
-    rendered = dataset.map(render, keep_in_memory=True, load_from_cache_file=False)
-    lengths = [len(ids) for ids in rendered["prompt_ids"]]
-    too_long = [i for i, n in enumerate(lengths) if n > max_prompt_length]
-    if too_long:
-        sources = sorted({rendered[i]["data_source"] for i in too_long})
-        raise DatasetError(f"dataset(s) {', '.join(sources)}: {len(too_long)} prompt(s) are longer than "
-                           f"--max_prompt_length {max_prompt_length} tokens (longest: {max(lengths)}); raise "
-                           f"--max_prompt_length to {max(lengths)} or shorten the prompts / set max_samples")
+    with _quiet_progress():
+        rendered = dataset.map(render, batched=True, keep_in_memory=True, load_from_cache_file=False)
+    _check_prompt_lengths(rendered, max_prompt_length)
     return rendered
+
+
+def _apply_template(tokenizer, messages: list[dict], source: str) -> str:
+    try:
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    except Exception as exc:  # jinja raises on role orders a template forbids
+        raise DatasetError(f"dataset '{source}': the tokenizer's chat template rejects a prompt "
+                           f"({type(exc).__name__}: {exc}); check the roles of its messages {messages!r}") from exc
+
+
+def _check_prompt_lengths(rendered: datasets.Dataset, max_prompt_length: int) -> None:
+    lengths = [len(ids) for ids in rendered["prompt_ids"]]
+    sources = rendered["data_source"]
+    too_long = Counter(source for source, n in zip(sources, lengths) if n > max_prompt_length)
+    if not too_long:
+        return
+    longest = max(lengths)
+    per_dataset = "".join(f"{count} in '{source}', " for source, count in sorted(too_long.items())) \
+        if len(too_long) > 1 else ""
+    raise DatasetError(f"dataset(s) {', '.join(sorted(too_long))}: {sum(too_long.values())} prompt(s) are longer "
+                       f"than --max_prompt_length {max_prompt_length} tokens ({per_dataset}the longest has "
+                       f"{longest}); pass --max_prompt_length {longest} (and raise --max_seq_length with it), or "
+                       f"shorten the prompts (system_prompt, prompt_template, the data) or keep fewer rows with "
+                       f"max_samples")

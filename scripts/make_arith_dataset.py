@@ -1,14 +1,25 @@
 """Generate the bundled `arith` set: easy arithmetic a small instruct model can learn to answer with RL.
 
     python scripts/make_arith_dataset.py            # writes data/arith/train.jsonl (deterministic)
+
+Rows are {"question": "What is 23 + 48?", "answer": "71"}, without repeats: addition of numbers 1..50 (half the
+draws), subtraction within 1..60 with a non-negative result (a quarter), and the one-digit times table 2..9 (a
+quarter of the draws, but only its 64 distinct questions). Easy on purpose: a 135M-parameter model gets some right
+from the start, so group-relative advantages are non-zero and the reward can rise within a few dozen steps.
 """
 import argparse
 import json
 import os
 import random
 
+DISTINCT_PROBLEMS = 50 * 50 + sum(range(2, 61)) + 8 * 8  # additions + subtractions + products = 4393
+DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "data", "arith", "train.jsonl")
+
 
 def make_rows(count: int, seed: int) -> list[dict]:
+    """`count` distinct problems drawn by a `random.Random(seed)`: the same arguments give the same rows."""
+    if not 0 < count <= DISTINCT_PROBLEMS:
+        raise ValueError(f"count must be in 1..{DISTINCT_PROBLEMS} (the distinct problems there are), got {count}")
     rng = random.Random(seed)
     rows, seen = [], set()
     while len(rows) < count:
@@ -29,16 +40,21 @@ def make_rows(count: int, seed: int) -> list[dict]:
     return rows
 
 
+def to_jsonl(rows: list[dict]) -> str:
+    """One JSON object per line, as data/arith/train.jsonl holds them."""
+    return "".join(json.dumps(row) + "\n" for row in rows)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--count", type=int, default=2000)
+    parser.add_argument("--count", type=int, default=2000,
+                        help=f"distinct problems to write (at most {DISTINCT_PROBLEMS})")
     parser.add_argument("--seed", type=int, default=1234)
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "data", "arith", "train.jsonl"))
+    parser.add_argument("--out", default=DEFAULT_OUT)
     args = parser.parse_args()
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as fh:
-        for row in make_rows(args.count, args.seed):
-            fh.write(json.dumps(row) + "\n")
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w", encoding="utf-8", newline="\n") as fh:
+        fh.write(to_jsonl(make_rows(args.count, args.seed)))
     print(f"wrote {args.count} rows to {os.path.normpath(args.out)}")
 
 
