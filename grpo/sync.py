@@ -1,11 +1,13 @@
 """Weight sync: the policy being trained, as HF-checkpoint (name, tensor) pairs for a rollout engine.
 
-Streamed one module at a time, so memory stays bounded by the largest layer:
-  full   the parameters as trained (ZeRO-3: gathered one module at a time, never the whole model)
-  lora   only the LoRA-targeted weights, merged on the fly:  W + (alpha / r) * B @ A
-         (the training model is never merged / unmerged)
-  qlora  dequantize_4bit(W) + (alpha / r) * B @ A, and on the first sync every other 4-bit linear dequantized,
-         so the engine samples from exactly the quantized policy being trained
+Streamed one module at a time, so memory stays bounded by the largest layer, never the whole model:
+  full   the parameters as trained (ZeRO-3: gathered one module at a time)
+  lora   only what the adapter changes, merged on the fly in fp32 (the training model is never merged/unmerged):
+           weight  W + (alpha / r) * B @ A          (transposed for fan_in_fan_out layers such as GPT-2's Conv1D)
+           bias    b + (alpha / r) * b_B            (only with peft's lora_bias=True)
+         plus the trained copies of modules_to_save
+  qlora  dequantize_4bit(W) + (alpha / r) * B @ A, and on the first sync every other 4-bit linear dequantized too:
+         the engine loads the unquantized checkpoint, and must sample from exactly the quantized policy being trained
 """
 from __future__ import annotations
 
@@ -16,11 +18,15 @@ from typing import Iterator
 
 import torch
 
+from .errors import ConfigError
+
 PEFT_PREFIX = "base_model.model."
+STRATEGIES = ("full", "lora", "qlora")
 
 
 @dataclass
 class SyncStats:
+    """What one sync moved: wall time, bytes handed to the engine, number of tensors."""
     seconds: float
     bytes: int
     tensors: int
@@ -32,7 +38,45 @@ def checkpoint_name(module_name: str) -> str:
     return name.replace(".base_layer", "")
 
 
+def iter_policy_weights(model, strategy: str, *, dtype: torch.dtype = torch.bfloat16, zero3: bool = False,
+                        first_sync: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (checkpoint name, tensor in `dtype`) for what the rollout engine must load after an optimizer step.
+
+    `model` is the module being trained (DeepSpeed's `engine.module`): a plain HF model for "full", a peft model
+    for "lora" / "qlora". With `zero3=True` its parameters are partitioned and each module's are gathered in turn.
+    """
+    if strategy == "full":
+        yield from _iter_full(model, dtype, zero3)
+    elif strategy in ("lora", "qlora"):
+        yield from _iter_adapter(model, dtype, zero3, dequantize_frozen=first_sync and strategy == "qlora")
+    else:
+        raise ConfigError(f"--tuning_strategy {strategy!r}: weight sync knows {', '.join(STRATEGIES)}")
+
+
+def sync_weights(engine, model, strategy: str, *, zero3: bool = False, first_sync: bool = False,
+                 dtype: torch.dtype = torch.bfloat16, chunk_bytes: int = 256 * 2**20) -> SyncStats:
+    """Stream the policy's weights into `engine.load_weights`, at most ~chunk_bytes per call (plus one tensor)."""
+    start = time.perf_counter()
+    total, count, chunk, chunk_size = 0, 0, [], 0
+    for name, tensor in iter_policy_weights(model, strategy, dtype=dtype, zero3=zero3, first_sync=first_sync):
+        size = tensor.numel() * tensor.element_size()
+        if chunk and chunk_size + size > chunk_bytes:
+            engine.load_weights(chunk)
+            chunk, chunk_size = [], 0
+        chunk.append((name, tensor))
+        chunk_size += size
+        total += size
+        count += 1
+    if chunk:
+        engine.load_weights(chunk)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()  # the engine copies asynchronously; the time must include the copies
+    return SyncStats(seconds=time.perf_counter() - start, bytes=total, tensors=count)
+
+
+# ------------------------------------------------------------------------------------------------------ helpers
 def _gathered(params: list, zero3: bool):
+    """ZeRO-3: the full tensors of `params` for the duration of the block (read-only); otherwise nothing."""
     if not zero3 or not params:
         return contextlib.nullcontext()
     import deepspeed
@@ -40,86 +84,112 @@ def _gathered(params: list, zero3: bool):
     return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
 
 
+def _owned(tensor: torch.Tensor, dtype: torch.dtype, zero3: bool) -> torch.Tensor:
+    """`tensor` in `dtype`; copied under ZeRO-3, where the gathered storage is freed when the block ends."""
+    out = tensor.detach().to(dtype)
+    return out.clone() if zero3 and out.data_ptr() == tensor.data_ptr() else out
+
+
+def _is_4bit(weight) -> bool:
+    return weight is not None and weight.__class__.__name__ == "Params4bit"
+
+
 def _dense_weight(layer) -> torch.Tensor:
-    """The layer's weight as a dense float tensor (4-bit weights dequantized)."""
+    """The layer's weight as a new dense fp32 tensor (4-bit weights dequantized with their quant_state)."""
     weight = layer.weight
-    if weight.__class__.__name__ == "Params4bit":
+    if _is_4bit(weight):
         import bitsandbytes.functional as bnbf
 
         return bnbf.dequantize_4bit(weight.data, weight.quant_state).float()
-    return weight.data.float()
+    return weight.data.to(torch.float32, copy=True)  # a copy: the merge below adds into it
 
 
-def _lora_delta(module, adapter: str) -> torch.Tensor:
-    """(alpha / r) * B @ A for one adapter, oriented like the base weight [out, in]."""
-    a = module.lora_A[adapter].weight.float()            # [r, in]
-    b = module.lora_B[adapter].weight.float()            # [out, r]
-    delta = (b @ a) * module.scaling[adapter]             # [out, in]
-    return delta.T if getattr(module, "fan_in_fan_out", False) else delta
-
-
-def iter_policy_weights(model, strategy: str, *, dtype: torch.dtype = torch.bfloat16, zero3: bool = False,
-                        first_sync: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (checkpoint name, tensor in `dtype`) for what the rollout engine must load after a step."""
-    if strategy == "full":
-        yield from _iter_full(model, dtype, zero3)
-    elif strategy in ("lora", "qlora"):
-        yield from _iter_lora(model, dtype, zero3, include_frozen_4bit=first_sync and strategy == "qlora")
-    else:
-        raise ValueError(f"unknown tuning strategy '{strategy}'")
-
-
+# ----------------------------------------------------------------------------------------------------- strategies
 def _iter_full(model, dtype, zero3):
+    seen = set()  # tied weights (embed_tokens / lm_head) are one parameter: sent once, under its first name
     for module_name, module in model.named_modules():
-        params = list(module.named_parameters(recurse=False))
+        params = [(n, p) for n, p in module.named_parameters(recurse=False) if id(p) not in seen]
         if not params:
             continue
+        seen.update(id(p) for _, p in params)
         with _gathered([p for _, p in params], zero3):
             for name, param in params:
                 full_name = f"{module_name}.{name}" if module_name else name
-                yield checkpoint_name(full_name), param.data.to(dtype).clone() if zero3 else param.data.to(dtype)
+                yield checkpoint_name(full_name), _owned(param.data, dtype, zero3)
 
 
-def _iter_lora(model, dtype, zero3, include_frozen_4bit: bool):
+def _active_adapters(module) -> list[str]:
+    active = getattr(module, "active_adapters", None) or getattr(module, "active_adapter", "default")
+    return [active] if isinstance(active, str) else list(active)
+
+
+def _lora_adapters(module) -> list[str]:
+    """The active, unmerged adapters of a LoRA layer; a clear error for layer kinds the merge below cannot do."""
+    active = _active_adapters(module)
+    if any(a in getattr(module, "lora_embedding_A", {}) for a in active):
+        raise ConfigError("weight sync merges LoRA on linear layers only; drop embedding layers from "
+                          "--lora_target_modules")
+    adapters = [a for a in active if a in module.lora_A and a not in getattr(module, "merged_adapters", [])]
+    for a in adapters:
+        if a in getattr(module, "lora_variant", {}) or getattr(module, "use_dora", {}).get(a, False):
+            raise ConfigError("weight sync merges plain LoRA (W + s * B @ A); DoRA and other LoRA variants are "
+                              "not supported: train without use_dora")
+        if not isinstance(module.lora_A[a], torch.nn.Linear):
+            raise ConfigError(f"weight sync merges LoRA on linear layers only, not {type(module.lora_A[a]).__name__}"
+                              "; drop those layers from --lora_target_modules")
+    return adapters
+
+
+def _lora_merged(module, adapters: list[str], zero3: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """fp32 weight (and bias when lora_bias) of a LoRA layer with its adapters folded in, as peft's merge does."""
+    base = module.get_base_layer()
+    parts = [base.weight] + ([base.bias] if getattr(base, "bias", None) is not None else [])
+    for a in adapters:
+        parts += [module.lora_A[a].weight, *module.lora_B[a].parameters()]
+    with _gathered(parts, zero3), torch.no_grad():  # a copy for the engine: no autograd graph
+        weight = _dense_weight(base)                                          # [out, in] ([in, out] if fan_in_fan_out)
+        bias = base.bias.data.to(torch.float32, copy=True) if getattr(base, "bias", None) is not None else None
+        for a in adapters:
+            scale = module.scaling[a]                                         # alpha / r (rank/alpha patterns incl.)
+            delta = (module.lora_B[a].weight.float() @ module.lora_A[a].weight.float()) * scale   # [out, r] @ [r, in]
+            weight += delta.T if getattr(module, "fan_in_fan_out", False) else delta
+            if getattr(module, "lora_bias", {}).get(a, False):
+                if bias is None:
+                    raise ConfigError("lora_bias=True needs a base layer with a bias; train without lora_bias")
+                bias += module.lora_B[a].bias.float() * scale
+    return weight, bias  # new tensors: they outlive a ZeRO-3 gather
+
+
+def _iter_adapter(model, dtype, zero3, dequantize_frozen: bool):
     from peft.tuners.lora import LoraLayer
+    from peft.utils.other import AuxiliaryTrainingWrapper, ModulesToSaveWrapper
 
-    adapter = getattr(model, "active_adapter", "default")
-    adapter = adapter[0] if isinstance(adapter, (list, tuple)) else adapter
-    wrapped = set()
+    wrapped_prefixes: list[str] = []  # submodules of a wrapper are handled with the wrapper
     for module_name, module in model.named_modules():
-        if isinstance(module, LoraLayer) and adapter in getattr(module, "lora_A", {}):
-            base = module.get_base_layer()
-            wrapped.add(id(base))
-            params = [base.weight, module.lora_A[adapter].weight, module.lora_B[adapter].weight]
-            with _gathered(params, zero3):
-                merged = _dense_weight(base) + _lora_delta(module, adapter)   # [out, in], fp32
-                yield checkpoint_name(module_name) + ".weight", merged.to(dtype)
-    if include_frozen_4bit:
-        for module_name, module in model.named_modules():
-            weight = getattr(module, "weight", None)
-            # LoRA wrappers expose their base layer's weight too: only bare 4-bit linears are left here
-            if isinstance(module, LoraLayer) or id(module) in wrapped:
+        if any(module_name.startswith(p) for p in wrapped_prefixes):
+            continue
+        name = checkpoint_name(module_name)
+        if isinstance(module, ModulesToSaveWrapper):
+            wrapped_prefixes.append(module_name + ".")
+            active = [a for a in _active_adapters(module) if a in module.modules_to_save]
+            if not active:
                 continue
-            if weight is not None and weight.__class__.__name__ == "Params4bit":
-                yield checkpoint_name(module_name) + ".weight", _dense_weight(module).to(dtype)
-
-
-def sync_weights(engine, model, strategy: str, *, zero3: bool = False, first_sync: bool = False,
-                 dtype: torch.dtype = torch.bfloat16, chunk_bytes: int = 256 * 2**20) -> SyncStats:
-    """Stream the policy's weights into `engine.load_weights` in chunks of at most ~chunk_bytes."""
-    start = time.perf_counter()
-    total, count, chunk, chunk_size = 0, 0, [], 0
-    for name, tensor in iter_policy_weights(model, strategy, dtype=dtype, zero3=zero3, first_sync=first_sync):
-        chunk.append((name, tensor))
-        size = tensor.numel() * tensor.element_size()
-        chunk_size += size
-        total += size
-        count += 1
-        if chunk_size >= chunk_bytes:
-            engine.load_weights(chunk)
-            chunk, chunk_size = [], 0
-    if chunk:
-        engine.load_weights(chunk)
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    return SyncStats(seconds=time.perf_counter() - start, bytes=total, tensors=count)
+            trained = module.modules_to_save[active[0]]  # what the wrapper's forward runs
+            params = list(trained.named_parameters())
+            with _gathered([p for _, p in params], zero3):
+                for pname, param in params:
+                    yield f"{name}.{pname}", _owned(param.data, dtype, zero3)
+        elif isinstance(module, AuxiliaryTrainingWrapper):
+            raise ConfigError(f"weight sync cannot send {type(module).__name__} ({name}); "
+                              "train without trainable_token_indices")
+        elif isinstance(module, LoraLayer):
+            wrapped_prefixes.append(module_name + ".")
+            adapters = _lora_adapters(module)
+            if not adapters and not (dequantize_frozen and _is_4bit(module.get_base_layer().weight)):
+                continue  # unchanged since the checkpoint the engine loaded
+            weight, bias = _lora_merged(module, adapters, zero3)
+            yield f"{name}.weight", weight.to(dtype)
+            if bias is not None and any(getattr(module, "lora_bias", {}).get(a, False) for a in adapters):
+                yield f"{name}.bias", bias.to(dtype)
+        elif dequantize_frozen and _is_4bit(getattr(module, "weight", None)):
+            yield f"{name}.weight", _dense_weight(module).to(dtype)

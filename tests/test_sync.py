@@ -1,10 +1,12 @@
-"""Weight sync on CPU: the streamed tensors are the trained policy, under its checkpoint names."""
+"""Weight sync on CPU: the streamed tensors are the trained policy, under the base checkpoint's names."""
 import copy
+import importlib.util
 
 import pytest
 import torch
 
 from grpo.config import GRPOConfig
+from grpo.errors import ConfigError
 from grpo.models import load_policy
 from grpo.sync import checkpoint_name, iter_policy_weights, sync_weights
 
@@ -15,7 +17,7 @@ IDS = torch.tensor([[5, 7, 8, 28, 9, 29, 12]])
 
 
 class RecordingEngine:
-    """Stands in for vLLM's load_weights: records every call."""
+    """Stands in for the rollout engine's load_weights: records every call."""
 
     def __init__(self):
         self.calls = []
@@ -29,25 +31,39 @@ def model_dir(tmp_path_factory):
     return make_tiny_model_dir(str(tmp_path_factory.mktemp("tiny")))
 
 
-def trained_policy(model_dir, strategy):
-    cfg = GRPOConfig(model_name_or_path=model_dir, tuning_strategy=strategy, lora_rank=4, lora_alpha=8,
-                     lora_dropout=0.0)
-    policy = load_policy(cfg, model_dir, torch.float32, CPU)
+def as_if_trained(model):
+    """Move every trainable tensor (lora_B starts at zero, so the adapter would otherwise be a no-op)."""
     torch.manual_seed(0)
-    for name, p in policy.named_parameters():
-        if p.requires_grad:  # as if trained: lora_B non-zero, full weights moved
-            p.data += 0.05 * torch.randn_like(p)
-    return policy
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p += 0.05 * torch.randn_like(p)
+    return model
 
 
-def load_into_fresh_base(model_dir, named):
-    from transformers import AutoModelForCausalLM
+def trained_policy(model_dir, strategy, targets="all-linear"):
+    cfg = GRPOConfig(model_name_or_path=model_dir, tuning_strategy=strategy, lora_rank=4, lora_alpha=8,
+                     lora_dropout=0.0, lora_target_modules=targets)
+    return as_if_trained(load_policy(cfg, model_dir, torch.float32, CPU))
 
-    base = AutoModelForCausalLM.from_pretrained(model_dir)
-    missing = set(dict(named)) - set(base.state_dict())
-    assert not missing, f"names unknown to the checkpoint: {missing}"
-    base.load_state_dict({k: v.float() for k, v in named}, strict=False)
-    return base
+
+def assert_reproduces(policy, base_factory, named, atol=1e-5):
+    """Loading the yielded tensors into a fresh base model gives the policy's logits."""
+    base = base_factory().eval()  # no dropout (GPT-2's config has some)
+    policy.eval()
+    unknown = set(dict(named)) - set(base.state_dict())
+    assert not unknown, f"names unknown to the checkpoint: {unknown}"
+    with torch.no_grad():
+        expected, untouched = policy(IDS).logits, base(IDS).logits
+        assert (expected - untouched).abs().max() > 100 * atol  # training moved the policy away from the base
+        base.load_state_dict({k: v.float() for k, v in named}, strict=False)
+        torch.testing.assert_close(base(IDS).logits, expected, atol=atol, rtol=atol)
+
+
+def assert_equals_peft_merge(policy, named):
+    merged = copy.deepcopy(policy).merge_and_unload().state_dict()
+    for name, tensor in named:
+        torch.testing.assert_close(tensor, merged[name], atol=1e-6, rtol=1e-6)
 
 
 def test_checkpoint_names():
@@ -55,64 +71,164 @@ def test_checkpoint_names():
     assert checkpoint_name("model.layers.1.mlp.down_proj.base_layer") == "model.layers.1.mlp.down_proj"
 
 
-@pytest.mark.parametrize("strategy", ["full", "lora"])
-def test_synced_weights_reproduce_the_policy(strategy, model_dir):
-    policy = trained_policy(model_dir, strategy)
-    named = list(iter_policy_weights(policy, strategy, dtype=torch.float32))
-    if strategy == "lora":
-        # only the targeted linears, merged exactly like peft's merge_and_unload
-        assert all(n.endswith("_proj.weight") for n, _ in named) and len(named) == 2 * 7
-        merged = copy.deepcopy(policy).merge_and_unload().state_dict()
-        for name, tensor in named:
-            torch.testing.assert_close(tensor, merged[name], atol=1e-6, rtol=1e-6)
-    else:
-        assert {n for n, _ in named} == set(dict(policy.named_parameters()))
-    fresh = load_into_fresh_base(model_dir, named)
-    with torch.no_grad():
-        torch.testing.assert_close(fresh(IDS).logits, policy(IDS).logits, atol=1e-5, rtol=1e-5)
+def test_full_yields_every_parameter(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    policy = trained_policy(model_dir, "full")
+    named = list(iter_policy_weights(policy, "full", dtype=torch.float32))
+    assert [n for n, _ in named] == [n for n, _ in policy.named_parameters()]
+    for (_, tensor), param in zip(named, policy.parameters()):
+        assert torch.equal(tensor, param)
+    assert_reproduces(policy, lambda: AutoModelForCausalLM.from_pretrained(model_dir), named)
+    # bf16 by default: what vLLM runs
+    assert {t.dtype for _, t in iter_policy_weights(policy, "full")} == {torch.bfloat16}
+
+
+def test_lora_yields_only_the_merged_targets(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    policy = trained_policy(model_dir, "lora")
+    before = {n: p.clone() for n, p in policy.named_parameters()}
+    named = list(iter_policy_weights(policy, "lora", dtype=torch.float32))
+    # 2 layers x 7 targeted linears (q k v o gate up down), nothing else
+    assert len(named) == 2 * 7 and all(n.endswith("_proj.weight") for n, _ in named)
+    assert_equals_peft_merge(policy, named)
+    assert_reproduces(policy, lambda: AutoModelForCausalLM.from_pretrained(model_dir), named)
+    # the training model was not merged in place
+    assert all(torch.equal(p, before[n]) for n, p in policy.named_parameters())
+
+
+def test_lora_bias_modules_to_save_and_per_module_alpha():
+    from peft import LoraConfig, get_peft_model
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    torch.manual_seed(1)
+    base_state = Qwen2ForCausalLM(config).state_dict()
+
+    def fresh_base():
+        model = Qwen2ForCausalLM(config)
+        model.load_state_dict(base_state)
+        return model
+
+    # q/v have biases in Qwen2; v_proj gets its own alpha, so the two scalings differ (8/4 = 2 and 32/4 = 8)
+    lora = LoraConfig(r=4, lora_alpha=8, alpha_pattern={"v_proj": 32}, target_modules=["q_proj", "v_proj"],
+                      lora_bias=True, modules_to_save=["lm_head"], lora_dropout=0.0)
+    policy = as_if_trained(get_peft_model(fresh_base(), lora))
+    v_proj = policy.base_model.model.model.layers[0].self_attn.v_proj
+    assert v_proj.scaling["default"] == 8.0
+    named = list(iter_policy_weights(policy, "lora", dtype=torch.float32))
+    names = {n for n, _ in named}
+    assert names == {f"model.layers.{i}.self_attn.{m}.{t}" for i in range(2) for m in ("q_proj", "v_proj")
+                     for t in ("weight", "bias")} | {"lm_head.weight"}
+    assert_equals_peft_merge(policy, named)
+    assert_reproduces(policy, fresh_base, named)
+
+
+def test_fan_in_fan_out_layers_are_merged_transposed():
+    from peft import LoraConfig, get_peft_model
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=64, n_positions=32, bos_token_id=0,
+                        eos_token_id=0)
+    torch.manual_seed(2)
+    base_state = GPT2LMHeadModel(config).state_dict()
+
+    def fresh_base():
+        model = GPT2LMHeadModel(config)
+        model.load_state_dict(base_state)
+        return model
+
+    # GPT-2's Conv1D stores weights [in, out]: the delta B @ A [out, in] must be transposed
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], fan_in_fan_out=True, lora_dropout=0.0)
+    policy = as_if_trained(get_peft_model(fresh_base(), lora))
+    named = list(iter_policy_weights(policy, "lora", dtype=torch.float32))
+    assert [n for n, _ in named] == [f"transformer.h.{i}.attn.c_attn.weight" for i in range(2)]
+    assert named[0][1].shape == (32, 96)  # [in, out], as in the checkpoint
+    assert_equals_peft_merge(policy, named)
+    assert_reproduces(policy, fresh_base, named)
 
 
 def test_qlora_sync_is_the_dequantized_policy(model_dir):
     import bitsandbytes.functional as bnbf
+    from transformers import AutoModelForCausalLM
 
-    policy = trained_policy(model_dir, "qlora")
-    pairs = list(iter_policy_weights(policy, "qlora", dtype=torch.float32, first_sync=True))
-    named = dict(pairs)
-    assert len(pairs) == len(named)  # every weight once
+    policy = trained_policy(model_dir, "qlora", targets="q_proj,v_proj")
+    first = list(iter_policy_weights(policy, "qlora", dtype=torch.float32, first_sync=True))
+    named = dict(first)
+    # first sync: every 4-bit linear (2 layers x 7), adapted or not, each once
+    assert len(first) == len(named) == 2 * 7 and all(n.endswith("_proj.weight") for n in named)
     layer = policy.base_model.model.model.layers[0].self_attn.q_proj
     w = layer.base_layer.weight
+    # dequantized nf4 base + (alpha / r) * B @ A, alpha / r = 8 / 4 = 2
+    assert layer.scaling["default"] == 2.0
     expected = bnbf.dequantize_4bit(w.data, w.quant_state).float() + \
-        (layer.lora_B["default"].weight @ layer.lora_A["default"].weight) * layer.scaling["default"]
+        (layer.lora_B["default"].weight @ layer.lora_A["default"].weight) * 2.0
     torch.testing.assert_close(named["model.layers.0.self_attn.q_proj.weight"], expected)
-    fresh = load_into_fresh_base(model_dir, list(named.items()))
-    with torch.no_grad():
-        torch.testing.assert_close(fresh(IDS).logits, policy(IDS).logits, atol=1e-4, rtol=1e-4)
+    assert_reproduces(policy, lambda: AutoModelForCausalLM.from_pretrained(model_dir), first, atol=1e-4)
+    # later syncs send only the adapted weights; the frozen 4-bit ones were sent the first time
+    later = dict(iter_policy_weights(policy, "qlora", dtype=torch.float32, first_sync=False))
+    assert sorted(later) == [f"model.layers.{i}.self_attn.{m}.weight" for i in range(2) for m in ("q_proj", "v_proj")]
+    for name, tensor in later.items():
+        torch.testing.assert_close(tensor, named[name])
 
 
 def test_sync_weights_streams_in_chunks(model_dir):
     policy = trained_policy(model_dir, "full")
     engine = RecordingEngine()
-    stats = sync_weights(engine, policy, "full", dtype=torch.float32, chunk_bytes=64 * 1024)
-    total = sum(p.numel() * 4 for p in policy.parameters())
-    assert stats.bytes == total and stats.tensors == len(list(policy.parameters()))
+    limit = 64 * 1024
+    stats = sync_weights(engine, policy, "full", dtype=torch.float32, chunk_bytes=limit)
+    sizes = [p.numel() * 4 for p in policy.parameters()]
+    assert stats.bytes == sum(sizes) and stats.tensors == len(sizes) and stats.seconds > 0
     assert len(engine.calls) > 1
-    assert all(sum(t.numel() * 4 for _, t in call[:-1]) < 64 * 1024 for call in engine.calls)
+    # a chunk exceeds the limit only when it is one tensor larger than the limit
+    assert all(len(call) == 1 or sum(t.numel() * 4 for _, t in call) <= limit for call in engine.calls)
+    assert [n for call in engine.calls for n, _ in call] == [n for n, _ in policy.named_parameters()]
 
 
-def test_zero3_gathers_the_same_tensors(model_dir):
+def test_bad_input_is_a_clear_error(model_dir):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    policy = trained_policy(model_dir, "full")
+    with pytest.raises(ConfigError, match="full, lora, qlora"):
+        next(iter_policy_weights(policy, "dora"))
+    dora = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir),
+                          LoraConfig(r=4, target_modules=["q_proj"], use_dora=True))
+    with pytest.raises(ConfigError, match="DoRA"):
+        list(iter_policy_weights(dora, "lora"))
+    embedding = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir),
+                               LoraConfig(r=4, target_modules=["embed_tokens"]))
+    with pytest.raises(ConfigError, match="linear layers only"):
+        list(iter_policy_weights(embedding, "lora"))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
+def test_vllm_engine_without_vllm_says_how_to_install():
+    from grpo.rollout.vllm import VLLMRolloutEngine
+
+    with pytest.raises(ConfigError, match=r"pip install \.\[vllm\]"):
+        VLLMRolloutEngine("some/model", max_model_len=256, seed=0)
+
+
+@pytest.mark.parametrize("strategy", ["full", "lora"])
+def test_zero3_gathers_the_same_tensors(model_dir, strategy):
     import deepspeed
 
     from grpo import distributed as dist_utils
 
     dist_utils.init_distributed()
-    policy = trained_policy(model_dir, "full")
-    expected = {n: p.detach().clone() for n, p in policy.named_parameters()}
+    policy = trained_policy(model_dir, strategy)
+    expected = dict(iter_policy_weights(policy, strategy, dtype=torch.float32))  # unpartitioned reference
+    trainable = [p for p in policy.parameters() if p.requires_grad]
     config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3,
               "stage3_param_persistence_threshold": 0}, "bf16": {"enabled": False}}
-    engine, *_ = deepspeed.initialize(model=policy, optimizer=torch.optim.AdamW(policy.parameters(), lr=1e-3),
-                                      config=config)
+    engine, *_ = deepspeed.initialize(model=policy, model_parameters=trainable,
+                                      optimizer=torch.optim.AdamW(trainable, lr=1e-3), config=config)
     assert all(p.numel() == 0 for p in engine.module.parameters())  # partitioned away
-    named = dict(iter_policy_weights(engine.module, "full", dtype=torch.float32, zero3=True))
+    named = dict(iter_policy_weights(engine.module, strategy, dtype=torch.float32, zero3=True))
     assert named.keys() == expected.keys()
     for name, tensor in named.items():
         torch.testing.assert_close(tensor, expected[name])
+    assert all(p.numel() == 0 for p in engine.module.parameters())  # released again after each module

@@ -1,18 +1,27 @@
 """Colocated, in-process vLLM rollout engine (tested with vllm 0.26.0 on torch 2.11).
 
-Every rank (or every group of `tensor_parallel_size` consecutive ranks) holds one engine on its own GPU(s), created
-with `distributed_executor_backend="external_launcher"` inside the training processes. The engine sleeps while
-DeepSpeed trains (level 1: KV cache freed, weights parked in CPU memory) and wakes for the next rollout; after every
-optimizer step the trainer pushes the policy's weights with `load_weights` (weights woken first, then the KV cache).
+Every training rank holds the engine in its own process: `distributed_executor_backend="external_launcher"` with
+`VLLM_ENABLE_V1_MULTIPROCESSING=0`, so the model lives in this process and `load_weights` reaches it directly.
 
-With tensor parallelism every rank of a group must send the same prompts: generate() gathers the group's prompts,
-the group generates them together, and each rank keeps its own completions.
+Tensor parallelism (vLLM 0.26.0, vllm/distributed/parallel_state.py `initialize_model_parallel`): vLLM joins the
+training job's torch.distributed world and lays it out as ExternalDP x DP x PP x PCP x TP, so with
+`tensor_parallel_size=N` ranks [0..N-1], [N..2N-1], ... form the TP groups and each group is one engine. Every rank
+of a group runs the same scheduler and sampler, which only agree when the caller guarantees that
+  - every rank builds the engine at the same point (the constructor runs collectives over the whole world),
+  - every rank of a group passes the same `seed`, and calls generate / load_weights / sleep / wake together,
+  - every rank of a group generates the same prompts: generate() gathers the group's prompts over vLLM's own TP
+    group, the group generates them together, and each rank keeps the completions of its own prompts.
+
+Sleep: level 1 (KV cache freed, weights parked in pinned CPU memory). Level 2 would drop the weights and is only
+safe when every weight is pushed after every step; LoRA / QLoRA syncs send only the adapted layers, so the
+others must survive the sleep. load_weights wakes the weights first, then overwrites them; wake() brings back the
+KV cache.
 """
 from __future__ import annotations
 
 import logging
 import os
-from typing import Iterable, Optional
+from typing import Iterable
 
 import torch
 
@@ -24,7 +33,8 @@ INSTALL_HINT = "--use_vllm_rollout needs vLLM: pip install .[vllm] (tested with 
 
 
 def _import_vllm():
-    # in-process engine core: the model must live in this process for load_weights to reach it
+    # the engine core must run in this process (no worker subprocess), both for external_launcher's determinism
+    # and so that load_weights reaches the model; vLLM reads this variable when it is imported
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     try:
         import vllm
@@ -34,12 +44,15 @@ def _import_vllm():
 
 
 class VLLMRolloutEngine:
+    """RolloutEngine over an in-process vLLM `LLM` sharing the training GPUs (see the module docstring)."""
+
     def __init__(self, model_path: str, *, tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.3,
                  dtype: str = "bfloat16", max_model_len: int = 2048, seed: int = 0, enable_sleep: bool = True,
-                 enforce_eager: bool = False, stop_token_ids: Optional[list[int]] = None):
+                 enforce_eager: bool = False, stop_token_ids: list[int] | None = None):
         vllm = _import_vllm()
         self._vllm = vllm
         self.tp = tensor_parallel_size
+        self.max_model_len = max_model_len
         self.stop_token_ids = list(stop_token_ids or [])
         self.enable_sleep = enable_sleep
         self.llm = vllm.LLM(
@@ -47,75 +60,92 @@ class VLLMRolloutEngine:
             gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len, seed=seed,
             enable_sleep_mode=enable_sleep, enforce_eager=enforce_eager, skip_tokenizer_init=True,
             distributed_executor_backend="external_launcher",
-            # log-probs after temperature, like the trainer's softmax(logits / T)
+            # log-probs after temperature, like the trainer's log_softmax(logits / T) (vllm/v1/sample/sampler.py)
             logprobs_mode="processed_logprobs")
-        self._asleep: set[str] = set()
+        self._asleep: set[str] = set()  # vLLM allocation tags now released: "weights", "kv_cache"
         self.last_sleep_freed_bytes = 0
-        self._tp_group = self._make_tp_group()
+        self._sleeps = 0
+        self._warned_top_p = False
 
     # -------------------------------------------------------------------------------------- generation
     def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingSettings) -> list[Completion]:
-        mine = len(prompt_token_ids)
+        """n completions per prompt, prompt by prompt, with their sampling log-probs and finish reasons."""
+        too_long = [len(p) for p in prompt_token_ids if len(p) >= self.max_model_len]
+        if too_long:
+            raise ConfigError(f"a prompt of {max(too_long)} tokens does not fit vLLM's max_model_len "
+                              f"{self.max_model_len}: raise --max_seq_length or lower --max_prompt_length")
+        self._warn_top_p(sampling)
         prompts, offset = self._gather_group_prompts(prompt_token_ids)
         params = self._vllm.SamplingParams(
             n=sampling.n, max_tokens=sampling.max_new_tokens,
             temperature=0.0 if sampling.greedy else sampling.temperature,
             top_p=1.0 if sampling.greedy else sampling.top_p, logprobs=0, detokenize=False,
             stop_token_ids=self.stop_token_ids or None)
-        outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        requests = [self._vllm.TokensPrompt(prompt_token_ids=p) for p in prompts]
+        outputs = self.llm.generate(requests, params, use_tqdm=False)
         completions = []
-        for index, request in enumerate(outputs[offset:offset + mine]):
-            for sample in request.outputs:
+        for index, request in enumerate(outputs[offset:offset + len(prompt_token_ids)]):
+            for sample in sorted(request.outputs, key=lambda s: s.index):
                 ids = list(sample.token_ids)
+                # logprobs=0: each step holds just the sampled token's entry
                 logprobs = [step[token].logprob for step, token in zip(sample.logprobs or [], ids)]
                 finish = "stop" if sample.finish_reason == "stop" else "length"
                 completions.append(Completion(index, ids, logprobs, finish))
         return completions
 
     def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
-        """log p(token_t | tokens_<t) for t >= 1 under the engine's current weights (for checks and tests)."""
+        """log p(token_t | tokens_<t) for t >= 1 under the engine's current weights, at temperature 1."""
         params = self._vllm.SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
-        out = self.llm.generate([{"prompt_token_ids": token_ids}], params, use_tqdm=False)[0]
+        out = self.llm.generate([self._vllm.TokensPrompt(prompt_token_ids=token_ids)], params, use_tqdm=False)[0]
         return [step[token].logprob for step, token in zip(out.prompt_logprobs[1:], token_ids[1:])]
+
+    def _warn_top_p(self, sampling: SamplingSettings) -> None:
+        # vLLM's processed log-probs come after top-p masking, i.e. renormalised over the nucleus; the trainer's are not
+        if sampling.top_p < 1.0 and not sampling.greedy and not self._warned_top_p:
+            self._warned_top_p = True
+            logger.warning(f"top_p={sampling.top_p}: vLLM reports log-probs renormalised over the top-p nucleus "
+                           "(higher than the trainer's by -log(nucleus mass)); use top_p=1 for matching log-probs")
 
     # ----------------------------------------------------------------------------------------- weights
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Overwrite the engine's weights with these (HF checkpoint names), then drop its cached prefixes."""
         if "weights" in self._asleep:
-            self.llm.wake_up(tags=["weights"])  # parked weights come back before they are overwritten
+            self.llm.wake_up(tags=["weights"])  # parked weights come back before they are partly overwritten
             self._asleep.discard("weights")
         tensors = list(named_tensors)
+        # the model's own load_weights maps checkpoint names onto vLLM's fused / sharded parameters
         self.llm.apply_model(lambda model: model.load_weights(tensors))
-        self.llm.reset_prefix_cache()  # cached KV blocks were computed by the old weights
+        self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
 
     # ------------------------------------------------------------------------------------------ memory
     def sleep(self) -> None:
+        """Free the KV cache and park the weights in CPU memory while the trainer uses the GPU."""
         if not self.enable_sleep or self._asleep:
             return
+        torch.cuda.synchronize()
         before = torch.cuda.mem_get_info()[0]
         self.llm.sleep(level=1)
         torch.cuda.synchronize()
         self.last_sleep_freed_bytes = torch.cuda.mem_get_info()[0] - before
         self._asleep = {"weights", "kv_cache"}
-        logger.debug(f"vLLM asleep: {self.last_sleep_freed_bytes / 2**30:.2f} GiB GPU memory freed")
+        self._sleeps += 1
+        log = logger.info if self._sleeps == 1 else logger.debug
+        log(f"vLLM asleep: {self.last_sleep_freed_bytes / 2**30:.2f} GiB GPU memory freed")
 
     def wake(self) -> None:
+        """Take the memory back (weights first if no sync did, then the KV cache) before the next rollout."""
         if self._asleep:
-            self.llm.wake_up(tags=sorted(self._asleep))
+            self.llm.wake_up(tags=sorted(self._asleep, key=["weights", "kv_cache"].index))
             self._asleep = set()
 
     # --------------------------------------------------------------------------- tensor-parallel groups
-    def _make_tp_group(self):
-        if self.tp == 1 or not torch.distributed.is_initialized():
-            return None
-        world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
-        groups = [torch.distributed.new_group(list(range(s, s + self.tp))) for s in range(0, world, self.tp)]
-        return groups[rank // self.tp]
-
     def _gather_group_prompts(self, prompts: list[list[int]]) -> tuple[list[list[int]], int]:
-        """All prompts of this rank's TP group (in rank order) and where this rank's start."""
-        if self._tp_group is None:
+        """All prompts of this rank's TP group (in rank order) and where this rank's own start."""
+        if self.tp == 1:
             return prompts, 0
-        parts = [None] * self.tp
-        torch.distributed.all_gather_object(parts, prompts, group=self._tp_group)
-        local = torch.distributed.get_rank() % self.tp
-        return [p for part in parts for p in part], sum(len(part) for part in parts[:local])
+        from vllm.distributed.parallel_state import get_tp_group
+
+        group = get_tp_group()  # the very group vLLM formed, so the gather matches its layout
+        parts: list = [None] * group.world_size
+        torch.distributed.all_gather_object(parts, prompts, group=group.cpu_group)
+        return [p for part in parts for p in part], sum(len(part) for part in parts[:group.rank_in_group])

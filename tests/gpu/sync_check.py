@@ -1,12 +1,14 @@
-"""One GPU check of weight sync into vLLM, run in its own process (one vLLM engine per process).
+"""One GPU check of weight sync into vLLM, in its own process (vLLM allows one in-process engine per process).
 
     python tests/gpu/sync_check.py --strategy lora --zero 2 --out result.json
 
-Builds (once) a ~200M-parameter random Llama with a sharpened output layer, trains it for 3 DeepSpeed steps on
-a fixed sequence with vLLM asleep, syncs after each step, and records per step:
-  synced  mean |vLLM log-prob - trainer log-prob| over the sequence after the sync
-  stale   the same for an engine that was not synced (its log-probs are those from before the step)
-plus sync time / bytes and the GPU memory freed by sleep.
+Builds (once, on the GPU) a ~200M-parameter random Llama whose output layer is scaled up so that log-probs are far
+from flat, trains it with DeepSpeed for 3 steps on a fixed sequence with vLLM asleep, syncs after each step, wakes
+vLLM and records per step, as mean |vLLM log-prob - trainer log-prob| over the sequence:
+  synced        the engine after this step's sync
+  stale         the engine before this step's sync (an engine that missed one sync)
+  never_synced  the engine as started from the checkpoint (an engine never synced)
+plus the sync's time / bytes / tensors and the GPU memory freed by sleep; then samples from the woken engine.
 """
 import argparse
 import json
@@ -17,10 +19,12 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 import torch  # noqa: E402
 
-MODEL_DIR = os.environ.get("GRPO_GPU_MODEL", "/tmp/grpo_gpu_model_x2")
+MODEL_DIR = os.environ.get("GRPO_GPU_MODEL", "/tmp/grpo_gpu_model")
+LEARNING_RATES = {"full": 1e-4, "lora": 5e-3, "qlora": 5e-3}  # large enough that each step visibly moves log-probs
 
 
 def build_model(path: str) -> str:
+    """A random Llama saved as a bf16 safetensors checkpoint (reused when already there)."""
     if os.path.isfile(os.path.join(path, "config.json")):
         return path
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -29,7 +33,8 @@ def build_model(path: str) -> str:
     config = LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=12,
                          num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=2048,
                          tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
     with torch.no_grad():
         model.lm_head.weight.mul_(2.0)  # log-probs far from uniform, as in a trained model
     model.save_pretrained(path + ".tmp", safe_serialization=True)
@@ -52,6 +57,7 @@ def main():
     from grpo.config import GRPOConfig
     from grpo.ds_config import load_deepspeed_config
     from grpo.models import load_policy
+    from grpo.rollout.base import SamplingSettings
     from grpo.rollout.vllm import VLLMRolloutEngine
     from grpo.sync import sync_weights
 
@@ -62,14 +68,14 @@ def main():
     device = dist_utils.device()
     policy = load_policy(cfg, path, torch.bfloat16, device)
     trainable = [p for p in policy.parameters() if p.requires_grad]
-    lr = 2e-5 if args.strategy == "full" else 2e-3
     engine, *_ = deepspeed.initialize(model=policy, model_parameters=trainable,
-                                      optimizer=torch.optim.AdamW(trainable, lr=lr),
+                                      optimizer=torch.optim.AdamW(trainable, lr=LEARNING_RATES[args.strategy]),
                                       config=load_deepspeed_config(cfg, use_bf16=True))
+    start = time.perf_counter()
     vllm = VLLMRolloutEngine(path, gpu_memory_utilization=0.3, max_model_len=512, seed=0, enforce_eager=True)
+    engine_start_s = time.perf_counter() - start
 
-    gen = torch.Generator().manual_seed(1)
-    sequence = torch.randint(3, 32000, (1, 96), generator=gen)
+    sequence = torch.randint(3, 32000, (1, 96), generator=torch.Generator().manual_seed(1))
     ids = sequence.to(device)
 
     def trainer_logprobs():
@@ -80,33 +86,43 @@ def main():
     def vllm_logprobs():
         return torch.tensor(vllm.prompt_logprobs(sequence[0].tolist()))
 
+    def gap(a, b):
+        return (a - b).abs().mean().item()
+
+    initial = vllm_logprobs()  # the checkpoint as vLLM loaded it
+    current = trainer_logprobs()
     first = sync_weights(vllm, engine.module, args.strategy, zero3=args.zero == 3, first_sync=True)
     previous = vllm_logprobs()
-    rows = [{"step": 0, "synced": (previous - trainer_logprobs()).abs().mean().item(), "sync_s": first.seconds,
-             "sync_bytes": first.bytes}]
+    rows = [{"step": 0, "synced": gap(previous, current), "never_synced": gap(initial, current),
+             "engine_start_s": engine_start_s, "sync_s": first.seconds, "sync_mib": first.bytes / 2**20,
+             "sync_tensors": first.tensors}]
+    print(json.dumps(rows[-1]), flush=True)
     for step in range(1, args.steps + 1):
         vllm.sleep()
         freed = vllm.last_sleep_freed_bytes
-        loss = -token_logprobs(engine(input_ids=ids).logits[:, :-1], ids[:, 1:]).mean()
+        loss = -token_logprobs(engine(input_ids=ids).logits[:, :-1], ids[:, 1:]).mean()  # raise p(sequence)
         engine.backward(loss)
         engine.step()
         current = trainer_logprobs()
-        stats = sync_weights(vllm, engine.module, args.strategy, zero3=args.zero == 3)
+        stats = sync_weights(vllm, engine.module, args.strategy, zero3=args.zero == 3)  # while asleep
         vllm.wake()
         synced = vllm_logprobs()
-        rows.append({"step": step, "loss": loss.item(), "synced": (synced - current).abs().mean().item(),
-                     "synced_max": (synced - current).abs().max().item(),
-                     "stale": (previous - current).abs().mean().item(), "sync_s": stats.seconds,
-                     "sync_bytes": stats.bytes, "sleep_freed_gib": freed / 2**30})
+        rows.append({"step": step, "loss": loss.item(), "synced": gap(synced, current),
+                     "synced_max": (synced - current).abs().max().item(), "stale": gap(previous, current),
+                     "never_synced": gap(initial, current), "sync_s": stats.seconds,
+                     "sync_mib": stats.bytes / 2**20, "sync_tensors": stats.tensors,
+                     "sleep_freed_gib": freed / 2**30})
         previous = synced
         print(json.dumps(rows[-1]), flush=True)
-    # a woken engine still generates from the synced policy
-    from grpo.rollout.base import SamplingSettings
-
+    # the woken, synced engine still generates
     start = time.perf_counter()
-    out = vllm.generate([sequence[0, :16].tolist()], SamplingSettings(n=4, max_new_tokens=32))
+    out = vllm.generate([sequence[0, :16].tolist(), sequence[0, 16:40].tolist()],
+                        SamplingSettings(n=4, max_new_tokens=32))
     rows.append({"generate_s": time.perf_counter() - start, "completions": len(out),
+                 "prompt_order": [c.prompt_index for c in out],
+                 "lengths_ok": all(len(c.token_ids) == len(c.logprobs) > 0 for c in out),
                  "finite_logprobs": all(torch.isfinite(torch.tensor(c.logprobs)).all().item() for c in out)})
+    print(json.dumps(rows[-1]), flush=True)
     with open(args.out, "w") as fh:
         json.dump({"strategy": args.strategy, "zero": args.zero, "rows": rows}, fh, indent=1)
 
