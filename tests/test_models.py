@@ -28,6 +28,15 @@ def logits_of(model, ids):
         return model(input_ids=ids).logits
 
 
+def adapted_policy(cfg, model_dir):
+    """A lora/qlora policy whose adapter is non-zero, as after training: it differs from its base."""
+    policy = load_policy(cfg, model_dir, torch.float32, CPU)
+    for name, p in policy.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.5)
+    return policy
+
+
 IDS = torch.tensor([[5, 7, 8, 28, 9, 29]])
 
 
@@ -84,10 +93,7 @@ def test_saved_outputs_load_without_grpo_and_match(model_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 
     cfg = config(model_dir, tuning_strategy="lora", save_merged_model=True)
-    policy = load_policy(cfg, model_dir, torch.float32, CPU)
-    for name, p in policy.named_parameters():
-        if "lora_B" in name:
-            torch.nn.init.normal_(p, std=0.5)
+    policy = adapted_policy(cfg, model_dir)
     expected = logits_of(policy, IDS)
     saved = save_final_model(policy, load_tokenizer(model_dir), str(tmp_path), cfg, model_dir, torch.float32)
     adapter_cfg = json.load(open(os.path.join(saved["lora_adapter"], "adapter_config.json")))
@@ -113,10 +119,7 @@ def test_qlora_saves_an_adapter_for_the_quantized_base_and_merges_into_full_prec
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     cfg = config(model_dir, tuning_strategy="qlora", save_merged_model=True)
-    policy = load_policy(cfg, model_dir, torch.float32, CPU)
-    for name, p in policy.named_parameters():
-        if "lora_B" in name:
-            torch.nn.init.normal_(p, std=0.5)
+    policy = adapted_policy(cfg, model_dir)
     expected = logits_of(policy, IDS)
     saved = save_final_model(policy, load_tokenizer(model_dir), str(tmp_path), cfg, model_dir, torch.float32)
     # the adapter on a freshly quantized base reproduces the trained policy (nf4 quantization is deterministic)
