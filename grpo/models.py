@@ -56,6 +56,7 @@ def load_policy(config: GRPOConfig, model_path: str, dtype: torch.dtype, device:
 
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=config.gradient_checkpointing,
                                                 gradient_checkpointing_kwargs={"use_reentrant": False})
+        keep_4bit_forward_exact(model)
     elif config.gradient_checkpointing:
         _enable_checkpointing(model)
     if config.uses_lora:
@@ -67,6 +68,22 @@ def load_policy(config: GRPOConfig, model_path: str, dtype: torch.dtype, device:
     logger.info(f"{config.tuning_strategy}: {trainable:,} trainable of {total:,} parameters "
                 f"({100 * trainable / max(total, 1):.2f}%)")
     return model
+
+
+def keep_4bit_forward_exact(model) -> int:
+    """Make every 4-bit linear compute `x @ dequantize_4bit(W).T` in the compute dtype, in every mode.
+
+    On CPUs with avx512_bf16, bitsandbytes (>= 0.48) repacks a Linear4bit's weight the first time it runs in eval
+    mode without grad (HF generate, log-prob scoring) and from then on multiplies in bf16 with bf16 block scales,
+    in training too. The policy would then change under the trainer (max |logit diff| 0.026 on the tiny test model)
+    and the repacked weight no longer dequantizes to the trained one. Returns the number of layers switched.
+    """
+    switched = 0
+    for module in model.modules():
+        if getattr(module, "support_avx512bf16_for_cpu", False):
+            module.support_avx512bf16_for_cpu = False
+            switched += 1
+    return switched
 
 
 def _enable_checkpointing(model) -> None:

@@ -100,6 +100,11 @@ def _dense_weight(layer) -> torch.Tensor:
     if _is_4bit(weight):
         import bitsandbytes.functional as bnbf
 
+        if getattr(weight.quant_state, "packing_format_for_cpu", False):
+            raise ConfigError("a 4-bit layer was repacked by bitsandbytes' bf16 CPU inference path, so its weight no "
+                              "longer dequantizes to the trained policy; load the policy with "
+                              "grpo.models.load_policy (or call grpo.models.keep_4bit_forward_exact on it first)")
+
         return bnbf.dequantize_4bit(weight.data, weight.quant_state).float()
     return weight.data.to(torch.float32, copy=True)  # a copy: the merge below adds into it
 

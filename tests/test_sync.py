@@ -232,3 +232,31 @@ def test_zero3_gathers_the_same_tensors(model_dir, strategy):
     for name, tensor in named.items():
         torch.testing.assert_close(tensor, expected[name])
     assert all(p.numel() == 0 for p in engine.module.parameters())  # released again after each module
+
+
+def test_qlora_forward_is_the_same_in_eval_and_train_mode(model_dir):
+    """bitsandbytes' bf16 CPU path (avx512_bf16 CPUs) must not take over in eval mode: sampling and scoring run the
+    policy in eval mode, training in train mode, and both must be the one policy the sync sends."""
+    policy = trained_policy(model_dir, "qlora", targets="q_proj,v_proj")
+    import bitsandbytes as bnb
+
+    layers = [m for m in policy.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    assert len(layers) == 2 * 7 and not any(getattr(m, "support_avx512bf16_for_cpu", False) for m in layers)
+    with torch.no_grad():
+        train_logits = policy.train()(IDS).logits
+        eval_logits = policy.eval()(IDS).logits
+        again = policy.train()(IDS).logits
+    assert not any(getattr(m.weight.quant_state, "packing_format_for_cpu", False) for m in layers)
+    torch.testing.assert_close(eval_logits, train_logits, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(again, train_logits, atol=1e-6, rtol=1e-6)
+
+
+def test_repacked_4bit_weight_is_a_clear_error(model_dir):
+    from bitsandbytes.functional import _convert_weight_packed_for_cpu
+
+    policy = trained_policy(model_dir, "qlora", targets="q_proj")
+    layer = policy.base_model.model.model.layers[0].mlp.up_proj  # 128 x 64: the packed layout needs N % 32 == 0
+    layer.weight.data, layer.weight.quant_state = _convert_weight_packed_for_cpu(layer.weight.data,
+                                                                                 layer.weight.quant_state)
+    with pytest.raises(ConfigError, match="repacked"):
+        list(iter_policy_weights(policy, "qlora", first_sync=True))
