@@ -70,8 +70,11 @@ def test_notebook_run_writes_every_output(tiny_model, registry, tmp_path):
         assert key in train_rows[0], key
     # the HF engine samples from the trained model itself, in fp32: rollout and trainer log-probs agree
     assert train_rows[0]["rollout/logprob_diff_max"] < 1e-3
-    assert any("eval/reward/mean" in r for r in rows)
-    assert os.path.isfile(out / "eval" / "samples_step2.jsonl")
+    eval_rows = [r for r in rows if "eval/reward/mean" in r]
+    assert [r["step"] for r in eval_rows] == [0, 1, 2]  # --eval_on_start (default on): step 0 comes first
+    assert rows[0] is eval_rows[0]
+    assert os.path.isfile(out / "eval" / "samples_step0.jsonl") and os.path.isfile(out / "eval" / "samples_step2.jsonl")
+    assert "eval at step 0" in (out / "train.log").read_text()
     assert os.path.isfile(out / "training_curves.png") and os.path.getsize(out / "training_curves.png") > 10_000
     assert os.path.isfile(out / "train.log") and "step 2" in (out / "train.log").read_text()
     assert [step for step, _ in list_checkpoints(str(out))] == [2]  # save_total_limit=1 removed checkpoint-1
