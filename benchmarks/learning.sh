@@ -4,6 +4,8 @@
 #   bash benchmarks/learning.sh                                  # arith: full, lora, qlora; GSM8K: lora, qlora
 #   ARITH="lora qlora" SEEDS="0 1" GSM8K="" bash benchmarks/learning.sh
 #   ARITH=qlora GSM8K="" TAG=nodrop EXTRA="--lora_dropout 0" bash benchmarks/learning.sh   # an ablation
+#   PARALLEL=3 bash benchmarks/learning.sh     # up to 3 runs at once on the one GPU (a 135M model leaves it idle);
+#                                              # the table's wall / train seconds then include the sharing
 #
 # arith: SmolLM2-135M-Instruct (embedded), 16 prompts x 8 samples, 64 new tokens, 40 steps, 100 held-out prompts
 # evaluated greedily (boxed accuracy). GSM8K: train on train.jsonl, evaluate greedily on all 1,319 test.jsonl
@@ -21,6 +23,8 @@ LR_LORA=${LR_LORA:-3e-4}
 LR_FULL=${LR_FULL:-1e-5}
 TAG=${TAG:+-$TAG}    # appended to run names
 read -r -a EXTRA_ARGS <<< "${EXTRA:-}"  # extra train_grpo.py flags for every run
+PARALLEL=${PARALLEL:-1}
+port=${PORT:-29600}
 GSM8K_DIR=${GSM8K_DIR:-../shared/data/gsm8k}
 [ -f "$GSM8K_DIR/test.jsonl" ] || GSM8K_DIR=data/gsm8k
 mkdir -p "$OUT_DIR"
@@ -34,7 +38,7 @@ run() {  # run <name> <dataset> <strategy> <seed> <accuracy reward> <extra train
   local lr=$LR_LORA; [ "$strategy" = full ] && lr=$LR_FULL
   local dir="$OUT_DIR/$name$TAG" start=$(date +%s)
   mkdir -p "$dir"
-  "${launcher[@]}" --num_gpus 1 train_grpo.py --model_name_or_path smollm2-135m-instruct --tuning_strategy "$strategy" \
+  "${launcher[@]}" --num_gpus 1 --master_port "$port" train_grpo.py --model_name_or_path smollm2-135m-instruct --tuning_strategy "$strategy" \
     --learning_rate "$lr" --learning_rate_lora "$lr" --seed "$seed" --per_device_train_batch_size 16 --k_samples 8 \
     --use_vllm_rollout true --vllm_enforce_eager true --eval_on_start true --save_steps 0 --logging_steps 5 \
     --output_dir "$dir" --overwrite_output_dir "$@" "${EXTRA_ARGS[@]}" > "$dir.log" 2>&1
@@ -44,9 +48,16 @@ run() {  # run <name> <dataset> <strategy> <seed> <accuracy reward> <extra train
   echo "$name$TAG: rc=$rc $(grep -E 'eval at step' "$dir.log" | sed 's/.*eval at/eval at/' | cut -c1-160 | tr '\n' ' ')"
 }
 
+launch() {  # launch <run args>: runs in the background, at most PARALLEL at once, each on its own port
+  while [ "$(jobs -rp | wc -l)" -ge "$PARALLEL" ]; do sleep 2; done
+  run "$@" &
+  port=$((port + 1))
+  sleep 1
+}
+
 for seed in $SEEDS; do
   for strategy in $ARITH; do
-    run "arith-$strategy-s$seed" arith "$strategy" "$seed" boxed_accuracy --dataset_names arith --max_steps "$STEPS" \
+    launch "arith-$strategy-s$seed" arith "$strategy" "$seed" boxed_accuracy --dataset_names arith --max_steps "$STEPS" \
       --rollout_max_new_tokens 64 --max_prompt_length 128 --max_seq_length 192 --eval_max_prompts 100
   done
 done
@@ -61,11 +72,12 @@ entries["gsm8k_test"] = dict(entries["gsm8k"], path=os.path.join(src, "test.json
 json.dump(entries, open(out, "w"), indent=1)
 PY
   for strategy in $GSM8K; do
-    run "gsm8k-$strategy-s0" gsm8k "$strategy" 0 gsm8k_accuracy --dataset_config_path "$registry" \
+    launch "gsm8k-$strategy-s0" gsm8k "$strategy" 0 gsm8k_accuracy --dataset_config_path "$registry" \
       --dataset_names gsm8k --eval_dataset_names gsm8k_test --eval_max_prompts -1 --max_steps "$GSM8K_STEPS" \
       --rollout_max_new_tokens 256 --max_prompt_length 256 --max_seq_length 512
   done
 elif [ -n "$GSM8K" ]; then
   echo "GSM8K skipped: no test.jsonl in $GSM8K_DIR"
 fi
+wait
 python benchmarks/learning_table.py "$OUT_DIR"/*/ | tee "$OUT_DIR/table.md"
