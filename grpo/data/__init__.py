@@ -10,7 +10,7 @@ Every check here runs before any model loads, and every error names the dataset,
 from .loading import load_prompt_datasets
 from .registry import EXTRACTORS, DatasetSpec, dataset_routes, load_dataset_registry
 from .render import render_prompts
-from .rows import ROW_FEATURES, build_messages, extract_answer
+from .rows import ROW_FEATURES, build_messages, extract_answer, first_rows_per_source
 
 __all__ = ["DatasetSpec", "EXTRACTORS", "ROW_FEATURES", "build_messages", "dataset_routes", "extract_answer",
-           "load_dataset_registry", "load_prompt_datasets", "render_prompts"]
+           "first_rows_per_source", "load_dataset_registry", "load_prompt_datasets", "render_prompts"]

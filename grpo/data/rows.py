@@ -118,3 +118,16 @@ def split_rows(rows: datasets.Dataset, ratio: float, seed: int) -> tuple[dataset
         return rows.select([]), rows
     parts = rows.train_test_split(test_size=n_eval, seed=seed, shuffle=True, keep_in_memory=True)
     return parts["train"], parts["test"]
+
+
+def first_rows_per_source(rows: datasets.Dataset, limit: int) -> datasets.Dataset:
+    """The first `limit` rows of each data_source (all rows when limit is -1), in their order."""
+    if limit < 0:
+        return rows
+    seen: dict[str, int] = {}
+    keep = []
+    for index, source in enumerate(rows["data_source"]):
+        seen[source] = seen.get(source, 0) + 1
+        if seen[source] <= limit:
+            keep.append(index)
+    return rows if len(keep) == len(rows) else rows.select(keep)
