@@ -54,7 +54,8 @@ def _load_local(spec: DatasetSpec) -> datasets.Dataset:
     if os.path.isdir(path):
         return _load_saved_folder(spec)
     if not os.path.isfile(path):
-        hint = GSM8K_SOURCE.format(file=os.path.basename(path)) if "gsm8k" in (spec.name + path).lower() else "fix \"path\" in the registry"
+        hint = GSM8K_SOURCE.format(file=os.path.basename(path)) if "gsm8k" in (spec.name + path).lower() \
+            else "fix \"path\" in the registry"
         raise DatasetError(f"dataset '{spec.name}': data file not found: {path}; {hint}")
     ext = os.path.splitext(path)[1].lower()
     if ext not in FILE_BUILDERS:
