@@ -140,6 +140,8 @@ class GRPOConfig:
 
     # --- eval, checkpoints, logging -------------------------------------------------------------
     eval_steps: int = _opt(0, "Evaluate on the held-out split every N steps (0: only at the end).", "logging")
+    eval_on_start: bool = _opt(True, "Evaluate before the first step (logged as step 0) when there is an eval set.",
+                               "logging")
     eval_max_prompts: int = _opt(64, "Prompts of each eval dataset (and held-out split) per evaluation; -1: all.",
                                  "logging")
     eval_greedy: bool = _opt(True, "Greedy decoding in eval (else sampled with --temperature).", "logging")

@@ -116,6 +116,9 @@ class GRPOTrainer:
             path = resolve_resume_path(config.resume_from_checkpoint, config.output_dir)
             self.state = load_checkpoint(self.engine, path, frozen_excluded=config.uses_lora)
             logger.info(f"resumed from {path} at step {self.state.step}")
+        # the engine started from the checkpoint on disk: from here on it samples the policy being trained
+        # (for qlora the 4-bit weights, for a resumed run the restored ones), in evaluate() before train() too
+        self._sync_rollout_weights(first=True)
         if self.is_main:
             config.save(os.path.join(config.output_dir, "grpo_config.json"))
         self._stop_signal: Optional[int] = None
@@ -129,9 +132,10 @@ class GRPOTrainer:
                     f"prompts, {self.world} rank(s), {self.total_steps} steps of {self.prompts_per_step} prompts "
                     f"x {cfg.k_samples} samples per rank")
         previous_handlers = self._install_signal_handlers()
-        self._sync_rollout_weights(first=True)
         metrics: dict = {}
         try:
+            if self.state.step == 0 and cfg.eval_on_start and self.eval_set is not None:
+                self.evaluate(reporter)  # step 0: what training starts from
             while self.state.step < self.total_steps:
                 step_start = time.perf_counter()
                 prompts = self._next_prompts()

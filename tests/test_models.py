@@ -7,7 +7,8 @@ import torch
 
 from grpo.config import EMBEDDED_MODEL, GRPOConfig
 from grpo.errors import ConfigError
-from grpo.models import load_policy, load_reference, load_tokenizer, reference_mode, save_final_model
+from grpo.models import (keep_4bit_forward_exact, load_policy, load_reference, load_tokenizer, reference_mode,
+                         save_final_model)
 
 from .tiny_models import make_tiny_model_dir
 
@@ -126,6 +127,8 @@ def test_qlora_saves_an_adapter_for_the_quantized_base_and_merges_into_full_prec
     nf4 = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                              bnb_4bit_compute_dtype=torch.float32)
     quantized = AutoModelForCausalLM.from_pretrained(model_dir, quantization_config=nf4, device_map={"": "cpu"})
+    # as in training: not bitsandbytes' bf16 inference path of avx512_bf16 CPUs, which rounds (~0.03 on logits)
+    keep_4bit_forward_exact(quantized)
     torch.testing.assert_close(logits_of(PeftModel.from_pretrained(quantized, saved["lora_adapter"]), IDS),
                                expected, atol=1e-4, rtol=1e-4)
     # merged = the unquantized fp32 base + the adapter, with no 4-bit layer left

@@ -70,8 +70,11 @@ def test_notebook_run_writes_every_output(tiny_model, registry, tmp_path):
         assert key in train_rows[0], key
     # the HF engine samples from the trained model itself, in fp32: rollout and trainer log-probs agree
     assert train_rows[0]["rollout/logprob_diff_max"] < 1e-3
-    assert any("eval/reward/mean" in r for r in rows)
-    assert os.path.isfile(out / "eval" / "samples_step2.jsonl")
+    eval_rows = [r for r in rows if "eval/reward/mean" in r]
+    assert [r["step"] for r in eval_rows] == [0, 1, 2]  # --eval_on_start (default on): step 0 comes first
+    assert rows[0] is eval_rows[0]
+    assert os.path.isfile(out / "eval" / "samples_step0.jsonl") and os.path.isfile(out / "eval" / "samples_step2.jsonl")
+    assert "eval at step 0" in (out / "train.log").read_text()
     assert os.path.isfile(out / "training_curves.png") and os.path.getsize(out / "training_curves.png") > 10_000
     assert os.path.isfile(out / "train.log") and "step 2" in (out / "train.log").read_text()
     assert [step for step, _ in list_checkpoints(str(out))] == [2]  # save_total_limit=1 removed checkpoint-1
@@ -219,7 +222,9 @@ def test_eval_dataset_and_overlong_prompts(tiny_model, eval_registry, tmp_path, 
     assert "train dataset 'wordy': dropped 4 of 24 prompts longer than --max_prompt_length 32; the longest kept " \
            "has 11 tokens" in log
     assert "eval dataset 'toy_test': dropped 2 of 8 prompts" in log
-    [evaluation] = [r for r in read_metrics(str(out / "metrics.jsonl")) if "eval/reward/mean" in r]
+    evaluations = [r for r in read_metrics(str(out / "metrics.jsonl")) if "eval/reward/mean" in r]
+    assert [r["step"] for r in evaluations] == [0, 1]  # --eval_on_start, and the end of training
+    evaluation = evaluations[-1]
     assert evaluation["eval/toy_test/prompts"] == 6
     # scored by toy_test's own reward (format, 1 for every completion), not by wordy's boxed_accuracy
     assert evaluation["eval/reward/mean"] == evaluation["eval/toy_test/reward/mean"] == 1.0

@@ -17,13 +17,16 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 SYNCED_MAX = 0.02  # mean |log-prob difference| between vLLM and the trainer, both bf16
 
 
-def run_check(strategy: str, zero: int, out) -> dict:
+def child_env() -> dict:
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
            "MASTER_ADDR": "127.0.0.1"}
     env.pop("MASTER_PORT", None)  # the child picks a free one
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "sync_check.py"), "--strategy", strategy, "--zero",
-                           str(zero), "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=900)
+    return env
+
+
+def run_script(script: str, out, *args: str) -> dict:
+    proc = subprocess.run([sys.executable, os.path.join(HERE, script), *args, "--out", str(out)], cwd=ROOT,
+                          env=child_env(), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-6000:]
     result = json.loads(out.read_text())
     print(json.dumps(result))
@@ -32,7 +35,7 @@ def run_check(strategy: str, zero: int, out) -> dict:
 
 @pytest.mark.parametrize("strategy, zero", [("full", 2), ("lora", 2), ("qlora", 2), ("full", 3)])
 def test_sync_is_exact_and_sleep_frees_memory(strategy, zero, tmp_path):
-    result = run_check(strategy, zero, tmp_path / "result.json")
+    result = run_script("sync_check.py", tmp_path / "result.json", "--strategy", strategy, "--zero", str(zero))
     steps = [r for r in result["rows"] if "synced" in r]
     assert len(steps) == 4
     assert steps[0]["synced"] < SYNCED_MAX, steps[0]  # the first sync matches the untrained policy
@@ -47,3 +50,13 @@ def test_sync_is_exact_and_sleep_frees_memory(strategy, zero, tmp_path):
     generated = result["rows"][-1]
     assert generated["completions"] == 8 and generated["prompt_order"] == [0] * 4 + [1] * 4
     assert generated["lengths_ok"] and generated["finite_logprobs"]
+
+
+@pytest.mark.parametrize("strategy", ["full", "lora", "qlora"])
+def test_engine_samples_the_policy_from_construction_on(strategy, tmp_path):
+    """evaluate() before train() (and eval at step 0) sees the policy training starts from."""
+    result = run_script("trainer_start_check.py", tmp_path / "result.json", "--strategy", strategy)
+    assert result["engine_vs_policy"] < SYNCED_MAX, result
+    if strategy == "qlora":  # the 4-bit policy is measurably not the bf16 checkpoint vLLM loaded
+        assert result["checkpoint_vs_policy"] > 3 * result["engine_vs_policy"], result
+    assert "eval/reward/mean" in result["eval"], result

@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# Learning benchmark (GPU, vLLM): does each tuning strategy learn? Prints held-out accuracy at step 0 and at the end.
+#
+#   bash benchmarks/learning.sh                                  # arith: full, lora, qlora; GSM8K: lora, qlora
+#   ARITH="lora qlora" SEEDS="0 1" GSM8K="" bash benchmarks/learning.sh
+#   ARITH=qlora GSM8K="" TAG=nodrop EXTRA="--lora_dropout 0" bash benchmarks/learning.sh   # an ablation
+#
+# arith: SmolLM2-135M-Instruct (embedded), 16 prompts x 8 samples, 64 new tokens, 40 steps, 100 held-out prompts
+# evaluated greedily (boxed accuracy). GSM8K: train on train.jsonl, evaluate greedily on all 1,319 test.jsonl
+# questions (gsm8k_accuracy), for GSM8K_STEPS steps; the files are read from GSM8K_DIR (default ../shared/data/gsm8k,
+# else data/gsm8k). Never run by CI. Results: $OUT_DIR/<run>/ and the table in $OUT_DIR/table.md.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT_DIR=${OUT_DIR:-outputs/bench/learning}
+ARITH=${ARITH-full lora qlora}
+GSM8K=${GSM8K-lora qlora}
+SEEDS=${SEEDS:-0}
+STEPS=${STEPS:-40}
+GSM8K_STEPS=${GSM8K_STEPS:-60}
+LR_LORA=${LR_LORA:-3e-4}
+LR_FULL=${LR_FULL:-1e-5}
+TAG=${TAG:+-$TAG}    # appended to run names
+read -r -a EXTRA_ARGS <<< "${EXTRA:-}"  # extra train_grpo.py flags for every run
+GSM8K_DIR=${GSM8K_DIR:-../shared/data/gsm8k}
+[ -f "$GSM8K_DIR/test.jsonl" ] || GSM8K_DIR=data/gsm8k
+mkdir -p "$OUT_DIR"
+export VLLM_ENABLE_V1_MULTIPROCESSING=0 TOKENIZERS_PARALLELISM=false WANDB_MODE=disabled PYTHONUNBUFFERED=1
+GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
+launcher=(deepspeed)
+command -v deepspeed >/dev/null 2>&1 || launcher=(python -m deepspeed.launcher.runner)
+
+run() {  # run <name> <dataset> <strategy> <seed> <accuracy reward> <extra train_grpo.py args...>
+  local name=$1 dataset=$2 strategy=$3 seed=$4 accuracy=$5; shift 5
+  local lr=$LR_LORA; [ "$strategy" = full ] && lr=$LR_FULL
+  local dir="$OUT_DIR/$name$TAG" start=$(date +%s)
+  mkdir -p "$dir"
+  "${launcher[@]}" --num_gpus 1 train_grpo.py --model_name_or_path smollm2-135m-instruct --tuning_strategy "$strategy" \
+    --learning_rate "$lr" --learning_rate_lora "$lr" --seed "$seed" --per_device_train_batch_size 16 --k_samples 8 \
+    --use_vllm_rollout true --vllm_enforce_eager true --eval_on_start true --save_steps 0 --logging_steps 5 \
+    --output_dir "$dir" --overwrite_output_dir "$@" "${EXTRA_ARGS[@]}" > "$dir.log" 2>&1
+  local rc=$?
+  printf '{"dataset": "%s", "strategy": "%s%s", "seed": %s, "lr": "%s", "accuracy": "%s", "wall_s": %s, "gpu": "%s", "rc": %s}\n' \
+    "$dataset" "$strategy" "$TAG" "$seed" "$lr" "$accuracy" $(( $(date +%s) - start )) "$GPU" "$rc" > "$dir/bench.json"
+  echo "$name$TAG: rc=$rc $(grep -E 'eval at step' "$dir.log" | sed 's/.*eval at/eval at/' | cut -c1-160 | tr '\n' ' ')"
+}
+
+for seed in $SEEDS; do
+  for strategy in $ARITH; do
+    run "arith-$strategy-s$seed" arith "$strategy" "$seed" boxed_accuracy --dataset_names arith --max_steps "$STEPS" \
+      --rollout_max_new_tokens 64 --max_prompt_length 128 --max_seq_length 192 --eval_max_prompts 100
+  done
+done
+if [ -n "$GSM8K" ] && [ -f "$GSM8K_DIR/test.jsonl" ]; then
+  registry="$OUT_DIR/gsm8k_registry.json"
+  python - "$GSM8K_DIR" "$registry" <<'PY'
+import json, os, sys
+src, out = os.path.abspath(sys.argv[1]), sys.argv[2]
+entries = json.load(open("configs/dataset_config.json"))
+entries["gsm8k"]["path"] = os.path.join(src, "train.jsonl")
+entries["gsm8k_test"] = dict(entries["gsm8k"], path=os.path.join(src, "test.jsonl"))
+json.dump(entries, open(out, "w"), indent=1)
+PY
+  for strategy in $GSM8K; do
+    run "gsm8k-$strategy-s0" gsm8k "$strategy" 0 gsm8k_accuracy --dataset_config_path "$registry" \
+      --dataset_names gsm8k --eval_dataset_names gsm8k_test --eval_max_prompts -1 --max_steps "$GSM8K_STEPS" \
+      --rollout_max_new_tokens 256 --max_prompt_length 256 --max_seq_length 512
+  done
+elif [ -n "$GSM8K" ]; then
+  echo "GSM8K skipped: no test.jsonl in $GSM8K_DIR"
+fi
+python benchmarks/learning_table.py "$OUT_DIR"/*/ | tee "$OUT_DIR/table.md"
