@@ -8,6 +8,7 @@ from __future__ import annotations
 import difflib
 import json
 import os
+import re
 import sys
 from dataclasses import dataclass, field, fields
 from typing import Optional
@@ -20,6 +21,9 @@ STRATEGIES = ("qlora", "lora", "full")
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 REWARD_SCALES = ("group", "batch", "none")
 SCHEDULERS = ("constant", "linear", "cosine")
+DEFAULT_SPLIT_RATIO = 0.95
+# a --lora_exclude_modules value with any of these is a regex; '.' is not one: module names are dotted paths
+REGEX_CHARS = set("*+?[]()|^$\\{}")
 
 
 _groups_in_order: list[str] = []  # one entry per field, in definition order (fields() keeps that order)
@@ -48,6 +52,10 @@ class GRPOConfig:
     lora_dropout: float = _opt(0.05, "Dropout on the LoRA input.", "model")
     lora_target_modules: str = _opt(
         "all-linear", "Comma-separated module names to adapt, or 'all-linear'.", "model")
+    lora_exclude_modules: Optional[str] = _opt(
+        None, "Modules LoRA must not adapt, on top of --lora_target_modules: comma-separated names (a full name or "
+              "its last parts, e.g. 'mlp.down_proj'), or a regex over full names when it has regex characters "
+              "(e.g. 'model\\.layers\\.[01]\\..*').", "model")
     lora_adapter_path: Optional[str] = _opt(
         None, "Continue training from a saved LoRA adapter folder (rank/alpha read from its config).", "model")
     trust_remote_code: bool = _opt(False, "Allow model code from the model folder / hub repo.", "model")
@@ -60,10 +68,17 @@ class GRPOConfig:
         "configs/dataset_config.json", "The dataset registry (JSON) that --dataset_names refer to.", "data")
     dataset_names: list[str] = _list(["arith"], "Registered dataset names to mix (space or comma separated).",
                                      "data")
-    train_split_ratio: float = _opt(0.95, "Fraction of rows used for training; the rest is held out for eval.",
-                                    "data")
-    max_prompt_length: int = _opt(256, "Longest prompt in tokens (chat template included); longer is an error.",
-                                  "data")
+    eval_dataset_names: list[str] = _list(
+        [], "Registered datasets used only for evaluation, each with its own rewards (space or comma separated).",
+        "data")
+    train_split_ratio: Optional[float] = _opt(
+        None, "Fraction of each training dataset's rows used for training, the rest held out for eval (default: "
+              f"{DEFAULT_SPLIT_RATIO}, or 1.0 (no split) with --eval_dataset_names).", "data")
+    max_prompt_length: int = _opt(
+        256, "Longest prompt in tokens (chat template included); longer is an error unless filtered.", "data")
+    filter_overlong_prompts: bool = _opt(
+        False, "Drop prompts longer than --max_prompt_length (one line per dataset says how many) instead of "
+               "stopping with an error.", "data")
     max_seq_length: int = _opt(768, "Longest prompt + completion in tokens.", "data")
     reward_module: Optional[str] = _opt(
         None, "Python file whose @register_reward functions become usable in the dataset config.", "data")
@@ -127,7 +142,8 @@ class GRPOConfig:
     eval_steps: int = _opt(0, "Evaluate on the held-out split every N steps (0: only at the end).", "logging")
     eval_on_start: bool = _opt(True, "Evaluate before the first step (logged as step 0) when there is an eval set.",
                                "logging")
-    eval_max_prompts: int = _opt(64, "Held-out prompts used per evaluation.", "logging")
+    eval_max_prompts: int = _opt(64, "Prompts of each eval dataset (and held-out split) per evaluation; -1: all.",
+                                 "logging")
     eval_greedy: bool = _opt(True, "Greedy decoding in eval (else sampled with --temperature).", "logging")
     save_steps: int = _opt(50, "Save a checkpoint every N steps (0 disables).", "logging")
     save_total_limit: int = _opt(2, "Checkpoints kept in output_dir (oldest removed first).", "logging")
@@ -143,10 +159,8 @@ class GRPOConfig:
     local_rank: int = _opt(-1, "Set by the deepspeed launcher; leave alone.", "distributed")
 
     def __post_init__(self):
-        if isinstance(self.dataset_names, str):
-            self.dataset_names = [self.dataset_names]
-        self.dataset_names = [n for part in self.dataset_names for n in part.split(",") if n.strip()]
-        self.dataset_names = [n.strip() for n in self.dataset_names]
+        self.dataset_names = _names(self.dataset_names)
+        self.eval_dataset_names = _names(self.eval_dataset_names)
         if self.clip_epsilon_high is None:
             self.clip_epsilon_high = self.clip_epsilon_low
         self.validate()
@@ -174,7 +188,15 @@ class GRPOConfig:
         need(self.lora_adapter_path is None or self.tuning_strategy != "full", "lora_adapter_path",
              "needs --tuning_strategy lora or qlora (an adapter cannot be continued with full fine-tuning)")
         need(bool(self.dataset_names), "dataset_names", "give at least one registered dataset name")
-        need(0.0 < self.train_split_ratio <= 1.0, "train_split_ratio", "must be in (0, 1]")
+        need(self.train_split_ratio is None or 0.0 < self.train_split_ratio <= 1.0, "train_split_ratio",
+             "must be in (0, 1]")
+        twice = sorted({n for n in self.eval_dataset_names if self.eval_dataset_names.count(n) > 1})
+        need(not twice, "eval_dataset_names", f"{', '.join(twice)} listed more than once; name each dataset once")
+        both = [n for n in self.eval_dataset_names if n in self.dataset_names]
+        need(not both, "eval_dataset_names",
+             f"{', '.join(both)} is also in --dataset_names, so the model would be evaluated on rows it trains on; "
+             f"register the held-out file as its own entry (as gsm8k_test is for gsm8k), or drop it here and hold "
+             f"out part of it with --train_split_ratio")
         need(self.max_prompt_length > 0, "max_prompt_length", "must be > 0")
         need(self.rollout_max_new_tokens > 0, "rollout_max_new_tokens", "must be > 0")
         need(self.max_seq_length >= self.max_prompt_length + self.rollout_max_new_tokens, "max_seq_length",
@@ -204,13 +226,48 @@ class GRPOConfig:
         need(self.save_total_limit >= 1, "save_total_limit", "must be >= 1")
         need(self.eval_steps >= 0, "eval_steps", "must be >= 0")
         need(self.logging_steps >= 1, "logging_steps", "must be >= 1")
-        need(self.eval_max_prompts >= 1, "eval_max_prompts", "must be >= 1")
+        need(self.eval_max_prompts == -1 or self.eval_max_prompts >= 1, "eval_max_prompts",
+             f"must be >= 1, or -1 for all prompts; got {self.eval_max_prompts}")
+        if self.lora_exclude_modules is not None:
+            self._validate_lora_exclude(need)
+
+    def _validate_lora_exclude(self, need) -> None:
+        need(self.tuning_strategy in ("lora", "qlora"), "lora_exclude_modules",
+             "needs --tuning_strategy lora or qlora")
+        need(not self.lora_adapter_path, "lora_exclude_modules",
+             "does not apply with --lora_adapter_path (the continued adapter's own config decides what it adapts)")
+        need(bool(self.lora_exclude_modules.strip().strip(",")), "lora_exclude_modules",
+             "give module names (comma-separated) or a regex")
+        if isinstance(self.lora_exclude, str):
+            try:
+                re.compile(self.lora_exclude)
+            except re.error as exc:
+                need(False, "lora_exclude_modules", f"'{self.lora_exclude}' is read as a regex (it has regex "
+                                                    f"characters) but does not compile: {exc}")
 
     # ------------------------------------------------------------------------------------------------
     @property
     def kl_coef(self) -> float:
         """The beta actually applied (0 when the KL penalty is off)."""
         return self.kl_beta if self.use_kl_penalty else 0.0
+
+    @property
+    def effective_train_split_ratio(self) -> float:
+        """--train_split_ratio as given; unset, no split when eval datasets are named, else the default."""
+        if self.train_split_ratio is not None:
+            return self.train_split_ratio
+        return 1.0 if self.eval_dataset_names else DEFAULT_SPLIT_RATIO
+
+    @property
+    def lora_exclude(self):
+        """--lora_exclude_modules as peft's LoraConfig(exclude_modules=...) takes it: a regex string (matched
+        against full module names) when the value has regex characters, else a list of names; None when unset."""
+        value = (self.lora_exclude_modules or "").strip()
+        if not value:
+            return None
+        if set(value) & REGEX_CHARS:
+            return value
+        return [m.strip() for m in value.split(",") if m.strip()]
 
     @property
     def uses_lora(self) -> bool:
@@ -226,6 +283,12 @@ class GRPOConfig:
     def save(self, path: str) -> None:
         with open(path, "w") as fh:
             json.dump(self.to_dict(), fh, indent=2)
+
+
+def _names(value) -> list[str]:
+    """Dataset names given space and/or comma separated (a plain string is one argument)."""
+    parts = [value] if isinstance(value, str) else list(value)
+    return [n.strip() for part in parts for n in part.split(",") if n.strip()]
 
 
 FLAG_GROUPS: dict[str, str] = {f.name: g for f, g in zip(fields(GRPOConfig), _groups_in_order)}

@@ -5,6 +5,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 from typing import Optional
 
 import torch
@@ -106,12 +107,31 @@ def _attach_lora(model, config: GRPOConfig):
         logger.info(f"continuing the adapter in {config.lora_adapter_path} (r={saved.get('r')}, "
                     f"alpha={saved.get('lora_alpha')})")
         return PeftModel.from_pretrained(model, config.lora_adapter_path, is_trainable=True)
+    exclude = config.lora_exclude
+    if exclude is not None:
+        _check_excluded_modules_exist(model, exclude, config.lora_exclude_modules)
     lora = LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
-                      target_modules=lora_target_modules(config.lora_target_modules), task_type="CAUSAL_LM")
+                      target_modules=lora_target_modules(config.lora_target_modules), exclude_modules=exclude,
+                      task_type="CAUSAL_LM")
     try:
         return get_peft_model(model, lora)
-    except ValueError as exc:  # e.g. target modules not found
-        raise ConfigError(f"--lora_target_modules {config.lora_target_modules}: {exc}") from exc
+    except ValueError as exc:  # e.g. target modules not found, or every one of them excluded
+        flags = f"--lora_target_modules {config.lora_target_modules}" + \
+            (f" with --lora_exclude_modules {config.lora_exclude_modules}" if exclude is not None else "")
+        raise ConfigError(f"{flags}: {exc}") from exc
+
+
+def _check_excluded_modules_exist(model, exclude, flag_value: str) -> None:
+    """A name that matches no module is a typo: peft would only warn, and adapt the layer anyway."""
+    names = [n for n, _ in model.named_modules() if n]
+    if isinstance(exclude, str):
+        missing = [] if any(re.fullmatch(exclude, n) for n in names) else [exclude]
+    else:
+        missing = [e for e in exclude if not any(n == e or n.endswith("." + e) for n in names)]
+    if missing:
+        example = next((n for n in names if n.endswith("proj")), names[-1])
+        raise ConfigError(f"--lora_exclude_modules {flag_value}: {', '.join(repr(m) for m in missing)} matches no "
+                          f"module of the model (names look like '{example}'; a regex must match a whole name)")
 
 
 def load_reference(config: GRPOConfig, model_path: str, dtype: torch.dtype,

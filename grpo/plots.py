@@ -7,7 +7,8 @@ matplotlib.use("Agg")  # no display on training machines
 import matplotlib.pyplot as plt  # noqa: E402
 
 _PANELS = [
-    ("Reward", lambda k: k == "reward/mean" or k == "eval/reward/mean"),
+    # eval: the total and each eval dataset's own line (eval/<dataset>/reward/mean)
+    ("Reward", lambda k: k == "reward/mean" or (k.startswith("eval/") and k.endswith("/reward/mean"))),
     ("Accuracy (per reward function)", lambda k: k.startswith("rewards/") or k.startswith("eval/rewards/")),
     ("KL to reference", lambda k: k in ("kl", "rollout/logprob_diff_mean")),
     ("Completion length (tokens)", lambda k: k in ("completion/length_mean", "eval/completion/length_mean")),

@@ -2,7 +2,7 @@
 
     rollout -> rewards -> advantages -> old/ref log-probs -> loss + DeepSpeed step -> weight sync -> log/eval/save
 
-Everything that is not wiring lives elsewhere: math in algorithm.py, data in data.py, rewards in rewards.py,
+Everything that is not wiring lives elsewhere: math in algorithm.py, data in data/, rewards in rewards.py,
 models in models.py, engines in rollout/, weight sync in sync.py, checkpoints in checkpoint.py.
 """
 from __future__ import annotations
@@ -25,10 +25,12 @@ from .algorithm import group_advantages, masked_mean, policy_loss
 from .batch import RolloutBatch, build_rollout_batch
 from .checkpoint import TrainerState, list_checkpoints, load_checkpoint, resolve_resume_path, save_checkpoint
 from .config import EMBEDDED_MODEL, GRPOConfig
-from .data import dataset_routes, load_dataset_registry, load_prompt_datasets, render_prompts
+from .data import (dataset_routes, first_rows_per_source, load_dataset_registry, load_prompt_datasets,
+                   render_prompts)
 from .ds_config import default_dtype, load_deepspeed_config, zero_stage
 from .embedded import resolve_model_path
 from .errors import ConfigError, TrainingError
+from .evaluation import eval_metrics, eval_sample_rows
 from .models import load_policy, load_reference, load_tokenizer, reference_mode, save_final_model
 from .plots import plot_training_curves
 from .reporting import RunReporter, read_metrics, setup_console_logging
@@ -69,8 +71,9 @@ class GRPOTrainer:
             load_reward_module(config.reward_module)
         registry = load_dataset_registry(config.dataset_config_path)
         train_rows, eval_rows = load_prompt_datasets(config.dataset_config_path, config.dataset_names,
-                                                     config.train_split_ratio, config.seed)
-        routes, reward_kwargs = dataset_routes(registry, config.dataset_names)
+                                                     config.effective_train_split_ratio, config.seed,
+                                                     eval_names=config.eval_dataset_names)
+        routes, reward_kwargs = dataset_routes(registry, config.dataset_names + config.eval_dataset_names)
         self.rewards = RewardRouter(routes, reward_kwargs, extra_funcs=reward_funcs)
         self.model_path = resolve_model_path(config.model_name_or_path)
         try:
@@ -78,8 +81,13 @@ class GRPOTrainer:
         except OSError as exc:  # not a folder, and not reachable on the hub
             raise ConfigError(f"--model_name_or_path: cannot load '{config.model_name_or_path}' ({exc}); give a "
                               f"local model folder, a reachable hub id, or '{EMBEDDED_MODEL}'") from exc
-        self.train_set = render_prompts(train_rows, self.tokenizer, config.max_prompt_length)
-        self.eval_set = render_prompts(eval_rows, self.tokenizer, config.max_prompt_length) if len(eval_rows) else None
+        self.train_set = render_prompts(train_rows, self.tokenizer, config.max_prompt_length,
+                                        config.filter_overlong_prompts, split="train")
+        self.eval_set = None  # held-out rows, then eval datasets; the first --eval_max_prompts of each dataset
+        if len(eval_rows):
+            self.eval_set = first_rows_per_source(render_prompts(
+                eval_rows, self.tokenizer, config.max_prompt_length, config.filter_overlong_prompts, split="eval"),
+                config.eval_max_prompts)
         if config.use_vllm_rollout and config.vllm_tp > 1:
             _check_tensor_parallel(self.model_path, config)
         self.prompts_per_step = config.per_device_train_batch_size * config.gradient_accumulation_steps
@@ -282,12 +290,12 @@ class GRPOTrainer:
     # ------------------------------------------------------------------------------------------- eval
     @torch.no_grad()
     def evaluate(self, reporter: Optional[RunReporter] = None) -> dict:
-        """Mean reward and per-function accuracy on held-out prompts (sharded over ranks), plus sample rows."""
+        """Mean reward, per-function accuracy and length on the eval prompts (sharded over ranks), in total and per
+        dataset, plus one sample row per prompt."""
         cfg = self.config
         if self.eval_set is None:
             return {}
-        count = min(cfg.eval_max_prompts, len(self.eval_set))
-        mine = list(range(self.rank, count, self.world))
+        mine = list(range(self.rank, len(self.eval_set), self.world))
         rows = [self.eval_set[i] for i in mine]
         samples = []
         if rows:
@@ -300,17 +308,9 @@ class GRPOTrainer:
             result = self.rewards(texts, [r["answer"] for r in rows], [r["data_source"] for r in rows],
                                   prompts=[r["prompt_text"] for r in rows],
                                   completion_ids=[c.token_ids for c in completions])
-            for i, (row, text, comp) in enumerate(zip(rows, texts, completions)):
-                samples.append({"data_source": row["data_source"], "prompt": row["prompt_text"], "completion": text,
-                                "answer": row["answer"], "reward": result.total[i], "length": len(comp.token_ids),
-                                **{f"rewards/{k}": v[i] for k, v in result.per_function.items()}})
+            samples = eval_sample_rows(rows, texts, completions, result)
         all_samples = [s for part in dist_utils.gather_objects(samples) for s in part]
-        metrics = {"eval/reward/mean": float(np.mean([s["reward"] for s in all_samples]))}
-        for key in sorted({k for s in all_samples for k in s if k.startswith("rewards/")}):
-            values = [s[key] for s in all_samples if s.get(key) is not None]
-            if values:
-                metrics[f"eval/{key}"] = float(np.mean(values))
-        metrics["eval/completion/length_mean"] = float(np.mean([s["length"] for s in all_samples]))
+        metrics = eval_metrics(all_samples)
         if reporter is not None:
             reporter.log_eval(self.state.step, metrics, all_samples)
             self._plot()

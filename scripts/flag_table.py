@@ -21,7 +21,9 @@ def main():
         print(f"#### {title}\n\n| flag | default | meaning |\n|---|---|---|")
         for f in fields(GRPOConfig):
             if FLAG_GROUPS[f.name] == group:
-                print(f"| `--{f.name}` | `{default_of(f)}` | {f.metadata['help']} |")
+                default = default_of(f)
+                shown = f"`{default}`" if default != "" else "(none)"
+                print(f"| `--{f.name}` | {shown} | {f.metadata['help']} |")
         print()
 
 

@@ -16,7 +16,7 @@ REQUIRED_FLAGS = """--model_name_or_path --output_dir --resume_from_checkpoint -
 --lora_target_modules --lora_adapter_path --trust_remote_code --gradient_checkpointing --save_steps
 --save_total_limit --eval_steps --logging_steps --use_wandb --wandb_project --log_to_file --deepspeed
 --use_vllm_rollout --vllm_tp --vllm_gpu_memory_utilization --reward_module --seed --warmup_ratio
---max_grad_norm""".split()
+--max_grad_norm --eval_dataset_names --filter_overlong_prompts --lora_exclude_modules --eval_max_prompts""".split()
 
 
 def run_cli(*args, env=None, timeout=120):
@@ -52,6 +52,9 @@ def test_help_lists_every_flag():
     (["--no_such_flag", "1"], ["unrecognized arguments", "--no_such_flag"]),
     (["--max_seq_length", "100", "--max_prompt_length", "80", "--rollout_max_new_tokens", "40"],
      ["--max_seq_length", "80 + 40"]),
+    (["--dataset_names", "gsm8k", "--eval_dataset_names", "gsm8k_test,gsm8k"],
+     ["--eval_dataset_names", "gsm8k is also in --dataset_names"]),
+    (["--tuning_strategy", "full", "--lora_exclude_modules", "down_proj"], ["--lora_exclude_modules", "lora or qlora"]),
 ])
 def test_bad_flags_fail_fast(args, fragments):
     proc, seconds = run_cli(*args)
@@ -88,6 +91,12 @@ def test_dataset_names_accept_commas_and_spaces():
     from grpo.config import parse_args
 
     assert parse_args(["--dataset_names", "arith,gsm8k", "extra"]).dataset_names == ["arith", "gsm8k", "extra"]
+    config = parse_args(["--dataset_names", "gsm8k", "--eval_dataset_names", "gsm8k_test,arith_test", "x"])
+    assert config.eval_dataset_names == ["gsm8k_test", "arith_test", "x"]
+    assert config.train_split_ratio is None and config.effective_train_split_ratio == 1.0  # no split by default
+    assert parse_args(["--eval_dataset_names", "t", "--train_split_ratio", "0.9"]).effective_train_split_ratio == 0.9
+    assert parse_args([]).effective_train_split_ratio == 0.95 and parse_args([]).eval_dataset_names == []
+    assert parse_args(["--eval_max_prompts", "-1"]).eval_max_prompts == -1
 
 
 def test_unknown_dataset_fails_before_model_loads(tmp_path):

@@ -1,13 +1,14 @@
 """Dataset registry: every source kind, standard rows, splits, prompt rendering, and every error before a model."""
 import importlib.util
 import json
+import logging
 import os
 
 import datasets
 import pytest
 
-from grpo.data import (DatasetSpec, build_messages, dataset_routes, extract_answer, load_dataset_registry,
-                       load_prompt_datasets, render_prompts)
+from grpo.data import (DatasetSpec, build_messages, dataset_routes, extract_answer, first_rows_per_source,
+                       load_dataset_registry, load_prompt_datasets, render_prompts)
 from grpo.errors import DatasetError
 
 from .tiny_models import make_tiny_tokenizer
@@ -276,6 +277,34 @@ def test_unknown_name_is_reported_before_any_file_is_read(jsonl):
     assert "unknown dataset 'typo'" in error_of(load_prompt_datasets, registry, ["broken", "typo"], 1.0, 0)
 
 
+# ------------------------------------------------------------------------------------------ eval datasets
+def test_eval_datasets_are_loaded_whole_after_the_held_out_rows(jsonl):
+    write_jsonl(jsonl / "test.jsonl", [{"q": f"What is {i} * 2 ?", "a": f"#### {2 * i}"} for i in range(7)])
+    registry = write_registry(jsonl, {"toy": entry("rows.jsonl"), "broken": entry("missing.jsonl"),
+                                      "toy_test": entry("test.jsonl", rewards={"format": 1.0})})
+    train, evaluation = load_prompt_datasets(registry, ["toy"], 1.0, 0, eval_names=["toy_test"])
+    assert len(train) == 20 and set(train["data_source"]) == {"toy"}
+    assert list(evaluation["data_source"]) == ["toy_test"] * 7
+    assert list(evaluation["answer"]) == [str(2 * i) for i in range(7)]  # every row, in file order
+    # a split as well: the held-out rows come first, and every row names its dataset
+    train, evaluation = load_prompt_datasets(registry, ["toy"], 0.75, 0, eval_names="toy_test")
+    assert len(train) == 15 and list(evaluation["data_source"]) == ["toy"] * 5 + ["toy_test"] * 7
+    assert list(first_rows_per_source(evaluation, 3)["data_source"]) == ["toy"] * 3 + ["toy_test"] * 3
+    assert list(first_rows_per_source(evaluation, 3)["answer"])[3:] == ["0", "2", "4"]
+    assert first_rows_per_source(evaluation, -1) is evaluation
+    # the eval dataset is scored by its own registry entry's rewards
+    routes, _ = dataset_routes(load_dataset_registry(registry), ["toy", "toy_test"])
+    assert routes == {"toy": {"gsm8k_accuracy": 1.0}, "toy_test": {"format": 1.0}}
+    # name errors come before any file is read ("broken" has no file)
+    for eval_names, fragment in [(["typo"], "unknown dataset 'typo'"),
+                                 (["broken"], "--eval_dataset_names: broken is also in --dataset_names"),
+                                 (["toy_test", "toy_test"], "--eval_dataset_names: toy_test listed more than once")]:
+        message = error_of(load_prompt_datasets, registry, ["broken"], 1.0, 0, eval_names)
+        assert fragment in message, message
+    assert "dataset 'broken': data file not found" in error_of(load_prompt_datasets, registry, ["toy"], 1.0, 0,
+                                                                ["broken"])
+
+
 # ---------------------------------------------------------------------------------------------- rendering
 def test_render_prompts_with_chat_template(jsonl):
     registry = write_registry(jsonl, {"toy": entry("rows.jsonl", system_prompt="Give the answer .")})
@@ -321,12 +350,54 @@ def test_too_long_prompts_name_datasets_counts_and_fix(jsonl):
     assert len(render_prompts(train, tokenizer, 10)) == 23
 
 
+@pytest.fixture
+def grpo_log(monkeypatch):
+    """The lines the "grpo" logger writes (the trainer turns its propagation off)."""
+    lines = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logger = logging.getLogger("grpo")
+    monkeypatch.setattr(logger, "level", logging.INFO)
+    logger.addHandler(handler)
+    yield lines
+    logger.removeHandler(handler)
+
+
+def test_filter_overlong_prompts_drops_reports_and_refuses_an_emptied_dataset(jsonl, grpo_log):
+    write_jsonl(jsonl / "mixed.jsonl", [{"q": "What is 1 + 1 ?", "a": "#### 2"}] * 3 +
+                [{"q": "What is 1 + 1 + 1 + 1 ?", "a": "#### 4"}] * 2)
+    registry = write_registry(jsonl, {"toy": entry("rows.jsonl"), "mixed": entry("mixed.jsonl"),
+                                      "long": entry("rows.jsonl", max_samples=3, system_prompt="Give the answer .")})
+    train, _ = load_prompt_datasets(registry, ["toy", "mixed"], 1.0, seed=0)
+    tokenizer = make_tiny_tokenizer(with_chat_template=False)
+    # without the flag an overlong prompt stays an error, which names the flag that drops them
+    message = error_of(render_prompts, train, tokenizer, 8)
+    assert message.startswith("dataset(s) mixed: 2 prompt(s)") and "--filter_overlong_prompts" in message
+    # 6-token prompts are kept, the two 10-token ones ("What is 1 + 1 + 1 + 1 ?") dropped
+    kept = render_prompts(train, tokenizer, 8, filter_overlong=True)
+    assert len(kept) == 23 and max(len(ids) for ids in kept["prompt_ids"]) == 6
+    assert list(kept["data_source"]) == ["toy"] * 20 + ["mixed"] * 3
+    assert grpo_log == [
+        "train dataset 'toy': dropped 0 of 20 prompts longer than --max_prompt_length 8; the longest kept has 6 tokens",
+        "train dataset 'mixed': dropped 2 of 5 prompts longer than --max_prompt_length 8; the longest kept has 6 "
+        "tokens"]
+    # a dataset that would lose every row is an error naming it
+    everything_long, _ = load_prompt_datasets(registry, ["toy", "long"], 1.0, seed=0)
+    message = error_of(render_prompts, everything_long, tokenizer, 8, True, "eval")
+    assert message.startswith("dataset 'long' (eval): all 3 prompts are longer than --max_prompt_length 8 tokens "
+                              "(the shortest has 10)"), message
+
+
 # ----------------------------------------------------------------------------------------- shipped data
 def test_shipped_registry_and_arith_rows():
     registry = load_dataset_registry(SHIPPED)
-    assert set(registry) >= {"arith", "gsm8k"}
+    assert set(registry) >= {"arith", "gsm8k", "gsm8k_test"}
     assert registry["arith"].path == os.path.join(ROOT, "data", "arith", "train.jsonl")
     assert registry["gsm8k"].path == os.path.join(ROOT, "data", "gsm8k", "train.jsonl")
+    assert registry["gsm8k_test"].path == os.path.join(ROOT, "data", "gsm8k", "test.jsonl")
+    # the test entry renders and scores exactly as the train entry does
+    assert {k: v for k, v in vars(registry["gsm8k_test"]).items() if k not in ("name", "path")} == \
+        {k: v for k, v in vars(registry["gsm8k"]).items() if k not in ("name", "path")}
     train, held_out = load_prompt_datasets(SHIPPED, ["arith"], 0.95, seed=0)
     assert (len(train), len(held_out)) == (1900, 100)
     assert "\\boxed{}" in train[0]["messages"][-1]["content"]
@@ -344,11 +415,18 @@ def test_arith_file_is_what_the_script_generates():
     assert script.make_rows(5, seed=7) == script.make_rows(5, seed=7) != script.make_rows(5, seed=8)
 
 
-def test_shipped_gsm8k_entry(gsm8k_dir, tmp_path):
-    spec = json.load(open(SHIPPED))["gsm8k"]
-    spec.update(path=os.path.join(gsm8k_dir, "train.jsonl"), max_samples=200)
-    registry = write_registry(tmp_path, {"gsm8k": spec})
+def test_shipped_gsm8k_entries(gsm8k_dir, tmp_path):
+    shipped = json.load(open(SHIPPED))
+    entries = {name: {**shipped[name], "path": os.path.join(gsm8k_dir, f"{split}.jsonl"), "max_samples": 200}
+               for name, split in (("gsm8k", "train"), ("gsm8k_test", "test"))}
+    registry = write_registry(tmp_path, entries)
     train, held_out = load_prompt_datasets(registry, ["gsm8k"], 0.9, seed=0)
     assert (len(train), len(held_out)) == (180, 20)
+    # the train / test pair: nothing held out of train, the test file is the eval set
+    train, test = load_prompt_datasets(registry, ["gsm8k"], 1.0, seed=0, eval_names=["gsm8k_test"])
+    assert (len(train), len(test)) == (200, 200) and set(test["data_source"]) == {"gsm8k_test"}
+    assert not set(train["messages"][i][-1]["content"] for i in range(200)) & \
+        set(test["messages"][i][-1]["content"] for i in range(200))
+    assert all(a.lstrip("-").replace(".", "", 1).isdigit() for a in test["answer"])
     assert all(a.lstrip("-").replace(".", "", 1).isdigit() for a in list(train["answer"]) + list(held_out["answer"]))
     assert "####" in train[0]["messages"][-1]["content"]

@@ -138,6 +138,41 @@ def test_qlora_saves_an_adapter_for_the_quantized_base_and_merges_into_full_prec
     torch.testing.assert_close(logits_of(merged, IDS), logits_of(full_precision, IDS), atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("exclude, excluded", [
+    ("mlp.down_proj", ["model.layers.0.mlp.down_proj", "model.layers.1.mlp.down_proj"]),  # names: matched by suffix
+    (r"model\.layers\.0\.self_attn\..*", [f"model.layers.0.self_attn.{m}_proj" for m in "qkvo"]),  # a regex
+])
+def test_excluded_modules_get_no_lora_and_the_adapter_loads_with_plain_peft(exclude, excluded, model_dir, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    cfg = config(model_dir, tuning_strategy="lora", lora_exclude_modules=exclude)
+    policy = adapted_policy(cfg, model_dir)
+    adapted = {n.split(".lora_A")[0][len("base_model.model."):] for n, _ in policy.named_parameters() if ".lora_A" in n}
+    assert len(adapted) == 2 * 7 - len(excluded) and not adapted & set(excluded)
+    expected = logits_of(policy, IDS)
+    saved = save_final_model(policy, load_tokenizer(model_dir), str(tmp_path), cfg, model_dir, torch.float32)
+    reloaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir), saved["lora_adapter"])
+    torch.testing.assert_close(logits_of(reloaded, IDS), expected, atol=1e-5, rtol=1e-5)
+    reloaded_modules = dict(reloaded.base_model.model.named_modules())
+    assert all(type(reloaded_modules[name]) is torch.nn.Linear for name in excluded)
+
+
+def test_exclude_modules_errors(model_dir):
+    with pytest.raises(ConfigError, match=r"--lora_exclude_modules mlp.dwn_proj: 'mlp.dwn_proj' matches no module"):
+        load_policy(config(model_dir, tuning_strategy="lora", lora_exclude_modules="mlp.dwn_proj"), model_dir,
+                    torch.float32, CPU)
+    # excluding every target leaves nothing to adapt: both flags are named
+    with pytest.raises(ConfigError, match="--lora_target_modules q_proj with --lora_exclude_modules q_proj"):
+        load_policy(config(model_dir, tuning_strategy="lora", lora_target_modules="q_proj",
+                           lora_exclude_modules="q_proj"), model_dir, torch.float32, CPU)
+    for bad, fragment in [(dict(tuning_strategy="full"), "needs --tuning_strategy lora or qlora"),
+                          (dict(lora_exclude_modules="(q_proj"), "is read as a regex"),
+                          (dict(lora_adapter_path="some/adapter"), "does not apply with --lora_adapter_path")]:
+        with pytest.raises(ConfigError, match=fragment):
+            config(model_dir, **{"tuning_strategy": "lora", "lora_exclude_modules": "q_proj", **bad})
+
+
 def test_full_model_saves_in_hf_format(model_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 

@@ -41,9 +41,9 @@ def as_if_trained(model):
     return model
 
 
-def trained_policy(model_dir, strategy, targets="all-linear"):
+def trained_policy(model_dir, strategy, targets="all-linear", exclude=None):
     cfg = GRPOConfig(model_name_or_path=model_dir, tuning_strategy=strategy, lora_rank=4, lora_alpha=8,
-                     lora_dropout=0.0, lora_target_modules=targets)
+                     lora_dropout=0.0, lora_target_modules=targets, lora_exclude_modules=exclude)
     return as_if_trained(load_policy(cfg, model_dir, torch.float32, CPU))
 
 
@@ -172,6 +172,34 @@ def test_qlora_sync_is_the_dequantized_policy(model_dir):
     assert sorted(later) == [f"model.layers.{i}.self_attn.{m}.weight" for i in range(2) for m in ("q_proj", "v_proj")]
     for name, tensor in later.items():
         torch.testing.assert_close(tensor, named[name])
+
+
+@pytest.mark.parametrize("strategy", ["lora", "qlora"])
+def test_excluded_modules_stay_base_layers_in_the_sync(model_dir, strategy):
+    import bitsandbytes.functional as bnbf
+    from peft.tuners.lora import LoraLayer
+    from transformers import AutoModelForCausalLM
+
+    policy = trained_policy(model_dir, strategy, exclude="mlp.down_proj")
+    layers = policy.base_model.model.model.layers
+    assert not any(isinstance(layer.mlp.down_proj, LoraLayer) for layer in layers)
+    down = [f"model.layers.{i}.mlp.down_proj.weight" for i in range(2)]
+    adapted = [f"model.layers.{i}.{m}.weight" for i in range(2) for m in
+               ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+                "mlp.up_proj")]
+    first = list(iter_policy_weights(policy, strategy, dtype=torch.float32, first_sync=True))
+    named = dict(first)
+    if strategy == "lora":  # excluded layers are the checkpoint's own weights: nothing to send
+        assert sorted(named) == sorted(adapted)
+    else:  # the engine loads the unquantized checkpoint: an excluded 4-bit layer must still be dequantized once
+        assert sorted(named) == sorted(adapted + down)
+        for i, name in enumerate(down):
+            w = layers[i].mlp.down_proj.weight
+            torch.testing.assert_close(named[name], bnbf.dequantize_4bit(w.data, w.quant_state).float())
+        later = dict(iter_policy_weights(policy, strategy, dtype=torch.float32, first_sync=False))
+        assert sorted(later) == sorted(adapted)
+    assert_reproduces(policy, lambda: AutoModelForCausalLM.from_pretrained(model_dir), first,
+                      atol=1e-5 if strategy == "lora" else 1e-4)
 
 
 def test_sync_weights_streams_in_chunks(model_dir):

@@ -7,12 +7,12 @@ import pytest
 import torch
 
 from grpo.checkpoint import list_checkpoints
-from grpo.errors import TrainingError
+from grpo.errors import DatasetError, TrainingError
 from grpo.reporting import read_metrics
 from grpo.trainer import GRPOTrainer
 
 from .tiny_models import make_tiny_model_dir
-from .trainer_setup import tiny_config, write_prompt_registry
+from .trainer_setup import PROMPTS, add_dataset, tiny_config, write_prompt_registry
 
 
 @pytest.fixture(scope="module")
@@ -180,3 +180,69 @@ def test_kl_reference_reused_rollouts_and_is_correction(tiny_model, registry, tm
     assert all(torch.isfinite(torch.tensor([r["loss"], r["kl"], r["grad_norm"]])).all() for r in rows)
     # the second update of each rollout starts from a moved policy: its KL to the frozen reference is positive
     assert all(r["kl"] > 0 for r in rows)
+
+
+# 32 words + 5 chat-template tokens = 37 prompt tokens, over tiny_config's --max_prompt_length 32 (short ones: 11)
+LONG = "What is " + " + ".join(["1"] * 15) + " ?"
+
+
+@pytest.fixture
+def eval_registry(tmp_path):
+    """`wordy` (20 short + 4 overlong prompts) to train on, `toy_test` (6 short + 2 overlong) to evaluate on, scored
+    by its own reward: format with pattern '.*', which pays 1 for every completion."""
+    registry = write_prompt_registry(str(tmp_path / "data"))
+    add_dataset(registry, "wordy", [(q, "0") for q in PROMPTS[:20]] + [(LONG, "15")] * 4)
+    add_dataset(registry, "toy_test", [(f"What is {a} * 2 ?", str(2 * a)) for a in range(1, 7)] + [(LONG, "15")] * 2,
+                rewards={"format": 1.0}, reward_kwargs={"format": {"pattern": ".*"}})
+    return registry
+
+
+def eval_config(tiny_model, registry, output_dir, **overrides):
+    return tiny_config(tiny_model, registry, output_dir, **{
+        "dataset_names": ["wordy"], "eval_dataset_names": ["toy_test"], "train_split_ratio": None,
+        "eval_max_prompts": -1, "max_steps": 1, **overrides})
+
+
+def test_eval_dataset_and_overlong_prompts(tiny_model, eval_registry, tmp_path, monkeypatch):
+    import grpo.trainer as trainer_module
+
+    # without --filter_overlong_prompts an overlong prompt stops the run, before any model loads
+    with monkeypatch.context() as patched:
+        patched.setattr(trainer_module, "load_policy", lambda *a, **k: pytest.fail("a model was loaded"))
+        with pytest.raises(DatasetError, match=r"dataset\(s\) wordy: 4 prompt\(s\) are longer than "
+                                               r"--max_prompt_length 32"):
+            GRPOTrainer(eval_config(tiny_model, eval_registry, str(tmp_path / "refused")))
+    out = tmp_path / "run"
+    trainer = GRPOTrainer(eval_config(tiny_model, eval_registry, str(out), filter_overlong_prompts=True))
+    # with an eval dataset the training data is not split; overlong prompts are gone from both sets
+    assert len(trainer.train_set) == 20 and set(trainer.train_set["data_source"]) == {"wordy"}
+    assert list(trainer.eval_set["data_source"]) == ["toy_test"] * 6
+    trainer.train()
+    log = (out / "train.log").read_text()
+    assert "train dataset 'wordy': dropped 4 of 24 prompts longer than --max_prompt_length 32; the longest kept " \
+           "has 11 tokens" in log
+    assert "eval dataset 'toy_test': dropped 2 of 8 prompts" in log
+    evaluations = [r for r in read_metrics(str(out / "metrics.jsonl")) if "eval/reward/mean" in r]
+    assert [r["step"] for r in evaluations] == [0, 1]  # --eval_on_start, and the end of training
+    evaluation = evaluations[-1]
+    assert evaluation["eval/toy_test/prompts"] == 6
+    # scored by toy_test's own reward (format, 1 for every completion), not by wordy's boxed_accuracy
+    assert evaluation["eval/reward/mean"] == evaluation["eval/toy_test/reward/mean"] == 1.0
+    assert evaluation["eval/toy_test/rewards/format"] == 1.0 and "eval/rewards/boxed_accuracy" not in evaluation
+    assert "eval/toy_test/completion/length_mean" in evaluation and "eval/completion/length_mean" in evaluation
+    assert not any(key.startswith("eval/wordy/") for key in evaluation)  # nothing held out of wordy
+    samples = [json.loads(line) for line in (out / "eval" / "samples_step1.jsonl").read_text().splitlines()]
+    assert [s["data_source"] for s in samples] == ["toy_test"] * 6 and all(s["reward"] == 1.0 for s in samples)
+
+
+def test_held_out_split_and_eval_dataset_are_reported_apart(tiny_model, eval_registry, tmp_path):
+    # an explicit --train_split_ratio below 1 holds out part of wordy as well: 24 rows -> 18 + 6 (at most 4 overlong)
+    trainer = GRPOTrainer(eval_config(tiny_model, eval_registry, str(tmp_path), train_split_ratio=0.75,
+                                      filter_overlong_prompts=True, eval_max_prompts=2))
+    metrics = trainer.evaluate()
+    assert metrics["eval/wordy/prompts"] == metrics["eval/toy_test/prompts"] == 2  # --eval_max_prompts per dataset
+    assert "eval/wordy/rewards/boxed_accuracy" in metrics and "eval/wordy/rewards/format" not in metrics
+    assert metrics["eval/toy_test/reward/mean"] == 1.0
+    # the total is over every eval prompt: here the mean of two equally sized datasets
+    assert metrics["eval/reward/mean"] == pytest.approx(
+        (metrics["eval/wordy/reward/mean"] + metrics["eval/toy_test/reward/mean"]) / 2)

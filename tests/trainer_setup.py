@@ -21,6 +21,21 @@ def write_prompt_registry(folder: str, reward: str = "boxed_accuracy") -> str:
     return registry
 
 
+def add_dataset(registry: str, name: str, rows: list[tuple[str, str]], **entry) -> None:
+    """Register one more dataset `name` of (question, answer) rows, written beside the registry; `entry` sets its
+    rewards (default: boxed_accuracy) and other registry keys."""
+    folder = os.path.dirname(registry)
+    with open(os.path.join(folder, f"{name}.jsonl"), "w") as fh:
+        for question, answer in rows:
+            fh.write(json.dumps({"question": question, "answer": answer}) + "\n")
+    with open(registry) as fh:
+        entries = json.load(fh)
+    entries[name] = {"path": f"{name}.jsonl", "prompt_field": "question", "answer_field": "answer",
+                     "rewards": {"boxed_accuracy": 1.0}, **entry}
+    with open(registry, "w") as fh:
+        json.dump(entries, fh)
+
+
 def tiny_config(model_dir: str, registry: str, output_dir: str, **overrides) -> GRPOConfig:
     values = dict(model_name_or_path=model_dir, dataset_config_path=registry, dataset_names=["toy"],
                   output_dir=output_dir, per_device_train_batch_size=2, gradient_accumulation_steps=1, k_samples=4,
