@@ -78,6 +78,8 @@ class FailureReporter:
             peer = self._peer_failure(wait=_looks_like_broken_collective(exc))
             if peer is not None:  # another rank failed first; our error is the consequence
                 self._write_record(step, phase_name, exc, primary=False)
+                # said at once: the launcher may stop this rank before its caller prints anything
+                logger.error(f"rank {self.rank} stopped: {peer}")
                 return StepFailure(peer)
         message = self._message(step, phase_name, exc)
         if self.world > 1:
@@ -86,7 +88,7 @@ class FailureReporter:
         return StepFailure(message)
 
     def raise_if_peer_failed(self) -> None:
-        """Raise the failing rank's StepFailure when another rank has written a primary record (e.g. on SIGTERM)."""
+        """Raise the failing rank's StepFailure when another rank failed or died (e.g. on the launcher's SIGTERM)."""
         if self.world > 1:
             peer = self._peer_failure(wait=False)
             if peer is not None:
@@ -124,7 +126,7 @@ class FailureReporter:
         return out
 
     def _peer_failure(self, wait: bool) -> Optional[str]:
-        """The message of the first primary failure of another rank; with `wait`, poll a while for it."""
+        """The first primary failure of another rank, or a rank that died without one; with `wait`, poll a while."""
         deadline = time.monotonic() + (PEER_WAIT_S if wait else 0.0)
         while True:
             primary = sorted((r for r in self._records() if r.get("primary")), key=lambda r: r["time"])
@@ -133,12 +135,10 @@ class FailureReporter:
                 if self.rank == 0 and first.get("traceback"):
                     _log_file_only(f"rank {first['rank']} traceback:\n{first['traceback']}")
                 return first["message"]
-            if time.monotonic() >= deadline:
-                break
+            dead = self._dead_peer()  # a failing rank writes its record before it exits: no record means killed
+            if dead or time.monotonic() >= deadline:
+                return dead
             time.sleep(0.2)
-        if wait:
-            return self._dead_peer()
-        return None
 
     def _dead_peer(self) -> Optional[str]:
         """A rank on this host whose process is gone without a record: killed (signal, out of memory)."""

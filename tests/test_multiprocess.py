@@ -35,6 +35,8 @@ def says_seven(completions, answers, **row):
         raise ValueError("judge model returned HTTP 503")
     return [0.0] * len(completions)
 '''
+KILLED_REWARD_MODULE = FAILING_REWARD_MODULE.replace(
+    'raise ValueError("judge model returned HTTP 503")', 'os.kill(os.getpid(), 9)  # as the OOM killer would')
 
 
 @pytest.fixture(scope="module")
@@ -44,6 +46,7 @@ def setup(tmp_path_factory):
     registry = write_prompt_registry(str(folder / "data"), reward="says_seven")
     (folder / "rewards.py").write_text(REWARD_MODULE)
     (folder / "failing_rewards.py").write_text(FAILING_REWARD_MODULE)
+    (folder / "killed_rewards.py").write_text(KILLED_REWARD_MODULE)
     return folder, model, registry
 
 
@@ -108,9 +111,10 @@ def test_a_rank_that_fails_stops_the_job_with_its_error(setup):
              if line.strip() and "launch.py" not in line and "[launch" not in line]
     expected = "error: rank 1 failed at step 2 (rewards): reward 'says_seven' (dataset 'toy') raised ValueError: " \
                "judge model returned HTTP 503"
-    assert lines[-1].startswith(expected), (proc.stdout + proc.stderr)[-4000:]
-    # rank 0 stopped too, naming rank 1, and train.log holds rank 1's traceback
-    assert (proc.stdout + proc.stderr).count(expected) == 2, (proc.stdout + proc.stderr)[-4000:]
+    # (printed by rank 1, or logged by rank 0 as it stops: whichever the launcher lets finish last)
+    assert expected[len("error: "):] in lines[-1], (proc.stdout + proc.stderr)[-4000:]
+    # rank 0 stopped too, naming rank 1's error, and train.log holds rank 1's traceback
+    assert "rank 0 stopped: " + expected[len("error: "):] in proc.stdout + proc.stderr, (proc.stdout + proc.stderr)[-4000:]
     log = (out / "train.log").read_text()
     assert "rank 1 traceback" in log and "judge model returned HTTP 503" in log
 
@@ -144,3 +148,16 @@ def test_two_ranks_verify_before_resuming(setup):
     assert "checkpoint-2 is damaged" in log and f"resumed from {out / 'checkpoint-1'} at step 1" in log
     rows = [r for r in read_metrics(str(out / "metrics.jsonl")) if "loss" in r]
     assert [r["step"] for r in rows] == [1, 2, 3]
+
+
+@pytest.mark.skipif(shutil.which("deepspeed") is None, reason="the deepspeed launcher is not on PATH")
+def test_a_rank_killed_without_an_error_is_named(setup):
+    folder, model, registry = setup
+    out = folder / "out_killed"
+    proc = launch(folder, model, registry, out, 29513, "--reward_module", str(folder / "killed_rewards.py"),
+                  "--tuning_strategy", "lora", "--max_steps", "4", "--ddp_timeout_minutes", "10", timeout=300)
+    assert proc.returncode != 0
+    lines = [line for line in (proc.stdout + proc.stderr).splitlines()
+             if line.strip() and "launch.py" not in line and "[launch" not in line]
+    assert "rank 1 (pid " in lines[-1] and "died without reporting an error" in lines[-1], \
+        (proc.stdout + proc.stderr)[-4000:]
