@@ -4,12 +4,16 @@ Layout of one checkpoint folder (`output_dir/checkpoint-<step>`):
     engine/            DeepSpeed's files (module, optimizer, scheduler), per rank
     trainer_state.json step, epoch, data position, metrics needed to continue
     rng_rank<R>.pt     python / numpy / torch RNG states of each rank
+    manifest.json      size and checksum of every file above (all ranks'), written last; see manifest.py
 A checkpoint is first written to `checkpoint-<step>.tmp` and renamed when every rank is done, so a crash mid-save
 never leaves a folder that looks complete. All ranks must see the same output_dir (one node, or a shared disk).
+Resuming verifies the manifest first: a damaged checkpoint stops the run naming the file (or, with 'latest', is
+skipped for the newest intact one). Rotation never removes the newest intact checkpoint.
 """
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import re
@@ -21,7 +25,10 @@ import numpy as np
 import torch
 
 from . import distributed as dist_utils
-from .errors import ConfigError
+from .errors import CheckpointError, ConfigError
+from .manifest import MANIFEST_FILE, has_manifest, quick_problem, verify_checkpoint, write_manifest
+
+logger = logging.getLogger("grpo")
 
 ENGINE_TAG = "engine"
 STATE_FILE = "trainer_state.json"
@@ -41,30 +48,69 @@ class TrainerState:
 
 
 def list_checkpoints(output_dir: str) -> list[tuple[int, str]]:
-    """Complete checkpoints in output_dir as (step, path), oldest first."""
+    """Complete (renamed) checkpoints in output_dir as (step, path), oldest first; intact or not."""
     if not os.path.isdir(output_dir):
         return []
     found = []
     for name in os.listdir(output_dir):
         m = _CKPT_RE.match(name)
         path = os.path.join(output_dir, name)
-        if m and os.path.isfile(os.path.join(path, STATE_FILE)):
+        if m and (os.path.isfile(os.path.join(path, STATE_FILE)) or os.path.isfile(os.path.join(path, MANIFEST_FILE))):
             found.append((int(m.group(1)), path))
     return sorted(found)
 
 
 def resolve_resume_path(resume: str, output_dir: str) -> str:
-    """'latest' -> newest complete checkpoint in output_dir; a path must hold trainer_state.json."""
+    """The verified checkpoint to resume from. Collective: every rank gets the same answer before any loads.
+
+    'latest' -> the newest intact checkpoint in output_dir (damaged newer ones are skipped with a warning);
+    a path must be a checkpoint folder, and intact: a damaged one raises CheckpointError naming the file and the
+    checkpoint to use instead. Checkpoints without a manifest (older versions) load unverified.
+    """
     if resume == "latest":
         found = list_checkpoints(output_dir)
         if not found:
             raise ConfigError(f"--resume_from_checkpoint latest: no checkpoint-* folder with {STATE_FILE} "
                               f"in {output_dir}")
-        return found[-1][1]
-    if not os.path.isfile(os.path.join(resume, STATE_FILE)):
+        skipped = []
+        for _, path in reversed(found):
+            problem = verify_checkpoint(path)
+            if problem is None:
+                for bad, why in skipped:
+                    logger.warning(f"checkpoint {bad} is damaged ({why}); skipped. Resuming from the newest intact "
+                                   f"checkpoint, {path}; {bad} is replaced when its step is saved again")
+                _note_unverified(path)
+                return path
+            skipped.append((path, problem))
+        bad, why = skipped[0]
+        raise CheckpointError(f"--resume_from_checkpoint latest: every checkpoint in {output_dir} is damaged; the "
+                              f"newest, {bad}: {why}. Start again with --overwrite_output_dir "
+                              f"(or give a folder of your own with --resume_from_checkpoint)")
+    resume = resume.rstrip("/")
+    if not os.path.isfile(os.path.join(resume, STATE_FILE)) and not has_manifest(resume):
         raise ConfigError(f"--resume_from_checkpoint: {resume} is not a checkpoint folder (no {STATE_FILE}); "
                           f"give a checkpoint-<step> folder or 'latest'")
+    problem = verify_checkpoint(resume)
+    if problem is not None:
+        raise CheckpointError(f"--resume_from_checkpoint: checkpoint {resume} is damaged: {problem}. "
+                              + _intact_advice(resume))
+    _note_unverified(resume)
     return resume
+
+
+def _intact_advice(damaged: str) -> str:
+    """Names the newest intact checkpoint beside `damaged` (collective: verifies them in turn)."""
+    folder = os.path.dirname(os.path.abspath(damaged))
+    for _, path in reversed(list_checkpoints(folder)):
+        if os.path.abspath(path) != os.path.abspath(damaged) and verify_checkpoint(path) is None:
+            return f"The newest intact checkpoint is {path}: resume with --resume_from_checkpoint {path}"
+    return (f"No intact checkpoint is left in {folder}: start again with --overwrite_output_dir "
+            f"(the damaged checkpoint is not deleted)")
+
+
+def _note_unverified(path: str) -> None:
+    if not has_manifest(path):
+        logger.warning(f"checkpoint {path} has no {MANIFEST_FILE} (saved by an older version): loading it unverified")
 
 
 def save_checkpoint(engine, state: TrainerState, output_dir: str, keep: int, frozen_excluded: bool) -> str:
@@ -88,32 +134,70 @@ def save_checkpoint(engine, state: TrainerState, output_dir: str, keep: int, fro
     if dist_utils.is_main():
         with open(os.path.join(tmp, STATE_FILE), "w") as fh:
             json.dump(asdict(state), fh, indent=2)
+    write_manifest(tmp)  # last: sizes and checksums of every rank's files
+    if dist_utils.is_main():
         if os.path.isdir(final):
             shutil.rmtree(final)
         os.replace(tmp, final)
-        _rotate(output_dir, keep, protect=state.last_good_checkpoint)
+        rotate_checkpoints(output_dir, keep, protect=state.last_good_checkpoint)
     dist_utils.barrier()
     return final
 
 
 def load_checkpoint(engine, path: str, frozen_excluded: bool) -> TrainerState:
-    """Restore engine (weights, optimizer, scheduler), trainer state and this rank's RNG."""
-    load_path, _ = engine.load_checkpoint(path, tag=ENGINE_TAG, load_module_strict=not frozen_excluded,
-                                          load_optimizer_states=True, load_lr_scheduler_states=True)
-    if load_path is None:
-        raise ConfigError(f"--resume_from_checkpoint: DeepSpeed found no engine state in {path}/{ENGINE_TAG}")
-    with open(os.path.join(path, STATE_FILE)) as fh:
-        state = TrainerState(**json.load(fh))
-    rng_file = os.path.join(path, f"rng_rank{dist_utils.rank()}.pt")
-    if os.path.isfile(rng_file):
-        _set_rng_state(torch.load(rng_file, weights_only=False))
+    """Restore engine (weights, optimizer, scheduler), trainer state and this rank's RNG.
+
+    Call it on a path from resolve_resume_path (verified); a file that still fails to load (e.g. a checkpoint
+    without a manifest) raises CheckpointError naming the checkpoint.
+    """
+    try:
+        load_path, _ = engine.load_checkpoint(path, tag=ENGINE_TAG, load_module_strict=not frozen_excluded,
+                                              load_optimizer_states=True, load_lr_scheduler_states=True)
+        if load_path is None:
+            raise CheckpointError(f"--resume_from_checkpoint: DeepSpeed found no engine state in "
+                                  f"{path}/{ENGINE_TAG}")
+        with open(os.path.join(path, STATE_FILE)) as fh:
+            state = TrainerState(**json.load(fh))
+        rng_file = os.path.join(path, f"rng_rank{dist_utils.rank()}.pt")
+        if os.path.isfile(rng_file):
+            _set_rng_state(torch.load(rng_file, weights_only=False))
+    except CheckpointError:
+        raise
+    except Exception as exc:  # torch.load / DeepSpeed / JSON errors do not name the checkpoint
+        raise CheckpointError(f"--resume_from_checkpoint: checkpoint {path} could not be loaded "
+                              f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
+                              f"{_intact_hint(path)}") from exc
     return state
 
 
-def _rotate(output_dir: str, keep: int, protect: Optional[str]) -> None:
-    for _, path in list_checkpoints(output_dir)[:-keep]:
-        if protect is None or os.path.abspath(path) != os.path.abspath(protect):
+def _intact_hint(path: str) -> str:
+    """Not collective (a load error may hit one rank only): points at the other checkpoints by name."""
+    others = [p for _, p in list_checkpoints(os.path.dirname(os.path.abspath(path)))
+              if os.path.abspath(p) != os.path.abspath(path)]
+    if others:
+        return f"resume from an earlier checkpoint instead, e.g. --resume_from_checkpoint {others[-1]}"
+    return "no other checkpoint is in that folder: start again with --overwrite_output_dir"
+
+
+def rotate_checkpoints(output_dir: str, keep: int, protect: Optional[str] = None) -> list[str]:
+    """Remove checkpoints older than the newest `keep` intact ones; returns the removed paths.
+
+    Intact here means the manifest's files are all present with their sizes (no hashing; legacy checkpoints
+    count as intact). Damaged checkpoints newer than the kept ones stay (never delete the last intact one for a
+    damaged one), and so does `protect` (the last good checkpoint before a streak of non-finite steps).
+    """
+    found = list_checkpoints(output_dir)
+    intact = [(step, path) for step, path in found if quick_problem(path) is None]
+    kept = intact[-keep:]
+    if not kept:
+        return []
+    oldest_kept = kept[0][0]
+    removed = []
+    for step, path in found:
+        if step < oldest_kept and (protect is None or os.path.abspath(path) != os.path.abspath(protect)):
             shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
 
 
 def _rng_state() -> dict:

@@ -157,6 +157,9 @@ class GRPOConfig:
     deepspeed: str = _opt("configs/zero2.json",
                           "DeepSpeed config file, or 'zero2' / 'zero3' for the shipped ones.", "distributed")
     local_rank: int = _opt(-1, "Set by the deepspeed launcher; leave alone.", "distributed")
+    ddp_timeout_minutes: float = _opt(
+        30.0, "How long a collective waits for a rank that never arrives before the run stops with an error "
+        "(the process-group timeout).", "distributed")
 
     def __post_init__(self):
         self.dataset_names = _names(self.dataset_names)
@@ -226,6 +229,9 @@ class GRPOConfig:
         need(self.save_total_limit >= 1, "save_total_limit", "must be >= 1")
         need(self.eval_steps >= 0, "eval_steps", "must be >= 0")
         need(self.logging_steps >= 1, "logging_steps", "must be >= 1")
+        need(self.ddp_timeout_minutes > 0, "ddp_timeout_minutes",
+             f"must be > 0 (minutes; got {self.ddp_timeout_minutes}); raise it when one step (a long rollout, "
+             f"a large checkpoint save) can keep some ranks waiting longer than that")
         need(self.eval_max_prompts == -1 or self.eval_max_prompts >= 1, "eval_max_prompts",
              f"must be >= 1, or -1 for all prompts; got {self.eval_max_prompts}")
         if self.lora_exclude_modules is not None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import socket
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -18,8 +19,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_distributed() -> None:
-    """Start the process group (nccl on GPU, gloo on CPU) once; fill launcher variables when absent."""
+def init_distributed(timeout_minutes: float = 30.0) -> None:
+    """Start the process group (nccl on GPU, gloo on CPU) once; fill launcher variables when absent.
+
+    `timeout_minutes` bounds how long a collective waits for a rank that never arrives (--ddp_timeout_minutes).
+    """
     if dist.is_available() and dist.is_initialized():
         return
     os.environ.setdefault("RANK", "0")
@@ -32,7 +36,7 @@ def init_distributed() -> None:
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank())
-    deepspeed.init_distributed(dist_backend=backend)
+    deepspeed.init_distributed(dist_backend=backend, timeout=timedelta(minutes=timeout_minutes))
 
 
 def rank() -> int:
@@ -89,3 +93,12 @@ def gather_objects(obj) -> list:
     out = [None] * world_size()
     dist.all_gather_object(out, obj)
     return out
+
+
+def broadcast_object(obj):
+    """Rank 0's `obj` on every rank."""
+    if world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]

@@ -19,3 +19,7 @@ class RewardError(GRPOError):
 
 class TrainingError(GRPOError):
     """Training cannot continue (e.g. repeated non-finite losses)."""
+
+
+class CheckpointError(GRPOError):
+    """A checkpoint is damaged, incomplete or cannot be loaded."""

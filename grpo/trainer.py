@@ -31,6 +31,7 @@ from .ds_config import default_dtype, load_deepspeed_config, zero_stage
 from .embedded import resolve_model_path
 from .errors import ConfigError, TrainingError
 from .evaluation import eval_metrics, eval_sample_rows
+from .failures import FailureReporter, phase
 from .models import load_policy, load_reference, load_tokenizer, reference_mode, save_final_model
 from .plots import plot_training_curves
 from .reporting import RunReporter, read_metrics, setup_console_logging
@@ -53,12 +54,13 @@ class GRPOTrainer:
 
     def __init__(self, config: GRPOConfig, reward_funcs: Sequence[Callable] = ()):
         self.config = config
-        dist_utils.init_distributed()
+        dist_utils.init_distributed(config.ddp_timeout_minutes)
         self.rank, self.world = dist_utils.rank(), dist_utils.world_size()
         self.is_main = dist_utils.is_main()
         os.makedirs(config.output_dir, exist_ok=True)
         setup_console_logging(self.is_main, os.path.join(config.output_dir, "train.log")
                               if config.log_to_file else None)
+        self.failures = FailureReporter(config.output_dir, self.rank, self.world)
         _seed_everything(config.seed + self.rank)
         if config.use_vllm_rollout:
             if not torch.cuda.is_available():
@@ -124,6 +126,7 @@ class GRPOTrainer:
         self._stop_signal: Optional[int] = None
 
     # ================================================================================================
+    @phase("step", passes=(TrainingError,))  # a stop on signal is deliberate; its message says it all
     def train(self) -> dict:
         """Run until max_steps / epochs; returns the final metrics (and paths of what was saved)."""
         cfg = self.config
@@ -171,12 +174,14 @@ class GRPOTrainer:
         return {**metrics, "saved": saved}
 
     # ---------------------------------------------------------------------------------------- phases
+    @phase("data")
     def _next_prompts(self) -> list[dict]:
         """This rank's prompts for the step (different on every rank), advancing the resumable position."""
         indices, self.state.epoch, self.state.position = self.order.next(self.state.epoch, self.state.position)
         rows = self.train_set.select(indices)
         return [dict(row, index=i) for row, i in zip(rows, indices)]
 
+    @phase("rollout")
     def _generate_rollouts(self, prompts: list[dict]) -> tuple[RolloutBatch, list[str], dict]:
         cfg = self.config
         start = time.perf_counter()
@@ -192,6 +197,7 @@ class GRPOTrainer:
         tokens = sum(len(c.token_ids) for c in completions)
         return batch, texts, {"rollout": seconds, "_rollout_tokens": tokens}
 
+    @phase("rewards")
     def _score_rewards(self, prompts: list[dict], completions: list[str],
                        completion_ids: list[list[int]]) -> tuple[torch.Tensor, dict, float]:
         start = time.perf_counter()
@@ -204,6 +210,7 @@ class GRPOTrainer:
         return rewards, {f"rewards/{name}": value for name, value in result.means().items()}, \
             time.perf_counter() - start
 
+    @phase("log-probs")
     @torch.no_grad()
     def _old_and_reference_logprobs(self, batch: RolloutBatch):
         """Old-policy log-probs (needed when one rollout feeds several updates) and reference log-probs (KL)."""
@@ -221,6 +228,7 @@ class GRPOTrainer:
         seconds = time.perf_counter() - start
         return (torch.cat(old) if old else None), (torch.cat(ref) if ref else None), seconds
 
+    @phase("optimize")
     def _optimize(self, batch: RolloutBatch, advantages: torch.Tensor, old_logprobs, ref_logprobs):
         """num_iterations passes over the rollout; each pass is one optimizer step over all micro-batches."""
         cfg = self.config
@@ -276,6 +284,7 @@ class GRPOTrainer:
         out["lr"] = self.engine.get_lr()[0]
         return out, time.perf_counter() - start
 
+    @phase("weight sync")
     def _sync_rollout_weights(self, first: bool = False) -> float:
         """Push the updated policy into the rollout engine (vLLM); the HF engine samples the live model."""
         if not self.config.use_vllm_rollout:
@@ -289,6 +298,7 @@ class GRPOTrainer:
 
     # ------------------------------------------------------------------------------------------- eval
     @torch.no_grad()
+    @phase("eval", after_step=True)
     def evaluate(self, reporter: Optional[RunReporter] = None) -> dict:
         """Mean reward, per-function accuracy and length on the eval prompts (sharded over ranks), in total and per
         dataset, plus one sample row per prompt."""
@@ -385,6 +395,7 @@ class GRPOTrainer:
                    f"lower {lr_flag} or --max_grad_norm." if last else
                    f"No checkpoint was saved before; start again with a lower {lr_flag} or --max_grad_norm."))
 
+    @phase("metrics", after_step=True)
     def _step_metrics(self, batch, rewards, advantages, reward_metrics, train_metrics, times) -> dict:
         k = self.config.k_samples
         grouped = rewards.view(-1, k)
@@ -417,11 +428,13 @@ class GRPOTrainer:
                                      "prompt": p["prompt_text"], "completion": texts[i * k],
                                      "reward": rewards[i * k].item(), "answer": p["answer"]}) + "\n")
 
+    @phase("save", after_step=True)
     def _save_checkpoint(self) -> None:
         path = save_checkpoint(self.engine, self.state, self.config.output_dir, self.config.save_total_limit,
                                frozen_excluded=self.config.uses_lora)
         logger.info(f"checkpoint saved: {path}")
 
+    @phase("save final model", after_step=True)
     def _save_final_model(self) -> dict:
         state_dict = self.engine._zero3_consolidated_16bit_state_dict() if self.zero3 else None
         saved = {}
@@ -440,6 +453,7 @@ class GRPOTrainer:
 
     def _install_signal_handlers(self) -> dict:
         def request_stop(signum, _frame):
+            self.failures.raise_if_peer_failed()  # a launcher stopping us because another rank failed
             if self._stop_signal is not None:  # a second signal: stop now
                 raise KeyboardInterrupt
             self._stop_signal = signum

@@ -1,4 +1,8 @@
-"""Print the README's flag reference (markdown tables by group) from GRPOConfig, the one source of options."""
+"""Print the README's flag reference (markdown tables by group) from GRPOConfig, the one source of options.
+
+    python scripts/flag_table.py              # print the tables
+    python scripts/flag_table.py --write      # replace them in README.md (between "## Flags" and the next "## ")
+"""
 import os
 import sys
 from dataclasses import MISSING, fields
@@ -16,16 +20,31 @@ def default_of(f):
     return " ".join(value) if isinstance(value, list) else value
 
 
-def main():
+def tables() -> str:
+    out = []
     for group, title in TITLES.items():
-        print(f"#### {title}\n\n| flag | default | meaning |\n|---|---|---|")
+        out.append(f"#### {title}\n\n| flag | default | meaning |\n|---|---|---|")
         for f in fields(GRPOConfig):
             if FLAG_GROUPS[f.name] == group:
                 default = default_of(f)
                 shown = f"`{default}`" if default != "" else "(none)"
-                print(f"| `--{f.name}` | {shown} | {f.metadata['help']} |")
-        print()
+                out.append(f"| `--{f.name}` | {shown} | {f.metadata['help']} |")
+        out.append("")
+    return "\n".join(out)
+
+
+def write_readme(path: str) -> None:
+    """Swap the tables under "## Flags" (from its first "#### " to the next "## ") for freshly generated ones."""
+    with open(path) as fh:
+        text = fh.read()
+    start = text.index("#### ", text.index("## Flags"))
+    end = text.index("\n## ", start) + 1
+    with open(path, "w") as fh:
+        fh.write(text[:start] + tables() + "\n" + text[end:])
 
 
 if __name__ == "__main__":
-    main()
+    if "--write" in sys.argv[1:]:
+        write_readme(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md"))
+    else:
+        print(tables())

@@ -3,9 +3,11 @@ import json
 import os
 import shutil
 import subprocess
+import time
 
 import pytest
 
+from grpo.manifest import MANIFEST_FILE
 from grpo.reporting import read_metrics
 
 from .tiny_models import make_tiny_model_dir
@@ -19,6 +21,22 @@ from grpo import register_reward
 def says_seven(completions, answers, **row):
     return [c.split().count("7") / max(len(c.split()), 1) for c in completions]
 '''
+FAILING_REWARD_MODULE = '''
+import os
+from grpo import register_reward
+
+calls = 0
+
+@register_reward("says_seven")
+def says_seven(completions, answers, **row):
+    global calls
+    calls += 1
+    if calls == 2 and os.environ["RANK"] == "1":
+        raise ValueError("judge model returned HTTP 503")
+    return [0.0] * len(completions)
+'''
+KILLED_REWARD_MODULE = FAILING_REWARD_MODULE.replace(
+    'raise ValueError("judge model returned HTTP 503")', 'os.kill(os.getpid(), 9)  # as the OOM killer would')
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +45,22 @@ def setup(tmp_path_factory):
     model = make_tiny_model_dir(str(folder / "model"))
     registry = write_prompt_registry(str(folder / "data"), reward="says_seven")
     (folder / "rewards.py").write_text(REWARD_MODULE)
+    (folder / "failing_rewards.py").write_text(FAILING_REWARD_MODULE)
+    (folder / "killed_rewards.py").write_text(KILLED_REWARD_MODULE)
     return folder, model, registry
+
+
+def launch(folder, model, registry, out, port, *flags, timeout=600):
+    """`deepspeed --num_gpus 2 train_grpo.py ...` on CPU, with this checkout first on PYTHONPATH."""
+    cmd = ["deepspeed", "--num_gpus", "2", "--master_port", str(port),
+           os.path.join(ROOT, "train_grpo.py"), "--model_name_or_path", model, "--dataset_config_path", registry,
+           "--dataset_names", "toy", "--output_dir", str(out), "--k_samples", "4",
+           "--per_device_train_batch_size", "2", "--rollout_max_new_tokens", "8", "--max_prompt_length", "32",
+           "--max_seq_length", "48", "--learning_rate", "1e-3", "--eval_max_prompts", "4", *flags]
+    launcher_vars = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}  # the launcher sets its own
+    env = {**{k: v for k, v in os.environ.items() if k not in launcher_vars},
+           "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=timeout)
 
 
 @pytest.mark.skipif(shutil.which("deepspeed") is None, reason="the deepspeed launcher is not on PATH")
@@ -35,17 +68,9 @@ def setup(tmp_path_factory):
 def test_two_ranks(zero, strategy, setup):
     folder, model, registry = setup
     out = folder / f"out_{zero}"
-    cmd = ["deepspeed", "--num_gpus", "2", "--master_port", str(29500 + (7 if zero == "zero3" else 3)),
-           os.path.join(ROOT, "train_grpo.py"), "--model_name_or_path", model, "--dataset_config_path", registry,
-           "--dataset_names", "toy", "--reward_module", str(folder / "rewards.py"), "--output_dir", str(out),
-           "--tuning_strategy", strategy, "--deepspeed", zero, "--max_steps", "2", "--k_samples", "4",
-           "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2",
-           "--rollout_max_new_tokens", "8", "--max_prompt_length", "32", "--max_seq_length", "48",
-           "--learning_rate", "1e-3", "--save_steps", "2", "--eval_max_prompts", "4"]
-    launcher_vars = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}  # the launcher sets its own
-    env = {**{k: v for k, v in os.environ.items() if k not in launcher_vars},
-           "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
+    proc = launch(folder, model, registry, out, 29500 + (7 if zero == "zero3" else 3),
+                  "--reward_module", str(folder / "rewards.py"), "--tuning_strategy", strategy, "--deepspeed", zero,
+                  "--max_steps", "2", "--gradient_accumulation_steps", "2", "--save_steps", "2")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "2 rank(s)" in proc.stderr + proc.stdout
     rows = [r for r in read_metrics(str(out / "metrics.jsonl")) if "loss" in r]
@@ -58,5 +83,81 @@ def test_two_ranks(zero, strategy, setup):
         assert len(seen[rank]) == 2 * 4
     assert not set(seen[0]) & set(seen[1])
     assert os.path.isdir(out / "checkpoint-2" / "engine")
+    # the manifest covers both ranks' DeepSpeed files
+    manifest = json.loads((out / "checkpoint-2" / MANIFEST_FILE).read_text())["files"]
+    on_disk = {os.path.relpath(os.path.join(root, n), out / "checkpoint-2")
+               for root, _, names in os.walk(out / "checkpoint-2") for n in names if n != MANIFEST_FILE}
+    assert set(manifest) == on_disk
+    assert {"rng_rank0.pt", "rng_rank1.pt"} <= on_disk
+    assert any("zero_pp_rank_1" in name for name in on_disk) and any("zero_pp_rank_0" in name for name in on_disk)
     final = out / ("model" if strategy == "full" else "lora_adapter")
     assert os.path.isfile(final / ("model.safetensors" if strategy == "full" else "adapter_model.safetensors"))
+
+
+@pytest.mark.skipif(shutil.which("deepspeed") is None, reason="the deepspeed launcher is not on PATH")
+def test_a_rank_that_fails_stops_the_job_with_its_error(setup):
+    folder, model, registry = setup
+    out = folder / "out_failing"
+    proc = launch(folder, model, registry, out, 29511, "--reward_module", str(folder / "failing_rewards.py"),
+                  "--tuning_strategy", "lora", "--max_steps", "4", "--ddp_timeout_minutes", "10")
+    ended = time.time()
+    assert proc.returncode != 0
+    record = json.loads((out / "failures" / "rank1.json").read_text())
+    assert (record["rank"], record["step"], record["phase"], record["primary"]) == (1, 2, "rewards", True)
+    # the job ended soon after rank 1 failed, not at the collective timeout
+    assert ended - record["time"] < 60, ended - record["time"]
+    # the last line the job printed (the launcher's own bookkeeping aside) is rank 1's error
+    lines = [line for line in (proc.stdout + proc.stderr).splitlines()
+             if line.strip() and "launch.py" not in line and "[launch" not in line]
+    expected = "error: rank 1 failed at step 2 (rewards): reward 'says_seven' (dataset 'toy') raised ValueError: " \
+               "judge model returned HTTP 503"
+    # (printed by rank 1, or logged by rank 0 as it stops: whichever the launcher lets finish last)
+    assert expected[len("error: "):] in lines[-1], (proc.stdout + proc.stderr)[-4000:]
+    # rank 0 stopped too, naming rank 1's error, and train.log holds rank 1's traceback
+    assert "rank 0 stopped: " + expected[len("error: "):] in proc.stdout + proc.stderr, (proc.stdout + proc.stderr)[-4000:]
+    log = (out / "train.log").read_text()
+    assert "rank 1 traceback" in log and "judge model returned HTTP 503" in log
+
+
+@pytest.mark.skipif(shutil.which("deepspeed") is None, reason="the deepspeed launcher is not on PATH")
+def test_two_ranks_verify_before_resuming(setup):
+    folder, model, registry = setup
+    out = folder / "out_damaged"
+    common = ["--reward_module", str(folder / "rewards.py"), "--tuning_strategy", "full", "--save_steps", "1",
+              "--save_total_limit", "2"]
+    proc = launch(folder, model, registry, out, 29515, *common, "--max_steps", "2")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # rank 1's optimizer shard of the newest checkpoint is cut short
+    engine = out / "checkpoint-2" / "engine"
+    shard = next(name for name in os.listdir(engine) if "zero_pp_rank_1" in name and "optim" in name)
+    with open(engine / shard, "r+b") as fh:
+        fh.truncate(100)
+
+    proc = launch(folder, model, registry, out, 29517, *common, "--max_steps", "3",
+                  "--resume_from_checkpoint", str(out / "checkpoint-2"))
+    assert proc.returncode != 0
+    both = proc.stdout + proc.stderr
+    expected = f"error: --resume_from_checkpoint: checkpoint {out / 'checkpoint-2'} is damaged: engine/{shard} is 100 bytes"
+    assert both.count(expected) == 2, both[-4000:]  # the same verdict on both ranks, before either loaded
+    assert f"--resume_from_checkpoint {out / 'checkpoint-1'}" in both
+
+    proc = launch(folder, model, registry, out, 29519, *common, "--max_steps", "3", "--resume_from_checkpoint",
+                  "latest")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    log = (out / "train.log").read_text()
+    assert "checkpoint-2 is damaged" in log and f"resumed from {out / 'checkpoint-1'} at step 1" in log
+    rows = [r for r in read_metrics(str(out / "metrics.jsonl")) if "loss" in r]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+
+
+@pytest.mark.skipif(shutil.which("deepspeed") is None, reason="the deepspeed launcher is not on PATH")
+def test_a_rank_killed_without_an_error_is_named(setup):
+    folder, model, registry = setup
+    out = folder / "out_killed"
+    proc = launch(folder, model, registry, out, 29513, "--reward_module", str(folder / "killed_rewards.py"),
+                  "--tuning_strategy", "lora", "--max_steps", "4", "--ddp_timeout_minutes", "10", timeout=300)
+    assert proc.returncode != 0
+    lines = [line for line in (proc.stdout + proc.stderr).splitlines()
+             if line.strip() and "launch.py" not in line and "[launch" not in line]
+    assert "rank 1 (pid " in lines[-1] and "died without reporting an error" in lines[-1], \
+        (proc.stdout + proc.stderr)[-4000:]
