@@ -16,6 +16,7 @@ from typing import Optional, Sequence
 
 import datasets
 
+from . import images as image_utils
 from .errors import DatasetError
 from .jsonfile import read_json_object
 from .rewards import last_boxed
@@ -48,6 +49,8 @@ class DatasetSpec:
     rewards: dict[str, float] = field(default_factory=dict)
     reward_kwargs: dict[str, dict] = field(default_factory=dict)
     max_samples: Optional[int] = None
+    image_field: Optional[str] = None   # a column of image paths / bytes (see grpo/images.py)
+    image_root: Optional[str] = None    # folder relative image paths are read from (default: the registry's)
 
     @property
     def source(self) -> str:
@@ -57,7 +60,7 @@ class DatasetSpec:
 
 ENTRY_KEYS = [f.name for f in fields(DatasetSpec) if f.name != "name"]
 _TEXT_KEYS = ("path", "hub_id", "split", "prompt_field", "messages_field", "answer_field", "system_prompt",
-              "prompt_template", "answer_extractor")
+              "prompt_template", "answer_extractor", "image_field", "image_root")
 
 
 # ------------------------------------------------------------------------------------------------ registry
@@ -114,6 +117,7 @@ def _parse_entry(name: str, entry, folder: str, registry_path: str) -> DatasetSp
     spec = DatasetSpec(name=name, **values)
     if spec.path:
         spec.path = os.path.normpath(os.path.join(folder, os.path.expanduser(spec.path)))
+    spec.image_root = os.path.normpath(os.path.join(folder, os.path.expanduser(spec.image_root or "")))
     return spec
 
 
@@ -149,7 +153,7 @@ def _lookup(registry: dict[str, DatasetSpec], name: str, registry_path: Optional
 
 # ------------------------------------------------------------------------------------------------- loading
 def load_prompt_datasets(registry_path: str, names: Sequence[str], train_split_ratio: float,
-                         seed: int) -> tuple[datasets.Dataset, datasets.Dataset]:
+                         seed: int, max_images_per_prompt: int = 1) -> tuple[datasets.Dataset, datasets.Dataset]:
     """(train, eval) rows with columns messages, answer, data_source.
 
     Each named dataset is split on its own (train_split_ratio of its rows for train, chosen by `seed`), then the
@@ -168,7 +172,7 @@ def load_prompt_datasets(registry_path: str, names: Sequence[str], train_split_r
     train_parts, eval_parts = [], []
     with _quiet_progress():
         for spec in specs:
-            rows = _standardize(spec, _load_raw(spec))
+            rows = _standardize(spec, _load_raw(spec), max_images_per_prompt)
             train, held_out = _split(rows, train_split_ratio, seed)
             if len(train) == 0:
                 raise DatasetError(f"dataset '{spec.name}': the training split is empty ({len(rows)} rows with "
@@ -176,7 +180,15 @@ def load_prompt_datasets(registry_path: str, names: Sequence[str], train_split_r
                                    f"raise --train_split_ratio")
             train_parts.append(train)
             eval_parts.append(held_out)
+    if any("images" in part.column_names for part in train_parts):  # text rows of a mix get no images
+        train_parts, eval_parts = _with_images_column(train_parts), _with_images_column(eval_parts)
     return datasets.concatenate_datasets(train_parts), datasets.concatenate_datasets(eval_parts)
+
+
+def _with_images_column(parts: list[datasets.Dataset]) -> list[datasets.Dataset]:
+    return [part if "images" in part.column_names else
+            part.add_column("images", [[] for _ in range(len(part))], feature=image_utils.IMAGE_FEATURE)
+            for part in parts]
 
 
 @contextlib.contextmanager
@@ -302,14 +314,14 @@ def _open_text(name: str, path: str):
 
 
 # ------------------------------------------------------------------------------------------ standard rows
-def _standardize(spec: DatasetSpec, raw: datasets.Dataset) -> datasets.Dataset:
+def _standardize(spec: DatasetSpec, raw: datasets.Dataset, max_images_per_prompt: int = 1) -> datasets.Dataset:
     if spec.max_samples is not None:
         raw = raw.select(range(min(spec.max_samples, len(raw))))
     if len(raw) == 0:
         raise DatasetError(f"dataset '{spec.name}' has no rows ({spec.source}); add rows or fix \"path\"")
     present = raw.column_names
     for key, column in (("prompt_field", spec.prompt_field), ("messages_field", spec.messages_field),
-                        ("answer_field", spec.answer_field)):
+                        ("answer_field", spec.answer_field), ("image_field", spec.image_field)):
         if column and column not in present:
             raise DatasetError(f"dataset '{spec.name}': {key} '{column}' is not a column of {spec.source}; "
                                f"columns present: {', '.join(present)}")
@@ -318,12 +330,19 @@ def _standardize(spec: DatasetSpec, raw: datasets.Dataset) -> datasets.Dataset:
         if example[spec.answer_field] is None:
             raise DatasetError(f"dataset '{spec.name}': record {index + 1} of {spec.source} has no value in "
                                f"'{spec.answer_field}'; fill it in or drop the row")
-        return {"messages": build_messages(spec, example, index),
+        messages = build_messages(spec, example, index)
+        return {"messages": messages, "images": image_utils.row_images(spec, example, index, messages),
                 "answer": extract_answer(spec.answer_extractor, example[spec.answer_field]),
                 "data_source": spec.name}
 
-    rows = raw.map(to_row, with_indices=True, remove_columns=present, features=ROW_FEATURES,
+    raw = image_utils.undecoded(raw, spec.image_field)
+    features = datasets.Features({**ROW_FEATURES, "images": image_utils.IMAGE_FEATURE})
+    rows = raw.map(to_row, with_indices=True, remove_columns=present, features=features,
                    keep_in_memory=True, load_from_cache_file=False)
+    if not any(rows["images"]):
+        rows = rows.remove_columns("images")  # a text-only dataset: rows exactly as before
+    else:
+        image_utils.check_row_images(spec.name, spec.source, rows, max_images_per_prompt)
     unanswered = [i for i, answer in enumerate(rows["answer"]) if answer is None]
     if unanswered:
         first = unanswered[0]
@@ -365,7 +384,9 @@ def _chat_messages(where: str, column: str, value) -> list[dict]:
     for m in value:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or m.get("content") is None:
             raise DatasetError(f"{where}: {fix}, got the message {m!r}")
-        messages.append({"role": m["role"], "content": str(m["content"])})
+        content = m["content"]
+        messages.append({"role": m["role"], "content": image_utils.content_text(content, where)
+                         if isinstance(content, list) else str(content)})
     return messages
 
 

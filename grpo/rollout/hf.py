@@ -1,7 +1,7 @@
 """Rollouts with Hugging Face `generate` on the policy being trained (CPU, or any GPU without vLLM)."""
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, Optional
 
 import torch
 
@@ -38,8 +38,12 @@ class HFRolloutEngine:
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else fallback_pad
 
     @torch.no_grad()
-    def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingSettings) -> list[Completion]:
-        """n completions per prompt, prompt by prompt, each cut after its first stop token."""
+    def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingSettings,
+                 images: Optional[list] = None) -> list[Completion]:
+        """n completions per prompt, prompt by prompt, each cut after its first stop token.
+
+        `images`: per prompt, its grpo.vision.PromptImages (processed pixels) or None.
+        """
         if not sampling.greedy and sampling.temperature <= 0:
             raise ValueError(f"temperature must be > 0 when sampling (got {sampling.temperature}); "
                              "use greedy=True for argmax decoding")
@@ -53,15 +57,17 @@ class HFRolloutEngine:
             out = []
             for start in range(0, len(prompt_token_ids), self.max_batch_size):
                 chunk = prompt_token_ids[start:start + self.max_batch_size]
+                chunk_images = images[start:start + self.max_batch_size] if images else None
                 out += [Completion(c.prompt_index + start, c.token_ids, c.logprobs, c.finish_reason)
-                        for c in self._generate_chunk(chunk, sampling)]
+                        for c in self._generate_chunk(chunk, sampling, chunk_images)]
             return out
         finally:
             if config is not None:
                 config.use_cache = use_cache
             self.model.train(was_training)
 
-    def _generate_chunk(self, prompts: list[list[int]], sampling: SamplingSettings) -> list[Completion]:
+    def _generate_chunk(self, prompts: list[list[int]], sampling: SamplingSettings,
+                        images: Optional[list] = None) -> list[Completion]:
         device = next(self.model.parameters()).device
         width = max(len(p) for p in prompts)
         input_ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
@@ -78,6 +84,12 @@ class HFRolloutEngine:
             kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
         else:
             kwargs.update(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p, top_k=0)
+        if images:  # each prompt's pixels once; generate repeats them for its num_return_sequences
+            from ..vision import image_token_types, model_image_inputs
+
+            token_id = next(p.image_token_id for p in images if p is not None)
+            kwargs.update(model_image_inputs(images, range(len(prompts)), device),
+                          **image_token_types(self.model, input_ids.to(device), token_id))
         result = self.model.generate(input_ids=input_ids.to(device), attention_mask=attention.to(device), **kwargs)
         new_tokens = result.sequences[:, width:].cpu()                          # [P*n, T]
         temperature = 1.0 if sampling.greedy else sampling.temperature
