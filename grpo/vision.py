@@ -179,6 +179,18 @@ def _folder_chat_template(model_path: str) -> Optional[str]:
     return None
 
 
+def load_vision_processor(model_path: str, tokenizer, config, rows) -> Optional[VisionProcessor]:
+    """The VisionProcessor of a vision-language model; None for a text model (an error if `rows` hold images)."""
+    if is_vision_language(model_path, config.trust_remote_code):
+        return VisionProcessor.from_pretrained(model_path, tokenizer, config.trust_remote_code)
+    if "images" in rows.column_names:
+        with_images = sorted({s for s, refs in zip(rows["data_source"], rows["images"]) if refs})
+        raise ConfigError(f"dataset(s) {', '.join(with_images)} hold images, but --model_name_or_path "
+                          f"{config.model_name_or_path} is a text-only model; use a vision-language model (e.g. "
+                          f"Qwen2.5-VL) or text datasets")
+    return None
+
+
 def render_vision_prompts(dataset, processor: VisionProcessor, max_prompt_length: int):
     """Like data.render_prompts, for a vision-language model: prompt_text, prompt_ids (image tokens expanded)."""
     from .data import _check_prompt_lengths, _quiet_progress
