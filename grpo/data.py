@@ -186,9 +186,10 @@ def load_prompt_datasets(registry_path: str, names: Sequence[str], train_split_r
 
 
 def _with_images_column(parts: list[datasets.Dataset]) -> list[datasets.Dataset]:
-    return [part if "images" in part.column_names else
-            part.add_column("images", [[] for _ in range(len(part))], feature=image_utils.IMAGE_FEATURE)
-            for part in parts]
+    with _quiet_progress():
+        return [part if "images" in part.column_names else
+                part.add_column("images", [[] for _ in range(len(part))], feature=image_utils.IMAGE_FEATURE)
+                for part in parts]
 
 
 @contextlib.contextmanager
