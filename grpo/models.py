@@ -173,6 +173,7 @@ def save_final_model(model, tokenizer, output_dir: str, config: GRPOConfig, mode
     model.peft_config["default"].base_model_name_or_path = model_path
     model.save_pretrained(path, state_dict=state_dict, safe_serialization=True)
     tokenizer.save_pretrained(path)
+    _copy_processor_files(model_path, path)
     saved["lora_adapter"] = path
     if config.save_merged_model:
         from peft import PeftModel

@@ -352,7 +352,8 @@ class GRPOTrainer:
                                      stop_token_ids=stop_token_ids(self.engine.module, self.tokenizer),
                                      max_images_per_prompt=cfg.max_images_per_prompt if self.vision else 0,
                                      image_token_id=self.vision.image_token_id if self.vision else None)
-        return HFRolloutEngine(self.engine.module, self.tokenizer)
+        return HFRolloutEngine(self.engine.module, self.tokenizer,
+                               suppress_token_ids=self.vision.placeholder_token_ids if self.vision else None)
 
     def _prompt_images(self, prompts: list[dict]) -> Optional[list]:
         """Per prompt, its processed images (vision-language models; None for a text prompt); None without any."""

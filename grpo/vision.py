@@ -86,6 +86,10 @@ class VisionProcessor:
             raise ConfigError(f"the tokenizer has no {IMAGE_TOKEN} token; only Qwen2-VL / Qwen2.5-VL style vision "
                               f"models are supported")
         self.merge_size = int(getattr(image_processor, "merge_size", 2))
+        video = tokenizer.convert_tokens_to_ids("<|video_pad|>")
+        # tokens a completion must never hold: the scoring forward would take them for image / video inputs
+        self.placeholder_token_ids = [self.image_token_id] + \
+            ([video] if video is not None and video != tokenizer.unk_token_id else [])
 
     @classmethod
     def from_pretrained(cls, model_path: str, tokenizer, trust_remote_code: bool = False) -> "VisionProcessor":
@@ -238,8 +242,12 @@ def freeze_vision_tower(model) -> int:
 
 
 def quantization_skip_modules(model_path: str, trust_remote_code: bool = False) -> list[str]:
-    """Modules QLoRA keeps unquantized: the vision encoder and the output layer."""
-    return list(VISION_TOWERS) + ["lm_head"]
+    """Modules QLoRA keeps unquantized: the vision encoder and the output layer.
+
+    Both spellings of each tower: transformers >= 5.2x matches these as prefixes of qualified names (so the nested
+    "model.visual" is needed), older releases as substrings.
+    """
+    return [f"model.{tower}" for tower in VISION_TOWERS] + list(VISION_TOWERS) + ["lm_head"]
 
 
 # ------------------------------------------------------------------------------------------- checkpoint names

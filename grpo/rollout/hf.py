@@ -24,14 +24,18 @@ class HFRolloutEngine:
     """Samples from the live policy module, so weights never need syncing (load_weights is a no-op).
 
     `max_batch_size` bounds the prompts per `generate` call (each call decodes n sequences per prompt).
+    `suppress_token_ids` are never sampled; their probability mass stays in the reported log-probs (as in the
+    trainer's), which is negligible for the placeholder tokens this is meant for.
     """
 
-    def __init__(self, model, tokenizer, max_batch_size: int = 64):
+    def __init__(self, model, tokenizer, max_batch_size: int = 64, suppress_token_ids: Optional[list[int]] = None):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be at least 1, got {max_batch_size}")
         self.model = model
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
+        # never sampled (e.g. a VL model's image placeholder, which the scoring forward would take for an image)
+        self.suppress_token_ids = list(suppress_token_ids or [])
         self.stop_ids = stop_token_ids(model, tokenizer)
         # the pad id only fills the left of short prompts (masked) and the tail of finished rows (cut off)
         fallback_pad = self.stop_ids[0] if self.stop_ids else 0
@@ -80,6 +84,8 @@ class HFRolloutEngine:
         kwargs = dict(max_new_tokens=sampling.max_new_tokens, num_return_sequences=per_prompt,
                       eos_token_id=self.stop_ids, pad_token_id=self.pad_id, use_cache=True,
                       output_logits=True, return_dict_in_generate=True)
+        if self.suppress_token_ids:
+            kwargs["suppress_tokens"] = self.suppress_token_ids
         if sampling.greedy:
             kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
         else:

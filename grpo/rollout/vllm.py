@@ -59,6 +59,7 @@ class VLLMRolloutEngine:
         self.stop_token_ids = list(stop_token_ids or [])
         self.enable_sleep = enable_sleep
         self.image_token_id = image_token_id
+        self.suppress_token_ids = [image_token_id] if image_token_id is not None else []  # never sample a placeholder
         multimodal = {"limit_mm_per_prompt": {"image": max_images_per_prompt, "video": 0}} \
             if max_images_per_prompt > 0 else {}
         self.llm = vllm.LLM(
@@ -91,7 +92,8 @@ class VLLMRolloutEngine:
             n=sampling.n, max_tokens=sampling.max_new_tokens,
             temperature=0.0 if sampling.greedy else sampling.temperature,
             top_p=1.0 if sampling.greedy else sampling.top_p, logprobs=0, detokenize=False,
-            stop_token_ids=self.stop_token_ids or None)
+            stop_token_ids=self.stop_token_ids or None,
+            logit_bias={t: -100.0 for t in self.suppress_token_ids} or None)
         requests = [self._request(ids, pil) for ids, pil in prompts]
         outputs = self.llm.generate(requests, params, use_tqdm=False)
         completions = []
