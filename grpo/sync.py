@@ -52,8 +52,7 @@ def iter_policy_weights(model, strategy: str, *, dtype: torch.dtype = torch.bflo
         named = _iter_adapter(model, dtype, zero3, dequantize_frozen=first_sync and strategy == "qlora")
     else:
         raise ConfigError(f"--tuning_strategy {strategy!r}: weight sync knows {', '.join(STRATEGIES)}")
-    prefixes = checkpoint_prefixes(getattr(model, "base_model", None) and model.get_base_model()
-                                   if hasattr(model, "get_base_model") else model)
+    prefixes = checkpoint_prefixes(model)  # peft forwards .config to the base model
     for name, tensor in named:  # vision-language models: the checkpoint's layout (see grpo/vision.py)
         yield rename(name, prefixes), tensor
 
