@@ -51,6 +51,7 @@ class DatasetSpec:
     max_samples: Optional[int] = None
     image_field: Optional[str] = None   # a column of image paths / bytes (see grpo/images.py)
     image_root: Optional[str] = None    # folder relative image paths are read from (default: the registry's)
+    registry_folder: Optional[str] = field(default=None, compare=False, repr=False)  # set by the parser
 
     @property
     def source(self) -> str:
@@ -58,7 +59,7 @@ class DatasetSpec:
         return self.path or f"hub dataset '{self.hub_id}'"
 
 
-ENTRY_KEYS = [f.name for f in fields(DatasetSpec) if f.name != "name"]
+ENTRY_KEYS = [f.name for f in fields(DatasetSpec) if f.name != "name" and f.compare]
 _TEXT_KEYS = ("path", "hub_id", "split", "prompt_field", "messages_field", "answer_field", "system_prompt",
               "prompt_template", "answer_extractor", "image_field", "image_root")
 
@@ -117,7 +118,9 @@ def _parse_entry(name: str, entry, folder: str, registry_path: str) -> DatasetSp
     spec = DatasetSpec(name=name, **values)
     if spec.path:
         spec.path = os.path.normpath(os.path.join(folder, os.path.expanduser(spec.path)))
-    spec.image_root = os.path.normpath(os.path.join(folder, os.path.expanduser(spec.image_root or "")))
+    if spec.image_root:
+        spec.image_root = os.path.normpath(os.path.join(folder, os.path.expanduser(spec.image_root)))
+    spec.registry_folder = folder
     return spec
 
 

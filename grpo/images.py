@@ -131,6 +131,7 @@ def row_images(spec, example: dict, index: int, messages: list[dict]) -> list[di
     messages_field: the image parts of the messages, in order.
     """
     where = f"dataset '{spec.name}': record {index + 1} of {spec.source}"
+    root = spec.image_root or spec.registry_folder
     refs = []
     if spec.messages_field:
         for message in example[spec.messages_field] or []:
@@ -142,9 +143,9 @@ def row_images(spec, example: dict, index: int, messages: list[dict]) -> list[di
                         if value is None:
                             raise DatasetError(f"{where}: an image part names no image; write {{\"type\": "
                                                f"\"image\", \"image\": \"path/to/file.png\"}}")
-                        refs += image_refs(value, spec.image_root, where)
+                        refs += image_refs(value, root, where)
     if spec.image_field:
-        field_refs = image_refs(example[spec.image_field], spec.image_root, where)
+        field_refs = image_refs(example[spec.image_field], root, where)
         if field_refs:
             users = [m for m in messages if m["role"] == "user"]
             if not users:
