@@ -21,6 +21,7 @@ setup(
         "rich>=13",
         "tqdm>=4.66",
         "matplotlib>=3.7",
+        "pillow>=9",
     ],
     extras_require={
         "vllm": ["vllm==0.26.0"],  # the version tested (it brings its own torch 2.11)

@@ -3,12 +3,15 @@
     input_ids        # [N, P+T]  prompt | completion, N = prompts x k_samples
     attention_mask   # [N, P+T]
     completion_mask  # [N, T]    1 on completion tokens that enter the loss
+    prompt_index     # [N]      which prompt of the step each row completes
+    images           # per prompt: its processed images (vision-language models) or None; shared by its k rows
 Every completion starts at column P, so one forward with `logits_to_keep=T+1` yields exactly the logits
 that predict the completion tokens, and the prompt never enters the (large) logits tensor.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import Optional
 
 import torch
 
@@ -23,6 +26,8 @@ class RolloutBatch:
     completion_mask: torch.Tensor    # [N, T] float
     rollout_logprobs: torch.Tensor   # [N, T] float, from the rollout engine
     truncated: torch.Tensor          # [N] bool, completion hit the length limit
+    prompt_index: Optional[torch.Tensor] = None  # [N] long
+    images: Optional[list] = None    # [prompts] of grpo.vision.PromptImages or None, not sliced with the rows
 
     @property
     def completion_id_lists(self) -> list[list[int]]:
@@ -35,14 +40,30 @@ class RolloutBatch:
         return self.completion_ids.shape[1]
 
     def rows(self, start: int, end: int) -> "RolloutBatch":
-        return RolloutBatch(**{f.name: getattr(self, f.name)[start:end] for f in fields(self)})
+        return RolloutBatch(**{f.name: _apply(getattr(self, f.name), lambda t: t[start:end]) for f in fields(self)})
 
     def to(self, device) -> "RolloutBatch":
-        return RolloutBatch(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+        return RolloutBatch(**{f.name: _apply(getattr(self, f.name), lambda t: t.to(device)) for f in fields(self)})
+
+    @property
+    def images_token_id(self) -> Optional[int]:
+        return next((p.image_token_id for p in self.images or [] if p is not None), None)
+
+    def image_inputs(self, device=None) -> dict:
+        """pixel_values / image_grid_thw of these rows' prompts ({} for text prompts)."""
+        if not self.images or self.prompt_index is None:
+            return {}
+        from .vision import model_image_inputs
+
+        return model_image_inputs(self.images, self.prompt_index.tolist(), device)
+
+
+def _apply(value, fn):
+    return fn(value) if isinstance(value, torch.Tensor) else value
 
 
 def build_rollout_batch(prompt_ids: list[list[int]], completions: list[Completion], pad_id: int,
-                        mask_truncated: bool = False) -> RolloutBatch:
+                        mask_truncated: bool = False, images: Optional[list] = None) -> RolloutBatch:
     """Pad prompts (left) and completions (right) into one batch; completion i belongs to its prompt_index."""
     prompt_width = max(len(prompt_ids[c.prompt_index]) for c in completions)
     comp_width = max(1, max(len(c.token_ids) for c in completions))
@@ -66,7 +87,10 @@ def build_rollout_batch(prompt_ids: list[list[int]], completions: list[Completio
         truncated[i] = c.finish_reason == "length"
         if not (mask_truncated and truncated[i]):
             comp_mask[i, :t] = 1.0
-    return RolloutBatch(input_ids, attention, comp_ids, comp_mask, rollout_lp, truncated)
+    prompt_index = torch.tensor([c.prompt_index for c in completions], dtype=torch.long)
+    has_images = images is not None and any(p is not None for p in images)
+    return RolloutBatch(input_ids, attention, comp_ids, comp_mask, rollout_lp, truncated, prompt_index,
+                        images if has_images else None)
 
 
 def position_ids_for(attention_mask: torch.Tensor) -> torch.Tensor:

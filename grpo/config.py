@@ -58,6 +58,9 @@ class GRPOConfig:
               "(e.g. 'model\\.layers\\.[01]\\..*').", "model")
     lora_adapter_path: Optional[str] = _opt(
         None, "Continue training from a saved LoRA adapter folder (rank/alpha read from its config).", "model")
+    freeze_vision_tower: bool = _opt(
+        True, "Vision-language models: keep the vision encoder frozen (LoRA 'all-linear' then adapts the language "
+        "model only).", "model")
     trust_remote_code: bool = _opt(False, "Allow model code from the model folder / hub repo.", "model")
     gradient_checkpointing: bool = _opt(False, "Recompute activations in backward to save memory.", "model")
     save_merged_model: bool = _opt(False, "With lora/qlora, also save the base model with the adapter merged.",
@@ -80,6 +83,8 @@ class GRPOConfig:
         False, "Drop prompts longer than --max_prompt_length (one line per dataset says how many) instead of "
                "stopping with an error.", "data")
     max_seq_length: int = _opt(768, "Longest prompt + completion in tokens.", "data")
+    max_images_per_prompt: int = _opt(
+        1, "Most images one prompt may hold (rows with more are an error; vLLM's limit_mm_per_prompt).", "data")
     reward_module: Optional[str] = _opt(
         None, "Python file whose @register_reward functions become usable in the dataset config.", "data")
 
@@ -201,6 +206,7 @@ class GRPOConfig:
              f"register the held-out file as its own entry (as gsm8k_test is for gsm8k), or drop it here and hold "
              f"out part of it with --train_split_ratio")
         need(self.max_prompt_length > 0, "max_prompt_length", "must be > 0")
+        need(self.max_images_per_prompt >= 1, "max_images_per_prompt", "must be >= 1")
         need(self.rollout_max_new_tokens > 0, "rollout_max_new_tokens", "must be > 0")
         need(self.max_seq_length >= self.max_prompt_length + self.rollout_max_new_tokens, "max_seq_length",
              f"must be >= --max_prompt_length + --rollout_max_new_tokens "

@@ -29,12 +29,15 @@ def load_tokenizer(model_path: str, trust_remote_code: bool = False):
 
 def _load_base(model_path: str, dtype: torch.dtype, device: torch.device, trust_remote_code: bool,
                quantization_config=None):
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    from .vision import is_vision_language
 
     kwargs = dict(dtype=dtype, trust_remote_code=trust_remote_code)
     if quantization_config is not None:
         kwargs.update(quantization_config=quantization_config, device_map={"": device})
-    model = AutoModelForCausalLM.from_pretrained(model_path, **kwargs)
+    auto = AutoModelForImageTextToText if is_vision_language(model_path, trust_remote_code) else AutoModelForCausalLM
+    model = auto.from_pretrained(model_path, **kwargs)
     return model if quantization_config is not None else model.to(device)
 
 
@@ -45,13 +48,21 @@ def lora_target_modules(value: str):
 
 def load_policy(config: GRPOConfig, model_path: str, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
     """The trainable policy: the full model, or the base with a (new or continued) LoRA adapter."""
+    from . import vision
+
+    is_vl = vision.is_vision_language(model_path, config.trust_remote_code)
     quantization = None
     if config.tuning_strategy == "qlora":
         from transformers import BitsAndBytesConfig
 
+        # a vision-language model keeps its vision tower (and output layer) unquantized
+        skip = vision.quantization_skip_modules(model_path) if is_vl else None
         quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-                                          bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=dtype)
+                                          bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=dtype,
+                                          llm_int8_skip_modules=skip)
     model = _load_base(model_path, dtype, device, config.trust_remote_code, quantization)
+    if is_vl and config.freeze_vision_tower:
+        vision.freeze_vision_tower(model)
     if config.tuning_strategy == "qlora":
         from peft import prepare_model_for_kbit_training
 
@@ -60,8 +71,10 @@ def load_policy(config: GRPOConfig, model_path: str, dtype: torch.dtype, device:
         keep_4bit_forward_exact(model)
     elif config.gradient_checkpointing:
         _enable_checkpointing(model)
+    if is_vl and config.freeze_vision_tower:
+        vision.freeze_vision_tower(model)  # prepare_model_for_kbit_training may have unfrozen it
     if config.uses_lora:
-        model = _attach_lora(model, config)
+        model = _attach_lora(model, config, vision.language_linear_names(model) if is_vl else None)
         if config.gradient_checkpointing:
             model.enable_input_require_grads()  # checkpointed blocks need an input that requires grad
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -95,7 +108,9 @@ def _enable_checkpointing(model) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
-def _attach_lora(model, config: GRPOConfig):
+def _attach_lora(model, config: GRPOConfig, language_linears: Optional[list[str]] = None):
+    """A new or continued adapter. For a vision-language model, "all-linear" with a frozen vision tower means the
+    language model's linear layers (`language_linears`); named modules are matched as peft does, anywhere."""
     from peft import LoraConfig, PeftModel, get_peft_model
 
     if config.lora_adapter_path:
@@ -107,12 +122,14 @@ def _attach_lora(model, config: GRPOConfig):
         logger.info(f"continuing the adapter in {config.lora_adapter_path} (r={saved.get('r')}, "
                     f"alpha={saved.get('lora_alpha')})")
         return PeftModel.from_pretrained(model, config.lora_adapter_path, is_trainable=True)
+    targets = lora_target_modules(config.lora_target_modules)
+    if targets == "all-linear" and language_linears is not None and config.freeze_vision_tower:
+        targets = language_linears
     exclude = config.lora_exclude
     if exclude is not None:
         _check_excluded_modules_exist(model, exclude, config.lora_exclude_modules)
     lora = LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
-                      target_modules=lora_target_modules(config.lora_target_modules), exclude_modules=exclude,
-                      task_type="CAUSAL_LM")
+                      target_modules=targets, exclude_modules=exclude, task_type="CAUSAL_LM")
     try:
         return get_peft_model(model, lora)
     except ValueError as exc:  # e.g. target modules not found, or every one of them excluded
@@ -169,11 +186,13 @@ def save_final_model(model, tokenizer, output_dir: str, config: GRPOConfig, mode
         path = os.path.join(output_dir, "model")
         model.save_pretrained(path, state_dict=state_dict, safe_serialization=True)
         tokenizer.save_pretrained(path)
+        _copy_processor_files(model_path, path)
         return {"model": path}
     path = os.path.join(output_dir, "lora_adapter")
     model.peft_config["default"].base_model_name_or_path = model_path
     model.save_pretrained(path, state_dict=state_dict, safe_serialization=True)
     tokenizer.save_pretrained(path)
+    _copy_processor_files(model_path, path)
     saved["lora_adapter"] = path
     if config.save_merged_model:
         from peft import PeftModel
@@ -184,5 +203,20 @@ def save_final_model(model, tokenizer, output_dir: str, config: GRPOConfig, mode
         merged_path = os.path.join(output_dir, "merged_model")
         merged.save_pretrained(merged_path, safe_serialization=True)
         tokenizer.save_pretrained(merged_path)
+        _copy_processor_files(model_path, merged_path)
         saved["merged_model"] = merged_path
     return saved
+
+
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "chat_template.json", "chat_template.jinja",
+                   "video_preprocessor_config.json")
+
+
+def _copy_processor_files(model_path: str, out: str) -> None:
+    """A vision-language model's processor files go with the saved weights (no-op for text models)."""
+    import shutil
+
+    for name in PROCESSOR_FILES:
+        source = os.path.join(model_path, name)
+        if os.path.isfile(source) and not os.path.exists(os.path.join(out, name)):
+            shutil.copy(source, os.path.join(out, name))

@@ -12,8 +12,14 @@ from .batch import RolloutBatch, position_ids_for
 def completion_logits(model, batch: RolloutBatch) -> torch.Tensor:
     """Logits that predict each completion token  # [N, T, V]."""
     width = batch.completion_width
-    kwargs = dict(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                  position_ids=position_ids_for(batch.attention_mask), use_cache=False)
+    kwargs = dict(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
+    image_inputs = batch.image_inputs(batch.input_ids.device)
+    if image_inputs:
+        from .vision import image_token_types
+
+        kwargs.update(image_inputs, **image_token_types(model, batch.input_ids, batch.images_token_id))  # the model derives its (multimodal rope) positions from the attention mask
+    else:
+        kwargs["position_ids"] = position_ids_for(batch.attention_mask)
     try:
         # only the last T+1 positions: the prompt's logits are never materialised
         logits = model(**kwargs, logits_to_keep=width + 1).logits

@@ -19,6 +19,7 @@ from typing import Iterator
 import torch
 
 from .errors import ConfigError
+from .vision import checkpoint_prefixes, rename
 
 PEFT_PREFIX = "base_model.model."
 STRATEGIES = ("full", "lora", "qlora")
@@ -46,11 +47,14 @@ def iter_policy_weights(model, strategy: str, *, dtype: torch.dtype = torch.bflo
     for "lora" / "qlora". With `zero3=True` its parameters are partitioned and each module's are gathered in turn.
     """
     if strategy == "full":
-        yield from _iter_full(model, dtype, zero3)
+        named = _iter_full(model, dtype, zero3)
     elif strategy in ("lora", "qlora"):
-        yield from _iter_adapter(model, dtype, zero3, dequantize_frozen=first_sync and strategy == "qlora")
+        named = _iter_adapter(model, dtype, zero3, dequantize_frozen=first_sync and strategy == "qlora")
     else:
         raise ConfigError(f"--tuning_strategy {strategy!r}: weight sync knows {', '.join(STRATEGIES)}")
+    prefixes = checkpoint_prefixes(model)  # peft forwards .config to the base model
+    for name, tensor in named:  # vision-language models: the checkpoint's layout (see grpo/vision.py)
+        yield rename(name, prefixes), tensor
 
 
 def sync_weights(engine, model, strategy: str, *, zero3: bool = False, first_sync: bool = False,

@@ -40,6 +40,7 @@ from .rollout.base import SamplingSettings
 from .rollout.hf import HFRolloutEngine, stop_token_ids
 from .sampler import PromptOrder
 from .scoring import completion_logprobs
+from .vision import load_vision_processor, render_vision_prompts
 
 logger = logging.getLogger("grpo")
 MAX_BAD_STEPS = 3
@@ -74,7 +75,8 @@ class GRPOTrainer:
         registry = load_dataset_registry(config.dataset_config_path)
         train_rows, eval_rows = load_prompt_datasets(config.dataset_config_path, config.dataset_names,
                                                      config.effective_train_split_ratio, config.seed,
-                                                     eval_names=config.eval_dataset_names)
+                                                     eval_names=config.eval_dataset_names,
+                                                     max_images_per_prompt=config.max_images_per_prompt)
         routes, reward_kwargs = dataset_routes(registry, config.dataset_names + config.eval_dataset_names)
         self.rewards = RewardRouter(routes, reward_kwargs, extra_funcs=reward_funcs)
         self.model_path = resolve_model_path(config.model_name_or_path)
@@ -83,13 +85,19 @@ class GRPOTrainer:
         except OSError as exc:  # not a folder, and not reachable on the hub
             raise ConfigError(f"--model_name_or_path: cannot load '{config.model_name_or_path}' ({exc}); give a "
                               f"local model folder, a reachable hub id, or '{EMBEDDED_MODEL}'") from exc
-        self.train_set = render_prompts(train_rows, self.tokenizer, config.max_prompt_length,
-                                        config.filter_overlong_prompts, split="train")
-        self.eval_set = None  # held-out rows, then eval datasets; the first --eval_max_prompts of each dataset
-        if len(eval_rows):
-            self.eval_set = first_rows_per_source(render_prompts(
-                eval_rows, self.tokenizer, config.max_prompt_length, config.filter_overlong_prompts, split="eval"),
-                config.eval_max_prompts)
+        self.vision = load_vision_processor(self.model_path, self.tokenizer, config, train_rows)
+
+        def render(rows, split):
+            if self.vision:
+                return render_vision_prompts(rows, self.vision, config.max_prompt_length,
+                                             config.filter_overlong_prompts, split)
+            return render_prompts(rows, self.tokenizer, config.max_prompt_length, config.filter_overlong_prompts,
+                                  split)
+
+        self.train_set = render(train_rows, "train")
+        # held-out rows, then eval datasets; the first --eval_max_prompts of each dataset
+        self.eval_set = first_rows_per_source(render(eval_rows, "eval"), config.eval_max_prompts) \
+            if len(eval_rows) else None
         if config.use_vllm_rollout and config.vllm_tp > 1:
             _check_tensor_parallel(self.model_path, config)
         self.prompts_per_step = config.per_device_train_batch_size * config.gradient_accumulation_steps
@@ -188,10 +196,12 @@ class GRPOTrainer:
         self.rollout_engine.wake()
         sampling = SamplingSettings(n=cfg.k_samples, max_new_tokens=cfg.rollout_max_new_tokens,
                                     temperature=cfg.temperature, top_p=cfg.top_p)
-        completions = self.rollout_engine.generate([p["prompt_ids"] for p in prompts], sampling)
+        images = self._prompt_images(prompts)  # each prompt's pixels once, shared by its k samples
+        completions = self.rollout_engine.generate([p["prompt_ids"] for p in prompts], sampling,
+                                                   **({"images": images} if images else {}))
         self.rollout_engine.sleep()
         batch = build_rollout_batch([p["prompt_ids"] for p in prompts], completions, self.tokenizer.pad_token_id,
-                                    mask_truncated=cfg.mask_truncated_completions)
+                                    mask_truncated=cfg.mask_truncated_completions, images=images)
         texts = self.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
         seconds = time.perf_counter() - start
         tokens = sum(len(c.token_ids) for c in completions)
@@ -312,7 +322,9 @@ class GRPOTrainer:
             self.rollout_engine.wake()
             sampling = SamplingSettings(n=1, max_new_tokens=cfg.rollout_max_new_tokens,
                                         temperature=cfg.temperature, top_p=cfg.top_p, greedy=cfg.eval_greedy)
-            completions = self.rollout_engine.generate([r["prompt_ids"] for r in rows], sampling)
+            images = self._prompt_images(rows)
+            completions = self.rollout_engine.generate([r["prompt_ids"] for r in rows], sampling,
+                                                       **({"images": images} if images else {}))
             self.rollout_engine.sleep()
             texts = self.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
             result = self.rewards(texts, [r["answer"] for r in rows], [r["data_source"] for r in rows],
@@ -354,8 +366,17 @@ class GRPOTrainer:
                                      gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
                                      max_model_len=cfg.max_seq_length, seed=cfg.seed + self.rank // cfg.vllm_tp,
                                      enable_sleep=cfg.vllm_sleep, enforce_eager=cfg.vllm_enforce_eager,
-                                     stop_token_ids=stop_token_ids(self.engine.module, self.tokenizer))
-        return HFRolloutEngine(self.engine.module, self.tokenizer)
+                                     stop_token_ids=stop_token_ids(self.engine.module, self.tokenizer),
+                                     max_images_per_prompt=cfg.max_images_per_prompt if self.vision else 0,
+                                     image_token_id=self.vision.image_token_id if self.vision else None)
+        return HFRolloutEngine(self.engine.module, self.tokenizer,
+                               suppress_token_ids=self.vision.placeholder_token_ids if self.vision else None)
+
+    def _prompt_images(self, prompts: list[dict]) -> Optional[list]:
+        """Per prompt, its processed images (vision-language models; None for a text prompt); None without any."""
+        if self.vision is None or not any(p.get("images") for p in prompts):
+            return None
+        return [self.vision.prompt_images(p.get("images") or []) for p in prompts]
 
     def _micro_batch_slices(self, batch: RolloutBatch):
         rows = self.config.per_device_train_batch_size * self.config.k_samples

@@ -202,7 +202,9 @@ def test_a_failing_reward_names_step_and_phase(tiny_model, registry, tmp_path):
         return [0.0] * len(completions)
     flaky.calls = 0
 
-    trainer = GRPOTrainer(tiny_config(tiny_model, registry, str(tmp_path), max_steps=3), reward_funcs=[flaky])
+    # no eval at step 0: it would be the reward's first call
+    trainer = GRPOTrainer(tiny_config(tiny_model, registry, str(tmp_path), max_steps=3, eval_on_start=False),
+                          reward_funcs=[flaky])
     with pytest.raises(TrainingError, match=r"^step 2 \(rewards\): reward 'flaky'.*reward server unreachable"):
         trainer.train()
     log = (tmp_path / "train.log").read_text()

@@ -25,7 +25,7 @@ FAILING_REWARD_MODULE = '''
 import os
 from grpo import register_reward
 
-calls = 0
+calls = 0  # counts training steps: the tests turn the eval at step 0 off
 
 @register_reward("says_seven")
 def says_seven(completions, answers, **row):
@@ -99,6 +99,7 @@ def test_a_rank_that_fails_stops_the_job_with_its_error(setup):
     folder, model, registry = setup
     out = folder / "out_failing"
     proc = launch(folder, model, registry, out, 29511, "--reward_module", str(folder / "failing_rewards.py"),
+                  "--eval_on_start", "false",
                   "--tuning_strategy", "lora", "--max_steps", "4", "--ddp_timeout_minutes", "10")
     ended = time.time()
     assert proc.returncode != 0
@@ -155,6 +156,7 @@ def test_a_rank_killed_without_an_error_is_named(setup):
     folder, model, registry = setup
     out = folder / "out_killed"
     proc = launch(folder, model, registry, out, 29513, "--reward_module", str(folder / "killed_rewards.py"),
+                  "--eval_on_start", "false",
                   "--tuning_strategy", "lora", "--max_steps", "4", "--ddp_timeout_minutes", "10", timeout=300)
     assert proc.returncode != 0
     lines = [line for line in (proc.stdout + proc.stderr).splitlines()

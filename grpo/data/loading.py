@@ -6,6 +6,7 @@ from typing import Sequence
 
 import datasets
 
+from .. import images as image_utils
 from ..errors import DatasetError
 from .files import load_raw, quiet_progress
 from .registry import load_dataset_registry, lookup
@@ -13,7 +14,8 @@ from .rows import split_rows, standardize
 
 
 def load_prompt_datasets(registry_path: str, names: Sequence[str], train_split_ratio: float, seed: int,
-                         eval_names: Sequence[str] = ()) -> tuple[datasets.Dataset, datasets.Dataset]:
+                         eval_names: Sequence[str] = (), max_images_per_prompt: int = 1,
+                         ) -> tuple[datasets.Dataset, datasets.Dataset]:
     """(train, eval) rows with columns messages, answer, data_source.
 
     Each named dataset is split on its own (train_split_ratio of its rows for train, chosen by `seed`); the eval
@@ -38,7 +40,7 @@ def load_prompt_datasets(registry_path: str, names: Sequence[str], train_split_r
     train_parts, eval_parts = [], []
     with quiet_progress():
         for spec in specs:
-            rows = standardize(spec, load_raw(spec))
+            rows = standardize(spec, load_raw(spec), max_images_per_prompt)
             train, held_out = split_rows(rows, train_split_ratio, seed)
             if len(train) == 0:
                 raise DatasetError(f"dataset '{spec.name}': the training split is empty ({len(rows)} rows with "
@@ -46,8 +48,17 @@ def load_prompt_datasets(registry_path: str, names: Sequence[str], train_split_r
                                    f"raise --train_split_ratio")
             train_parts.append(train)
             eval_parts.append(held_out)
-        eval_parts += [standardize(spec, load_raw(spec)) for spec in eval_specs]
+        eval_parts += [standardize(spec, load_raw(spec), max_images_per_prompt) for spec in eval_specs]
+    if any("images" in part.column_names for part in train_parts + eval_parts):  # text rows of a mix: no images
+        train_parts, eval_parts = _with_images_column(train_parts), _with_images_column(eval_parts)
     return datasets.concatenate_datasets(train_parts), datasets.concatenate_datasets(eval_parts)
+
+
+def _with_images_column(parts: list[datasets.Dataset]) -> list[datasets.Dataset]:
+    with quiet_progress():
+        return [part if "images" in part.column_names else
+                part.add_column("images", [[] for _ in range(len(part))], feature=image_utils.IMAGE_FEATURE)
+                for part in parts]
 
 
 def _name_list(names) -> list[str]:

@@ -30,6 +30,9 @@ class DatasetSpec:
     rewards: dict[str, float] = field(default_factory=dict)
     reward_kwargs: dict[str, dict] = field(default_factory=dict)
     max_samples: Optional[int] = None
+    image_field: Optional[str] = None   # a column of image paths / bytes (see grpo/images.py)
+    image_root: Optional[str] = None    # folder relative image paths are read from (default: the registry's)
+    registry_folder: Optional[str] = field(default=None, compare=False, repr=False)  # set by the parser
 
     @property
     def source(self) -> str:
@@ -37,9 +40,9 @@ class DatasetSpec:
         return self.path or f"hub dataset '{self.hub_id}'"
 
 
-ENTRY_KEYS = [f.name for f in fields(DatasetSpec) if f.name != "name"]
+ENTRY_KEYS = [f.name for f in fields(DatasetSpec) if f.name != "name" and f.compare]
 _TEXT_KEYS = ("path", "hub_id", "split", "prompt_field", "messages_field", "answer_field", "system_prompt",
-              "prompt_template", "answer_extractor")
+              "prompt_template", "answer_extractor", "image_field", "image_root")
 
 
 # ------------------------------------------------------------------------------------------------ registry
@@ -96,6 +99,9 @@ def _parse_entry(name: str, entry, folder: str, registry_path: str) -> DatasetSp
     spec = DatasetSpec(name=name, **values)
     if spec.path:
         spec.path = os.path.normpath(os.path.join(folder, os.path.expanduser(spec.path)))
+    if spec.image_root:
+        spec.image_root = os.path.normpath(os.path.join(folder, os.path.expanduser(spec.image_root)))
+    spec.registry_folder = folder
     return spec
 
 

@@ -31,6 +31,13 @@ def render_prompts(dataset: datasets.Dataset, tokenizer, max_prompt_length: int,
 
     with quiet_progress():
         rendered = dataset.map(render, batched=True, keep_in_memory=True, load_from_cache_file=False)
+    return enforce_prompt_length(rendered, max_prompt_length, filter_overlong, split)
+
+
+def enforce_prompt_length(rendered: datasets.Dataset, max_prompt_length: int, filter_overlong: bool,
+                          split: str) -> datasets.Dataset:
+    """Rendered rows with none over max_prompt_length: an error naming the datasets, or (filter_overlong) the
+    overlong rows dropped with one log line per dataset."""
     if filter_overlong:
         return _drop_overlong(rendered, max_prompt_length, split)
     _check_prompt_lengths(rendered, max_prompt_length)

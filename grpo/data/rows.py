@@ -6,6 +6,7 @@ from typing import Optional
 
 import datasets
 
+from .. import images as image_utils
 from ..errors import DatasetError
 from ..rewards import last_boxed
 from .registry import EXTRACTORS, DatasetSpec
@@ -18,14 +19,14 @@ ROW_FEATURES = datasets.Features({
 })
 
 
-def standardize(spec: DatasetSpec, raw: datasets.Dataset) -> datasets.Dataset:
+def standardize(spec: DatasetSpec, raw: datasets.Dataset, max_images_per_prompt: int = 1) -> datasets.Dataset:
     if spec.max_samples is not None:
         raw = raw.select(range(min(spec.max_samples, len(raw))))
     if len(raw) == 0:
         raise DatasetError(f"dataset '{spec.name}' has no rows ({spec.source}); add rows or fix \"path\"")
     present = raw.column_names
     for key, column in (("prompt_field", spec.prompt_field), ("messages_field", spec.messages_field),
-                        ("answer_field", spec.answer_field)):
+                        ("answer_field", spec.answer_field), ("image_field", spec.image_field)):
         if column and column not in present:
             raise DatasetError(f"dataset '{spec.name}': {key} '{column}' is not a column of {spec.source}; "
                                f"columns present: {', '.join(present)}")
@@ -34,12 +35,19 @@ def standardize(spec: DatasetSpec, raw: datasets.Dataset) -> datasets.Dataset:
         if example[spec.answer_field] is None:
             raise DatasetError(f"dataset '{spec.name}': record {index + 1} of {spec.source} has no value in "
                                f"'{spec.answer_field}'; fill it in or drop the row")
-        return {"messages": build_messages(spec, example, index),
+        messages = build_messages(spec, example, index)
+        return {"messages": messages, "images": image_utils.row_images(spec, example, index, messages),
                 "answer": extract_answer(spec.answer_extractor, example[spec.answer_field]),
                 "data_source": spec.name}
 
-    rows = raw.map(to_row, with_indices=True, remove_columns=present, features=ROW_FEATURES,
+    raw = image_utils.undecoded(raw, spec.image_field)
+    features = datasets.Features({**ROW_FEATURES, "images": image_utils.IMAGE_FEATURE})
+    rows = raw.map(to_row, with_indices=True, remove_columns=present, features=features,
                    keep_in_memory=True, load_from_cache_file=False)
+    if not any(rows["images"]):
+        rows = rows.remove_columns("images")  # a text-only dataset: rows exactly as before
+    else:
+        image_utils.check_row_images(spec.name, spec.source, rows, max_images_per_prompt)
     unanswered = [i for i, answer in enumerate(rows["answer"]) if answer is None]
     if unanswered:
         first = unanswered[0]
@@ -81,7 +89,9 @@ def _chat_messages(where: str, column: str, value) -> list[dict]:
     for m in value:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or m.get("content") is None:
             raise DatasetError(f"{where}: {fix}, got the message {m!r}")
-        messages.append({"role": m["role"], "content": str(m["content"])})
+        content = m["content"]
+        messages.append({"role": m["role"], "content": image_utils.content_text(content, where)
+                         if isinstance(content, list) else str(content)})
     return messages
 
 

@@ -1,11 +1,12 @@
 """The rollout-engine protocol shared by the HF engine (CPU, fallback) and the colocated vLLM engine.
 
-Engines work on token ids; the trainer owns tokenization and chat templates.
+Engines work on token ids (plus, for vision-language models, each prompt's images); the trainer owns
+tokenization, chat templates and image processing.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Protocol
+from typing import Iterable, Optional, Protocol
 
 import torch
 
@@ -28,8 +29,12 @@ class Completion:
 
 
 class RolloutEngine(Protocol):
-    def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingSettings) -> list[Completion]:
-        """Completions ordered prompt by prompt: prompt 0's n completions, then prompt 1's, ..."""
+    def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingSettings,
+                 images: Optional[list] = None) -> list[Completion]:
+        """Completions ordered prompt by prompt: prompt 0's n completions, then prompt 1's, ...
+
+        `images` (vision-language models): per prompt, a grpo.vision.PromptImages or None (a text prompt).
+        """
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Replace the engine's weights by these (HF checkpoint names)."""

@@ -1,7 +1,7 @@
 """Rollouts with Hugging Face `generate` on the policy being trained (CPU, or any GPU without vLLM)."""
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, Optional
 
 import torch
 
@@ -24,22 +24,30 @@ class HFRolloutEngine:
     """Samples from the live policy module, so weights never need syncing (load_weights is a no-op).
 
     `max_batch_size` bounds the prompts per `generate` call (each call decodes n sequences per prompt).
+    `suppress_token_ids` are never sampled; their probability mass stays in the reported log-probs (as in the
+    trainer's), which is negligible for the placeholder tokens this is meant for.
     """
 
-    def __init__(self, model, tokenizer, max_batch_size: int = 64):
+    def __init__(self, model, tokenizer, max_batch_size: int = 64, suppress_token_ids: Optional[list[int]] = None):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be at least 1, got {max_batch_size}")
         self.model = model
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
+        # never sampled (e.g. a VL model's image placeholder, which the scoring forward would take for an image)
+        self.suppress_token_ids = list(suppress_token_ids or [])
         self.stop_ids = stop_token_ids(model, tokenizer)
         # the pad id only fills the left of short prompts (masked) and the tail of finished rows (cut off)
         fallback_pad = self.stop_ids[0] if self.stop_ids else 0
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else fallback_pad
 
     @torch.no_grad()
-    def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingSettings) -> list[Completion]:
-        """n completions per prompt, prompt by prompt, each cut after its first stop token."""
+    def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingSettings,
+                 images: Optional[list] = None) -> list[Completion]:
+        """n completions per prompt, prompt by prompt, each cut after its first stop token.
+
+        `images`: per prompt, its grpo.vision.PromptImages (processed pixels) or None.
+        """
         if not sampling.greedy and sampling.temperature <= 0:
             raise ValueError(f"temperature must be > 0 when sampling (got {sampling.temperature}); "
                              "use greedy=True for argmax decoding")
@@ -53,15 +61,17 @@ class HFRolloutEngine:
             out = []
             for start in range(0, len(prompt_token_ids), self.max_batch_size):
                 chunk = prompt_token_ids[start:start + self.max_batch_size]
+                chunk_images = images[start:start + self.max_batch_size] if images else None
                 out += [Completion(c.prompt_index + start, c.token_ids, c.logprobs, c.finish_reason)
-                        for c in self._generate_chunk(chunk, sampling)]
+                        for c in self._generate_chunk(chunk, sampling, chunk_images)]
             return out
         finally:
             if config is not None:
                 config.use_cache = use_cache
             self.model.train(was_training)
 
-    def _generate_chunk(self, prompts: list[list[int]], sampling: SamplingSettings) -> list[Completion]:
+    def _generate_chunk(self, prompts: list[list[int]], sampling: SamplingSettings,
+                        images: Optional[list] = None) -> list[Completion]:
         device = next(self.model.parameters()).device
         width = max(len(p) for p in prompts)
         input_ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
@@ -74,10 +84,18 @@ class HFRolloutEngine:
         kwargs = dict(max_new_tokens=sampling.max_new_tokens, num_return_sequences=per_prompt,
                       eos_token_id=self.stop_ids, pad_token_id=self.pad_id, use_cache=True,
                       output_logits=True, return_dict_in_generate=True)
+        if self.suppress_token_ids:
+            kwargs["suppress_tokens"] = self.suppress_token_ids
         if sampling.greedy:
             kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
         else:
             kwargs.update(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p, top_k=0)
+        if images:  # each prompt's pixels once; generate repeats them for its num_return_sequences
+            from ..vision import image_token_types, model_image_inputs
+
+            token_id = next(p.image_token_id for p in images if p is not None)
+            kwargs.update(model_image_inputs(images, range(len(prompts)), device),
+                          **image_token_types(self.model, input_ids.to(device), token_id))
         result = self.model.generate(input_ids=input_ids.to(device), attention_mask=attention.to(device), **kwargs)
         new_tokens = result.sequences[:, width:].cpu()                          # [P*n, T]
         temperature = 1.0 if sampling.greedy else sampling.temperature

@@ -48,40 +48,53 @@ class VLLMRolloutEngine:
 
     def __init__(self, model_path: str, *, tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.3,
                  dtype: str = "bfloat16", max_model_len: int = 2048, seed: int = 0, enable_sleep: bool = True,
-                 enforce_eager: bool = False, stop_token_ids: list[int] | None = None):
+                 enforce_eager: bool = False, stop_token_ids: list[int] | None = None,
+                 max_images_per_prompt: int = 0, image_token_id: int | None = None):
+        """`max_images_per_prompt` > 0 (with the model's `image_token_id`) serves a vision-language model: prompts
+        then come with their images, passed as multi_modal_data (vLLM runs the model's own image processor)."""
         vllm = _import_vllm()
         self._vllm = vllm
         self.tp = tensor_parallel_size
         self.max_model_len = max_model_len
         self.stop_token_ids = list(stop_token_ids or [])
         self.enable_sleep = enable_sleep
+        self.image_token_id = image_token_id
+        self.suppress_token_ids = [image_token_id] if image_token_id is not None else []  # never sample a placeholder
+        multimodal = {"limit_mm_per_prompt": {"image": max_images_per_prompt, "video": 0}} \
+            if max_images_per_prompt > 0 else {}
         self.llm = vllm.LLM(
             model=model_path, tensor_parallel_size=tensor_parallel_size, dtype=dtype,
             gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len, seed=seed,
             enable_sleep_mode=enable_sleep, enforce_eager=enforce_eager, skip_tokenizer_init=True,
             distributed_executor_backend="external_launcher",
             # log-probs after temperature, like the trainer's log_softmax(logits / T) (vllm/v1/sample/sampler.py)
-            logprobs_mode="processed_logprobs")
+            logprobs_mode="processed_logprobs", **multimodal)
         self._asleep: set[str] = set()  # vLLM allocation tags now released: "weights", "kv_cache"
         self.last_sleep_freed_bytes = 0
         self._sleeps = 0
         self._warned_top_p = False
 
     # -------------------------------------------------------------------------------------- generation
-    def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingSettings) -> list[Completion]:
-        """n completions per prompt, prompt by prompt, with their sampling log-probs and finish reasons."""
+    def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingSettings,
+                 images: list | None = None) -> list[Completion]:
+        """n completions per prompt, prompt by prompt, with their sampling log-probs and finish reasons.
+
+        `images`: per prompt, a grpo.vision.PromptImages (its PIL images are what vLLM gets) or None.
+        """
         too_long = [len(p) for p in prompt_token_ids if len(p) >= self.max_model_len]
         if too_long:
             raise ConfigError(f"a prompt of {max(too_long)} tokens does not fit vLLM's max_model_len "
                               f"{self.max_model_len}: raise --max_seq_length or lower --max_prompt_length")
         self._warn_top_p(sampling)
-        prompts, offset = self._gather_group_prompts(prompt_token_ids)
+        mine = list(zip(prompt_token_ids, _image_lists(images, len(prompt_token_ids))))
+        prompts, offset = self._gather_group_prompts(mine)  # (token ids, PIL images or None) per prompt
         params = self._vllm.SamplingParams(
             n=sampling.n, max_tokens=sampling.max_new_tokens,
             temperature=0.0 if sampling.greedy else sampling.temperature,
             top_p=1.0 if sampling.greedy else sampling.top_p, logprobs=0, detokenize=False,
-            stop_token_ids=self.stop_token_ids or None)
-        requests = [self._vllm.TokensPrompt(prompt_token_ids=p) for p in prompts]
+            stop_token_ids=self.stop_token_ids or None,
+            logit_bias={t: -100.0 for t in self.suppress_token_ids} or None)
+        requests = [self._request(ids, pil) for ids, pil in prompts]
         outputs = self.llm.generate(requests, params, use_tqdm=False)
         completions = []
         for index, request in enumerate(outputs[offset:offset + len(prompt_token_ids)]):
@@ -93,11 +106,24 @@ class VLLMRolloutEngine:
                 completions.append(Completion(index, ids, logprobs, finish))
         return completions
 
-    def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
-        """log p(token_t | tokens_<t) for t >= 1 under the engine's current weights, at temperature 1."""
+    def prompt_logprobs(self, token_ids: list[int], images: list | None = None) -> list[float]:
+        """log p(token_t | tokens_<t) for t >= 1 under the engine's current weights, at temperature 1.
+
+        With `images` (PIL), `token_ids` hold each image's expanded image tokens, as the trainer's do; the
+        returned list then has one entry per token of the sequence vLLM expands them to (the same length).
+        """
         params = self._vllm.SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
-        out = self.llm.generate([self._vllm.TokensPrompt(prompt_token_ids=token_ids)], params, use_tqdm=False)[0]
-        return [step[token].logprob for step, token in zip(out.prompt_logprobs[1:], token_ids[1:])]
+        out = self.llm.generate([self._request(token_ids, images)], params, use_tqdm=False)[0]
+        ids = out.prompt_token_ids
+        return [step[token].logprob for step, token in zip(out.prompt_logprobs[1:], ids[1:])]
+
+    def _request(self, token_ids: list[int], images: list | None):
+        """A token prompt; with images, each image's run of image tokens collapsed to one (vLLM's processor
+        expands it again from the image, as the HF processor does) and the images as multi_modal_data."""
+        if not images:
+            return self._vllm.TokensPrompt(prompt_token_ids=token_ids)
+        ids = collapse_image_tokens(token_ids, self.image_token_id)
+        return self._vllm.TokensPrompt(prompt_token_ids=ids, multi_modal_data={"image": list(images)})
 
     def _warn_top_p(self, sampling: SamplingSettings) -> None:
         # vLLM's processed log-probs come after top-p masking, i.e. renormalised over the nucleus; the trainer's are not
@@ -139,7 +165,7 @@ class VLLMRolloutEngine:
             self._asleep = set()
 
     # --------------------------------------------------------------------------- tensor-parallel groups
-    def _gather_group_prompts(self, prompts: list[list[int]]) -> tuple[list[list[int]], int]:
+    def _gather_group_prompts(self, prompts: list) -> tuple[list, int]:
         """All prompts of this rank's TP group (in rank order) and where this rank's own start."""
         if self.tp == 1:
             return prompts, 0
@@ -149,3 +175,21 @@ class VLLMRolloutEngine:
         parts: list = [None] * group.world_size
         torch.distributed.all_gather_object(parts, prompts, group=group.cpu_group)
         return [p for part in parts for p in part], sum(len(part) for part in parts[:group.rank_in_group])
+
+
+def _image_lists(images: list | None, count: int) -> list:
+    """Per prompt, its PIL images (None for a text prompt)."""
+    if not images:
+        return [None] * count
+    return [p.images if p is not None else None for p in images]
+
+
+def collapse_image_tokens(token_ids: list[int], image_token_id: int | None) -> list[int]:
+    """Each run of consecutive image tokens becomes one (the placeholder the chat template wrote)."""
+    if image_token_id is None:
+        raise ConfigError("a prompt has images, but the vLLM engine was started without the model's image token")
+    out: list[int] = []
+    for token in token_ids:
+        if not (token == image_token_id and out and out[-1] == image_token_id):
+            out.append(token)
+    return out
