@@ -56,6 +56,9 @@ class GRPOConfig:
         None, "Modules LoRA must not adapt, on top of --lora_target_modules: comma-separated names (a full name or "
               "its last parts, e.g. 'mlp.down_proj'), or a regex over full names when it has regex characters "
               "(e.g. 'model\\.layers\\.[01]\\..*').", "model")
+    qlora_skip_modules: Optional[str] = _opt(
+        None, "qlora: linear layers kept in 16-bit instead of 4-bit, comma-separated names or suffixes (e.g. "
+              "'v_proj,down_proj', the layers 4-bit rounding hurts most); the output layer is always kept.", "model")
     lora_adapter_path: Optional[str] = _opt(
         None, "Continue training from a saved LoRA adapter folder (rank/alpha read from its config).", "model")
     freeze_vision_tower: bool = _opt(
@@ -240,6 +243,10 @@ class GRPOConfig:
              f"a large checkpoint save) can keep some ranks waiting longer than that")
         need(self.eval_max_prompts == -1 or self.eval_max_prompts >= 1, "eval_max_prompts",
              f"must be >= 1, or -1 for all prompts; got {self.eval_max_prompts}")
+        need(self.qlora_skip_modules is None or self.tuning_strategy == "qlora", "qlora_skip_modules",
+             "needs --tuning_strategy qlora")
+        need(self.qlora_skip_modules is None or bool(self.qlora_skip_list), "qlora_skip_modules",
+             "give comma-separated module names, e.g. v_proj,down_proj")
         if self.lora_exclude_modules is not None:
             self._validate_lora_exclude(need)
 
@@ -262,6 +269,10 @@ class GRPOConfig:
     def kl_coef(self) -> float:
         """The beta actually applied (0 when the KL penalty is off)."""
         return self.kl_beta if self.use_kl_penalty else 0.0
+
+    @property
+    def qlora_skip_list(self) -> list[str]:
+        return [m.strip() for m in (self.qlora_skip_modules or "").split(",") if m.strip()]
 
     @property
     def effective_train_split_ratio(self) -> float:

@@ -55,12 +55,17 @@ def load_policy(config: GRPOConfig, model_path: str, dtype: torch.dtype, device:
     if config.tuning_strategy == "qlora":
         from transformers import BitsAndBytesConfig
 
-        # a vision-language model keeps its vision tower (and output layer) unquantized
+        # a vision-language model keeps its vision tower (and output layer) unquantized; a list replaces
+        # transformers' default skips, so it names the output layer again
         skip = vision.quantization_skip_modules(model_path) if is_vl else None
+        if config.qlora_skip_list:
+            skip = (skip or ["lm_head"]) + config.qlora_skip_list
         quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
                                           bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=dtype,
                                           llm_int8_skip_modules=skip)
     model = _load_base(model_path, dtype, device, config.trust_remote_code, quantization)
+    if config.qlora_skip_list:
+        _check_kept_modules_exist(model, config.qlora_skip_list)
     if is_vl and config.freeze_vision_tower:
         vision.freeze_vision_tower(model)
     if config.tuning_strategy == "qlora":
@@ -136,6 +141,16 @@ def _attach_lora(model, config: GRPOConfig, language_linears: Optional[list[str]
         flags = f"--lora_target_modules {config.lora_target_modules}" + \
             (f" with --lora_exclude_modules {config.lora_exclude_modules}" if exclude is not None else "")
         raise ConfigError(f"{flags}: {exc}") from exc
+
+
+def _check_kept_modules_exist(model, names: list[str]) -> None:
+    """--qlora_skip_modules names that match no layer are typos: the layers would be quantized after all."""
+    modules = [n for n, _ in model.named_modules() if n]
+    missing = [k for k in names if not any(n == k or n.endswith("." + k) for n in modules)]
+    if missing:
+        example = next((n for n in modules if n.endswith("proj")), modules[-1])
+        raise ConfigError(f"--qlora_skip_modules: {', '.join(repr(m) for m in missing)} matches no module of the "
+                          f"model (names look like '{example}'; give a name or its last parts)")
 
 
 def _check_excluded_modules_exist(model, exclude, flag_value: str) -> None:

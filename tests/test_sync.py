@@ -41,9 +41,9 @@ def as_if_trained(model):
     return model
 
 
-def trained_policy(model_dir, strategy, targets="all-linear", exclude=None):
+def trained_policy(model_dir, strategy, targets="all-linear", exclude=None, **options):
     cfg = GRPOConfig(model_name_or_path=model_dir, tuning_strategy=strategy, lora_rank=4, lora_alpha=8,
-                     lora_dropout=0.0, lora_target_modules=targets, lora_exclude_modules=exclude)
+                     lora_dropout=0.0, lora_target_modules=targets, lora_exclude_modules=exclude, **options)
     return as_if_trained(load_policy(cfg, model_dir, torch.float32, CPU))
 
 
@@ -288,3 +288,12 @@ def test_repacked_4bit_weight_is_a_clear_error(model_dir):
                                                                                  layer.weight.quant_state)
     with pytest.raises(ConfigError, match="repacked"):
         list(iter_policy_weights(policy, "qlora", first_sync=True))
+
+
+def test_qlora_sync_with_layers_kept_in_full_precision(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    policy = trained_policy(model_dir, "qlora", qlora_skip_modules="v_proj,down_proj")
+    first = list(iter_policy_weights(policy, "qlora", dtype=torch.float32, first_sync=True))
+    assert len(first) == 2 * 7  # the kept layers carry adapters too, so they are merged and sent like the others
+    assert_reproduces(policy, lambda: AutoModelForCausalLM.from_pretrained(model_dir), first, atol=1e-4)
