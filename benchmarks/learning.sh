@@ -5,7 +5,9 @@
 #   ARITH="lora qlora" SEEDS="0 1" GSM8K="" bash benchmarks/learning.sh
 #   ARITH=qlora GSM8K="" TAG=nodrop EXTRA="--lora_dropout 0" bash benchmarks/learning.sh   # an ablation
 #   PARALLEL=3 bash benchmarks/learning.sh     # up to 3 runs at once on the one GPU (a 135M model leaves it idle);
-#                                              # the table's wall / train seconds then include the sharing
+#                                              # the table's wall / train seconds then include the sharing. Runs
+#   that share a GPU keep vLLM awake with a 0.2 memory share: vLLM sizes its KV cache by profiling the GPU's
+#   memory, which another run's sleep / wake would disturb.
 #
 # arith: SmolLM2-135M-Instruct (embedded), 16 prompts x 8 samples, 64 new tokens, 40 steps, 100 held-out prompts
 # evaluated greedily (boxed accuracy). GSM8K: train on train.jsonl, evaluate greedily on all 1,319 test.jsonl
@@ -24,10 +26,12 @@ LR_FULL=${LR_FULL:-1e-5}
 TAG=${TAG:+-$TAG}    # appended to run names
 read -r -a EXTRA_ARGS <<< "${EXTRA:-}"  # extra train_grpo.py flags for every run
 PARALLEL=${PARALLEL:-1}
+[ "$PARALLEL" -gt 1 ] && EXTRA_ARGS+=(--vllm_sleep false --vllm_gpu_memory_utilization 0.2)
 port=${PORT:-29600}
 GSM8K_DIR=${GSM8K_DIR:-../shared/data/gsm8k}
 [ -f "$GSM8K_DIR/test.jsonl" ] || GSM8K_DIR=data/gsm8k
 mkdir -p "$OUT_DIR"
+python -c "from grpo.embedded import resolve_model_path as r; r('smollm2-135m-instruct')"  # convert once, up front
 export VLLM_ENABLE_V1_MULTIPROCESSING=0 TOKENIZERS_PARALLELISM=false WANDB_MODE=disabled PYTHONUNBUFFERED=1
 GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
 launcher=(deepspeed)
@@ -52,7 +56,7 @@ launch() {  # launch <run args>: runs in the background, at most PARALLEL at onc
   while [ "$(jobs -rp | wc -l)" -ge "$PARALLEL" ]; do sleep 2; done
   run "$@" &
   port=$((port + 1))
-  sleep 1
+  [ "$PARALLEL" -gt 1 ] && sleep 30  # one vLLM start at a time
 }
 
 for seed in $SEEDS; do
