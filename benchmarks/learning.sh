@@ -78,7 +78,8 @@ PY
   for strategy in $GSM8K; do
     launch "gsm8k-$strategy-s0" gsm8k "$strategy" 0 gsm8k_accuracy --dataset_config_path "$registry" \
       --dataset_names gsm8k --eval_dataset_names gsm8k_test --eval_max_prompts -1 --max_steps "$GSM8K_STEPS" \
-      --rollout_max_new_tokens 256 --max_prompt_length 256 --max_seq_length 512
+      --rollout_max_new_tokens 256 --max_prompt_length 256 --max_seq_length 512 --filter_overlong_prompts \
+      --per_device_train_batch_size 4 --gradient_accumulation_steps 4  # 16 prompts a step, 32 x 512 tokens a micro-batch
   done
 elif [ -n "$GSM8K" ]; then
   echo "GSM8K skipped: no test.jsonl in $GSM8K_DIR"

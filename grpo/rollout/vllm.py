@@ -65,7 +65,10 @@ class VLLMRolloutEngine:
         self.llm = vllm.LLM(
             model=model_path, tensor_parallel_size=tensor_parallel_size, dtype=dtype,
             gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len, seed=seed,
-            enable_sleep_mode=enable_sleep, enforce_eager=enforce_eager, skip_tokenizer_init=True,
+            enable_sleep_mode=enable_sleep, enforce_eager=enforce_eager,
+            # token ids in and out, so no tokenizer is needed, except by the multimodal processor of a VL model
+            # (vLLM 0.26 fails in it with skip_tokenizer_init: 'NoneType' has no attribute 'convert_tokens_to_ids')
+            skip_tokenizer_init=not multimodal,
             distributed_executor_backend="external_launcher",
             # log-probs after temperature, like the trainer's log_softmax(logits / T) (vllm/v1/sample/sampler.py)
             logprobs_mode="processed_logprobs", **multimodal)

@@ -15,6 +15,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 SYNCED_MAX = 0.02  # mean |log-prob difference| between vLLM and the trainer, both bf16
+START_MAX = 0.15  # the same right after GRPOTrainer is built, on the embedded SmolLM2 (see the test)
 
 
 def child_env() -> dict:
@@ -56,7 +57,9 @@ def test_sync_is_exact_and_sleep_frees_memory(strategy, zero, tmp_path):
 def test_engine_samples_the_policy_from_construction_on(strategy, tmp_path):
     """evaluate() before train() (and eval at step 0) sees the policy training starts from."""
     result = run_script("trainer_start_check.py", tmp_path / "result.json", "--strategy", strategy)
-    assert result["engine_vs_policy"] < SYNCED_MAX, result
-    if strategy == "qlora":  # the 4-bit policy is measurably not the bf16 checkpoint vLLM loaded
-        assert result["checkpoint_vs_policy"] > 3 * result["engine_vs_policy"], result
+    # SmolLM2's bf16 forwards in vLLM and in transformers differ by 0.056 on identical weights (full, measured on an
+    # H100), and by 0.10 for qlora, whose engine holds dequantize(W) rounded to bf16 once more
+    assert result["engine_vs_policy"] < START_MAX, result
+    if strategy == "qlora":  # an engine left on the bf16 checkpoint would be off by 1.09 (measured)
+        assert result["checkpoint_vs_policy"] > 5 * result["engine_vs_policy"], result
     assert "eval/reward/mean" in result["eval"], result
