@@ -1,7 +1,7 @@
 """math_verify_accuracy: answers compared symbolically by HF's `math-verify` package (as TRL and open-r1 use it).
 
     pip install math-verify          # or: pip install .[math]   (tested: math-verify 0.9.0)
-The gold answer is parsed as written (a number, an expression or LaTeX); the completion's answer is its last
+The gold answer is parsed as written (a number or LaTeX; a plain expression is read as inline LaTeX); the completion's answer is its last
 \\boxed{} / LaTeX answer, and the two are compared with `verify` (numbers, fractions, expressions, sets), each step
 bounded by a timeout. The gsm8k / boxed / number rewards do not need the package.
 """
@@ -38,6 +38,8 @@ def math_verify_accuracy(completions: list[str], answers: list, timeout_seconds:
     scores = []
     for completion, answer in zip(completions, answers):
         gold = parse(str(answer), extraction_mode="first_match", parsing_timeout=timeout)
+        if not gold:  # a plain expression such as "(x+1)^2" parses as inline LaTeX
+            gold = parse(f"${answer}$", extraction_mode="first_match", parsing_timeout=timeout)
         if not gold:
             scores.append(0.0)
             continue
