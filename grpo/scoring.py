@@ -28,13 +28,14 @@ def completion_logits(model, batch: RolloutBatch) -> torch.Tensor:
     return logits[:, -(width + 1):-1, :]
 
 
-def completion_logprobs(model, batch: RolloutBatch, temperature: float,
-                        with_entropy: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """log pi(token) under softmax(logits / temperature)  # [N, T]; optionally token entropy  # [N, T]."""
+def completion_logprobs(model, batch: RolloutBatch, temperature: float, with_entropy: bool = False,
+                        entropy_grad: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """log pi(token) under softmax(logits / temperature)  # [N, T]; optionally token entropy  # [N, T], with
+    gradient when `entropy_grad` (an entropy bonus in the loss)."""
     logits = completion_logits(model, batch)
     logprobs = token_logprobs(logits, batch.completion_ids, temperature=temperature)
     entropy = None
     if with_entropy:
-        with torch.no_grad():
-            entropy = token_entropy(logits.detach(), temperature=temperature)
+        entropy = token_entropy(logits if entropy_grad else logits.detach(), temperature=temperature,
+                                with_grad=entropy_grad)
     return logprobs, entropy

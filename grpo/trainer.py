@@ -21,13 +21,14 @@ import numpy as np
 import torch
 
 from . import distributed as dist_utils
-from .algorithm import group_advantages, masked_mean, policy_loss
+from .algorithm import group_advantages, kl_penalized_rewards, masked_mean, policy_loss
 from .batch import RolloutBatch, build_rollout_batch
 from .checkpoint import TrainerState, list_checkpoints, load_checkpoint, resolve_resume_path, save_checkpoint
 from .config import EMBEDDED_MODEL, GRPOConfig
 from .data import (dataset_routes, first_rows_per_source, load_dataset_registry, load_prompt_datasets,
                    render_prompts)
 from .ds_config import default_dtype, load_deepspeed_config, zero_stage
+from .dynamic_sampling import RolloutRound, dynamic_rollouts
 from .embedded import resolve_model_path
 from .errors import ConfigError, TrainingError
 from .evaluation import eval_metrics, eval_sample_rows
@@ -36,6 +37,7 @@ from .models import load_policy, load_reference, load_tokenizer, reference_mode,
 from .plots import plot_training_curves
 from .reporting import RunReporter, read_metrics, setup_console_logging
 from .rewards import RewardRouter, load_reward_module
+from .rewards.reward_model import register_reward_models
 from .rollout.base import SamplingSettings
 from .rollout.hf import HFRolloutEngine, stop_token_ids
 from .sampler import PromptOrder
@@ -72,6 +74,8 @@ class GRPOTrainer:
         # --- data and rewards first: their errors must come before any model loads -------------------
         if config.reward_module:
             load_reward_module(config.reward_module)
+        # checked and registered now (by folder name), weights loaded on first use
+        register_reward_models(config.reward_model, dist_utils.device(), default_dtype(), config.trust_remote_code)
         registry = load_dataset_registry(config.dataset_config_path)
         train_rows, eval_rows = load_prompt_datasets(config.dataset_config_path, config.dataset_names,
                                                      config.effective_train_split_ratio, config.seed,
@@ -149,20 +153,22 @@ class GRPOTrainer:
                 self.evaluate(reporter)  # step 0: what training starts from
             while self.state.step < self.total_steps:
                 step_start = time.perf_counter()
-                prompts = self._next_prompts()
-                batch, completions_text, times = self._generate_rollouts(prompts)
-                rewards, reward_metrics, times["reward"] = self._score_rewards(prompts, completions_text,
-                                                                               batch.completion_id_lists)
-                advantages = group_advantages(rewards, cfg.k_samples, scale=cfg.scale_rewards)  # [N]
+                rollout, drawn = self._collect_rollouts()  # prompts -> k completions each -> rewards
+                batch, rewards, times = self._rollout_batch(rollout), rollout.rewards, dict(rollout.times)
                 old_logprobs, ref_logprobs, times["logprobs"] = self._old_and_reference_logprobs(batch)
+                if cfg.kl_in_reward:  # r - beta * sum_t (lp - ref), in place of the loss's KL term
+                    rewards = kl_penalized_rewards(rewards, old_logprobs, ref_logprobs, batch.completion_mask,
+                                                   cfg.kl_beta)
+                advantages = group_advantages(rewards, cfg.k_samples, scale=cfg.scale_rewards)  # [N]
                 train_metrics, times["train"] = self._optimize(batch, advantages, old_logprobs, ref_logprobs)
                 times["sync"] = self._sync_rollout_weights()
                 self.state.step += 1
                 times["step"] = time.perf_counter() - step_start
 
-                metrics = self._step_metrics(batch, rewards, advantages, reward_metrics, train_metrics, times)
+                metrics = self._step_metrics(batch, drawn, rewards, advantages, {**rollout.stats, **train_metrics},
+                                             times)
                 reporter.log_step(self.state.step, metrics)
-                self._log_completions(prompts, completions_text, rewards)
+                self._log_completions(rollout.prompts, rollout.texts, rollout.rewards)
                 if cfg.eval_steps and self.state.step % cfg.eval_steps == 0:
                     self.evaluate(reporter)
                 stop = dist_utils.any_rank(self._stop_signal is not None)
@@ -182,6 +188,23 @@ class GRPOTrainer:
         return {**metrics, "saved": saved}
 
     # ---------------------------------------------------------------------------------------- phases
+    def _collect_rollouts(self) -> tuple[RolloutRound, RolloutRound]:
+        """The step's prompts with k scored completions each: one round, or with --filter_zero_std_groups as many
+        rounds as it takes to fill the step with groups whose rewards differ (see dynamic_sampling.py).
+        Returns (kept, drawn): what the step trains on, and every completion sampled (for reward metrics)."""
+        cfg = self.config
+        if not cfg.filter_zero_std_groups:
+            one = self._rollout_round()
+            return one, one
+        return dynamic_rollouts(self._rollout_round, cfg.k_samples, self.prompts_per_step,
+                                cfg.max_generation_rounds, dist_utils.any_rank)
+
+    def _rollout_round(self) -> RolloutRound:
+        prompts = self._next_prompts()
+        completions, texts, images, times = self._generate_rollouts(prompts)
+        result, times["reward"] = self._score_rewards(prompts, texts, [c.token_ids for c in completions])
+        return RolloutRound(prompts, completions, texts, result, images, times)
+
     @phase("data")
     def _next_prompts(self) -> list[dict]:
         """This rank's prompts for the step (different on every rank), advancing the resumable position."""
@@ -190,7 +213,8 @@ class GRPOTrainer:
         return [dict(row, index=i) for row, i in zip(rows, indices)]
 
     @phase("rollout")
-    def _generate_rollouts(self, prompts: list[dict]) -> tuple[RolloutBatch, list[str], dict]:
+    def _generate_rollouts(self, prompts: list[dict]):
+        """k completions per prompt (grouped by prompt), their texts, the prompts' images, and timings."""
         cfg = self.config
         start = time.perf_counter()
         self.rollout_engine.wake()
@@ -200,25 +224,26 @@ class GRPOTrainer:
         completions = self.rollout_engine.generate([p["prompt_ids"] for p in prompts], sampling,
                                                    **({"images": images} if images else {}))
         self.rollout_engine.sleep()
-        batch = build_rollout_batch([p["prompt_ids"] for p in prompts], completions, self.tokenizer.pad_token_id,
-                                    mask_truncated=cfg.mask_truncated_completions, images=images)
         texts = self.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
         seconds = time.perf_counter() - start
         tokens = sum(len(c.token_ids) for c in completions)
-        return batch, texts, {"rollout": seconds, "_rollout_tokens": tokens}
+        return completions, texts, images, {"rollout": seconds, "_rollout_tokens": tokens}
+
+    def _rollout_batch(self, rollout: RolloutRound) -> RolloutBatch:
+        return build_rollout_batch([p["prompt_ids"] for p in rollout.prompts], rollout.completions,
+                                   self.tokenizer.pad_token_id, mask_truncated=self.config.mask_truncated_completions,
+                                   images=rollout.images)
 
     @phase("rewards")
-    def _score_rewards(self, prompts: list[dict], completions: list[str],
-                       completion_ids: list[list[int]]) -> tuple[torch.Tensor, dict, float]:
+    def _score_rewards(self, prompts: list[dict], completions: list[str], completion_ids: list[list[int]]):
         start = time.perf_counter()
         k = self.config.k_samples
         per_completion = [p for p in prompts for _ in range(k)]  # completions are grouped by prompt
         result = self.rewards(completions, [p["answer"] for p in per_completion],
                               [p["data_source"] for p in per_completion],
-                              prompts=[p["prompt_text"] for p in per_completion], completion_ids=completion_ids)
-        rewards = torch.tensor(result.total, dtype=torch.float32)  # [N]
-        return rewards, {f"rewards/{name}": value for name, value in result.means().items()}, \
-            time.perf_counter() - start
+                              prompts=[p["prompt_text"] for p in per_completion], completion_ids=completion_ids,
+                              prompt_messages=[p.get("messages") for p in per_completion])
+        return result, time.perf_counter() - start
 
     @phase("log-probs")
     @torch.no_grad()
@@ -226,7 +251,7 @@ class GRPOTrainer:
         """Old-policy log-probs (needed when one rollout feeds several updates) and reference log-probs (KL)."""
         cfg = self.config
         start = time.perf_counter()
-        need_old = cfg.num_iterations > 1
+        need_old = cfg.num_iterations > 1 or cfg.kl_in_reward  # KL in the reward: the sampling policy's log-probs
         need_ref = cfg.kl_coef > 0
         old, ref = [], []
         if need_old or need_ref:
@@ -250,7 +275,8 @@ class GRPOTrainer:
             bad = False
             for lo, hi, mb in self._micro_batch_slices(batch):
                 mb_adv = advantages[lo:hi].to(self.device)
-                logprobs, entropy = completion_logprobs(self.engine, mb, cfg.temperature, with_entropy=True)
+                logprobs, entropy = completion_logprobs(self.engine, mb, cfg.temperature, with_entropy=True,
+                                                        entropy_grad=cfg.entropy_coef != 0)
                 logprobs = logprobs.float()
                 mb_old = old_logprobs[lo:hi].to(self.device) if old_logprobs is not None else logprobs.detach()
                 mb_ref = ref_logprobs[lo:hi].to(self.device) if ref_logprobs is not None else None
@@ -265,9 +291,12 @@ class GRPOTrainer:
                     # truncated importance sampling: the rollout engine sampled from a slightly different policy
                     is_weights = torch.exp(mb_old - mb.rollout_logprobs).clamp(max=cfg.rollout_is_cap)
                 loss, m = policy_loss(logprobs, mb_old, mb_adv, mb.completion_mask, ref_logprobs=mb_ref,
-                                      beta=cfg.kl_coef, eps_low=cfg.clip_epsilon_low, eps_high=cfg.clip_epsilon_high,
-                                      aggregation=cfg.loss_aggregation,
-                                      max_completion_length=cfg.rollout_max_new_tokens, is_weights=is_weights)
+                                      beta=cfg.kl_loss_coef, eps_low=cfg.clip_epsilon_low,
+                                      eps_high=cfg.clip_epsilon_high, aggregation=cfg.loss_aggregation,
+                                      max_completion_length=cfg.rollout_max_new_tokens, is_weights=is_weights,
+                                      importance_sampling_level=cfg.importance_sampling_level,
+                                      clip_ratio_c=cfg.clip_ratio_c, kl_estimator=cfg.kl_estimator,
+                                      entropy=entropy, entropy_coef=cfg.entropy_coef)
                 if dist_utils.any_rank(not torch.isfinite(loss).item()):
                     bad = True
                     # keep DeepSpeed's micro-step count in sync with a zero loss; the update is cancelled below
@@ -275,7 +304,7 @@ class GRPOTrainer:
                                torch.zeros((), device=self.device))
                 else:
                     m["loss"] = loss.item()
-                    m["entropy"] = masked_mean(entropy, mb.completion_mask).item()
+                    m["entropy"] = masked_mean(entropy.detach(), mb.completion_mask).item()
                     for key, value in m.items():
                         sums[key] = sums.get(key, 0.0) + float(value)
                     count += 1
@@ -329,7 +358,8 @@ class GRPOTrainer:
             texts = self.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
             result = self.rewards(texts, [r["answer"] for r in rows], [r["data_source"] for r in rows],
                                   prompts=[r["prompt_text"] for r in rows],
-                                  completion_ids=[c.token_ids for c in completions])
+                                  completion_ids=[c.token_ids for c in completions],
+                                  prompt_messages=[r.get("messages") for r in rows])
             samples = eval_sample_rows(rows, texts, completions, result)
         all_samples = [s for part in dist_utils.gather_objects(samples) for s in part]
         metrics = eval_metrics(all_samples)
@@ -417,13 +447,19 @@ class GRPOTrainer:
                    f"No checkpoint was saved before; start again with a lower {lr_flag} or --max_grad_norm."))
 
     @phase("metrics", after_step=True)
-    def _step_metrics(self, batch, rewards, advantages, reward_metrics, train_metrics, times) -> dict:
+    def _step_metrics(self, batch, drawn: RolloutRound, rewards, advantages, train_metrics, times) -> dict:
+        """Reward metrics are over every completion drawn this step (all rounds of dynamic sampling), before any KL
+        penalty; the rest over the rows trained on (`rewards`: what the advantages came from)."""
         k = self.config.k_samples
-        grouped = rewards.view(-1, k)
+        raw = drawn.rewards                                                          # [rounds x N]
+        grouped = raw.view(-1, k)
         lengths = batch.attention_mask[:, -batch.completion_width:].sum(1).float()  # [N] completion tokens
+        reward_metrics = {f"rewards/{name}": value for name, value in drawn.result.means().items()}
+        if self.config.kl_in_reward:
+            reward_metrics["reward/kl_penalized_mean"] = rewards.mean().item()
         local = {
-            "reward/mean": rewards.mean().item(),
-            "reward/std": rewards.std().item() if len(rewards) > 1 else 0.0,
+            "reward/mean": raw.mean().item(),
+            "reward/std": raw.std().item() if len(raw) > 1 else 0.0,
             "reward/zero_std_group_frac": (grouped.std(dim=1) < 1e-6).float().mean().item(),
             "advantage/abs_mean": advantages.abs().mean().item(),
             "completion/length_mean": lengths.mean().item(),

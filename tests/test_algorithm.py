@@ -310,3 +310,128 @@ def test_gradient_with_seq_sum_norm_aggregation():
     # every token is divided by L = 4 and by the 2 sequences: d loss / d lp_t = -A * ratio_t / 8 on unclipped
     #   tokens: [[0, -1/8, -0.5/8], [0, 1.1/8, 0]] = [[0, -0.125, -0.0625], [0, 0.1375, 0]]
     torch.testing.assert_close(lp.grad, torch.tensor([[0.0, -0.125, -0.0625], [0.0, 0.1375, 0.0]]))
+
+
+# ------------------------------------------------------------------ GSPO, dual-clip, KL estimators, entropy
+from grpo.algorithm import importance_ratio, kl_estimate, kl_penalized_rewards  # noqa: E402
+
+
+def gspo_inputs():
+    # row 0: three tokens, lp - old = [0.3, -0.1, 0.1]: mean 0.1 -> s_0 = exp(0.1) = 1.105171
+    # row 1: one token (mask [1, 0, 0]), lp - old = [-0.2, 5, 5]: the masked 5s do not count -> s_1 = exp(-0.2) = 0.818731
+    old = torch.tensor([[-1.0, -2.0, -1.5], [-0.5, -3.0, -3.0]])
+    lp = (old + torch.tensor([[0.3, -0.1, 0.1], [-0.2, 5.0, 5.0]])).requires_grad_(True)
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
+    return lp, old, mask
+
+
+def test_sequence_ratio_uses_each_sequences_own_tokens():
+    lp, old, mask = gspo_inputs()
+    ratio = importance_ratio(lp, old, mask, "sequence")
+    s0, s1 = math.exp(0.1), math.exp(-0.2)
+    torch.testing.assert_close(ratio, torch.tensor([[s0, s0, s0], [s1, s1, s1]]))
+    torch.testing.assert_close(importance_ratio(lp, old, mask, "token"), torch.exp(lp - old))
+
+
+def test_gspo_loss_and_gradient_by_hand():
+    lp, old, mask = gspo_inputs()
+    adv = torch.tensor([1.0, -1.0])
+    # eps 0.2: s_0 = 1.105171 and s_1 = 0.818731 are inside [0.8, 1.2], nothing clipped
+    #   row 0 (A = +1): pg = -s_0 on 3 tokens; row 1 (A = -1): pg = +s_1 on 1 token
+    #   token_mean = (3 * -1.105171 + 0.818731) / 4 = -2.496782 / 4 = -0.624196
+    loss, m = policy_loss(lp, old, adv, mask, importance_sampling_level="sequence")
+    assert loss.item() == pytest.approx(-0.624196, abs=1e-6)
+    assert m["clip_frac"] == 0.0
+    # gradient: loss = (-3 s_0 + s_1) / 4, ds_0/dlp_0t = s_0 / 3, ds_1/dlp_10 = s_1 (masked tokens: 0)
+    #   dloss/dlp_0t = -s_0 / 4 = -0.276293; dloss/dlp_10 = s_1 / 4 = 0.204683
+    loss.backward()
+    torch.testing.assert_close(lp.grad, torch.tensor([[-0.276293] * 3, [0.204683, 0.0, 0.0]]), atol=1e-6, rtol=0)
+
+
+def test_gspo_tiny_clip_range():
+    lp, old, mask = gspo_inputs()
+    # GSPO's clip range 3e-4 / 4e-4: s_0 = 1.105 > 1.0004 with A > 0 -> pg = -1.0004 (3 tokens, clipped high);
+    # s_1 = 0.8187 < 0.9997 with A < 0 -> -min(-0.8187, -0.9997) = 0.9997 (1 token, clipped low)
+    # token_mean = (3 * -1.0004 + 0.9997) / 4 = -2.0015 / 4 = -0.500375; both clipped: no gradient
+    loss, m = policy_loss(lp, old, torch.tensor([1.0, -1.0]), mask, eps_low=3e-4, eps_high=4e-4,
+                          importance_sampling_level="sequence")
+    assert loss.item() == pytest.approx(-0.500375, abs=1e-6)
+    assert m["clip_frac_high"] == pytest.approx(0.75) and m["clip_frac_low"] == pytest.approx(0.25)
+    loss.backward()
+    assert torch.equal(lp.grad, torch.zeros_like(lp))
+
+
+def test_dual_clip_caps_negative_advantages():
+    # row 0: A = -2, token ratios [4, 2, 0.5]; row 1: A = +1, ratio 4 on its one token; eps 0.2, clip_ratio_c 3
+    #   r = 4:   -min(4 * -2, 1.2 * -2) = -min(-8, -2.4) = 8  -> capped at -A * c = 6
+    #   r = 2:   -min(-4, -2.4) = 4                           (below 6: kept)
+    #   r = 0.5: -min(-1, 0.8 * -2 = -1.6) = 1.6
+    #   row 1:   -min(4, 1.2) = -1.2                          (A > 0: never capped)
+    # token_mean = (6 + 4 + 1.6 - 1.2) / 4 = 10.4 / 4 = 2.6   (without the dual clip: (8 + 4 + 1.6 - 1.2) / 4 = 3.1)
+    old = torch.zeros(2, 3)
+    lp = torch.log(torch.tensor([[4.0, 2.0, 0.5], [4.0, 1.0, 1.0]])).requires_grad_(True)
+    adv, mask = torch.tensor([-2.0, 1.0]), torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
+    loss, m = policy_loss(lp, old, adv, mask, clip_ratio_c=3.0)
+    assert loss.item() == pytest.approx(2.6)
+    assert m["clip_frac_dual"] == pytest.approx(0.25)
+    assert policy_loss(lp, old, adv, mask)[0].item() == pytest.approx(3.1)
+    loss.backward()
+    # the capped token is a constant (no gradient); r = 2 keeps d(-A r)/dlp / 4 = 2 * 2 / 4 = 1
+    assert lp.grad[0, 0].item() == 0.0 and lp.grad[0, 1].item() == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="clip_ratio_c"):
+        policy_loss(lp, old, adv, mask, clip_ratio_c=1.0)
+
+
+def test_kl_estimators_by_hand():
+    # d = lp - ref = [0.5, -1.0]
+    lp, ref = torch.tensor([[-1.0, -2.0]]), torch.tensor([[-1.5, -1.0]])
+    torch.testing.assert_close(kl_estimate(lp, ref, "k1"), torch.tensor([[0.5, -1.0]]))
+    # k2 = 0.5 d^2 = [0.125, 0.5]
+    torch.testing.assert_close(kl_estimate(lp, ref, "k2"), torch.tensor([[0.125, 0.5]]))
+    # k3 = exp(-d) + d - 1: exp(-0.5) + 0.5 - 1 = 0.606531 - 0.5 = 0.106531; exp(1) - 1 - 1 = 0.718282
+    torch.testing.assert_close(kl_estimate(lp, ref, "k3"), torch.tensor([[0.106531, 0.718282]]), atol=1e-6, rtol=0)
+    torch.testing.assert_close(kl_estimate(lp, ref, "k3"), kl_k3(lp, ref))
+    with pytest.raises(ValueError, match="unknown KL estimator"):
+        kl_estimate(lp, ref, "k4")
+
+
+def test_policy_loss_uses_the_chosen_kl_estimator():
+    # advantages 0 -> pg = 0; loss = beta * token_mean(k2) = 0.1 * (0.125 + 0.5) / 2 = 0.03125
+    lp, ref = torch.tensor([[-1.0, -2.0]]), torch.tensor([[-1.5, -1.0]])
+    loss, m = policy_loss(lp, lp, torch.zeros(1), torch.ones(1, 2), ref_logprobs=ref, beta=0.1, kl_estimator="k2")
+    assert loss.item() == pytest.approx(0.03125)
+    assert m["kl"] == pytest.approx(0.3125)
+
+
+def test_kl_in_reward_by_hand():
+    # r'_i = r_i - beta * sum_t m_it (lp_it - ref_it), beta = 0.1
+    #   row 0: d = [0.5, -1.0, (masked 6)] -> sum -0.5 -> 1 - 0.1 * -0.5 = 1.05
+    #   row 1: d = [0.5, -0.25, (masked 0)] -> sum 0.25 -> 0 - 0.1 * 0.25 = -0.025
+    lp = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, -0.5, 0.0]])
+    ref = torch.tensor([[-1.5, -1.0, -9.0], [-1.0, -0.25, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 0.0]])
+    got = kl_penalized_rewards(torch.tensor([1.0, 0.0]), lp, ref, mask, beta=0.1)
+    torch.testing.assert_close(got, torch.tensor([1.05, -0.025]))
+
+
+def test_entropy_bonus_gradient_raises_entropy():
+    # logits [0, ln 3] -> p = [0.25, 0.75], log p = [-1.386294, -0.287682]
+    #   H = 0.25 * 1.386294 + 0.75 * 0.287682 = 0.346574 + 0.215762 = 0.562335
+    #   dH/dz_j = -p_j (log p_j + H): dz_0 = -0.25 * (-0.823959) = 0.205990, dz_1 = -0.75 * 0.274653 = -0.205990
+    # advantage 0 -> pg = 0; loss = -0.1 * H = -0.0562335, dloss/dz = -0.1 * dH/dz = [-0.0205990, 0.0205990]
+    logits = torch.tensor([[[0.0, math.log(3.0)]]], requires_grad=True)
+    entropy = token_entropy(logits, with_grad=True)
+    assert entropy.item() == pytest.approx(0.562335, abs=1e-6)
+    lp = token_logprobs(logits, torch.tensor([[1]]))
+    loss, m = policy_loss(lp, lp.detach(), torch.zeros(1), torch.ones(1, 1), entropy=entropy, entropy_coef=0.1)
+    assert loss.item() == pytest.approx(-0.0562335, abs=1e-7)
+    assert m["entropy_loss"] == pytest.approx(-0.0562335, abs=1e-7)
+    loss.backward()
+    torch.testing.assert_close(logits.grad, torch.tensor([[[-0.0205990, 0.0205990]]]), atol=1e-6, rtol=0)
+    # a gradient step on the loss moves the distribution toward uniform: entropy rises
+    with torch.no_grad():
+        assert token_entropy(logits - 1.0 * logits.grad).item() > 0.562335
+    # for logging (the default), entropy carries no gradient
+    assert not token_entropy(logits).requires_grad
+    with pytest.raises(ValueError, match="entropy_coef"):
+        policy_loss(lp, lp.detach(), torch.zeros(1), torch.ones(1, 1), entropy_coef=0.1)

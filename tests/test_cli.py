@@ -160,3 +160,32 @@ def test_readme_documents_every_flag():
     readme = open(os.path.join(ROOT, "README.md")).read()
     missing = [f.name for f in fields(GRPOConfig) if f"`--{f.name}`" not in readme]
     assert not missing, f"README lacks {missing}; regenerate with python scripts/flag_table.py"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--clip_ratio_c", "1"], "--clip_ratio_c: must be > 1"),
+    (["--kl_in_reward"], "--kl_in_reward: needs --use_kl_penalty"),
+    (["--max_generation_rounds", "0"], "--max_generation_rounds: must be >= 1"),
+    (["--entropy_coef", "-0.1"], "--entropy_coef: must be >= 0"),
+    (["--reward_model", "a/rm", "b/rm"], "--reward_model: two folders are named rm"),
+])
+def test_objective_flags_are_validated(args, message):
+    from grpo.config import parse_args
+    from grpo.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        parse_args(args)
+
+
+def test_objective_flags_parse():
+    from grpo.config import parse_args
+
+    cfg = parse_args(["--importance_sampling_level", "sequence", "--clip_epsilon_low", "3e-4", "--clip_epsilon_high",
+                      "4e-4", "--clip_ratio_c", "3", "--kl_estimator", "k1", "--use_kl_penalty", "--kl_in_reward",
+                      "--entropy_coef", "0.01", "--filter_zero_std_groups", "--max_generation_rounds", "5",
+                      "--reward_model", "rms/a,rms/b"])
+    assert (cfg.importance_sampling_level, cfg.clip_epsilon_low, cfg.clip_epsilon_high, cfg.clip_ratio_c) == \
+        ("sequence", 3e-4, 4e-4, 3.0)
+    assert (cfg.kl_estimator, cfg.kl_in_reward, cfg.kl_coef, cfg.kl_loss_coef) == ("k1", True, 0.04, 0.0)
+    assert (cfg.entropy_coef, cfg.filter_zero_std_groups, cfg.max_generation_rounds) == (0.01, True, 5)
+    assert cfg.reward_model == ["rms/a", "rms/b"]

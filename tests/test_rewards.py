@@ -273,3 +273,99 @@ def test_load_reward_module(tmp_path):
     notes.write_text("not python")
     with pytest.raises(RewardError, match="rewards.txt.*\\.py"):
         load_reward_module(str(notes))
+
+
+# ------------------------------------------------------------------------- overlong shaping, math-verify
+def test_overlong_penalty_three_regions_by_hand():
+    from grpo.rewards import overlong_penalty
+
+    # max_length 10, buffer 4: no penalty up to 10 - 4 = 6 tokens; inside (6, 10] (6 - L) / 4 * factor; beyond: -factor
+    lengths = [3, 6, 7, 8, 10, 11, 40]
+    ids = [[5] * n for n in lengths]
+    got = overlong_penalty([""] * len(ids), [None] * len(ids), completion_ids=ids, max_length=10, buffer_length=4)
+    # L=7: (6-7)/4 = -0.25; L=8: -2/4 = -0.5; L=10: -4/4 = -1.0; L=11, 40: -1
+    assert got == [0.0, 0.0, -0.25, -0.5, -1.0, -1.0, -1.0]
+    # penalty_factor 2 doubles it: L=8 -> -1.0, beyond -> -2
+    assert overlong_penalty(["", ""], [None, None], completion_ids=[[1] * 8, [1] * 12], max_length=10,
+                            buffer_length=4, penalty_factor=2.0) == [-1.0, -2.0]
+    with pytest.raises(RewardError, match="max_length"):
+        overlong_penalty([""], [None], completion_ids=[[1]])
+    with pytest.raises(RewardError, match="buffer_length <= max_length"):
+        overlong_penalty([""], [None], completion_ids=[[1]], max_length=4, buffer_length=5)
+    # through the router, configured per dataset
+    router = RewardRouter({"d": {"overlong_penalty": 0.5}},
+                          {"d": {"overlong_penalty": {"max_length": 10, "buffer_length": 4}}})
+    assert router(["a", "b"], ["", ""], ["d", "d"], completion_ids=[[1] * 8, [1] * 2]).total == [-0.25, 0.0]
+
+
+def test_math_verify_accuracy():
+    pytest.importorskip("math_verify")
+    from grpo.rewards import math_verify_accuracy
+
+    completions = ["so the answer is \\boxed{12}", "\\boxed{\\frac{1}{2}}", "we get \\boxed{0.5}", "\\boxed{13}",
+                   "the answer is 12 (no box)", "\\boxed{x^2 + 2x + 1}"]
+    answers = ["12", "0.5", "\\frac{1}{2}", "12", "12", "(x+1)^2"]
+    assert math_verify_accuracy(completions, answers) == [1.0, 1.0, 1.0, 0.0, 0.0, 1.0]
+    # routed like any reward
+    router = RewardRouter({"m": {"math_verify_accuracy": 1.0}})
+    assert router(["\\boxed{3/4}"], ["0.75"], ["m"]).total == [1.0]
+
+
+def test_math_verify_missing_package_is_a_clear_error(monkeypatch):
+    import importlib.util
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "math_verify" else real_find_spec(name, *a))
+    # at construction, naming the dataset and how to install it
+    with pytest.raises(RewardError, match="dataset 'm': reward 'math_verify_accuracy' needs the math-verify "
+                                          "package: pip install math-verify"):
+        RewardRouter({"m": {"math_verify_accuracy": 1.0}})
+    # the gsm8k / boxed rewards do not need it
+    RewardRouter({"g": {"gsm8k_accuracy": 1.0, "boxed_accuracy": 1.0}})
+
+
+# ------------------------------------------------------------------------------------------ reward models
+def test_reward_model_is_registered_by_folder_and_scores_in_batches(tmp_path):
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from grpo.rewards.reward_model import register_reward_models
+
+    from .tiny_models import make_tiny_reward_model_dir
+
+    path = make_tiny_reward_model_dir(str(tmp_path / "tiny_rm"))
+    (rm,) = register_reward_models([path], torch.device("cpu"))
+    rm.batch_size = 2  # three rows: two batches, the second padded differently
+    assert "tiny_rm" in registered_rewards() and get_reward("tiny_rm") is rm
+    completions = ["4", "The answer is 7", "boxed { 9 }"]
+    messages = [[{"role": "user", "content": "What is 2 + 2 ?"}]] * 3
+    router = RewardRouter({"toy": {"tiny_rm": 2.0}})
+    result = router(completions, ["4"] * 3, ["toy"] * 3, prompts=["x"] * 3, prompt_messages=messages)
+    # the same numbers one row at a time, with the model's own chat template
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForSequenceClassification.from_pretrained(path).eval()
+    expected = []
+    for c in completions:
+        text = tok.apply_chat_template(messages[0] + [{"role": "assistant", "content": c}], tokenize=False)
+        with torch.no_grad():
+            expected.append(model(**tok(text, return_tensors="pt", add_special_tokens=False)).logits[0, 0].item())
+    assert result.per_function["tiny_rm"] == pytest.approx(expected, abs=1e-5)
+    assert result.total == pytest.approx([2 * e for e in expected], abs=1e-5)
+    assert len(set(round(e, 4) for e in expected)) == 3  # a random head tells the completions apart
+
+
+def test_reward_model_without_classification_head_is_refused(tmp_path):
+    import torch
+
+    from grpo.errors import ConfigError
+    from grpo.rewards.reward_model import register_reward_models
+
+    from .tiny_models import make_tiny_model_dir
+
+    path = make_tiny_model_dir(str(tmp_path / "causal_lm"))
+    with pytest.raises(ConfigError, match="--reward_model .*causal_lm: not a sequence-classification model "
+                                          r"\(architectures: LlamaForCausalLM\)"):
+        register_reward_models([path], torch.device("cpu"))
+    with pytest.raises(ConfigError, match="not a model folder"):
+        register_reward_models([str(tmp_path / "missing")], torch.device("cpu"))

@@ -55,3 +55,18 @@ def make_tiny_model_dir(path: str, vocab_size: Optional[int] = None, with_chat_t
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
     return path
+
+
+def make_tiny_reward_model_dir(path: str, seed: int = 0) -> str:
+    """Write a tiny random Llama sequence classifier (one output: a reward model) + tokenizer to `path`."""
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    tokenizer = make_tiny_tokenizer()
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256, num_labels=1,
+                         pad_token_id=tokenizer.pad_token_id, initializer_range=0.5,
+                         eos_token_id=tokenizer.eos_token_id, bos_token_id=None)
+    torch.manual_seed(seed)
+    LlamaForSequenceClassification(config).save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    return path

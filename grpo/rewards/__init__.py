@@ -6,11 +6,12 @@ passes per row (the trainer adds `completion_ids`), and the extra keyword argume
 in the dataset registry. Built-ins accept **kwargs and ignore what they do not use.
 """
 
-from .format import DEFAULT_FORMAT_PATTERN, format_reward, length_penalty
+from .format import DEFAULT_FORMAT_PATTERN, format_reward, length_penalty, overlong_penalty, overlong_penalty_value
 from .math import (boxed_accuracy, extract_gsm8k_prediction, gsm8k_accuracy, last_boxed, last_number, math_equal,
                    normalize_math, number_accuracy, numbers_equal, parse_number)
 from .registry import RewardFn, get_reward, load_reward_module, register_reward, registered_rewards
 from .routing import RewardResult, RewardRouter
+from .verified_math import math_verify_accuracy
 from .vision import choice_accuracy, iou_reward, normalize_text, parse_box, parse_choice, box_iou, vqa_accuracy
 
 __all__ = [
@@ -18,5 +19,5 @@ __all__ = [
     "RewardResult", "parse_number", "last_number", "extract_gsm8k_prediction", "numbers_equal", "last_boxed",
     "normalize_math", "math_equal", "gsm8k_accuracy", "boxed_accuracy", "number_accuracy", "format_reward",
     "length_penalty", "DEFAULT_FORMAT_PATTERN", "vqa_accuracy", "choice_accuracy", "iou_reward", "normalize_text",
-    "parse_choice", "parse_box", "box_iou",
+    "parse_choice", "parse_box", "box_iou", "overlong_penalty", "overlong_penalty_value", "math_verify_accuracy",
 ]

@@ -1,4 +1,4 @@
-"""Built-in shape rewards: the completion matches a format (regex), and a penalty on length."""
+"""Built-in shape rewards: the completion matches a format (regex), penalties on length (characters, tokens)."""
 from __future__ import annotations
 
 import re
@@ -36,3 +36,38 @@ def length_penalty(completions: list[str], answers: list, target_chars: int = 10
                           f"max_chars={max_chars}; fix them in the dataset's \"reward_kwargs\"")
     span = max_chars - target_chars
     return [-min(max(len(c) - target_chars, 0) / span, 1.0) for c in completions]
+
+
+def overlong_penalty_value(length: int, max_length: int, buffer_length: int, penalty_factor: float = 1.0) -> float:
+    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13) of a completion of `length` tokens:
+
+        0                                                  L <= max_length - buffer_length
+        (max_length - buffer_length - L) / buffer_length * penalty_factor      inside the buffer
+        -penalty_factor                                    L > max_length
+    """
+    start = max_length - buffer_length
+    if length <= start:
+        return 0.0
+    if length <= max_length:
+        return (start - length) / buffer_length * penalty_factor
+    return -penalty_factor
+
+
+@register_reward("overlong_penalty")
+def overlong_penalty(completions: list[str], answers: list, completion_ids: Optional[list] = None,
+                     max_length: Optional[int] = None, buffer_length: Optional[int] = None,
+                     penalty_factor: float = 1.0, **_) -> list[float]:
+    """DAPO's overlong shaping on the completion's length in tokens (see overlong_penalty_value); kwargs
+    max_length (usually --rollout_max_new_tokens), buffer_length and penalty_factor from "reward_kwargs"."""
+    if max_length is None or buffer_length is None:
+        raise RewardError("overlong_penalty: set \"max_length\" and \"buffer_length\" (completion tokens) in the "
+                          "dataset's \"reward_kwargs\", e.g. {\"max_length\": 256, \"buffer_length\": 64}")
+    if not 0 < buffer_length <= max_length:
+        raise RewardError(f"overlong_penalty: need 0 < buffer_length <= max_length, got buffer_length="
+                          f"{buffer_length}, max_length={max_length}; fix them in the dataset's \"reward_kwargs\"")
+    if not penalty_factor >= 0:
+        raise RewardError(f"overlong_penalty: penalty_factor must be >= 0, got {penalty_factor}")
+    if completion_ids is None:
+        raise RewardError("overlong_penalty needs the completions' token ids (the trainer passes completion_ids; "
+                          "when calling a router yourself, pass completion_ids=...)")
+    return [overlong_penalty_value(len(ids), max_length, buffer_length, penalty_factor) for ids in completion_ids]

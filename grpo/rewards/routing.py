@@ -89,6 +89,12 @@ class RewardRouter:
             if isinstance(weight, bool) or not isinstance(weight, numbers.Real) or not math.isfinite(weight):
                 raise RewardError(f"dataset '{source}': the weight of '{name}' must be a finite number, "
                                   f"got {weight!r}")
+            check_ready = getattr(fn, "check_ready", None)  # e.g. an optional package the reward needs
+            if check_ready is not None:
+                try:
+                    check_ready()
+                except RewardError as exc:
+                    raise RewardError(f"dataset '{source}': {exc}") from None
             kwargs = dict(kwargs_by_reward.get(name) or {})
             reserved = sorted(set(kwargs) & set(_ROW_ARGS))
             if reserved:

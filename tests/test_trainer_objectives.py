@@ -1,0 +1,113 @@
+"""End to end on CPU with the tiny model: each objective option on (GSPO, dual-clip, KL estimators / KL in reward,
+entropy bonus, dynamic sampling, overlong shaping, math-verify, reward models), and dynamic sampling's exact resume."""
+import json
+
+import pytest
+import torch
+
+from grpo.reporting import read_metrics
+from grpo.trainer import GRPOTrainer
+
+from .test_trainer import final_weights, pick_target
+from .tiny_models import make_tiny_model_dir, make_tiny_reward_model_dir
+from .trainer_setup import tiny_config, write_prompt_registry
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    return make_tiny_model_dir(str(tmp_path_factory.mktemp("tiny_model")))
+
+
+@pytest.fixture(scope="module")
+def registry(tmp_path_factory):
+    return write_prompt_registry(str(tmp_path_factory.mktemp("data")))
+
+
+def train_rows(output_dir):
+    return [r for r in read_metrics(str(output_dir / "metrics.jsonl")) if "loss" in r]
+
+
+def test_gspo_dual_clip_entropy_and_kl_estimator(tiny_model, registry, tmp_path):
+    config = tiny_config(tiny_model, registry, str(tmp_path), max_steps=2, importance_sampling_level="sequence",
+                         clip_epsilon_low=3e-4, clip_epsilon_high=4e-4, clip_ratio_c=3.0, entropy_coef=0.01,
+                         use_kl_penalty=True, kl_beta=0.1, kl_estimator="k2", num_iterations=2,
+                         eval_on_start=False)
+    GRPOTrainer(config).train()
+    rows = train_rows(tmp_path)
+    assert len(rows) == 2
+    for row in rows:
+        assert all(torch.isfinite(torch.tensor([row["loss"], row["kl"], row["entropy"], row["grad_norm"]])))
+        assert 0.0 <= row["clip_frac_dual"] <= 1.0
+        # the entropy term is in the loss: -0.01 x the aggregated entropy
+        assert row["entropy_loss"] == pytest.approx(-0.01 * row["entropy"], rel=1e-4)
+        assert row["kl"] >= 0.0  # k2 = 0.5 d^2
+
+
+def test_cli_run_with_kl_in_reward_reward_model_overlong_and_math_verify(tiny_model, tmp_path):
+    pytest.importorskip("math_verify")
+    import train_grpo
+
+    rm = make_tiny_reward_model_dir(str(tmp_path / "tiny_rm"))
+    registry = write_prompt_registry(str(tmp_path / "data"))
+    with open(registry) as fh:
+        entries = json.load(fh)
+    entries["toy"]["rewards"] = {"math_verify_accuracy": 1.0, "tiny_rm": 0.5, "overlong_penalty": 1.0}
+    entries["toy"]["reward_kwargs"] = {"overlong_penalty": {"max_length": 8, "buffer_length": 4}}
+    with open(registry, "w") as fh:
+        json.dump(entries, fh)
+    out = tmp_path / "run"
+    argv = ["--model_name_or_path", tiny_model, "--dataset_config_path", registry, "--dataset_names", "toy",
+            "--output_dir", str(out), "--per_device_train_batch_size", "2", "--k_samples", "4",
+            "--rollout_max_new_tokens", "8", "--max_prompt_length", "32", "--max_seq_length", "48",
+            "--max_steps", "2", "--save_steps", "0", "--eval_max_prompts", "2", "--lora_rank", "4",
+            "--lora_alpha", "8", "--reward_model", rm, "--use_kl_penalty", "--kl_beta", "0.1", "--kl_in_reward",
+            "--eval_on_start", "false"]
+    assert train_grpo.main(argv) == 0
+    rows = train_rows(out)
+    assert len(rows) == 2
+    for row in rows:
+        assert {"rewards/tiny_rm", "rewards/math_verify_accuracy", "rewards/overlong_penalty",
+                "reward/kl_penalized_mean"} <= set(row)
+        assert row["rewards/overlong_penalty"] <= 0.0
+    # the first step samples from the base policy: lp = ref, so the KL penalty is 0 and rewards are unchanged
+    assert rows[0]["reward/kl_penalized_mean"] == pytest.approx(rows[0]["reward/mean"], abs=1e-5)
+    # the KL is not in the loss (beta 0 there) but still logged: after one update the policy has moved
+    assert rows[1]["kl"] > 0.0
+
+
+def contains_target(target_id):
+    """1 when the completion has token `target_id`: most groups of a random policy are all 0 (uniform)."""
+    def has_target(completions, answers, completion_ids, **row):
+        return [float(target_id in ids) for ids in completion_ids]
+    return has_target
+
+
+def test_dynamic_sampling_draws_more_rounds_and_resumes_exactly(tiny_model, registry, tmp_path):
+    reward = contains_target(pick_target(tiny_model))
+    common = dict(max_steps=4, save_steps=2, filter_zero_std_groups=True, max_generation_rounds=3,
+                  per_device_train_batch_size=2, k_samples=4, eval_on_start=False, train_split_ratio=1.0)
+    straight = GRPOTrainer(tiny_config(tiny_model, registry, str(tmp_path / "a"), **common), reward_funcs=[reward])
+    straight.train()
+    rows_a = train_rows(tmp_path / "a")
+    assert [r["step"] for r in rows_a] == [1, 2, 3, 4]
+    assert max(r["dynamic_sampling/rounds"] for r in rows_a) > 1
+    assert all(r["dynamic_sampling/rounds"] <= 3 for r in rows_a)
+    assert sum(r["dynamic_sampling/prompts_drawn"] for r in rows_a) > 4 * 2
+    # the data position counts every prompt drawn, in every round
+    assert straight.state.epoch * straight.order.steps_per_epoch * 2 + straight.state.position == \
+        sum(r["dynamic_sampling/prompts_drawn"] for r in rows_a)
+
+    first_half = GRPOTrainer(tiny_config(tiny_model, registry, str(tmp_path / "b"), **{**common, "max_steps": 2}),
+                             reward_funcs=[reward])
+    first_half.train()
+    resumed = GRPOTrainer(tiny_config(tiny_model, registry, str(tmp_path / "b"), resume_from_checkpoint="latest",
+                                      **common), reward_funcs=[reward])
+    assert resumed.state.step == 2
+    resumed.train()
+    expected, got = final_weights(straight), final_weights(resumed)
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=0, atol=1e-6, msg=name)
+    rows_b = train_rows(tmp_path / "b")
+    for key in ("reward/mean", "dynamic_sampling/rounds", "dynamic_sampling/prompts_drawn",
+                "dynamic_sampling/groups_kept"):
+        assert [r[key] for r in rows_a] == [r[key] for r in rows_b], key
