@@ -116,9 +116,9 @@ def test_fresh_run_refuses_a_folder_with_checkpoints(tiny_model, registry, tmp_p
 
 
 def test_non_finite_loss_skips_then_stops(tiny_model, registry, tmp_path, monkeypatch):
-    import grpo.trainer as trainer_module
+    import grpo.optimize as optimize_module
 
-    real_loss = trainer_module.policy_loss
+    real_loss = optimize_module.policy_loss
     calls = {"n": 0}
 
     def nan_after_first_step(*args, **kwargs):
@@ -126,7 +126,7 @@ def test_non_finite_loss_skips_then_stops(tiny_model, registry, tmp_path, monkey
         loss, metrics = real_loss(*args, **kwargs)
         return (loss * float("nan") if calls["n"] > 1 else loss), metrics
 
-    monkeypatch.setattr(trainer_module, "policy_loss", nan_after_first_step)
+    monkeypatch.setattr(optimize_module, "policy_loss", nan_after_first_step)
     trainer = GRPOTrainer(tiny_config(tiny_model, registry, str(tmp_path), tuning_strategy="full", max_steps=6,
                                       save_steps=1, save_total_limit=1))
     after_first_step = {}
