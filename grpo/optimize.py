@@ -39,9 +39,15 @@ def step_normaliser(batch: RolloutBatch, cfg: GRPOConfig) -> float:
 
 
 def score(model, mb: MicroBatch, cfg: GRPOConfig, with_entropy: bool = False):
-    """Log-probs (and entropy) of a micro-batch's completions under `model`, the way the config asks for."""
+    """Log-probs (and entropy) of a micro-batch's completions under `model`, the way the config asks for.
+
+    Under ZeRO-3 the model's own forward (full logits) is used: every call of the output layer gathers its
+    partitioned weight in a collective, so ranks must call it equally often, which chunking per rank would break.
+    """
+    zero3 = getattr(model, "zero_optimization_stage", lambda: 0)() == 3
     return completion_logprobs(model, mb.batch, cfg.temperature, with_entropy=with_entropy,
-                               chunk_tokens=cfg.logprob_chunk_tokens, packed=cfg.padding_free)
+                               chunk_tokens=0 if zero3 else cfg.logprob_chunk_tokens,
+                               packed=cfg.padding_free and not zero3)
 
 
 @dataclass

@@ -196,6 +196,8 @@ class GRPOTrainer:
     def _generate_rollouts(self, prompts: list[dict]) -> tuple[RolloutBatch, list[str], dict]:
         cfg = self.config
         start = time.perf_counter()
+        self._sizes = {"prompts per rank": len(prompts), "completions per rank": len(prompts) * cfg.k_samples,
+                       "--rollout_max_new_tokens": cfg.rollout_max_new_tokens}
         self.rollout_engine.wake()
         sampling = SamplingSettings(n=cfg.k_samples, max_new_tokens=cfg.rollout_max_new_tokens,
                                     temperature=cfg.temperature, top_p=cfg.top_p)
@@ -226,7 +228,16 @@ class GRPOTrainer:
     @phase("micro-batches")
     def _micro_batches(self, batch: RolloutBatch) -> list[MicroBatch]:
         """The step's rows grouped by --max_tokens_per_micro_batch; every rank gets the same number of groups."""
-        return step_micro_batches(batch, self.config, self.device)
+        micro_batches = step_micro_batches(batch, self.config, self.device)
+        self._sizes.update({"longest completion": batch.completion_width, "micro-batches": len(micro_batches),
+                            "tokens per micro-batch (padded, largest)": max(mb.batch.input_ids.numel()
+                                                                            for mb in micro_batches),
+                            "--max_tokens_per_micro_batch": self.config.max_tokens_per_micro_batch})
+        return micro_batches
+
+    def memory_sizes(self) -> dict:
+        """The sizes of the step in progress, for an out-of-memory message."""
+        return dict(getattr(self, "_sizes", {}))
 
     @phase("log-probs")
     @torch.no_grad()
