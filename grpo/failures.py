@@ -53,6 +53,7 @@ def phase(name: str, after_step: bool = False, passes: tuple = ()):
                 if _is_out_of_memory(exc):
                     sizes = self.memory_sizes() if hasattr(self, "memory_sizes") else {}
                     exc_ = OutOfMemory(out_of_memory_message(name, sizes, self.state.last_checkpoint, exc))
+                    _log_traceback_to_file(f"step {step} ({name}): out of memory", exc)  # the allocator's detail
                     raise self.failures.report(exc_, step, name) from exc
                 raise self.failures.report(exc, step, name) from exc
         return run
