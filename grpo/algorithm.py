@@ -153,27 +153,58 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: Optional[int] = N
     return (values * mask).sum(dim) / mask.sum(dim).clamp(min=1.0)
 
 
+def aggregation_normaliser(mask: torch.Tensor, aggregation: str = "token_mean",
+                           max_completion_length: Optional[int] = None) -> float:
+    """The denominator D of an aggregation over the rows of `mask` [N, T] (see `aggregate`):
+
+        token_mean:              D = sum_{i,t} m_it                     (completion tokens)
+        seq_mean_token_mean:     D = #{i : sum_t m_it > 0}               (sequences with >= 1 token)
+        seq_mean_token_sum_norm: D = max_completion_length * N           (a constant per sequence)
+    D is additive over disjoint sets of rows: the D of an optimizer step is the sum of the D of its micro-batches
+    over all ranks, so each micro-batch can be normalised by the step's D (`aggregate(..., normaliser=D)`).
+    """
+    _check_aggregation(aggregation, max_completion_length)
+    if aggregation == "token_mean":
+        return float(mask.sum())
+    if aggregation == "seq_mean_token_mean":
+        return float((mask.sum(dim=1) > 0).sum())
+    return float(max_completion_length * mask.shape[0])
+
+
+def aggregation_numerator(per_token: torch.Tensor, mask: torch.Tensor, aggregation: str = "token_mean") -> torch.Tensor:
+    """The numerator S of an aggregation over the rows of `per_token` / `mask` [N, T]; additive over rows:
+
+        token_mean, seq_mean_token_sum_norm:  S = sum_{i,t} m_it x_it
+        seq_mean_token_mean:                  S = sum_i sum_t m_it x_it / max(sum_t m_it, 1)
+    """
+    mask = mask.to(per_token.dtype)                                       # [N, T]
+    if aggregation == "seq_mean_token_mean":
+        return masked_mean(per_token, mask, dim=1).sum()                  # rows without tokens add 0
+    return (per_token * mask).sum()
+
+
+def _check_aggregation(aggregation: str, max_completion_length: Optional[int]) -> None:
+    if aggregation not in AGGREGATIONS:
+        raise ValueError(f"unknown loss aggregation '{aggregation}' (use one of {', '.join(AGGREGATIONS)})")
+    if aggregation == "seq_mean_token_sum_norm" and (max_completion_length is None or max_completion_length <= 0):
+        raise ValueError("aggregation 'seq_mean_token_sum_norm' needs max_completion_length > 0 "
+                         f"(the constant that replaces the per-sequence length), got {max_completion_length}")
+
+
 def aggregate(per_token: torch.Tensor, mask: torch.Tensor, aggregation: str = "token_mean",
-              max_completion_length: Optional[int] = None) -> torch.Tensor:
-    """Reduce a per-token quantity [N, T] under a mask [N, T] to one number.
+              max_completion_length: Optional[int] = None, normaliser: Optional[float] = None) -> torch.Tensor:
+    """Reduce a per-token quantity [N, T] under a mask [N, T] to one number,  S / max(D, 1):
 
         token_mean:              sum_{i,t} m_it x_it / sum_{i,t} m_it                    (DAPO)
         seq_mean_token_mean:     mean over sequences with >= 1 token of sum_t m_it x_it / sum_t m_it   (GRPO)
         seq_mean_token_sum_norm: mean_i sum_t m_it x_it / max_completion_length           (Dr. GRPO)
+    S = `aggregation_numerator`, D = `normaliser` if given (the whole optimizer step's D, so that the micro-batch
+    results sum to the step's aggregate), else `aggregation_normaliser` of these rows.
     """
-    mask = mask.to(per_token.dtype)                                       # [N, T]
-    if aggregation == "token_mean":
-        return masked_mean(per_token, mask)
-    if aggregation == "seq_mean_token_mean":
-        has_tokens = (mask.sum(dim=1) > 0).to(per_token.dtype)            # [N]
-        per_seq = masked_mean(per_token, mask, dim=1)                     # [N]
-        return (per_seq * has_tokens).sum() / has_tokens.sum().clamp(min=1.0)
-    if aggregation == "seq_mean_token_sum_norm":
-        if max_completion_length is None or max_completion_length <= 0:
-            raise ValueError("aggregation 'seq_mean_token_sum_norm' needs max_completion_length > 0 "
-                             f"(the constant that replaces the per-sequence length), got {max_completion_length}")
-        return ((per_token * mask).sum(dim=1) / max_completion_length).mean()
-    raise ValueError(f"unknown loss aggregation '{aggregation}' (use one of {', '.join(AGGREGATIONS)})")
+    _check_aggregation(aggregation, max_completion_length)
+    if normaliser is None:
+        normaliser = aggregation_normaliser(mask, aggregation, max_completion_length)
+    return aggregation_numerator(per_token, mask, aggregation) / max(float(normaliser), 1.0)
 
 
 def _check_loss_inputs(logprobs, old_logprobs, advantages, mask, ref_logprobs, is_weights, entropy, eps_low,
@@ -230,7 +261,8 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
                 max_completion_length: Optional[int] = None,
                 is_weights: Optional[torch.Tensor] = None, importance_sampling_level: str = "token",
                 clip_ratio_c: Optional[float] = None, kl_estimator: str = "k3",
-                entropy: Optional[torch.Tensor] = None, entropy_coef: float = 0.0) -> tuple[torch.Tensor, dict]:
+                entropy: Optional[torch.Tensor] = None, entropy_coef: float = 0.0,
+                normaliser: Optional[float] = None) -> tuple[torch.Tensor, dict]:
     """PPO-clipped GRPO surrogate with an optional KL penalty and entropy bonus, masked and aggregated over the rows.
 
         ratio_t = importance_ratio(lp, old, mask, importance_sampling_level)     (token: exp(lp_t - old_t))
@@ -246,7 +278,8 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     the policy's token entropy, with gradient when entropy_coef != 0 (a positive coef rewards higher entropy).
     logprobs / old_logprobs / ref_logprobs / mask / is_weights / entropy: [N, T]; advantages: [N], broadcast over
     tokens. Gradients flow only through `logprobs` (and `entropy`). Called per micro-batch, the loss aggregates those
-    rows only.
+    rows only, unless `normaliser` is the optimizer step's denominator D (`aggregation_normaliser` summed over all
+    micro-batches and ranks): then the micro-batch losses sum to the loss of the whole step, however it was split.
 
     Returns (loss, metrics); metrics are python floats over masked tokens: clip_frac_low (A < 0 and
     ratio < 1 - eps_low), clip_frac_high (A > 0 and ratio > 1 + eps_high), clip_frac (their sum), clip_frac_dual
@@ -279,7 +312,7 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
             per_token = per_token + beta * kl
     if entropy_coef != 0.0:
         per_token = per_token - entropy_coef * entropy.to(logprobs.dtype)
-    loss = aggregate(per_token, mask, aggregation, max_completion_length)
+    loss = aggregate(per_token, mask, aggregation, max_completion_length, normaliser=normaliser)
 
     with torch.no_grad():
         clipped_low = ((ratio < 1.0 - eps_low) & (adv < 0)).to(mask.dtype)    # [N, T]
@@ -290,12 +323,57 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
             "ratio_mean": masked_mean(ratio, mask).item(),
             "ratio_max": ratio[mask > 0].max().item() if mask.any() else 0.0,
             "kl": masked_mean(kl, mask).item() if kl is not None else 0.0,
-            "pg_loss": aggregate(pg_per_token, mask, aggregation, max_completion_length).item(),
+            "pg_loss": aggregate(pg_per_token, mask, aggregation, max_completion_length, normaliser).item(),
         }
         metrics["clip_frac"] = metrics["clip_frac_low"] + metrics["clip_frac_high"]
         if dual_capped is not None:
             metrics["clip_frac_dual"] = masked_mean(dual_capped.to(mask.dtype), mask).item()
         if entropy_coef != 0.0:
             metrics["entropy_loss"] = aggregate(-entropy_coef * entropy.detach().to(mask.dtype), mask, aggregation,
-                                                max_completion_length).item()
+                                                max_completion_length, normaliser).item()
     return loss, metrics
+
+
+def _chunk_logprobs_entropy(hidden: torch.Tensor, head, token_ids: torch.Tensor, temperature: float,
+                            with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    z = _scaled_fp32(head(hidden), temperature)                   # [c, V]  one chunk's logits, fp32
+    logz = torch.logsumexp(z, dim=-1)                              # [c]
+    logprobs = z.gather(-1, token_ids.long().unsqueeze(-1)).squeeze(-1) - logz   # [c]
+    if not with_entropy:
+        return logprobs, logprobs.new_zeros(())
+    with torch.no_grad():
+        p = torch.softmax(z, dim=-1)                               # [c, V]
+        entropy = logz - (p * z).sum(dim=-1)                       # [c]  H = logsumexp(z) - sum_v p_v z_v
+    return logprobs, entropy
+
+
+def hidden_token_logprobs(hidden: torch.Tensor, head, token_ids: torch.Tensor, temperature: float = 1.0,
+                          chunk_tokens: int = 1024, with_entropy: bool = False
+                          ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Log-probabilities (and entropies) of tokens from final hidden states, never holding [M, V] logits:
+
+        z_m = head(h_m) / temperature,   log p(y_m) = z_m[y_m] - logsumexp(z_m),   H_m = logsumexp(z_m) - p_m . z_m
+    `head` is the output layer (a callable [c, H] -> [c, V]). The M positions are processed `chunk_tokens` at a
+    time, each chunk under activation checkpointing: the forward keeps only the chunk's hidden states, the backward
+    recomputes the chunk's logits, so peak memory is one chunk's [c, V] fp32 logits instead of [M, V].
+    hidden [M, H], token_ids [M] -> logprobs [M] fp32 (differentiable w.r.t. hidden and the head's parameters),
+    entropy [M] fp32 without gradient (None unless with_entropy).
+    """
+    _check_chunking(temperature, chunk_tokens)
+    if hidden.dim() != 2 or token_ids.shape != hidden.shape[:1]:
+        raise ValueError(f"hidden_token_logprobs needs hidden [M, H] and token_ids [M], got "
+                         f"{tuple(hidden.shape)} and {tuple(token_ids.shape)}")
+    from torch.utils.checkpoint import checkpoint
+
+    grad = torch.is_grad_enabled() and (hidden.requires_grad or any(
+        p.requires_grad for p in getattr(head, "parameters", lambda: [])()))
+    logprobs, entropies = [], []
+    for start in range(0, hidden.shape[0], chunk_tokens):
+        args = (hidden[start:start + chunk_tokens], head, token_ids[start:start + chunk_tokens], temperature,
+                with_entropy)
+        lp, ent = checkpoint(_chunk_logprobs_entropy, *args, use_reentrant=False) if grad else \
+            _chunk_logprobs_entropy(*args)
+        logprobs.append(lp)
+        entropies.append(ent.detach())
+    out = torch.cat(logprobs) if logprobs else hidden.new_zeros(0, dtype=torch.float32)
+    return out, (torch.cat(entropies) if with_entropy and entropies else None)

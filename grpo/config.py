@@ -106,9 +106,26 @@ class GRPOConfig:
     epochs: int = _opt(1, "Passes over the training prompts (ignored when --max_steps > 0).", "training")
     max_steps: int = _opt(-1, "Optimizer steps to run; -1 means run --epochs.", "training")
     per_device_train_batch_size: int = _opt(
-        2, "Prompts per rank per micro-batch; each yields --k_samples completions.", "training")
+        2, "Prompts per rank per step (times --gradient_accumulation_steps); each yields --k_samples completions. "
+           "With --max_tokens_per_micro_batch 0 it is also the micro-batch (this x k_samples rows).", "training")
     gradient_accumulation_steps: int = _opt(
-        1, "Micro-batches per optimizer step (prompts per rank per step = this x batch size).", "training")
+        1, "Multiplies the prompts per rank per step (this x --per_device_train_batch_size); how they are split "
+           "into micro-batches is --max_tokens_per_micro_batch's job.", "training")
+    max_tokens_per_micro_batch: int = _opt(
+        16384, "Token budget (prompt + completion, padding included) of one micro-batch per rank: a step's "
+               "completions are packed longest first into as many micro-batches as needed. 0: micro-batches of "
+               "--per_device_train_batch_size x --k_samples rows. The step's loss and gradient do not depend on "
+               "the split.", "training")
+    logprob_chunk_tokens: int = _opt(
+        1024, "Completion tokens whose logits exist at once: log-probs are computed from hidden states through "
+              "the output layer in chunks of this size (never a full [N, T, vocab] logits tensor). 0: the "
+              "model's full logits (as models with logit soft-capping and vision-language models always do).",
+        "training")
+    padding_free: bool = _opt(
+        False, "Pack each micro-batch's sequences into one row with per-sequence position ids (no padding "
+               "computed); for decoder models whose attention honours packed position ids (transformers' "
+               "Llama/Qwen/Mistral families, SDPA or flash attention). Needs --logprob_chunk_tokens > 0.",
+        "training")
     learning_rate: float = _opt(1e-6, "Learning rate for full fine-tuning.", "training")
     learning_rate_lora: float = _opt(2e-5, "Learning rate for lora and qlora.", "training")
     weight_decay: float = _opt(0.0, "AdamW weight decay.", "training")
@@ -244,6 +261,13 @@ class GRPOConfig:
         need(self.max_steps == -1 or self.max_steps > 0, "max_steps", "must be -1 (use --epochs) or > 0")
         need(self.per_device_train_batch_size >= 1, "per_device_train_batch_size", "must be >= 1")
         need(self.gradient_accumulation_steps >= 1, "gradient_accumulation_steps", "must be >= 1")
+        need(self.max_tokens_per_micro_batch >= 0, "max_tokens_per_micro_batch",
+             f"must be >= 0 (0: micro-batches of --per_device_train_batch_size prompts); got "
+             f"{self.max_tokens_per_micro_batch}")
+        need(self.logprob_chunk_tokens >= 0, "logprob_chunk_tokens",
+             f"must be >= 0 (0: full logits); got {self.logprob_chunk_tokens}")
+        need(not self.padding_free or self.logprob_chunk_tokens > 0, "padding_free",
+             "needs --logprob_chunk_tokens > 0 (packed rows go through the hidden-state path)")
         need(self.learning_rate > 0, "learning_rate", "must be > 0")
         need(self.learning_rate_lora > 0, "learning_rate_lora", "must be > 0")
         need(0.0 <= self.warmup_ratio < 1.0, "warmup_ratio", "must be in [0, 1)")

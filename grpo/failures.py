@@ -50,9 +50,49 @@ def phase(name: str, after_step: bool = False, passes: tuple = ()):
                 if isinstance(exc, (StepFailure, *passes)) or getattr(self, "failures", None) is None:
                     raise
                 step = self.state.step + (0 if after_step else 1)
+                if _is_out_of_memory(exc):
+                    sizes = self.memory_sizes() if hasattr(self, "memory_sizes") else {}
+                    exc_ = OutOfMemory(out_of_memory_message(name, sizes, self.state.last_checkpoint, exc))
+                    _log_traceback_to_file(f"step {step} ({name}): out of memory", exc)  # the allocator's detail
+                    raise self.failures.report(exc_, step, name) from exc
                 raise self.failures.report(exc, step, name) from exc
         return run
     return wrap
+
+
+class OutOfMemory(TrainingError):
+    """The GPU ran out of memory; the message names the sizes involved and the flags that help."""
+
+
+# what helps, per phase: the flags worth trying first
+_OOM_KNOBS = {
+    "rollout": ["--vllm_gpu_memory_utilization (lower leaves more for training, higher more KV cache for vLLM)",
+                "fewer --per_device_train_batch_size prompts or --k_samples", "--rollout_max_new_tokens"],
+    "log-probs": ["--max_tokens_per_micro_batch (lower)", "--logprob_chunk_tokens (lower)",
+                  "--vllm_gpu_memory_utilization (lower, with --vllm_sleep)"],
+    "optimize": ["--max_tokens_per_micro_batch (lower)", "--gradient_checkpointing",
+                 "--logprob_chunk_tokens (lower)", "--vllm_gpu_memory_utilization (lower, with --vllm_sleep)",
+                 "--deepspeed zero3 (several GPUs) or --tuning_strategy lora / qlora"],
+}
+
+
+def _is_out_of_memory(exc: BaseException) -> bool:
+    import torch
+
+    kinds = tuple(k for k in (getattr(torch, "OutOfMemoryError", None),
+                              getattr(getattr(torch, "cuda", None), "OutOfMemoryError", None)) if k is not None)
+    return isinstance(exc, kinds) or (isinstance(exc, RuntimeError) and "CUDA out of memory" in str(exc))
+
+
+def out_of_memory_message(phase_name: str, sizes: dict, last_checkpoint: Optional[str], exc: BaseException) -> str:
+    """One paragraph: what ran out, with which sizes, what to change, and where to resume from."""
+    first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    detail = first_line.split(". ")[0] if first_line else "CUDA out of memory"
+    knobs = _OOM_KNOBS.get(phase_name, _OOM_KNOBS["optimize"])
+    size_text = ", ".join(f"{key} {value}" for key, value in sizes.items()) or "sizes unknown"
+    resume = (f"the last checkpoint is {last_checkpoint} (continue with --resume_from_checkpoint latest)"
+              if last_checkpoint else "no checkpoint was saved yet")
+    return (f"out of GPU memory ({detail}) with {size_text}. What helps: {'; '.join(knobs)}. Then {resume}.")
 
 
 class FailureReporter:

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from . import distributed as dist_utils
-from .algorithm import group_advantages, kl_penalized_rewards, masked_mean, policy_loss
+from .algorithm import group_advantages, kl_penalized_rewards
 from .batch import RolloutBatch, build_rollout_batch
 from .checkpoint import TrainerState, list_checkpoints, load_checkpoint, resolve_resume_path, save_checkpoint
 from .config import EMBEDDED_MODEL, GRPOConfig
@@ -40,8 +40,9 @@ from .rewards import RewardRouter, load_reward_module
 from .rewards.reward_model import register_reward_models
 from .rollout.base import SamplingSettings
 from .rollout.hf import HFRolloutEngine, stop_token_ids
+from .micro_batches import MicroBatch
+from .optimize import score, step_micro_batches, step_normaliser, update
 from .sampler import PromptOrder
-from .scoring import completion_logprobs
 from .vision import load_vision_processor, render_vision_prompts
 
 logger = logging.getLogger("grpo")
@@ -155,12 +156,14 @@ class GRPOTrainer:
                 step_start = time.perf_counter()
                 rollout, drawn = self._collect_rollouts()  # prompts -> k completions each -> rewards
                 batch, rewards, times = self._rollout_batch(rollout), rollout.rewards, dict(rollout.times)
-                old_logprobs, ref_logprobs, times["logprobs"] = self._old_and_reference_logprobs(batch)
+                micro_batches = self._micro_batches(batch)
+                old_logprobs, ref_logprobs, times["logprobs"] = self._old_and_reference_logprobs(batch, micro_batches)
                 if cfg.kl_in_reward:  # r - beta * sum_t (lp - ref), in place of the loss's KL term
                     rewards = kl_penalized_rewards(rewards, old_logprobs, ref_logprobs, batch.completion_mask,
                                                    cfg.kl_beta)
                 advantages = group_advantages(rewards, cfg.k_samples, scale=cfg.scale_rewards)  # [N]
-                train_metrics, times["train"] = self._optimize(batch, advantages, old_logprobs, ref_logprobs)
+                train_metrics, times["train"] = self._optimize(batch, micro_batches, advantages, old_logprobs,
+                                                               ref_logprobs)
                 times["sync"] = self._sync_rollout_weights()
                 self.state.step += 1
                 times["step"] = time.perf_counter() - step_start
@@ -217,6 +220,8 @@ class GRPOTrainer:
         """k completions per prompt (grouped by prompt), their texts, the prompts' images, and timings."""
         cfg = self.config
         start = time.perf_counter()
+        self._sizes = {"prompts per rank": len(prompts), "completions per rank": len(prompts) * cfg.k_samples,
+                       "--rollout_max_new_tokens": cfg.rollout_max_new_tokens}
         self.rollout_engine.wake()
         sampling = SamplingSettings(n=cfg.k_samples, max_new_tokens=cfg.rollout_max_new_tokens,
                                     temperature=cfg.temperature, top_p=cfg.top_p)
@@ -245,83 +250,56 @@ class GRPOTrainer:
                               prompt_messages=[p.get("messages") for p in per_completion])
         return result, time.perf_counter() - start
 
+    @phase("micro-batches")
+    def _micro_batches(self, batch: RolloutBatch) -> list[MicroBatch]:
+        """The step's rows grouped by --max_tokens_per_micro_batch; every rank gets the same number of groups."""
+        micro_batches = step_micro_batches(batch, self.config, self.device)
+        self._sizes.update({"longest completion": batch.completion_width, "micro-batches": len(micro_batches),
+                            "tokens per micro-batch (padded, largest)": max(mb.batch.input_ids.numel()
+                                                                            for mb in micro_batches),
+                            "--max_tokens_per_micro_batch": self.config.max_tokens_per_micro_batch})
+        return micro_batches
+
+    def memory_sizes(self) -> dict:
+        """The sizes of the step in progress, for an out-of-memory message."""
+        return dict(getattr(self, "_sizes", {}))
+
     @phase("log-probs")
     @torch.no_grad()
-    def _old_and_reference_logprobs(self, batch: RolloutBatch):
-        """Old-policy log-probs (needed when one rollout feeds several updates) and reference log-probs (KL)."""
+    def _old_and_reference_logprobs(self, batch: RolloutBatch, micro_batches: list[MicroBatch]):
+        """Old-policy log-probs (needed when one rollout feeds several updates) and reference log-probs (KL),
+        each step-wide [N, T]."""
         cfg = self.config
         start = time.perf_counter()
         need_old = cfg.num_iterations > 1 or cfg.kl_in_reward  # KL in the reward: the sampling policy's log-probs
-        need_ref = cfg.kl_coef > 0
-        old, ref = [], []
-        if need_old or need_ref:
-            for mb in self._micro_batches(batch):
-                if need_old:
-                    old.append(completion_logprobs(self.engine, mb, cfg.temperature)[0].float())
-                if need_ref:
-                    ref.append(self._reference_logprobs(mb))
-        seconds = time.perf_counter() - start
-        return (torch.cat(old) if old else None), (torch.cat(ref) if ref else None), seconds
+        old = torch.zeros(batch.completion_ids.shape) if need_old else None
+        ref = torch.zeros(batch.completion_ids.shape) if cfg.kl_coef > 0 else None
+        for mb in micro_batches if old is not None or ref is not None else ():
+            if old is not None:
+                mb.scatter(score(self.engine, mb, cfg)[0], into=old)
+            if ref is not None:
+                mb.scatter(self._reference_logprobs(mb), into=ref)
+        return old, ref, time.perf_counter() - start
 
     @phase("optimize")
-    def _optimize(self, batch: RolloutBatch, advantages: torch.Tensor, old_logprobs, ref_logprobs):
-        """num_iterations passes over the rollout; each pass is one optimizer step over all micro-batches."""
-        cfg = self.config
+    def _optimize(self, batch: RolloutBatch, micro_batches: list[MicroBatch], advantages: torch.Tensor,
+                  old_logprobs, ref_logprobs):
+        """num_iterations optimizer steps over the micro-batches, each the gradient of the whole step's loss."""
         start = time.perf_counter()
-        sums: dict[str, float] = {}
-        count = 0
-        mismatch = {"rollout/logprob_diff_mean": [], "rollout/logprob_diff_max": []}
-        for iteration in range(cfg.num_iterations):
-            bad = False
-            for lo, hi, mb in self._micro_batch_slices(batch):
-                mb_adv = advantages[lo:hi].to(self.device)
-                logprobs, entropy = completion_logprobs(self.engine, mb, cfg.temperature, with_entropy=True,
-                                                        entropy_grad=cfg.entropy_coef != 0)
-                logprobs = logprobs.float()
-                mb_old = old_logprobs[lo:hi].to(self.device) if old_logprobs is not None else logprobs.detach()
-                mb_ref = ref_logprobs[lo:hi].to(self.device) if ref_logprobs is not None else None
-                if iteration == 0:
-                    diff = ((mb_old - mb.rollout_logprobs).abs() * mb.completion_mask)
-                    if mb.completion_mask.sum() > 0:
-                        mismatch["rollout/logprob_diff_mean"].append(
-                            (diff.sum() / mb.completion_mask.sum()).item())
-                        mismatch["rollout/logprob_diff_max"].append(diff.max().item())
-                is_weights = None
-                if cfg.rollout_is_correction:
-                    # truncated importance sampling: the rollout engine sampled from a slightly different policy
-                    is_weights = torch.exp(mb_old - mb.rollout_logprobs).clamp(max=cfg.rollout_is_cap)
-                loss, m = policy_loss(logprobs, mb_old, mb_adv, mb.completion_mask, ref_logprobs=mb_ref,
-                                      beta=cfg.kl_loss_coef, eps_low=cfg.clip_epsilon_low,
-                                      eps_high=cfg.clip_epsilon_high, aggregation=cfg.loss_aggregation,
-                                      max_completion_length=cfg.rollout_max_new_tokens, is_weights=is_weights,
-                                      importance_sampling_level=cfg.importance_sampling_level,
-                                      clip_ratio_c=cfg.clip_ratio_c, kl_estimator=cfg.kl_estimator,
-                                      entropy=entropy, entropy_coef=cfg.entropy_coef)
-                if dist_utils.any_rank(not torch.isfinite(loss).item()):
-                    bad = True
-                    # keep DeepSpeed's micro-step count in sync with a zero loss; the update is cancelled below
-                    loss = sum((p.sum() * 0.0 for p in self.engine.module.parameters() if p.requires_grad),
-                               torch.zeros((), device=self.device))
-                else:
-                    m["loss"] = loss.item()
-                    m["entropy"] = masked_mean(entropy.detach(), mb.completion_mask).item()
-                    for key, value in m.items():
-                        sums[key] = sums.get(key, 0.0) + float(value)
-                    count += 1
-                self.engine.backward(loss)
-                if hi == len(batch.input_ids) and bad:
-                    self._cancel_update()
-                self.engine.step()
+        normaliser = step_normaliser(batch, self.config)
+        metrics: dict = {}
+        for iteration in range(self.config.num_iterations):
+            result = update(self.engine, micro_batches, advantages, old_logprobs, ref_logprobs, normaliser,
+                            self.config, first_pass=iteration == 0)
+            metrics = {**result.metrics, **{k: v for k, v in metrics.items() if k.startswith("rollout/")}}
             grad_norm = self._grad_norm()
-            if bad or not math.isfinite(grad_norm):
-                self._record_bad_step("non-finite loss" if bad else f"non-finite gradient norm ({grad_norm})")
+            if result.bad or not math.isfinite(grad_norm):
+                self._record_bad_step("non-finite loss" if result.bad else f"non-finite gradient norm ({grad_norm})")
             else:
                 self.state.consecutive_bad_steps = 0
-        out = {key: value / max(count, 1) for key, value in sums.items()}
-        out.update({k: (max(v) if k.endswith("max") else sum(v) / len(v)) for k, v in mismatch.items() if v})
-        out["grad_norm"] = self._grad_norm()
-        out["lr"] = self.engine.get_lr()[0]
-        return out, time.perf_counter() - start
+        metrics["grad_norm"] = self._grad_norm()
+        metrics["lr"] = self.engine.get_lr()[0]
+        return metrics, time.perf_counter() - start
 
     @phase("weight sync")
     def _sync_rollout_weights(self, first: bool = False) -> float:
@@ -408,26 +386,11 @@ class GRPOTrainer:
             return None
         return [self.vision.prompt_images(p.get("images") or []) for p in prompts]
 
-    def _micro_batch_slices(self, batch: RolloutBatch):
-        rows = self.config.per_device_train_batch_size * self.config.k_samples
-        for lo in range(0, len(batch.input_ids), rows):
-            hi = min(lo + rows, len(batch.input_ids))
-            yield lo, hi, batch.rows(lo, hi).to(self.device)
-
-    def _micro_batches(self, batch: RolloutBatch):
-        for _, _, mb in self._micro_batch_slices(batch):
-            yield mb
-
-    def _reference_logprobs(self, mb: RolloutBatch) -> torch.Tensor:
+    def _reference_logprobs(self, mb: MicroBatch) -> torch.Tensor:
         if self.reference is not None:  # full fine-tuning: a frozen copy of the base model
-            return completion_logprobs(self.reference, mb, self.config.temperature)[0].float()
+            return score(self.reference, mb, self.config)[0].float()
         with reference_mode(self.engine.module):  # lora / qlora: the same weights, adapter off
-            return completion_logprobs(self.engine, mb, self.config.temperature)[0].float()
-
-    def _cancel_update(self) -> None:
-        """Make the coming optimizer step a no-op (lr 0); the scheduler sets the next lr afterwards."""
-        for group in self.engine.optimizer.param_groups:
-            group["lr"] = 0.0
+            return score(self.engine, mb, self.config)[0].float()
 
     def _grad_norm(self) -> float:
         norm = self.engine.get_global_grad_norm()

@@ -116,9 +116,9 @@ def test_fresh_run_refuses_a_folder_with_checkpoints(tiny_model, registry, tmp_p
 
 
 def test_non_finite_loss_skips_then_stops(tiny_model, registry, tmp_path, monkeypatch):
-    import grpo.trainer as trainer_module
+    import grpo.optimize as optimize_module
 
-    real_loss = trainer_module.policy_loss
+    real_loss = optimize_module.policy_loss
     calls = {"n": 0}
 
     def nan_after_first_step(*args, **kwargs):
@@ -126,7 +126,7 @@ def test_non_finite_loss_skips_then_stops(tiny_model, registry, tmp_path, monkey
         loss, metrics = real_loss(*args, **kwargs)
         return (loss * float("nan") if calls["n"] > 1 else loss), metrics
 
-    monkeypatch.setattr(trainer_module, "policy_loss", nan_after_first_step)
+    monkeypatch.setattr(optimize_module, "policy_loss", nan_after_first_step)
     trainer = GRPOTrainer(tiny_config(tiny_model, registry, str(tmp_path), tuning_strategy="full", max_steps=6,
                                       save_steps=1, save_total_limit=1))
     after_first_step = {}
@@ -247,3 +247,23 @@ def test_held_out_split_and_eval_dataset_are_reported_apart(tiny_model, eval_reg
     # the total is over every eval prompt: here the mean of two equally sized datasets
     assert metrics["eval/reward/mean"] == pytest.approx(
         (metrics["eval/wordy/reward/mean"] + metrics["eval/toy_test/reward/mean"]) / 2)
+
+
+def test_out_of_memory_names_phase_sizes_and_knobs(tiny_model, registry, tmp_path, monkeypatch):
+    import grpo.trainer as trainer_module
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB. GPU 0 has a total capacity "
+                                     "of 79.19 GiB of which 1.2 GiB is free.")
+
+    monkeypatch.setattr(trainer_module, "update", out_of_memory)
+    trainer = GRPOTrainer(tiny_config(tiny_model, registry, str(tmp_path), max_steps=2, eval_on_start=False))
+    with pytest.raises(TrainingError) as caught:
+        trainer.train()
+    message = str(caught.value)
+    assert message.startswith("step 1 (optimize): out of GPU memory (CUDA out of memory) with prompts per rank 2, "
+                              "completions per rank 8, --rollout_max_new_tokens 8, longest completion"), message
+    for part in ("micro-batches 1", "tokens per micro-batch (padded, largest)", "--max_tokens_per_micro_batch 16384",
+                 "--gradient_checkpointing", "--vllm_gpu_memory_utilization", "no checkpoint was saved yet"):
+        assert part in message, (part, message)
+    assert "Traceback" not in message and "Traceback" in (tmp_path / "train.log").read_text()

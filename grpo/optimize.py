@@ -1,0 +1,116 @@
+"""The optimisation phase of a step: micro-batches through the model, the loss, one DeepSpeed update.
+
+The step's loss is one aggregate over all its completions on all ranks (`algorithm.aggregate`): every micro-batch
+contributes  S_mb / D_step  (its numerator over the step's denominator), so the micro-batch losses sum to the step
+loss whatever the split. DeepSpeed's own scaling is undone: no division by gradient_accumulation_steps
+(`scale_wrt_gas=False`), and a factor world_size against its data-parallel mean of gradients. Hence
+
+    grad = sum over ranks and micro-batches of  d(S_mb / D_step)/dtheta  = d(step loss)/dtheta
+
+and the optimizer steps once, at the boundary this module sets on the last micro-batch (so the number of
+micro-batches may change from step to step; all ranks run the same number, see micro_batches.py).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from . import distributed as dist_utils
+from .algorithm import aggregation_normaliser, masked_mean, policy_loss
+from .batch import RolloutBatch
+from .config import GRPOConfig
+from .micro_batches import MicroBatch, form_micro_batches, micro_batch_groups
+from .scoring import completion_logprobs
+
+
+def step_micro_batches(batch: RolloutBatch, cfg: GRPOConfig, device=None) -> list[MicroBatch]:
+    """This rank's micro-batches of the step, as many as the rank with the most has (collective)."""
+    groups = micro_batch_groups(batch, cfg.max_tokens_per_micro_batch,
+                                cfg.per_device_train_batch_size * cfg.k_samples)
+    count = int(dist_utils.all_max([float(len(groups))])[0])
+    return form_micro_batches(batch, groups, count, device)
+
+
+def step_normaliser(batch: RolloutBatch, cfg: GRPOConfig) -> float:
+    """The denominator D of the step's loss aggregate: this rank's completions plus every other rank's (collective)."""
+    local = aggregation_normaliser(batch.completion_mask, cfg.loss_aggregation, cfg.rollout_max_new_tokens)
+    return dist_utils.all_sum([local])[0]
+
+
+def score(model, mb: MicroBatch, cfg: GRPOConfig, with_entropy: bool = False, entropy_grad: bool = False):
+    """Log-probs (and entropy) of a micro-batch's completions under `model`, the way the config asks for.
+
+    Under ZeRO-3 the model's own forward (full logits) is used: every call of the output layer gathers its
+    partitioned weight in a collective, so ranks must call it equally often, which chunking per rank would break.
+    """
+    zero3 = getattr(model, "zero_optimization_stage", lambda: 0)() == 3
+    return completion_logprobs(model, mb.batch, cfg.temperature, with_entropy=with_entropy,
+                               chunk_tokens=0 if zero3 else cfg.logprob_chunk_tokens,
+                               packed=cfg.padding_free and not zero3, entropy_grad=entropy_grad)
+
+
+@dataclass
+class UpdateResult:
+    metrics: dict = field(default_factory=dict)   # per-step values (loss summed, others averaged over micro-batches)
+    bad: bool = False                               # some micro-batch had a non-finite loss: the update was cancelled
+
+
+def update(engine, micro_batches: list[MicroBatch], advantages: torch.Tensor, old_logprobs, ref_logprobs,
+           normaliser: float, cfg: GRPOConfig, first_pass: bool = True) -> UpdateResult:
+    """One optimizer step over the micro-batches. old_logprobs / ref_logprobs: step-wide [N, T] or None."""
+    device = next(iter(engine.module.parameters())).device
+    world = getattr(engine, "dp_world_size", dist_utils.world_size())
+    sums: dict[str, float] = {}
+    count = 0
+    loss_total = pg_total = 0.0
+    mismatch_mean, mismatch_max = [], []
+    bad = False
+    for index, mb in enumerate(micro_batches):
+        last = index == len(micro_batches) - 1
+        engine.set_gradient_accumulation_boundary(last)
+        b = mb.batch
+        logprobs, entropy = score(engine, mb, cfg, with_entropy=True, entropy_grad=cfg.entropy_coef != 0)
+        logprobs = logprobs.float()                                                   # [n, t]
+        old = mb.gather(old_logprobs).to(device) if old_logprobs is not None else logprobs.detach()
+        ref = mb.gather(ref_logprobs).to(device) if ref_logprobs is not None else None
+        if first_pass and not mb.empty and b.completion_mask.sum() > 0:
+            diff = (old - b.rollout_logprobs).abs() * b.completion_mask
+            mismatch_mean.append((diff.sum() / b.completion_mask.sum()).item())
+            mismatch_max.append(diff.max().item())
+        is_weights = None
+        if cfg.rollout_is_correction:
+            # truncated importance sampling: the rollout engine sampled from a slightly different policy
+            is_weights = torch.exp(old - b.rollout_logprobs).clamp(max=cfg.rollout_is_cap)
+        loss, m = policy_loss(logprobs, old, mb.gather(advantages).to(device), b.completion_mask, ref_logprobs=ref,
+                              beta=cfg.kl_loss_coef, eps_low=cfg.clip_epsilon_low, eps_high=cfg.clip_epsilon_high,
+                              aggregation=cfg.loss_aggregation, max_completion_length=cfg.rollout_max_new_tokens,
+                              is_weights=is_weights, importance_sampling_level=cfg.importance_sampling_level,
+                              clip_ratio_c=cfg.clip_ratio_c, kl_estimator=cfg.kl_estimator, entropy=entropy,
+                              entropy_coef=cfg.entropy_coef, normaliser=normaliser)
+        if dist_utils.any_rank(not torch.isfinite(loss).item()):
+            bad = True
+        if bad or not loss.requires_grad:
+            # keep every rank's backward (and ZeRO's gradient hooks) in step with a zero loss
+            loss = sum((p.sum() * 0.0 for p in engine.module.parameters() if p.requires_grad),
+                       torch.zeros((), device=device))
+        elif not mb.empty:
+            loss_total += loss.item()
+            pg_total += m.pop("pg_loss")
+            m["entropy"] = masked_mean(entropy.detach(), b.completion_mask).item()
+            for key, value in m.items():
+                sums[key] = sums.get(key, 0.0) + float(value)
+            count += 1
+        # the step's gradient is the sum over ranks; DeepSpeed averages over them
+        engine.backward(loss * world, scale_wrt_gas=False)
+        if last and bad:
+            for group in engine.optimizer.param_groups:  # make this optimizer step a no-op (lr 0)
+                group["lr"] = 0.0
+        engine.step()
+    metrics = {key: value / max(count, 1) for key, value in sums.items()}
+    if not bad:
+        metrics["loss"], metrics["pg_loss"] = dist_utils.all_sum([loss_total, pg_total])
+    if mismatch_mean:
+        metrics["rollout/logprob_diff_mean"] = sum(mismatch_mean) / len(mismatch_mean)
+        metrics["rollout/logprob_diff_max"] = max(mismatch_max)
+    return UpdateResult(metrics, bad)
