@@ -212,12 +212,12 @@ def test_a_failing_reward_names_step_and_phase(tiny_model, registry, tmp_path):
 
 
 def test_an_unexpected_error_becomes_a_training_error(tiny_model, registry, tmp_path, monkeypatch):
-    import grpo.trainer as trainer_module
+    import grpo.optimize as optimize_module
 
     def broken(*args, **kwargs):
         raise ZeroDivisionError("division by zero in a custom loss")
 
-    monkeypatch.setattr(trainer_module, "policy_loss", broken)
+    monkeypatch.setattr(optimize_module, "policy_loss", broken)
     trainer = GRPOTrainer(tiny_config(tiny_model, registry, str(tmp_path), max_steps=2))
     with pytest.raises(TrainingError) as info:
         trainer.train()
