@@ -21,3 +21,18 @@ def gsm8k_dir():
     if not os.path.isfile(os.path.join(GSM8K_DIR, "train.jsonl")):
         pytest.skip(f"GSM8K not found at {GSM8K_DIR}")
     return GSM8K_DIR
+
+
+# a tiny random model and a 40-prompt registry, shared by the end-to-end trainer tests of a module
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    from .tiny_models import make_tiny_model_dir
+
+    return make_tiny_model_dir(str(tmp_path_factory.mktemp("tiny_model")))
+
+
+@pytest.fixture(scope="module")
+def registry(tmp_path_factory):
+    from .trainer_setup import write_prompt_registry
+
+    return write_prompt_registry(str(tmp_path_factory.mktemp("data")))

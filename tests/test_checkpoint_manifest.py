@@ -12,20 +12,9 @@ from grpo.errors import CheckpointError, ConfigError, TrainingError
 from grpo.manifest import MANIFEST_FILE, quick_problem, verify_checkpoint, write_manifest
 from grpo.trainer import GRPOTrainer
 
-from .tiny_models import make_tiny_model_dir
-from .trainer_setup import tiny_config, write_prompt_registry
+from .trainer_setup import tiny_config
 
 ENGINE_FILE = "engine/mp_rank_00_model_states.pt"
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    return make_tiny_model_dir(str(tmp_path_factory.mktemp("tiny_model")))
-
-
-@pytest.fixture(scope="module")
-def registry(tmp_path_factory):
-    return write_prompt_registry(str(tmp_path_factory.mktemp("data")))
 
 
 @pytest.fixture(scope="module")

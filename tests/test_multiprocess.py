@@ -94,13 +94,20 @@ def test_two_ranks(zero, strategy, setup):
     assert os.path.isfile(final / ("model.safetensors" if strategy == "full" else "adapter_model.safetensors"))
 
 
+def launch_with_reward(setup, reward_file: str, out_name: str, port: int, **kw):
+    """A 4-step lora run on 2 ranks whose reward module is `reward_file` (no eval at step 0: the module counts
+    reward calls as training steps)."""
+    folder, model, registry = setup
+    out = folder / out_name
+    proc = launch(folder, model, registry, out, port, "--reward_module", str(folder / reward_file),
+                  "--eval_on_start", "false", "--tuning_strategy", "lora", "--max_steps", "4",
+                  "--ddp_timeout_minutes", "10", **kw)
+    return out, proc
+
+
 @pytest.mark.skipif(shutil.which("deepspeed") is None, reason="the deepspeed launcher is not on PATH")
 def test_a_rank_that_fails_stops_the_job_with_its_error(setup):
-    folder, model, registry = setup
-    out = folder / "out_failing"
-    proc = launch(folder, model, registry, out, 29511, "--reward_module", str(folder / "failing_rewards.py"),
-                  "--eval_on_start", "false",
-                  "--tuning_strategy", "lora", "--max_steps", "4", "--ddp_timeout_minutes", "10")
+    out, proc = launch_with_reward(setup, "failing_rewards.py", "out_failing", 29511)
     ended = time.time()
     assert proc.returncode != 0
     record = json.loads((out / "failures" / "rank1.json").read_text())
@@ -153,11 +160,7 @@ def test_two_ranks_verify_before_resuming(setup):
 
 @pytest.mark.skipif(shutil.which("deepspeed") is None, reason="the deepspeed launcher is not on PATH")
 def test_a_rank_killed_without_an_error_is_named(setup):
-    folder, model, registry = setup
-    out = folder / "out_killed"
-    proc = launch(folder, model, registry, out, 29513, "--reward_module", str(folder / "killed_rewards.py"),
-                  "--eval_on_start", "false",
-                  "--tuning_strategy", "lora", "--max_steps", "4", "--ddp_timeout_minutes", "10", timeout=300)
+    out, proc = launch_with_reward(setup, "killed_rewards.py", "out_killed", 29513, timeout=300)
     assert proc.returncode != 0
     lines = [line for line in (proc.stdout + proc.stderr).splitlines()
              if line.strip() and "launch.py" not in line and "[launch" not in line]

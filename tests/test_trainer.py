@@ -11,18 +11,7 @@ from grpo.errors import DatasetError, TrainingError
 from grpo.reporting import read_metrics
 from grpo.trainer import GRPOTrainer
 
-from .tiny_models import make_tiny_model_dir
 from .trainer_setup import PROMPTS, add_dataset, tiny_config, write_prompt_registry
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    return make_tiny_model_dir(str(tmp_path_factory.mktemp("tiny_model")))
-
-
-@pytest.fixture(scope="module")
-def registry(tmp_path_factory):
-    return write_prompt_registry(str(tmp_path_factory.mktemp("data")))
 
 
 def target_token_reward(target_id):

@@ -9,18 +9,8 @@ from grpo.reporting import read_metrics
 from grpo.trainer import GRPOTrainer
 
 from .test_trainer import final_weights, pick_target
-from .tiny_models import make_tiny_model_dir, make_tiny_reward_model_dir
+from .tiny_models import make_tiny_reward_model_dir
 from .trainer_setup import tiny_config, write_prompt_registry
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    return make_tiny_model_dir(str(tmp_path_factory.mktemp("tiny_model")))
-
-
-@pytest.fixture(scope="module")
-def registry(tmp_path_factory):
-    return write_prompt_registry(str(tmp_path_factory.mktemp("data")))
 
 
 def train_rows(output_dir):

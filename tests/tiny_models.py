@@ -12,18 +12,20 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
-def make_tiny_tokenizer(with_chat_template: bool = True):
+def make_tiny_tokenizer(with_chat_template: bool = True, specials=SPECIALS, words=WORDS,
+                        chat_template: str = CHAT_TEMPLATE):
+    """A word-level tokenizer over `specials` + `words` (ids in that order), EOS <|im_end|>."""
     from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {tok: i for i, tok in enumerate(SPECIALS + WORDS)}
+    vocab = {tok: i for i, tok in enumerate(specials + words)}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in SPECIALS])
+    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in specials])
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>",
                                    eos_token="<|im_end|>")
     if with_chat_template:
-        fast.chat_template = CHAT_TEMPLATE
+        fast.chat_template = chat_template
     return fast
 
 

@@ -21,17 +21,9 @@ CHAT_TEMPLATE = (
 
 
 def make_tiny_vl_tokenizer():
-    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    from .tiny_models import make_tiny_tokenizer
 
-    vocab = {tok: i for i, tok in enumerate(SPECIALS + WORDS)}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in SPECIALS])
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>",
-                                   eos_token="<|im_end|>")
-    fast.chat_template = CHAT_TEMPLATE
-    return fast
+    return make_tiny_tokenizer(specials=SPECIALS, words=WORDS, chat_template=CHAT_TEMPLATE)
 
 
 def make_tiny_vl_model_dir(path: str, arch: str = "qwen2_5_vl", seed: int = 0, min_pixels: int = 56 * 56,
