@@ -24,7 +24,7 @@ class RolloutBatch:
     attention_mask: torch.Tensor     # [N, P+T] long
     completion_ids: torch.Tensor     # [N, T] long
     completion_mask: torch.Tensor    # [N, T] float
-    rollout_logprobs: torch.Tensor   # [N, T] float, from the rollout engine
+    rollout_logprobs: Optional[torch.Tensor]  # [N, T] float, from the rollout engine; None when not asked for
     truncated: torch.Tensor          # [N] bool, completion hit the length limit
     prompt_index: Optional[torch.Tensor] = None  # [N] long
     images: Optional[list] = None    # [prompts] of grpo.vision.PromptImages or None, not sliced with the rows
@@ -72,7 +72,9 @@ def build_rollout_batch(prompt_ids: list[list[int]], completions: list[Completio
     attention = torch.zeros((n, prompt_width + comp_width), dtype=torch.long)
     comp_ids = torch.full((n, comp_width), pad_id, dtype=torch.long)
     comp_mask = torch.zeros((n, comp_width), dtype=torch.float32)
-    rollout_lp = torch.zeros((n, comp_width), dtype=torch.float32)
+    # the engine's log-probs, when it returned them for every token (see SamplingSettings.logprobs)
+    with_logprobs = all(len(c.logprobs) == len(c.token_ids) for c in completions)
+    rollout_lp = torch.zeros((n, comp_width), dtype=torch.float32) if with_logprobs else None
     truncated = torch.zeros(n, dtype=torch.bool)
     for i, c in enumerate(completions):
         p = prompt_ids[c.prompt_index]
@@ -83,7 +85,8 @@ def build_rollout_batch(prompt_ids: list[list[int]], completions: list[Completio
             input_ids[i, prompt_width:prompt_width + t] = torch.tensor(c.token_ids)
             attention[i, prompt_width:prompt_width + t] = 1
             comp_ids[i, :t] = torch.tensor(c.token_ids)
-            rollout_lp[i, :t] = torch.tensor(c.logprobs, dtype=torch.float32)
+            if rollout_lp is not None:
+                rollout_lp[i, :t] = torch.tensor(c.logprobs, dtype=torch.float32)
         truncated[i] = c.finish_reason == "length"
         if not (mask_truncated and truncated[i]):
             comp_mask[i, :t] = 1.0

@@ -185,6 +185,9 @@ class GRPOConfig:
                         "rollout")
     vllm_gpu_memory_utilization: float = _opt(0.3, "Fraction of GPU memory vLLM may take.", "rollout")
     vllm_sleep: bool = _opt(True, "Put vLLM to sleep (free KV cache) while DeepSpeed trains.", "rollout")
+    logprob_check_steps: int = _opt(
+        10, "Ask the rollout engine for its sampling log-probs every N steps, for the rollout/logprob_diff metric "
+            "(always with --rollout_is_correction); vLLM generates faster without them.", "rollout")
     vllm_enforce_eager: bool = _opt(False, "Run vLLM without CUDA graphs / torch.compile (starts faster).",
                                     "rollout")
 
@@ -295,6 +298,7 @@ class GRPOConfig:
                                         f"by folder name, so give each a distinct name")
         need(self.rollout_is_cap >= 1.0, "rollout_is_cap", "must be >= 1")
         need(self.vllm_tp >= 1, "vllm_tp", "must be >= 1")
+        need(self.logprob_check_steps >= 1, "logprob_check_steps", "must be >= 1")
         world = int(os.environ.get("WORLD_SIZE", "1"))
         need(world % self.vllm_tp == 0, "vllm_tp",
              f"must divide the number of ranks (WORLD_SIZE={world}); got {self.vllm_tp}")

@@ -74,12 +74,12 @@ def update(engine, micro_batches: list[MicroBatch], advantages: torch.Tensor, ol
         logprobs = logprobs.float()                                                   # [n, t]
         old = mb.gather(old_logprobs).to(device) if old_logprobs is not None else logprobs.detach()
         ref = mb.gather(ref_logprobs).to(device) if ref_logprobs is not None else None
-        if first_pass and not mb.empty and b.completion_mask.sum() > 0:
+        if first_pass and not mb.empty and b.completion_mask.sum() > 0 and b.rollout_logprobs is not None:
             diff = (old - b.rollout_logprobs).abs() * b.completion_mask
             mismatch_mean.append((diff.sum() / b.completion_mask.sum()).item())
             mismatch_max.append(diff.max().item())
         is_weights = None
-        if cfg.rollout_is_correction:
+        if cfg.rollout_is_correction:  # (the rollout always asks for log-probs then)
             # truncated importance sampling: the rollout engine sampled from a slightly different policy
             is_weights = torch.exp(old - b.rollout_logprobs).clamp(max=cfg.rollout_is_cap)
         loss, m = policy_loss(logprobs, old, mb.gather(advantages).to(device), b.completion_mask, ref_logprobs=ref,

@@ -223,8 +223,10 @@ class GRPOTrainer:
         self._sizes = {"prompts per rank": len(prompts), "completions per rank": len(prompts) * cfg.k_samples,
                        "--rollout_max_new_tokens": cfg.rollout_max_new_tokens}
         self.rollout_engine.wake()
+        # the engine's log-probs serve the IS correction (every step) and the mismatch metric (every N steps)
+        logprobs = cfg.rollout_is_correction or self.state.step % cfg.logprob_check_steps == 0
         sampling = SamplingSettings(n=cfg.k_samples, max_new_tokens=cfg.rollout_max_new_tokens,
-                                    temperature=cfg.temperature, top_p=cfg.top_p)
+                                    temperature=cfg.temperature, top_p=cfg.top_p, logprobs=logprobs)
         images = self._prompt_images(prompts)  # each prompt's pixels once, shared by its k samples
         completions = self.rollout_engine.generate([p["prompt_ids"] for p in prompts], sampling,
                                                    **({"images": images} if images else {}))
@@ -327,8 +329,8 @@ class GRPOTrainer:
         samples = []
         if rows:
             self.rollout_engine.wake()
-            sampling = SamplingSettings(n=1, max_new_tokens=cfg.rollout_max_new_tokens,
-                                        temperature=cfg.temperature, top_p=cfg.top_p, greedy=cfg.eval_greedy)
+            sampling = SamplingSettings(n=1, max_new_tokens=cfg.rollout_max_new_tokens, temperature=cfg.temperature,
+                                        top_p=cfg.top_p, greedy=cfg.eval_greedy, logprobs=False)
             images = self._prompt_images(rows)
             completions = self.rollout_engine.generate([r["prompt_ids"] for r in rows], sampling,
                                                        **({"images": images} if images else {}))

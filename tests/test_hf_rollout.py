@@ -58,6 +58,20 @@ def test_logprobs_match_teacher_forcing(engine):
         torch.testing.assert_close(recomputed[mask], batch.rollout_logprobs[mask], atol=1e-4, rtol=1e-4)
 
 
+def test_logprobs_only_when_asked(engine):
+    eng, tok = engine
+    ps = prompts(tok)
+    torch.manual_seed(3)
+    asked = eng.generate(ps, SamplingSettings(n=2, max_new_tokens=6))
+    torch.manual_seed(3)
+    unasked = eng.generate(ps, SamplingSettings(n=2, max_new_tokens=6, logprobs=False))
+    # the same samples, without log-probs; the batch then carries none (not zeros that would read as log p = 0)
+    assert [c.token_ids for c in unasked] == [c.token_ids for c in asked]
+    assert all(c.logprobs == [] for c in unasked) and all(len(c.logprobs) == len(c.token_ids) for c in asked)
+    assert build_rollout_batch(ps, unasked, tok.pad_token_id).rollout_logprobs is None
+    assert build_rollout_batch(ps, asked, tok.pad_token_id).rollout_logprobs is not None
+
+
 @pytest.mark.parametrize("max_batch_size", [1, 2])  # 3 prompts: chunks of 1+1+1, and 2+1
 def test_greedy_is_deterministic_and_chunking_changes_nothing(engine, max_batch_size):
     eng, tok = engine

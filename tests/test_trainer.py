@@ -172,6 +172,21 @@ def test_kl_reference_reused_rollouts_and_is_correction(tiny_model, registry, tm
     assert all(r["kl"] > 0 for r in rows)
 
 
+def test_rollout_logprobs_every_n_steps(tiny_model, registry, tmp_path):
+    # without IS correction the engine's log-probs only feed the mismatch metric: steps 1, 3, 5 with N = 2
+    config = tiny_config(tiny_model, registry, str(tmp_path / "every2"), max_steps=4, logprob_check_steps=2,
+                         eval_on_start=False)
+    GRPOTrainer(config).train()
+    rows = [r for r in read_metrics(str(tmp_path / "every2" / "metrics.jsonl")) if "loss" in r]
+    assert [r["step"] for r in rows if "rollout/logprob_diff_mean" in r] == [1, 3]
+    # with the correction they are needed every step
+    config = tiny_config(tiny_model, registry, str(tmp_path / "is"), max_steps=2, logprob_check_steps=5,
+                         rollout_is_correction=True, eval_on_start=False)
+    GRPOTrainer(config).train()
+    rows = [r for r in read_metrics(str(tmp_path / "is" / "metrics.jsonl")) if "loss" in r]
+    assert all("rollout/logprob_diff_mean" in r for r in rows) and len(rows) == 2
+
+
 # 32 words + 5 chat-template tokens = 37 prompt tokens, over tiny_config's --max_prompt_length 32 (short ones: 11)
 LONG = "What is " + " + ".join(["1"] * 15) + " ?"
 

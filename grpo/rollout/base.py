@@ -18,13 +18,15 @@ class SamplingSettings:
     temperature: float = 1.0
     top_p: float = 1.0
     greedy: bool = False
+    logprobs: bool = True       # return the sampled tokens' log-probs (vLLM computes them only when asked)
 
 
 @dataclass
 class Completion:
     prompt_index: int           # which prompt of the generate() call this completes
     token_ids: list[int]        # includes the stop token when finish_reason == "stop"
-    logprobs: list[float]       # log-prob of each token under softmax(logits / temperature), no top-p renormalising
+    logprobs: list[float]       # log-prob of each token under softmax(logits / temperature), no top-p renormalising;
+                                # empty when the sampling settings did not ask for them
     finish_reason: str          # "stop" | "length"
 
 

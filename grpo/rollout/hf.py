@@ -83,7 +83,7 @@ class HFRolloutEngine:
         per_prompt = 1 if sampling.greedy else sampling.n
         kwargs = dict(max_new_tokens=sampling.max_new_tokens, num_return_sequences=per_prompt,
                       eos_token_id=self.stop_ids, pad_token_id=self.pad_id, use_cache=True,
-                      output_logits=True, return_dict_in_generate=True)
+                      output_logits=sampling.logprobs, return_dict_in_generate=True)
         if self.suppress_token_ids:
             kwargs["suppress_tokens"] = self.suppress_token_ids
         if sampling.greedy:
@@ -103,7 +103,7 @@ class HFRolloutEngine:
         logprobs = torch.stack([
             torch.log_softmax(step_logits.float() / temperature, dim=-1)
             .gather(-1, new_tokens[:, t].to(step_logits.device).unsqueeze(-1)).squeeze(-1).cpu()
-            for t, step_logits in enumerate(result.logits)], dim=1)             # [P*n, T]
+            for t, step_logits in enumerate(result.logits)], dim=1) if sampling.logprobs else None  # [P*n, T]
         completions = []
         stop = set(self.stop_ids)
         for row in range(new_tokens.shape[0]):
@@ -111,7 +111,8 @@ class HFRolloutEngine:
             end = next((i + 1 for i, t in enumerate(tokens) if t in stop), None)
             finish = "stop" if end is not None else "length"
             end = end if end is not None else len(tokens)
-            completions += [Completion(row // per_prompt, tokens[:end], logprobs[row, :end].tolist(), finish)
+            row_logprobs = logprobs[row, :end].tolist() if logprobs is not None else []
+            completions += [Completion(row // per_prompt, tokens[:end], row_logprobs, finish)
                             for _ in range(sampling.n // per_prompt)]
         return completions
 

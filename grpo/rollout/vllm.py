@@ -94,7 +94,8 @@ class VLLMRolloutEngine:
         params = self._vllm.SamplingParams(
             n=sampling.n, max_tokens=sampling.max_new_tokens,
             temperature=0.0 if sampling.greedy else sampling.temperature,
-            top_p=1.0 if sampling.greedy else sampling.top_p, logprobs=0, detokenize=False,
+            top_p=1.0 if sampling.greedy else sampling.top_p, logprobs=0 if sampling.logprobs else None,
+            detokenize=False,
             stop_token_ids=self.stop_token_ids or None,
             logit_bias={t: -100.0 for t in self.suppress_token_ids} or None)
         requests = [self._request(ids, pil) for ids, pil in prompts]
