@@ -65,7 +65,8 @@ def load_policy(config: GRPOConfig, model_path: str, dtype: torch.dtype, device:
                                           llm_int8_skip_modules=skip)
     model = _load_base(model_path, dtype, device, config.trust_remote_code, quantization)
     if config.qlora_skip_list:
-        _check_kept_modules_exist(model, config.qlora_skip_list)
+        _check_module_names_exist(model, config.qlora_skip_list, "--qlora_skip_modules",
+                                  "give a name or its last parts")
     if is_vl and config.freeze_vision_tower:
         vision.freeze_vision_tower(model)
     if config.tuning_strategy == "qlora":
@@ -132,7 +133,8 @@ def _attach_lora(model, config: GRPOConfig, language_linears: Optional[list[str]
         targets = language_linears
     exclude = config.lora_exclude
     if exclude is not None:
-        _check_excluded_modules_exist(model, exclude, config.lora_exclude_modules)
+        _check_module_names_exist(model, exclude, f"--lora_exclude_modules {config.lora_exclude_modules}",
+                                  "a regex must match a whole name")
     lora = LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
                       target_modules=targets, exclude_modules=exclude, task_type="CAUSAL_LM")
     try:
@@ -143,27 +145,18 @@ def _attach_lora(model, config: GRPOConfig, language_linears: Optional[list[str]
         raise ConfigError(f"{flags}: {exc}") from exc
 
 
-def _check_kept_modules_exist(model, names: list[str]) -> None:
-    """--qlora_skip_modules names that match no layer are typos: the layers would be quantized after all."""
+def _check_module_names_exist(model, names, flag: str, hint: str) -> None:
+    """Names (or one regex, as a str) that match no module are typos: the flag would silently change nothing
+    (peft only warns about an unmatched exclude; bitsandbytes quantizes an unmatched skip after all)."""
     modules = [n for n, _ in model.named_modules() if n]
-    missing = [k for k in names if not any(n == k or n.endswith("." + k) for n in modules)]
+    if isinstance(names, str):
+        missing = [] if any(re.fullmatch(names, n) for n in modules) else [names]
+    else:
+        missing = [k for k in names if not any(n == k or n.endswith("." + k) for n in modules)]
     if missing:
         example = next((n for n in modules if n.endswith("proj")), modules[-1])
-        raise ConfigError(f"--qlora_skip_modules: {', '.join(repr(m) for m in missing)} matches no module of the "
-                          f"model (names look like '{example}'; give a name or its last parts)")
-
-
-def _check_excluded_modules_exist(model, exclude, flag_value: str) -> None:
-    """A name that matches no module is a typo: peft would only warn, and adapt the layer anyway."""
-    names = [n for n, _ in model.named_modules() if n]
-    if isinstance(exclude, str):
-        missing = [] if any(re.fullmatch(exclude, n) for n in names) else [exclude]
-    else:
-        missing = [e for e in exclude if not any(n == e or n.endswith("." + e) for n in names)]
-    if missing:
-        example = next((n for n in names if n.endswith("proj")), names[-1])
-        raise ConfigError(f"--lora_exclude_modules {flag_value}: {', '.join(repr(m) for m in missing)} matches no "
-                          f"module of the model (names look like '{example}'; a regex must match a whole name)")
+        raise ConfigError(f"{flag}: {', '.join(repr(m) for m in missing)} matches no module of the model (names "
+                          f"look like '{example}'; {hint})")
 
 
 def load_reference(config: GRPOConfig, model_path: str, dtype: torch.dtype,
