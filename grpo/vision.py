@@ -51,8 +51,10 @@ def image_token_types(model, input_ids: torch.Tensor, image_token_id: int) -> di
     Qwen2-VL computes its multimodal rope from it), else {}."""
     import inspect
 
-    for module in model.modules():
-        if getattr(getattr(module, "config", None), "vision_config", None) is not None:
+    from transformers import PreTrainedModel
+
+    for module in model.modules():  # the transformers model itself: peft's wrapper forwards `config` but takes **kwargs
+        if isinstance(module, PreTrainedModel) and getattr(module.config, "vision_config", None) is not None:
             if "mm_token_type_ids" in inspect.signature(module.forward).parameters:
                 return {"mm_token_type_ids": (input_ids == image_token_id).long()}
             return {}

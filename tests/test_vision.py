@@ -231,6 +231,27 @@ def test_full_trains_everything_but_the_vision_tower(vl_model):
     assert "lm_head" not in language_linear_names(model)
 
 
+@pytest.mark.parametrize("strategy", ["lora", "qlora"])
+def test_a_fresh_adapter_scores_like_the_base_model(vl_model, strategy):
+    """Scoring through peft's wrapper sees what the transformers model under it sees (same multimodal rope
+    positions and pixels), and the adapter starts at zero."""
+    tokenizer = load_tokenizer(vl_model)
+    processor = VisionProcessor.from_pretrained(vl_model, tokenizer)
+    refs = [{"bytes": png(COLORS["red"]), "path": None}]
+    _, ids = processor.render([{"role": "user", "content": IMAGE_MARKER + "What color is the image ?"}], refs, "t")
+    text = [tokenizer.convert_tokens_to_ids(w) for w in ["red", "circle", "is", "the", "shape", "."]]
+    from grpo.rollout.base import Completion
+
+    batch = build_rollout_batch([ids], [Completion(0, text, [0.0] * len(text), "length")], tokenizer.pad_token_id,
+                                images=[processor.prompt_images(refs)])
+    model = policy(vl_model, strategy)
+    with torch.no_grad():
+        adapted = completion_logprobs(model, batch, 1.0)[0]
+        bare = completion_logprobs(model.get_base_model(), batch, 1.0)[0]
+    assert bare.abs().min() > 0.01  # a real distribution, far from certain
+    torch.testing.assert_close(adapted, bare, atol=1e-5, rtol=1e-5)
+
+
 # ------------------------------------------------------------------------------------------- sync names
 # vLLM v0.26.0 vllm/model_executor/models/qwen2_5_vl.py, Qwen2_5_VLForConditionalGeneration.hf_to_vllm_mapper
 VLLM_QWEN2_5_VL_PREFIXES = {"model.language_model.": "language_model.model.", "model.visual.": "visual.",

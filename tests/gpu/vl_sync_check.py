@@ -36,7 +36,7 @@ def build_model(path: str) -> str:
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIALS}
     config = Qwen2_5_VLConfig(
         text_config=dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=12,
-                         num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=4096,
+                         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=4096,
                          rope_scaling={"type": "mrope", "mrope_section": [16, 24, 24]}, tie_word_embeddings=False,
                          pad_token_id=ids["<pad>"], eos_token_id=ids["<|im_end|>"], bos_token_id=None),
         vision_config=dict(depth=8, hidden_size=512, intermediate_size=1376, num_heads=8, out_hidden_size=1024,
