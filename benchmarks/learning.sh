@@ -4,10 +4,11 @@
 #   bash benchmarks/learning.sh                                  # arith: full, lora, qlora; GSM8K: lora, qlora
 #   ARITH="lora qlora" SEEDS="0 1" GSM8K="" bash benchmarks/learning.sh
 #   ARITH=qlora GSM8K="" TAG=nodrop EXTRA="--lora_dropout 0" bash benchmarks/learning.sh   # an ablation
-#   PARALLEL=3 bash benchmarks/learning.sh     # up to 3 runs at once on the one GPU (a 135M model leaves it idle);
+#   PARALLEL=4 bash benchmarks/learning.sh     # up to 4 runs at once on the one GPU (a 135M model leaves it idle);
 #                                              # the table's wall / train seconds then include the sharing. Runs
-#   that share a GPU keep vLLM awake with a 0.2 memory share: vLLM sizes its KV cache by profiling the GPU's
-#   memory, which another run's sleep / wake would disturb.
+#   that share a GPU keep vLLM awake with a VLLM_MEM share (default 0.08): vLLM sizes its KV cache by profiling the
+#   GPU's memory, which another run's sleep / wake would disturb. With 8 at once, or 4 at a 0.15 share, some runs
+#   failed to start or ran out of memory on an H100.
 #
 # arith: SmolLM2-135M-Instruct (embedded), 16 prompts x 8 samples, 64 new tokens, 40 steps, 100 held-out prompts
 # evaluated greedily (boxed accuracy). GSM8K: train on train.jsonl, evaluate greedily on all 1,319 test.jsonl
@@ -22,11 +23,11 @@ SEEDS=${SEEDS:-0}
 STEPS=${STEPS:-40}
 GSM8K_STEPS=${GSM8K_STEPS:-60}
 LR_LORA=${LR_LORA:-3e-4}
-LR_FULL=${LR_FULL:-1e-5}
+LR_FULL=${LR_FULL:-3e-5}
 TAG=${TAG:+-$TAG}    # appended to run names
 read -r -a EXTRA_ARGS <<< "${EXTRA:-}"  # extra train_grpo.py flags for every run
 PARALLEL=${PARALLEL:-1}
-[ "$PARALLEL" -gt 1 ] && EXTRA_ARGS+=(--vllm_sleep false --vllm_gpu_memory_utilization 0.2)
+[ "$PARALLEL" -gt 1 ] && EXTRA_ARGS+=(--vllm_sleep false --vllm_gpu_memory_utilization "${VLLM_MEM:-0.08}")
 port=${PORT:-29600}
 GSM8K_DIR=${GSM8K_DIR:-../shared/data/gsm8k}
 [ -f "$GSM8K_DIR/test.jsonl" ] || GSM8K_DIR=data/gsm8k

@@ -5,6 +5,7 @@ Bad arguments raise ValueError with a message that says what to pass instead.
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -16,13 +17,15 @@ IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 KL_CLAMP = 10.0  # bound on the k3 log-ratio before exp and on k3 itself
 
 
-def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group", eps: float = 1e-4) -> torch.Tensor:
+def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group", eps: float = 1e-4,
+                     batch_std: Optional[float] = None) -> torch.Tensor:
     """Group-relative advantages of a flat reward vector `[B*G]` whose groups are consecutive.
 
         A_i = (r_i - mean_g) / (std_g + eps)      scale="group"  (GRPO, Shao et al. 2024, sec. 4.1.2)
-        A_i = (r_i - mean_g) / (std_batch + eps)  scale="batch"
+        A_i = (r_i - mean_g) / (std_batch + eps)  scale="batch"  (group mean, batch std)
         A_i =  r_i - mean_g                        scale="none"   (Dr. GRPO, Liu et al. 2025)
     std is unbiased (torch.std's default). A group whose rewards are all equal gets exactly 0: its numerator is 0.
+    `batch_std` is std_batch when the step's batch spans more than `rewards` (other ranks: `reward_std`).
     """
     if rewards.dim() != 1:
         raise ValueError(f"rewards must be a flat [B*G] vector, got shape {tuple(rewards.shape)}")
@@ -39,9 +42,19 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group
     if scale == "group":
         # a group of one has no spread (torch.std would give NaN); its centered reward is 0 anyway
         std = grouped.std(dim=1, keepdim=True) if group_size > 1 else torch.zeros_like(grouped[:, :1])  # [B, 1]
+    elif batch_std is not None:
+        std = rewards.new_tensor(batch_std)                                                            # []
     else:
         std = rewards.std() if rewards.numel() > 1 else rewards.new_zeros(())                            # []
     return (centered / (std + eps)).reshape(-1)                 # [B*G]
+
+
+def reward_std(total: float, total_of_squares: float, count: float) -> float:
+    """Unbiased std of rewards known by their sums (summed over ranks):
+        std = sqrt((sum r^2 - (sum r)^2 / n) / (n - 1)), 0 for n < 2."""
+    if count < 2:
+        return 0.0
+    return math.sqrt(max(total_of_squares - total * total / count, 0.0) / (count - 1))
 
 
 def _check_chunking(temperature: float, chunk_size: int) -> None:

@@ -162,8 +162,9 @@ class GRPOConfig:
               "Default off.", "grpo")
     loss_aggregation: str = _opt("token_mean", "How token losses become one number: " + ", ".join(AGGREGATIONS),
                                  "grpo", choices=AGGREGATIONS)
-    scale_rewards: str = _opt("group", "Advantage scaling: group std, batch std, or none (Dr. GRPO).", "grpo",
-                              choices=REWARD_SCALES)
+    scale_rewards: str = _opt("batch", "Advantage scaling: (r - group mean) divided by the std of the step's whole "
+                              "batch (batch), of the group (group, the original GRPO), or not divided (none, "
+                              "Dr. GRPO).", "grpo", choices=REWARD_SCALES)
     num_iterations: int = _opt(1, "Optimizer updates per rollout batch (mu); >1 reuses stored old log-probs.",
                                "grpo")
     mask_truncated_completions: bool = _opt(

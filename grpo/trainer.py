@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from . import distributed as dist_utils
-from .algorithm import group_advantages, kl_penalized_rewards
+from .algorithm import group_advantages, kl_penalized_rewards, reward_std
 from .batch import RolloutBatch, build_rollout_batch
 from .checkpoint import TrainerState, list_checkpoints, load_checkpoint, resolve_resume_path, save_checkpoint
 from .config import EMBEDDED_MODEL, GRPOConfig
@@ -161,7 +161,7 @@ class GRPOTrainer:
                 if cfg.kl_in_reward:  # r - beta * sum_t (lp - ref), in place of the loss's KL term
                     rewards = kl_penalized_rewards(rewards, old_logprobs, ref_logprobs, batch.completion_mask,
                                                    cfg.kl_beta)
-                advantages = group_advantages(rewards, cfg.k_samples, scale=cfg.scale_rewards)  # [N]
+                advantages = self._advantages(rewards)  # [N]
                 train_metrics, times["train"] = self._optimize(batch, micro_batches, advantages, old_logprobs,
                                                                ref_logprobs)
                 times["sync"] = self._sync_rollout_weights()
@@ -268,6 +268,14 @@ class GRPOTrainer:
 
     @phase("log-probs")
     @torch.no_grad()
+    def _advantages(self, rewards: torch.Tensor) -> torch.Tensor:
+        """Group-relative advantages; with --scale_rewards batch the std is the whole step's, over every rank."""
+        batch_std = None
+        if self.config.scale_rewards == "batch":
+            r = rewards.double()
+            batch_std = reward_std(*dist_utils.all_sum([r.sum().item(), (r * r).sum().item(), float(r.numel())]))
+        return group_advantages(rewards, self.config.k_samples, scale=self.config.scale_rewards, batch_std=batch_std)
+
     def _old_and_reference_logprobs(self, batch: RolloutBatch, micro_batches: list[MicroBatch]):
         """Old-policy log-probs (needed when one rollout feeds several updates) and reference log-probs (KL),
         each step-wide [N, T]."""
