@@ -266,8 +266,6 @@ class GRPOTrainer:
         """The sizes of the step in progress, for an out-of-memory message."""
         return dict(getattr(self, "_sizes", {}))
 
-    @phase("log-probs")
-    @torch.no_grad()
     def _advantages(self, rewards: torch.Tensor) -> torch.Tensor:
         """Group-relative advantages; with --scale_rewards batch the std is the whole step's, over every rank."""
         batch_std = None
@@ -276,6 +274,8 @@ class GRPOTrainer:
             batch_std = reward_std(*dist_utils.all_sum([r.sum().item(), (r * r).sum().item(), float(r.numel())]))
         return group_advantages(rewards, self.config.k_samples, scale=self.config.scale_rewards, batch_std=batch_std)
 
+    @phase("log-probs")
+    @torch.no_grad()
     def _old_and_reference_logprobs(self, batch: RolloutBatch, micro_batches: list[MicroBatch]):
         """Old-policy log-probs (needed when one rollout feeds several updates) and reference log-probs (KL),
         each step-wide [N, T]."""

@@ -101,3 +101,19 @@ def test_dynamic_sampling_draws_more_rounds_and_resumes_exactly(tiny_model, regi
     for key in ("reward/mean", "dynamic_sampling/rounds", "dynamic_sampling/prompts_drawn",
                 "dynamic_sampling/groups_kept"):
         assert [r[key] for r in rows_a] == [r[key] for r in rows_b], key
+
+
+def test_old_and_reference_logprobs_are_taken_without_a_graph(tiny_model, registry, tmp_path):
+    from grpo.algorithm import group_advantages
+
+    config = tiny_config(tiny_model, registry, str(tmp_path), use_kl_penalty=True, kl_beta=0.1, num_iterations=2,
+                         eval_on_start=False)
+    trainer = GRPOTrainer(config)
+    rollout, _ = trainer._collect_rollouts()
+    batch = trainer._rollout_batch(rollout)
+    old, ref, _ = trainer._old_and_reference_logprobs(batch, trainer._micro_batches(batch))
+    assert old.shape == ref.shape == batch.completion_ids.shape
+    assert not old.requires_grad and not ref.requires_grad  # scored under no_grad: no graph kept for the step
+    # one rank: the step's batch std is this batch's
+    rewards = torch.tensor([0.0, 1.0, 1.0, 1.0, 0.5, 0.5, 2.0, 0.0])
+    torch.testing.assert_close(trainer._advantages(rewards), group_advantages(rewards, 4, scale="batch"))
