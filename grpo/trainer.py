@@ -222,19 +222,31 @@ class GRPOTrainer:
         start = time.perf_counter()
         self._sizes = {"prompts per rank": len(prompts), "completions per rank": len(prompts) * cfg.k_samples,
                        "--rollout_max_new_tokens": cfg.rollout_max_new_tokens}
+        parts = {}  # where the rollout phase's time goes: time/rollout_wake, _images, _generate, _sleep, _decode
+
+        def lap(name: str, since: float) -> float:
+            now = time.perf_counter()
+            parts[f"rollout_{name}"] = now - since
+            return now
+
         self.rollout_engine.wake()
+        mark = lap("wake", start)
         # the engine's log-probs serve the IS correction (every step) and the mismatch metric (every N steps)
         logprobs = cfg.rollout_is_correction or self.state.step % cfg.logprob_check_steps == 0
         sampling = SamplingSettings(n=cfg.k_samples, max_new_tokens=cfg.rollout_max_new_tokens,
                                     temperature=cfg.temperature, top_p=cfg.top_p, logprobs=logprobs)
         images = self._prompt_images(prompts)  # each prompt's pixels once, shared by its k samples
+        mark = lap("images", mark)
         completions = self.rollout_engine.generate([p["prompt_ids"] for p in prompts], sampling,
                                                    **({"images": images} if images else {}))
+        mark = lap("generate", mark)
         self.rollout_engine.sleep()
+        mark = lap("sleep", mark)
         texts = self.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
+        lap("decode", mark)
         seconds = time.perf_counter() - start
         tokens = sum(len(c.token_ids) for c in completions)
-        return completions, texts, images, {"rollout": seconds, "_rollout_tokens": tokens}
+        return completions, texts, images, {"rollout": seconds, **parts, "_rollout_tokens": tokens}
 
     def _rollout_batch(self, rollout: RolloutRound) -> RolloutBatch:
         return build_rollout_batch([p["prompt_ids"] for p in rollout.prompts], rollout.completions,

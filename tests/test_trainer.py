@@ -57,6 +57,11 @@ def test_notebook_run_writes_every_output(tiny_model, registry, tmp_path):
                 "lr", "grad_norm", "time/rollout", "time/reward", "time/logprobs", "time/train", "time/sync",
                 "throughput/rollout_tokens_per_s", "rollout/logprob_diff_mean", "rollout/logprob_diff_max"]:
         assert key in train_rows[0], key
+    # the rollout phase's parts: they cover its time, and generation is most of it
+    for row in train_rows:
+        parts = [row[f"time/rollout_{p}"] for p in ("wake", "images", "generate", "sleep", "decode")]
+        assert min(parts) >= 0 and sum(parts) <= row["time/rollout"] + 1e-6
+        assert row["time/rollout_generate"] >= 0.5 * row["time/rollout"]
     # the HF engine samples from the trained model itself, in fp32: rollout and trainer log-probs agree
     assert train_rows[0]["rollout/logprob_diff_max"] < 1e-3
     eval_rows = [r for r in rows if "eval/reward/mean" in r]
