@@ -49,12 +49,12 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group
     return (centered / (std + eps)).reshape(-1)                 # [B*G]
 
 
-def reward_std(total: float, total_of_squares: float, count: float) -> float:
-    """Unbiased std of rewards known by their sums (summed over ranks):
-        std = sqrt((sum r^2 - (sum r)^2 / n) / (n - 1)), 0 for n < 2."""
+def reward_std(squared_deviations: float, count: float) -> float:
+    """Unbiased std of rewards from their squared deviations about the mean (both summed over ranks):
+        std = sqrt(sum_i (r_i - mean)^2 / (n - 1)), 0 for n < 2."""
     if count < 2:
         return 0.0
-    return math.sqrt(max(total_of_squares - total * total / count, 0.0) / (count - 1))
+    return math.sqrt(squared_deviations / (count - 1))
 
 
 def _check_chunking(temperature: float, chunk_size: int) -> None:

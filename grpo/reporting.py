@@ -74,8 +74,8 @@ class RunReporter:
             self._bar.update(1)
         if step % self.config.logging_steps == 0:
             text = " ".join(f"{k}={v:.4g}" for k, v in headline.items())
-            phases = " ".join(f"{k.split('/')[1]}={v:.2f}s" for k, v in metrics.items()  # not their parts (a_b)
-                              if k.startswith("time/") and k != "time/step" and "_" not in k)
+            phases = " ".join(f"{k.split('/')[1]}={v:.2f}s" for k, v in metrics.items()  # not the rollout's parts
+                              if k.startswith("time/") and k != "time/step" and not k.startswith("time/rollout_"))
             logger.info(f"step {step}: {text} | {phases}")
 
     def log_eval(self, step: int, metrics: dict, samples: list[dict]) -> str:

@@ -135,6 +135,8 @@ class GRPOTrainer:
         # (for qlora the 4-bit weights, for a resumed run the restored ones), in evaluate() before train() too
         self._sync_rollout_weights(first=True)
         if self.is_main:
+            if config.resume_from_checkpoint:
+                _warn_changed_options(os.path.join(config.output_dir, "grpo_config.json"), config)
             config.save(os.path.join(config.output_dir, "grpo_config.json"))
         self._stop_signal: Optional[int] = None
 
@@ -279,11 +281,15 @@ class GRPOTrainer:
         return dict(getattr(self, "_sizes", {}))
 
     def _advantages(self, rewards: torch.Tensor) -> torch.Tensor:
-        """Group-relative advantages; with --scale_rewards batch the std is the whole step's, over every rank."""
+        """Group-relative advantages; with --scale_rewards batch the std is the whole step's, over every rank
+        (two reductions: the mean, then the squared deviations about it, which keeps the std exact for rewards far
+        from 0). Under dynamic sampling the uniform filler groups count in that std like any kept group."""
         batch_std = None
         if self.config.scale_rewards == "batch":
             r = rewards.double()
-            batch_std = reward_std(*dist_utils.all_sum([r.sum().item(), (r * r).sum().item(), float(r.numel())]))
+            total, count = dist_utils.all_sum([r.sum().item(), float(r.numel())])
+            squared = dist_utils.all_sum([((r - total / max(count, 1.0)) ** 2).sum().item()])[0]
+            batch_std = reward_std(squared, count)
         return group_advantages(rewards, self.config.k_samples, scale=self.config.scale_rewards, batch_std=batch_std)
 
     @phase("log-probs")
@@ -512,6 +518,21 @@ class GRPOTrainer:
     def _restore_signal_handlers(self, previous: dict) -> None:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def _warn_changed_options(saved_path: str, config: GRPOConfig) -> None:
+    """A resumed run continues with today's options: name those that differ from the run's saved ones (a flag
+    given differently, or a default that changed between versions, e.g. --scale_rewards)."""
+    try:
+        with open(saved_path) as fh:
+            saved = json.load(fh)
+    except (OSError, ValueError):
+        return
+    ignore = {"resume_from_checkpoint", "overwrite_output_dir", "max_steps", "epochs"}  # meant to change
+    changed = [f"--{k} {saved[k]!r} -> {v!r}" for k, v in config.to_dict().items()
+               if k in saved and k not in ignore and saved[k] != v]
+    if changed:
+        logger.warning("resuming with options that differ from the run's saved grpo_config.json: " + "; ".join(changed))
 
 
 def _mean_over_ranks(local: dict) -> dict:

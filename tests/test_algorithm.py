@@ -34,19 +34,19 @@ def test_group_advantages_batch_and_none_scale():
                                              -1 / (1.41421 + 1e-4), 1 / (1.41421 + 1e-4)]), atol=1e-4, rtol=1e-4)
 
 
-
 def test_batch_scale_over_ranks_uses_the_whole_steps_std():
-    # the step's rewards [0, 1, 3, 5] live on two ranks: [0, 1] and [3, 5]
-    # rank sums: (1, 1, 2) and (8, 34, 2) -> sum 9, sum of squares 35, n 4
-    # std = sqrt((35 - 81 / 4) / 3) = sqrt(14.75 / 3) = 2.21736, the single-rank batch std of [0, 1, 3, 5]
-    std = reward_std(1.0 + 8.0, 1.0 + 34.0, 4.0)
+    # the step's rewards [0, 1, 3, 5] live on two ranks: [0, 1] and [3, 5]; mean 9 / 4 = 2.25
+    # squared deviations: 5.0625 + 1.5625 on one rank, 0.5625 + 7.5625 on the other -> 14.75, n 4
+    # std = sqrt(14.75 / 3) = 2.21736, the single-rank batch std of [0, 1, 3, 5]
+    std = reward_std(5.0625 + 1.5625 + 0.5625 + 7.5625, 4.0)
     assert std == pytest.approx(math.sqrt(14.75 / 3))
     s = std + 1e-4
     torch.testing.assert_close(group_advantages(torch.tensor([3.0, 5.0]), 2, scale="batch", batch_std=std),
                                torch.tensor([-1 / s, 1 / s]))
     # without the step's std, one rank would divide by its own: std of [3, 5] = sqrt(2)
     assert group_advantages(torch.tensor([3.0, 5.0]), 2, scale="batch")[1].item() == pytest.approx(1 / (2 ** 0.5 + 1e-4))
-    assert reward_std(5.0, 25.0, 1.0) == 0.0 and reward_std(4.0, 8.0, 2.0) == 0.0  # one reward; [2, 2]
+    assert reward_std(0.0, 1.0) == 0.0 and reward_std(0.0, 2.0) == 0.0  # one reward; [2, 2]
+
 
 def test_group_advantages_zero_variance_is_exactly_zero():
     adv = group_advantages(torch.tensor([0.3, 0.3, 0.3]), 3)

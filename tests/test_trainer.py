@@ -1,5 +1,6 @@
 """End to end on CPU with a tiny random model: it learns, resumes exactly, skips bad steps, saves what it should."""
 import json
+import logging
 import os
 import signal
 
@@ -276,3 +277,21 @@ def test_out_of_memory_names_phase_sizes_and_knobs(tiny_model, registry, tmp_pat
                  "--gradient_checkpointing", "--vllm_gpu_memory_utilization", "no checkpoint was saved yet"):
         assert part in message, (part, message)
     assert "Traceback" not in message and "Traceback" in (tmp_path / "train.log").read_text()
+
+
+def test_resume_names_options_that_changed(tmp_path, caplog):
+    from grpo.trainer import _warn_changed_options
+
+    saved = tiny_config("model", "registry.json", str(tmp_path), scale_rewards="group", max_steps=2)
+    saved.save(str(tmp_path / "grpo_config.json"))
+    now = tiny_config("model", "registry.json", str(tmp_path), max_steps=10, resume_from_checkpoint="latest")
+    logger = logging.getLogger("grpo")  # it does not propagate to the root logger, where caplog listens
+    logger.addHandler(caplog.handler)
+    try:
+        _warn_changed_options(str(tmp_path / "grpo_config.json"), now)
+    finally:
+        logger.removeHandler(caplog.handler)
+    assert "--scale_rewards 'group' -> 'batch'" in caplog.text
+    assert "max_steps" not in caplog.text and "resume_from_checkpoint" not in caplog.text  # changes that are meant
+    assert not (tmp_path / "missing.json").exists()
+    _warn_changed_options(str(tmp_path / "missing.json"), now)  # nothing saved to compare with: no error

@@ -1,6 +1,7 @@
 """End to end on CPU with the tiny model: each objective option on (GSPO, dual-clip, KL estimators / KL in reward,
 entropy bonus, dynamic sampling, overlong shaping, math-verify, reward models), and dynamic sampling's exact resume."""
 import json
+import math
 
 import pytest
 import torch
@@ -104,8 +105,6 @@ def test_dynamic_sampling_draws_more_rounds_and_resumes_exactly(tiny_model, regi
 
 
 def test_old_and_reference_logprobs_are_taken_without_a_graph(tiny_model, registry, tmp_path):
-    from grpo.algorithm import group_advantages
-
     config = tiny_config(tiny_model, registry, str(tmp_path), use_kl_penalty=True, kl_beta=0.1, num_iterations=2,
                          eval_on_start=False)
     trainer = GRPOTrainer(config)
@@ -114,6 +113,28 @@ def test_old_and_reference_logprobs_are_taken_without_a_graph(tiny_model, regist
     old, ref, _ = trainer._old_and_reference_logprobs(batch, trainer._micro_batches(batch))
     assert old.shape == ref.shape == batch.completion_ids.shape
     assert not old.requires_grad and not ref.requires_grad  # scored under no_grad: no graph kept for the step
-    # one rank: the step's batch std is this batch's
-    rewards = torch.tensor([0.0, 1.0, 1.0, 1.0, 0.5, 0.5, 2.0, 0.0])
-    torch.testing.assert_close(trainer._advantages(rewards), group_advantages(rewards, 4, scale="batch"))
+
+
+def test_batch_scaled_advantages_use_every_ranks_rewards(monkeypatch, tmp_path):
+    """This rank holds the group [3, 5, 3, 5], a second (simulated) rank [0, 1, 0, 1]. Step: [0, 1, 0, 1, 3, 5, 3, 5],
+    mean 2.25, squared deviations 2 x (5.0625 + 1.5625 + 0.5625 + 7.5625) = 29.5, std sqrt(29.5 / 7) = 2.05287;
+    this rank's advantages: ([3, 5, 3, 5] - 4) / (2.05287 + 1e-4)."""
+    from types import SimpleNamespace
+
+    from grpo import distributed as dist_utils
+
+    other = torch.tensor([0.0, 1.0, 0.0, 1.0], dtype=torch.float64)
+    means = []
+
+    def all_sum(values):  # what the reduction over the two ranks returns
+        if len(values) == 2:  # [sum, count]
+            means.append((values[0] + other.sum().item()) / (values[1] + len(other)))
+            return [values[0] + other.sum().item(), values[1] + len(other)]
+        return [values[0] + ((other - means[-1]) ** 2).sum().item()]  # squared deviations about the step's mean
+
+    monkeypatch.setattr(dist_utils, "all_sum", all_sum)
+    host = SimpleNamespace(config=tiny_config("unused", "unused", str(tmp_path)))  # k_samples 4, default scaling
+    adv = GRPOTrainer._advantages(host, torch.tensor([3.0, 5.0, 3.0, 5.0]))
+    s = math.sqrt(29.5 / 7) + 1e-4
+    torch.testing.assert_close(adv, torch.tensor([-1 / s, 1 / s, -1 / s, 1 / s]))
+    assert means == [2.25]
