@@ -213,3 +213,18 @@ def _set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
+
+
+def warn_changed_options(saved_path: str, config) -> None:
+    """A resumed run continues with today's options: name those that differ from the run's saved ones (a flag
+    given differently, or a default that changed between versions, e.g. --scale_rewards)."""
+    try:
+        with open(saved_path) as fh:
+            saved = json.load(fh)
+    except (OSError, ValueError):
+        return
+    ignore = {"resume_from_checkpoint", "overwrite_output_dir", "max_steps", "epochs"}  # meant to change
+    changed = [f"--{k} {saved[k]!r} -> {v!r}" for k, v in config.to_dict().items()
+               if k in saved and k not in ignore and saved[k] != v]
+    if changed:
+        logger.warning("resuming with options that differ from the run's saved grpo_config.json: " + "; ".join(changed))

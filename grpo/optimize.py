@@ -12,6 +12,7 @@ micro-batches may change from step to step; all ranks run the same number, see m
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -114,3 +115,20 @@ def update(engine, micro_batches: list[MicroBatch], advantages: torch.Tensor, ol
         metrics["rollout/logprob_diff_mean"] = sum(mismatch_mean) / len(mismatch_mean)
         metrics["rollout/logprob_diff_max"] = max(mismatch_max)
     return UpdateResult(metrics, bad)
+
+
+def lr_schedule(optimizer, config: GRPOConfig, total_updates: int):
+    """Linear warmup over warmup_ratio of the updates, then constant / linear decay / cosine decay."""
+    warmup = math.ceil(config.warmup_ratio * total_updates)
+
+    def factor(update: int) -> float:
+        if update < warmup:
+            return (update + 1) / (warmup + 1)
+        progress = (update - warmup) / max(1, total_updates - warmup)
+        if config.lr_scheduler_type == "linear":
+            return max(0.0, 1.0 - progress)
+        if config.lr_scheduler_type == "cosine":
+            return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
+        return 1.0
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)

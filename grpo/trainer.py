@@ -23,7 +23,8 @@ import torch
 from . import distributed as dist_utils
 from .algorithm import group_advantages, kl_penalized_rewards, reward_std
 from .batch import RolloutBatch, build_rollout_batch
-from .checkpoint import TrainerState, list_checkpoints, load_checkpoint, resolve_resume_path, save_checkpoint
+from .checkpoint import (TrainerState, list_checkpoints, load_checkpoint, resolve_resume_path, save_checkpoint,
+                         warn_changed_options)
 from .config import EMBEDDED_MODEL, GRPOConfig
 from .data import (dataset_routes, first_rows_per_source, load_dataset_registry, load_prompt_datasets,
                    render_prompts)
@@ -41,7 +42,7 @@ from .rewards.reward_model import register_reward_models
 from .rollout.base import SamplingSettings
 from .rollout.hf import HFRolloutEngine, stop_token_ids
 from .micro_batches import MicroBatch
-from .optimize import score, step_micro_batches, step_normaliser, update
+from .optimize import lr_schedule, score, step_micro_batches, step_normaliser, update
 from .sampler import PromptOrder
 from .vision import load_vision_processor, render_vision_prompts
 
@@ -136,7 +137,7 @@ class GRPOTrainer:
         self._sync_rollout_weights(first=True)
         if self.is_main:
             if config.resume_from_checkpoint:
-                _warn_changed_options(os.path.join(config.output_dir, "grpo_config.json"), config)
+                warn_changed_options(os.path.join(config.output_dir, "grpo_config.json"), config)
             config.save(os.path.join(config.output_dir, "grpo_config.json"))
         self._stop_signal: Optional[int] = None
 
@@ -386,7 +387,7 @@ class GRPOTrainer:
         if "optimizer" not in self.ds_config:
             optimizer = torch.optim.AdamW(trainable, lr=self.config.effective_learning_rate,
                                           weight_decay=self.config.weight_decay)
-        scheduler = _lr_schedule(optimizer, self.config, self.total_steps * self.config.num_iterations) \
+        scheduler = lr_schedule(optimizer, self.config, self.total_steps * self.config.num_iterations) \
             if optimizer is not None else None
         engine, _, _, _ = deepspeed.initialize(model=policy, model_parameters=trainable, optimizer=optimizer,
                                                lr_scheduler=scheduler, config=self.ds_config)
@@ -520,21 +521,6 @@ class GRPOTrainer:
             signal.signal(sig, handler)
 
 
-def _warn_changed_options(saved_path: str, config: GRPOConfig) -> None:
-    """A resumed run continues with today's options: name those that differ from the run's saved ones (a flag
-    given differently, or a default that changed between versions, e.g. --scale_rewards)."""
-    try:
-        with open(saved_path) as fh:
-            saved = json.load(fh)
-    except (OSError, ValueError):
-        return
-    ignore = {"resume_from_checkpoint", "overwrite_output_dir", "max_steps", "epochs"}  # meant to change
-    changed = [f"--{k} {saved[k]!r} -> {v!r}" for k, v in config.to_dict().items()
-               if k in saved and k not in ignore and saved[k] != v]
-    if changed:
-        logger.warning("resuming with options that differ from the run's saved grpo_config.json: " + "; ".join(changed))
-
-
 def _mean_over_ranks(local: dict) -> dict:
     """Average each metric over the ranks that have it (max for *_max keys)."""
     parts = dist_utils.gather_objects(local)
@@ -556,23 +542,6 @@ def _check_tensor_parallel(model_path: str, config: GRPOConfig) -> None:
         divisors = [d for d in range(1, heads + 1) if heads % d == 0]
         raise ConfigError(f"--vllm_tp {config.vllm_tp}: the model has {heads} attention heads, which tensor "
                           f"parallelism must divide; use one of {divisors}")
-
-
-def _lr_schedule(optimizer, config: GRPOConfig, total_updates: int):
-    """Linear warmup over warmup_ratio of the updates, then constant / linear decay / cosine decay."""
-    warmup = math.ceil(config.warmup_ratio * total_updates)
-
-    def factor(update: int) -> float:
-        if update < warmup:
-            return (update + 1) / (warmup + 1)
-        progress = (update - warmup) / max(1, total_updates - warmup)
-        if config.lr_scheduler_type == "linear":
-            return max(0.0, 1.0 - progress)
-        if config.lr_scheduler_type == "cosine":
-            return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
-        return 1.0
-
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
 def _seed_everything(seed: int) -> None:

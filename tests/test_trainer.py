@@ -280,7 +280,7 @@ def test_out_of_memory_names_phase_sizes_and_knobs(tiny_model, registry, tmp_pat
 
 
 def test_resume_names_options_that_changed(tmp_path, caplog):
-    from grpo.trainer import _warn_changed_options
+    from grpo.checkpoint import warn_changed_options
 
     saved = tiny_config("model", "registry.json", str(tmp_path), scale_rewards="group", max_steps=2)
     saved.save(str(tmp_path / "grpo_config.json"))
@@ -288,10 +288,10 @@ def test_resume_names_options_that_changed(tmp_path, caplog):
     logger = logging.getLogger("grpo")  # it does not propagate to the root logger, where caplog listens
     logger.addHandler(caplog.handler)
     try:
-        _warn_changed_options(str(tmp_path / "grpo_config.json"), now)
+        warn_changed_options(str(tmp_path / "grpo_config.json"), now)
     finally:
         logger.removeHandler(caplog.handler)
     assert "--scale_rewards 'group' -> 'batch'" in caplog.text
     assert "max_steps" not in caplog.text and "resume_from_checkpoint" not in caplog.text  # changes that are meant
     assert not (tmp_path / "missing.json").exists()
-    _warn_changed_options(str(tmp_path / "missing.json"), now)  # nothing saved to compare with: no error
+    warn_changed_options(str(tmp_path / "missing.json"), now)  # nothing saved to compare with: no error
