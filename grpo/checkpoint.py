@@ -26,6 +26,7 @@ import torch
 
 from . import distributed as dist_utils
 from .errors import CheckpointError, ConfigError
+from .jsonfile import read_json_object
 from .manifest import MANIFEST_FILE, has_manifest, quick_problem, verify_checkpoint, write_manifest
 
 logger = logging.getLogger("grpo")
@@ -219,9 +220,8 @@ def warn_changed_options(saved_path: str, config) -> None:
     """A resumed run continues with today's options: name those that differ from the run's saved ones (a flag
     given differently, or a default that changed between versions, e.g. --scale_rewards)."""
     try:
-        with open(saved_path) as fh:
-            saved = json.load(fh)
-    except (OSError, ValueError):
+        saved = read_json_object(saved_path, ConfigError, "grpo_config.json")
+    except (ConfigError, OSError):  # none saved, or unreadable: nothing to compare with
         return
     ignore = {"resume_from_checkpoint", "overwrite_output_dir", "max_steps", "epochs"}  # meant to change
     changed = [f"--{k} {saved[k]!r} -> {v!r}" for k, v in config.to_dict().items()

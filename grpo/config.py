@@ -42,6 +42,11 @@ def _list(default, help, group):
     return field(default_factory=lambda: list(default), metadata={"help": help})
 
 
+def reward_model_name(path: str) -> str:
+    """The reward name a --reward_model folder registers under: its folder name."""
+    return os.path.basename(os.path.normpath(path))
+
+
 @dataclass
 class GRPOConfig:
     # --- model and tuning strategy ---------------------------------------------------------------
@@ -292,9 +297,8 @@ class GRPOConfig:
         need(self.clip_ratio_c is None or self.clip_ratio_c > 1.0, "clip_ratio_c",
              f"must be > 1 (the cap -A x c must lie above the clipped loss), got {self.clip_ratio_c}")
         need(self.max_generation_rounds >= 1, "max_generation_rounds", "must be >= 1")
-        twice = sorted({os.path.basename(p.rstrip("/")) for p in self.reward_model
-                        if [os.path.basename(q.rstrip("/")) for q in self.reward_model].count(
-                            os.path.basename(p.rstrip("/"))) > 1})
+        names = [reward_model_name(p) for p in self.reward_model]
+        twice = sorted({n for n in names if names.count(n) > 1})
         need(not twice, "reward_model", f"two folders are named {', '.join(twice)}; reward models are registered "
                                         f"by folder name, so give each a distinct name")
         need(self.rollout_is_cap >= 1.0, "rollout_is_cap", "must be >= 1")

@@ -29,7 +29,7 @@ from .config import EMBEDDED_MODEL, GRPOConfig
 from .data import (dataset_routes, first_rows_per_source, load_dataset_registry, load_prompt_datasets,
                    render_prompts)
 from .ds_config import default_dtype, load_deepspeed_config, zero_stage
-from .dynamic_sampling import RolloutRound, dynamic_rollouts
+from .dynamic_sampling import ZERO_STD, RolloutRound, dynamic_rollouts
 from .embedded import resolve_model_path
 from .errors import ConfigError, TrainingError
 from .evaluation import eval_metrics, eval_sample_rows
@@ -199,11 +199,25 @@ class GRPOTrainer:
         rounds as it takes to fill the step with groups whose rewards differ (see dynamic_sampling.py).
         Returns (kept, drawn): what the step trains on, and every completion sampled (for reward metrics)."""
         cfg = self.config
+        wake = self._switch_engine(awake=True)  # once for all rounds: sleep moves the weights out and back
         if not cfg.filter_zero_std_groups:
-            one = self._rollout_round()
-            return one, one
-        return dynamic_rollouts(self._rollout_round, cfg.k_samples, self.prompts_per_step,
-                                cfg.max_generation_rounds, dist_utils.any_rank)
+            kept = drawn = self._rollout_round()
+        else:
+            kept, drawn = dynamic_rollouts(self._rollout_round, cfg.k_samples, self.prompts_per_step,
+                                           cfg.max_generation_rounds, dist_utils.any_rank)
+        sleep = self._switch_engine(awake=False)
+        kept.times.update(rollout=kept.times["rollout"] + wake + sleep, rollout_wake=wake, rollout_sleep=sleep)
+        return kept, drawn
+
+    @phase("rollout")
+    def _switch_engine(self, awake: bool) -> float:
+        """Wake the rollout engine (or put it to sleep); returns the seconds it took."""
+        start = time.perf_counter()
+        if awake:
+            self.rollout_engine.wake()
+        else:
+            self.rollout_engine.sleep()
+        return time.perf_counter() - start
 
     def _rollout_round(self) -> RolloutRound:
         prompts = self._next_prompts()
@@ -225,26 +239,22 @@ class GRPOTrainer:
         start = time.perf_counter()
         self._sizes = {"prompts per rank": len(prompts), "completions per rank": len(prompts) * cfg.k_samples,
                        "--rollout_max_new_tokens": cfg.rollout_max_new_tokens}
-        parts = {}  # where the rollout phase's time goes: time/rollout_wake, _images, _generate, _sleep, _decode
+        parts = {}  # where the rollout phase's time goes: time/rollout_images, _generate, _decode (+ _wake, _sleep)
 
         def lap(name: str, since: float) -> float:
             now = time.perf_counter()
             parts[f"rollout_{name}"] = now - since
             return now
 
-        self.rollout_engine.wake()
-        mark = lap("wake", start)
         # the engine's log-probs serve the IS correction (every step) and the mismatch metric (every N steps)
         logprobs = cfg.rollout_is_correction or self.state.step % cfg.logprob_check_steps == 0
         sampling = SamplingSettings(n=cfg.k_samples, max_new_tokens=cfg.rollout_max_new_tokens,
                                     temperature=cfg.temperature, top_p=cfg.top_p, logprobs=logprobs)
         images = self._prompt_images(prompts)  # each prompt's pixels once, shared by its k samples
-        mark = lap("images", mark)
+        mark = lap("images", start)
         completions = self.rollout_engine.generate([p["prompt_ids"] for p in prompts], sampling,
                                                    **({"images": images} if images else {}))
         mark = lap("generate", mark)
-        self.rollout_engine.sleep()
-        mark = lap("sleep", mark)
         texts = self.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
         lap("decode", mark)
         seconds = time.perf_counter() - start
@@ -452,7 +462,7 @@ class GRPOTrainer:
         local = {
             "reward/mean": raw.mean().item(),
             "reward/std": raw.std().item() if len(raw) > 1 else 0.0,
-            "reward/zero_std_group_frac": (grouped.std(dim=1) < 1e-6).float().mean().item(),
+            "reward/zero_std_group_frac": (grouped.std(dim=1) < ZERO_STD).float().mean().item(),
             "advantage/abs_mean": advantages.abs().mean().item(),
             "completion/length_mean": lengths.mean().item(),
             "completion/length_max": lengths.max().item(),

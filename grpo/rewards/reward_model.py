@@ -13,6 +13,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from ..config import reward_model_name
 from ..errors import ConfigError
 from .registry import register_reward
 
@@ -28,7 +29,7 @@ class RewardModel:
 
         self.path, self.device, self.dtype, self.batch_size = path, torch.device(device), dtype, batch_size
         self.max_length, self.trust_remote_code = max_length, trust_remote_code
-        self.__name__ = os.path.basename(os.path.normpath(path))
+        self.__name__ = reward_model_name(path)
         if not os.path.isdir(path):
             raise ConfigError(f"--reward_model: {path} is not a model folder")
         try:

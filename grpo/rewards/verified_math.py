@@ -35,11 +35,19 @@ def math_verify_accuracy(completions: list[str], answers: list, timeout_seconds:
         normalization_config=NormalizationConfig(nits=False, malformed_operators=False, basic_latex=True,
                                                  boxed="all", units=True),
         boxed_match_priority=0, try_extract_without_anchor=False)]
-    scores = []
-    for completion, answer in zip(completions, answers):
+    golds: dict = {}  # the k samples of a prompt share its answer: parse it once
+
+    def parse_gold(answer):
         gold = parse(str(answer), extraction_mode="first_match", parsing_timeout=timeout)
         if not gold:  # a plain expression such as "(x+1)^2" parses as inline LaTeX
             gold = parse(f"${answer}$", extraction_mode="first_match", parsing_timeout=timeout)
+        return gold
+
+    scores = []
+    for completion, answer in zip(completions, answers):
+        if str(answer) not in golds:
+            golds[str(answer)] = parse_gold(answer)
+        gold = golds[str(answer)]
         if not gold:
             scores.append(0.0)
             continue
