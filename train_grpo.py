@@ -23,4 +23,9 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if code == 0:  # the process owns its group: end it on every rank together (a failed run has ended it already)
+        from grpo import distributed
+
+        distributed.shutdown()
+    sys.exit(code)

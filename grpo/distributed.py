@@ -39,6 +39,15 @@ def init_distributed(timeout_minutes: float = 30.0) -> None:
     deepspeed.init_distributed(dist_backend=backend, timeout=timedelta(minutes=timeout_minutes))
 
 
+def shutdown() -> None:
+    """End the process group once every rank is done: a rank that exits while a peer still holds a connection
+    (rank 0 writing the final model) can abort in the communication library's teardown."""
+    if dist.is_available() and dist.is_initialized():
+        if dist.get_world_size() > 1:
+            dist.barrier()
+        dist.destroy_process_group()
+
+
 def rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
