@@ -13,9 +13,19 @@ def main(argv=None) -> int:
 
     try:
         config = parse_args(argv)
+        from grpo.roles import rollout_index, rollout_ranks_of
+
+        if rollout_index(rollout_ranks_of(config)) is not None:  # --vllm_mode server: this rank only generates
+            from grpo.rollout.server import serve_rollouts
+
+            return serve_rollouts(config)
         from grpo.trainer import GRPOTrainer
 
-        GRPOTrainer(config).train()
+        trainer = GRPOTrainer(config)
+        try:
+            trainer.train()
+        finally:
+            trainer.close()
     except GRPOError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -15,6 +15,7 @@ from typing import Optional
 
 from .errors import ConfigError
 from .jsonfile import read_json_object
+from .roles import job_world_size
 
 EMBEDDED_MODEL = "smollm2-135m-instruct"
 STRATEGIES = ("qlora", "lora", "full")
@@ -22,6 +23,7 @@ AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 REWARD_SCALES = ("group", "batch", "none")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+VLLM_MODES = ("colocate", "server")
 SCHEDULERS = ("constant", "linear", "cosine")
 DEFAULT_SPLIT_RATIO = 0.95
 # a --lora_exclude_modules value with any of these is a regex; '.' is not one: module names are dotted paths
@@ -187,8 +189,15 @@ class GRPOConfig:
     # --- rollout engine ---------------------------------------------------------------------------
     use_vllm_rollout: bool = _opt(False, "Generate rollouts with colocated vLLM (GPU, pip install .[vllm]).",
                                   "rollout")
-    vllm_tp: int = _opt(1, "Tensor-parallel size of each vLLM engine; must divide the number of ranks.",
-                        "rollout")
+    vllm_tp: int = _opt(1, "Tensor-parallel size of each vLLM engine; must divide the number of ranks (in server "
+                           "mode: --rollout_gpus).", "rollout")
+    vllm_mode: str = _opt(
+        "colocate", "colocate: every rank trains and generates (the engine sleeps while DeepSpeed trains). server: "
+                    "the last --rollout_gpus ranks of the job only generate, the others only train; completions and "
+                    "the updated policy travel between them after every step. Rollout ranks run vLLM with "
+                    "--use_vllm_rollout, the HF engine otherwise.", "rollout")
+    rollout_gpus: int = _opt(0, "With --vllm_mode server: how many of the job's ranks (the last ones) run rollout "
+                                "engines; at least 1 and fewer than the job's ranks.", "rollout")
     vllm_gpu_memory_utilization: float = _opt(0.3, "Fraction of GPU memory vLLM may take.", "rollout")
     vllm_sleep: bool = _opt(True, "Put vLLM to sleep (free KV cache) while DeepSpeed trains.", "rollout")
     logprob_check_steps: int = _opt(
@@ -304,9 +313,18 @@ class GRPOConfig:
         need(self.rollout_is_cap >= 1.0, "rollout_is_cap", "must be >= 1")
         need(self.vllm_tp >= 1, "vllm_tp", "must be >= 1")
         need(self.logprob_check_steps >= 1, "logprob_check_steps", "must be >= 1")
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        need(world % self.vllm_tp == 0, "vllm_tp",
-             f"must divide the number of ranks (WORLD_SIZE={world}); got {self.vllm_tp}")
+        world = job_world_size()
+        need(self.vllm_mode in VLLM_MODES, "vllm_mode", f"got '{self.vllm_mode}', choose one of {', '.join(VLLM_MODES)}")
+        if self.vllm_mode == "server":
+            need(1 <= self.rollout_gpus < world, "rollout_gpus",
+                 f"server mode needs at least 1 rollout rank and at least 1 training rank: got {self.rollout_gpus} of "
+                 f"the job's {world} ranks (start more with `deepspeed --num_gpus N`, or use --vllm_mode colocate)")
+            need(self.rollout_gpus % self.vllm_tp == 0, "vllm_tp",
+                 f"must divide --rollout_gpus {self.rollout_gpus}; got {self.vllm_tp}")
+        else:
+            need(self.rollout_gpus == 0, "rollout_gpus", "is for --vllm_mode server (colocate: every rank generates)")
+            need(world % self.vllm_tp == 0, "vllm_tp",
+                 f"must divide the number of ranks (WORLD_SIZE={world}); got {self.vllm_tp}")
         need(0.0 < self.vllm_gpu_memory_utilization < 1.0, "vllm_gpu_memory_utilization", "must be in (0, 1)")
         need(self.save_steps >= 0, "save_steps", "must be >= 0")
         need(self.save_total_limit >= 1, "save_total_limit", "must be >= 1")

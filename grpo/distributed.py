@@ -111,3 +111,12 @@ def broadcast_object(obj):
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def scatter_objects(per_rank: list | None):
+    """Rank 0 holds one object per rank (`per_rank`, None elsewhere); each rank gets its own."""
+    if world_size() == 1:
+        return per_rank[0]
+    out = [None]
+    dist.scatter_object_list(out, per_rank if is_main() else None, src=0)
+    return out[0]

@@ -27,7 +27,7 @@ def load_tokenizer(model_path: str, trust_remote_code: bool = False):
     return tokenizer
 
 
-def _load_base(model_path: str, dtype: torch.dtype, device: torch.device, trust_remote_code: bool,
+def load_base_model(model_path: str, dtype: torch.dtype, device: torch.device, trust_remote_code: bool,
                quantization_config=None):
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
@@ -63,7 +63,7 @@ def load_policy(config: GRPOConfig, model_path: str, dtype: torch.dtype, device:
         quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
                                           bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=dtype,
                                           llm_int8_skip_modules=skip)
-    model = _load_base(model_path, dtype, device, config.trust_remote_code, quantization)
+    model = load_base_model(model_path, dtype, device, config.trust_remote_code, quantization)
     if config.qlora_skip_list:
         _check_module_names_exist(model, config.qlora_skip_list, "--qlora_skip_modules",
                                   "give a name or its last parts")
@@ -167,7 +167,7 @@ def load_reference(config: GRPOConfig, model_path: str, dtype: torch.dtype,
     """
     if config.tuning_strategy != "full" or config.kl_coef <= 0:
         return None
-    reference = _load_base(model_path, dtype, device, config.trust_remote_code)
+    reference = load_base_model(model_path, dtype, device, config.trust_remote_code)
     reference.eval()
     reference.requires_grad_(False)
     return reference
@@ -206,7 +206,7 @@ def save_final_model(model, tokenizer, output_dir: str, config: GRPOConfig, mode
         from peft import PeftModel
 
         # merge into the full-precision base (for qlora too): the training model itself is never merged
-        base = _load_base(model_path, dtype, torch.device("cpu"), config.trust_remote_code)
+        base = load_base_model(model_path, dtype, torch.device("cpu"), config.trust_remote_code)
         merged = PeftModel.from_pretrained(base, path).merge_and_unload()
         merged_path = os.path.join(output_dir, "merged_model")
         merged.save_pretrained(merged_path, safe_serialization=True)

@@ -39,6 +39,7 @@ from .plots import plot_training_curves
 from .reporting import RunReporter, read_metrics, setup_console_logging
 from .rewards import RewardRouter, load_reward_module
 from .rewards.reward_model import register_reward_models
+from .roles import enter_training_world, rollout_ranks_of
 from .rollout.base import SamplingSettings
 from .rollout.hf import HFRolloutEngine, stop_token_ids
 from .micro_batches import MicroBatch
@@ -59,6 +60,7 @@ class GRPOTrainer:
 
     def __init__(self, config: GRPOConfig, reward_funcs: Sequence[Callable] = ()):
         self.config = config
+        enter_training_world(rollout_ranks_of(config))  # server mode: the rollout ranks are not in this world
         dist_utils.init_distributed(config.ddp_timeout_minutes)
         self.rank, self.world = dist_utils.rank(), dist_utils.world_size()
         self.is_main = dist_utils.is_main()
@@ -342,13 +344,14 @@ class GRPOTrainer:
 
     @phase("weight sync")
     def _sync_rollout_weights(self, first: bool = False) -> float:
-        """Push the updated policy into the rollout engine (vLLM); the HF engine samples the live model."""
-        if not self.config.use_vllm_rollout:
+        """Push the updated policy into the rollout engine (vLLM, or the rollout ranks in server mode); the
+        colocated HF engine samples the live model."""
+        if not (self.config.use_vllm_rollout or self.config.vllm_mode == "server"):
             return 0.0
         from .sync import sync_weights
 
         stats = sync_weights(self.rollout_engine, self.engine.module, self.config.tuning_strategy,
-                             zero3=self.zero3, first_sync=first)
+                             zero3=self.zero3, first_sync=first, dtype=self._sync_dtype())
         self._last_sync = stats
         return stats.seconds
 
@@ -364,7 +367,7 @@ class GRPOTrainer:
         mine = list(range(self.rank, len(self.eval_set), self.world))
         rows = [self.eval_set[i] for i in mine]
         samples = []
-        if rows:
+        if rows or getattr(self.rollout_engine, "collective_generate", False):  # all ranks generate together
             self.rollout_engine.wake()
             sampling = SamplingSettings(n=1, max_new_tokens=cfg.rollout_max_new_tokens, temperature=cfg.temperature,
                                         top_p=cfg.top_p, greedy=cfg.eval_greedy, logprobs=False)
@@ -372,6 +375,7 @@ class GRPOTrainer:
             completions = self.rollout_engine.generate([r["prompt_ids"] for r in rows], sampling,
                                                        **({"images": images} if images else {}))
             self.rollout_engine.sleep()
+        if rows:
             texts = self.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
             result = self.rewards(texts, [r["answer"] for r in rows], [r["data_source"] for r in rows],
                                   prompts=[r["prompt_text"] for r in rows],
@@ -405,6 +409,16 @@ class GRPOTrainer:
 
     def _init_rollout_engine(self):
         cfg = self.config
+        if cfg.vllm_mode == "server":
+            from .rollout.remote import RemoteRolloutEngine
+
+            spec = dict(model_path=self.model_path, dtype=str(self._sync_dtype()).removeprefix("torch."),
+                        stop_token_ids=stop_token_ids(self.engine.module, self.tokenizer),
+                        max_images_per_prompt=cfg.max_images_per_prompt if self.vision else 0,
+                        image_token_id=self.vision.image_token_id if self.vision else None,
+                        suppress_token_ids=self.vision.placeholder_token_ids if self.vision else None)
+            logger.info(f"waiting for {cfg.rollout_gpus} rollout rank(s) to start their engines")
+            return RemoteRolloutEngine(spec, cfg.rollout_gpus, cfg.ddp_timeout_minutes)
         if cfg.use_vllm_rollout:
             from .rollout.vllm import VLLMRolloutEngine
 
@@ -418,6 +432,16 @@ class GRPOTrainer:
                                      image_token_id=self.vision.image_token_id if self.vision else None)
         return HFRolloutEngine(self.engine.module, self.tokenizer,
                                suppress_token_ids=self.vision.placeholder_token_ids if self.vision else None)
+
+    def _sync_dtype(self) -> torch.dtype:
+        """What the engine computes in: vLLM bf16; the HF engine of a rollout rank the trainer's own dtype."""
+        return torch.bfloat16 if self.config.use_vllm_rollout else self.dtype
+
+    def close(self) -> None:
+        """Stop the rollout ranks of server mode (they wait for this, or for training rank 0 to go away)."""
+        close = getattr(self.rollout_engine, "close", None)
+        if close is not None:
+            close()
 
     def _prompt_images(self, prompts: list[dict]) -> Optional[list]:
         """Per prompt, its processed images (vision-language models; None for a text prompt); None without any."""

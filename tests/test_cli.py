@@ -189,3 +189,14 @@ def test_objective_flags_parse():
     assert (cfg.kl_estimator, cfg.kl_in_reward, cfg.kl_coef, cfg.kl_loss_coef) == ("k1", True, 0.04, 0.0)
     assert (cfg.entropy_coef, cfg.filter_zero_std_groups, cfg.max_generation_rounds) == (0.01, True, 5)
     assert cfg.reward_model == ["rms/a", "rms/b"]
+
+
+def test_server_mode_needs_rollout_and_training_ranks():
+    proc, _ = run_cli("--vllm_mode", "server", "--rollout_gpus", "1")  # one process: nobody left to train
+    assert_clean_failure(proc, "--rollout_gpus", "1 of the job's 1 ranks", "deepspeed --num_gpus")
+    proc, _ = run_cli("--vllm_mode", "server", "--rollout_gpus", "3", "--vllm_tp", "2", env={"WORLD_SIZE": "4"})
+    assert_clean_failure(proc, "--vllm_tp", "must divide --rollout_gpus 3")
+    proc, _ = run_cli("--rollout_gpus", "2", env={"WORLD_SIZE": "4"})
+    assert_clean_failure(proc, "--rollout_gpus", "--vllm_mode server")
+    proc, _ = run_cli("--vllm_mode", "remote")
+    assert_clean_failure(proc, "--vllm_mode", "colocate, server")

@@ -50,9 +50,9 @@ def setup(tmp_path_factory):
     return folder, model, registry
 
 
-def launch(folder, model, registry, out, port, *flags, timeout=600):
+def launch(folder, model, registry, out, port, *flags, timeout=600, ranks=2):
     """`deepspeed --num_gpus 2 train_grpo.py ...` on CPU, with this checkout first on PYTHONPATH."""
-    cmd = ["deepspeed", "--num_gpus", "2", "--master_port", str(port),
+    cmd = ["deepspeed", "--num_gpus", str(ranks), "--master_port", str(port),
            os.path.join(ROOT, "train_grpo.py"), "--model_name_or_path", model, "--dataset_config_path", registry,
            "--dataset_names", "toy", "--output_dir", str(out), "--k_samples", "4",
            "--per_device_train_batch_size", "2", "--rollout_max_new_tokens", "8", "--max_prompt_length", "32",

@@ -21,19 +21,22 @@ def stop_token_ids(model, tokenizer) -> list[int]:
 
 
 class HFRolloutEngine:
-    """Samples from the live policy module, so weights never need syncing (load_weights is a no-op).
+    """Samples from the live policy module, so weights never need syncing (load_weights is a no-op), or with
+    `owns_model` from a copy of its own (a rollout rank in --vllm_mode server), which load_weights overwrites.
 
     `max_batch_size` bounds the prompts per `generate` call (each call decodes n sequences per prompt).
     `suppress_token_ids` are never sampled; their probability mass stays in the reported log-probs (as in the
     trainer's), which is negligible for the placeholder tokens this is meant for.
     """
 
-    def __init__(self, model, tokenizer, max_batch_size: int = 64, suppress_token_ids: Optional[list[int]] = None):
+    def __init__(self, model, tokenizer, max_batch_size: int = 64, suppress_token_ids: Optional[list[int]] = None,
+                 owns_model: bool = False):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be at least 1, got {max_batch_size}")
         self.model = model
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
+        self.owns_model = owns_model
         # never sampled (e.g. a VL model's image placeholder, which the scoring forward would take for an image)
         self.suppress_token_ids = list(suppress_token_ids or [])
         self.stop_ids = stop_token_ids(model, tokenizer)
@@ -117,7 +120,22 @@ class HFRolloutEngine:
         return completions
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Nothing to do: generation uses the trained module itself."""
+        """A model of its own: copy these (checkpoint names) into it. Otherwise nothing to do: generation uses the
+        trained module itself."""
+        if not self.owns_model:
+            for _ in named_tensors:  # consumed all the same: the sender may stream them
+                pass
+            return
+        own = self.model.state_dict(keep_vars=True)  # tied weights appear under each of their names
+        with torch.no_grad():
+            for name, tensor in named_tensors:
+                if name not in own:
+                    raise KeyError(f"the rollout model has no weight named {name!r} (it has e.g. "
+                                   f"{', '.join(list(own)[:3])})")
+                if own[name].shape != tensor.shape:
+                    raise ValueError(f"weight {name!r}: the rollout model's is {tuple(own[name].shape)}, the "
+                                     f"trainer sent {tuple(tensor.shape)}")
+                own[name].copy_(tensor)
 
     def sleep(self) -> None:
         """Nothing to release: the policy's memory is the trainer's."""

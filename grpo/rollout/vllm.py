@@ -55,6 +55,8 @@ class VLLMRolloutEngine:
         vllm = _import_vllm()
         self._vllm = vllm
         self.tp = tensor_parallel_size
+        # the ranks of a tensor-parallel group gather their prompts: each must call generate, with prompts or not
+        self.collective_generate = tensor_parallel_size > 1
         self.max_model_len = max_model_len
         self.stop_token_ids = list(stop_token_ids or [])
         self.enable_sleep = enable_sleep

@@ -1,0 +1,41 @@
+"""Which part of the job a process plays: with --vllm_mode server the last --rollout_gpus ranks generate, the others
+train. The launcher's RANK / WORLD_SIZE describe the whole job; the training ranks then form a torch.distributed
+world of their own (so DeepSpeed and every collective of the trainer see only them), and so do the rollout ranks
+(vLLM's tensor-parallel groups live there). The job-wide values are kept here before either world starts.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+_job: dict = {}  # the launcher's RANK / WORLD_SIZE, kept once a training rank narrows its own WORLD_SIZE
+
+
+def job_world_size() -> int:
+    """Every rank the launcher started, training and rollout."""
+    return _job.get("world", int(os.environ.get("WORLD_SIZE", "1")))
+
+
+def job_rank() -> int:
+    return _job.get("rank", int(os.environ.get("RANK", "0")))
+
+
+def training_ranks(rollout_ranks: int) -> int:
+    return job_world_size() - rollout_ranks
+
+
+def rollout_index(rollout_ranks: int) -> Optional[int]:
+    """This process's place among the rollout ranks (0..rollout_ranks-1), or None for a training rank."""
+    first = training_ranks(rollout_ranks)
+    return job_rank() - first if rollout_ranks and job_rank() >= first else None
+
+
+def enter_training_world(rollout_ranks: int) -> None:
+    """Before the process group starts on a training rank: its world is the job's first ranks only."""
+    if rollout_ranks and not _job:
+        _job.update(world=job_world_size(), rank=job_rank())
+        os.environ["WORLD_SIZE"] = str(training_ranks(rollout_ranks))
+
+
+def rollout_ranks_of(config) -> int:
+    return config.rollout_gpus if config.vllm_mode == "server" else 0

@@ -1,0 +1,108 @@
+"""The link between training rank 0 and the rollout ranks in --vllm_mode server.
+
+The two sides live in different torch.distributed worlds (see grpo/roles.py), so they meet in two ways of their own:
+  - messages (requests, completions, errors) are pickled into the key-value store of the training world, which
+    training rank 0 hosts at MASTER_ADDR:MASTER_PORT and the rollout ranks join as clients;
+  - weights travel through a process group made for the purpose over that store: training rank 0 is its rank 0,
+    rollout rank i its rank i + 1 (NCCL on GPU, gloo on CPU), so tensors go device to device.
+Each message to rollout rank i has a sequence number; the reply to it carries the same number.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+from datetime import timedelta
+from typing import Iterable, Iterator
+
+import torch
+import torch.distributed as dist
+
+PREFIX = "grpo_rollout"
+
+
+class BridgeClosed(RuntimeError):
+    """The other side is gone (its store or group closed)."""
+
+
+def training_store() -> dist.Store:
+    """The store of this (training) world, as the rollout ranks see it: without torch's own prefixes."""
+    store = dist.distributed_c10d._get_default_store()
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    return store
+
+
+def connect_store(timeout: timedelta) -> dist.Store:
+    """A rollout rank's client of training rank 0's store (waits for it to come up, up to `timeout`)."""
+    return dist.TCPStore(os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"]),
+                         is_master=False, timeout=timeout, wait_for_workers=False)
+
+
+class RolloutBridge:
+    """One end of the link: `rank` 0 is training rank 0, `rank` i + 1 rollout rank i; `size` = rollout ranks + 1."""
+
+    def __init__(self, store: dist.Store, rank: int, size: int, device: torch.device, timeout: timedelta):
+        self.store = dist.PrefixStore(PREFIX, store)
+        self.rank, self.size, self.device = rank, size, device
+        self._sequence = [0] * size  # per rollout rank (index + 1): the next message's number
+        group_store = dist.PrefixStore("weights", self.store)
+        if device.type == "cuda":
+            self.group = dist.ProcessGroupNCCL(group_store, rank, size, dist.ProcessGroupNCCL.Options())
+        else:
+            self.group = dist.ProcessGroupGloo(group_store, rank, size, timeout)
+
+    # ------------------------------------------------------------------------------------------ messages
+    def send(self, rollout_rank: int, message) -> int:
+        """Training rank 0: post `message` to a rollout rank; returns its number (the reply's key)."""
+        number = self._sequence[rollout_rank + 1]
+        self._sequence[rollout_rank + 1] += 1
+        self.store.set(f"to/{rollout_rank}/{number}", pickle.dumps(message))
+        return number
+
+    def reply_of(self, rollout_rank: int, number: int):
+        """Training rank 0: the rollout rank's reply to message `number` (waits for it)."""
+        return self._take(f"from/{rollout_rank}/{number}")
+
+    def receive(self, rollout_rank: int):
+        """Rollout rank: the next message for it (waits for it) and its number."""
+        number = self._sequence[rollout_rank + 1]
+        self._sequence[rollout_rank + 1] += 1
+        return self._take(f"to/{rollout_rank}/{number}"), number
+
+    def reply(self, rollout_rank: int, number: int, message) -> None:
+        self.store.set(f"from/{rollout_rank}/{number}", pickle.dumps(message))
+
+    def _take(self, key: str):
+        try:
+            value = self.store.get(key)  # blocks until set, up to the store's timeout
+        except Exception as exc:  # a closed connection or a timeout: the other side stopped answering
+            raise BridgeClosed(f"no answer on the rollout link ({type(exc).__name__}: {exc})") from exc
+        self.store.delete_key(key)
+        return pickle.loads(value)
+
+    # ------------------------------------------------------------------------------------------- weights
+    def broadcast_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Training rank 0, after posting a `weights` message with their layout (see `layout`) to every rollout
+        rank: each tensor, in order, to all of them."""
+        for _, tensor in named_tensors:
+            self._broadcast(tensor.to(self.device).contiguous())
+
+    def receive_weights(self, layout: list[tuple[str, tuple, str]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """Rollout rank: the tensors of a `weights` message, as they arrive."""
+        for name, shape, dtype in layout:
+            tensor = torch.empty(shape, dtype=getattr(torch, dtype), device=self.device)
+            self._broadcast(tensor)
+            yield name, tensor
+
+    def _broadcast(self, tensor: torch.Tensor) -> None:
+        options = dist.BroadcastOptions()
+        options.rootRank, options.rootTensor = 0, 0
+        try:
+            self.group.broadcast([tensor], options).wait()
+        except Exception as exc:
+            raise BridgeClosed(f"the weight transfer broke off ({type(exc).__name__}: {exc})") from exc
+
+
+def layout(named_tensors: list[tuple[str, torch.Tensor]]) -> list[tuple[str, tuple, str]]:
+    """(name, shape, dtype name) per tensor: what a rollout rank allocates before the broadcast fills it."""
+    return [(name, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for name, t in named_tensors]

@@ -1,0 +1,106 @@
+"""The training ranks' view of the rollout ranks in --vllm_mode server: a RolloutEngine whose work is done elsewhere.
+
+Every training rank calls generate / load_weights together (they are collectives of the training world); rank 0
+speaks to the rollout ranks through the bridge (bridge.py) and hands each training rank its own completions back.
+Prompts are split evenly over the rollout ranks in training-rank order, so each rollout rank gets a contiguous share.
+"""
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Iterable, Optional
+
+import torch
+
+from .. import distributed as dist_utils
+from ..errors import TrainingError
+from .base import Completion, SamplingSettings
+from .bridge import BridgeClosed, RolloutBridge, layout, training_store
+
+
+class RemoteRolloutEngine:
+    collective_generate = True  # every training rank must call generate, even with no prompts of its own
+
+    def __init__(self, spec: dict, rollout_ranks: int, timeout_minutes: float):
+        """`spec`: what a rollout rank needs to build its engine (see server._build_engine)."""
+        self.count = rollout_ranks
+        self.bridge: Optional[RolloutBridge] = None
+        if dist_utils.is_main():
+            self.bridge = RolloutBridge(training_store(), 0, rollout_ranks + 1, dist_utils.device(),
+                                        timedelta(minutes=timeout_minutes))
+            self._ask_all(("start", spec))
+        dist_utils.barrier()  # no rank goes on before every rollout engine is up
+
+    # ------------------------------------------------------------------------------------------ protocol
+    def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingSettings,
+                 images: Optional[list] = None) -> list[Completion]:
+        parts = dist_utils.gather_objects((prompt_token_ids, images))
+        per_rank: Optional[list] = None
+        if self.bridge is not None:
+            owners = [(rank, i) for rank, (ids, _) in enumerate(parts) for i in range(len(ids))]
+            ids = [p for part, _ in parts for p in part]
+            pics = [im for part, part_images in parts for im in (part_images or [None] * len(part))]
+            per_rank = [[] for _ in parts]
+            if ids:
+                bounds = _even_bounds(len(ids), self.count)
+                answers = self._ask_all([("generate", (ids[a:b], sampling, pics[a:b] if any(pics[a:b]) else None))
+                                         for a, b in bounds])
+                for (a, _), completions in zip(bounds, answers):
+                    for c in completions:  # prompt_index is within the share; back to the owner's own numbering
+                        rank, local = owners[a + c.prompt_index]
+                        per_rank[rank].append(Completion(local, c.token_ids, c.logprobs, c.finish_reason))
+        return dist_utils.scatter_objects(per_rank)
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Rank 0 sends the tensors to every rollout rank; the other ranks only take part in gathering them."""
+        tensors = list(named_tensors)
+        if self.bridge is None:
+            return
+        numbers = [self.bridge.send(r, ("weights", layout(tensors))) for r in range(self.count)]
+        self.bridge.broadcast_weights(tensors)
+        for r, number in enumerate(numbers):
+            self._answer(r, number)
+
+    def sleep(self) -> None:
+        """Nothing to release: the rollout ranks' memory is their own."""
+
+    def wake(self) -> None:
+        """See sleep."""
+
+    def close(self) -> None:
+        """Stop the rollout ranks (rank 0; best effort: they also stop when rank 0's store goes away)."""
+        if self.bridge is None:
+            return
+        bridge, self.bridge = self.bridge, None
+        try:
+            numbers = [bridge.send(r, ("stop", None)) for r in range(self.count)]
+            for r, number in enumerate(numbers):
+                bridge.reply_of(r, number)
+        except BridgeClosed:
+            pass
+
+    # ------------------------------------------------------------------------------------------- helpers
+    def _ask_all(self, messages) -> list:
+        """One message to each rollout rank (the same one, or one each), then their answers in rank order."""
+        messages = messages if isinstance(messages, list) else [messages] * self.count
+        numbers = [self.bridge.send(r, m) for r, m in enumerate(messages)]
+        return [self._answer(r, n) for r, n in enumerate(numbers)]
+
+    def _answer(self, rollout_rank: int, number: int):
+        try:
+            reply = self.bridge.reply_of(rollout_rank, number)
+        except BridgeClosed as exc:
+            raise TrainingError(f"rollout rank {rollout_rank} stopped answering: {exc}") from exc
+        if "error" in reply:
+            raise TrainingError(reply["error"])
+        return reply["ok"]
+
+
+def _even_bounds(total: int, parts: int) -> list[tuple[int, int]]:
+    """[start, end) of `parts` contiguous shares of `total` items, sizes differing by at most one."""
+    base, extra = divmod(total, parts)
+    bounds, start = [], 0
+    for p in range(parts):
+        end = start + base + (1 if p < extra else 0)
+        bounds.append((start, end))
+        start = end
+    return bounds

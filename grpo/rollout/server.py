@@ -1,0 +1,109 @@
+"""A rollout rank's life in --vllm_mode server: build an engine, then answer training rank 0 until it says stop.
+
+Messages (see bridge.py): ("start", spec) once, then ("generate", (prompt ids, sampling, images)),
+("weights", layout) followed by the tensors over the weight group, and ("stop", None). Every message gets a reply:
+{"ok": ...} or {"error": text}; after an error the rank only waits for the stop, so that training rank 0 can print
+the error before the launcher ends the job.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import random
+import traceback
+from datetime import timedelta
+
+import numpy as np
+import torch
+
+from ..errors import GRPOError
+from ..roles import job_rank, rollout_index, rollout_ranks_of
+from .bridge import BridgeClosed, RolloutBridge, connect_store
+
+logger = logging.getLogger("grpo")
+
+
+def rollout_device() -> torch.device:
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if torch.cuda.is_available() \
+        else torch.device("cpu")
+
+
+def serve_rollouts(config) -> int:
+    """Run this rollout rank until training rank 0 stops it; the process's exit code."""
+    from ..reporting import setup_console_logging
+
+    setup_console_logging(is_main=False)
+    count = rollout_ranks_of(config)
+    index = rollout_index(count)
+    timeout = timedelta(minutes=config.ddp_timeout_minutes)
+    device = rollout_device()
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    store = connect_store(timeout)
+    bridge = RolloutBridge(store, index + 1, count + 1, device, timeout)
+    engine, failed = None, False
+    while True:
+        try:
+            (kind, payload), number = bridge.receive(index)
+        except BridgeClosed as exc:
+            logger.error(f"rollout rank {index}: the training ranks stopped without a word ({exc})")
+            return 1
+        if kind == "stop":
+            bridge.reply(index, number, {"ok": True})
+            return 1 if failed else 0
+        if failed:  # only the stop is awaited now
+            bridge.reply(index, number, {"error": "this rollout rank failed earlier"})
+            continue
+        try:
+            if kind == "start":
+                engine = _build_engine(config, payload, index, count, store, device)
+                answer = True
+            elif kind == "generate":
+                prompts, sampling, images = payload
+                answer = engine.generate(prompts, sampling, **({"images": images} if images else {})) \
+                    if prompts or getattr(engine, "collective_generate", False) else []
+            elif kind == "weights":
+                engine.load_weights(bridge.receive_weights(payload))
+                answer = True
+            else:
+                raise RuntimeError(f"unknown message {kind!r}")
+            bridge.reply(index, number, {"ok": answer})
+        except Exception as exc:  # reported to training rank 0, which stops the job with it
+            failed = True
+            text = str(exc) if isinstance(exc, GRPOError) else f"{type(exc).__name__}: {exc}"
+            logger.error(f"rollout rank {index} failed in {kind}:\n{traceback.format_exc()}")
+            bridge.reply(index, number, {"error": f"rollout rank {index} (job rank {job_rank()}) failed in {kind}: "
+                                                  f"{text}"})
+
+
+def _build_engine(config, spec: dict, index: int, count: int, store, device: torch.device):
+    """vLLM in a world of the rollout ranks (its tensor-parallel groups), or the HF engine on its own model copy."""
+    seed = config.seed + job_rank()
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    if config.use_vllm_rollout:
+        import torch.distributed as dist
+
+        # vLLM's external launcher takes the process group it finds, and its rank layout from these variables
+        os.environ.update(RANK=str(index), WORLD_SIZE=str(count))
+        dist.init_process_group("nccl", store=dist.PrefixStore("grpo_rollout_world", store), rank=index,
+                                world_size=count, timeout=timedelta(minutes=config.ddp_timeout_minutes))
+        from .vllm import VLLMRolloutEngine
+
+        # ranks of one tensor-parallel group share a seed: they must sample the same completions
+        return VLLMRolloutEngine(spec["model_path"], tensor_parallel_size=config.vllm_tp,
+                                 gpu_memory_utilization=config.vllm_gpu_memory_utilization,
+                                 max_model_len=config.max_seq_length, seed=config.seed + index // config.vllm_tp,
+                                 enable_sleep=False, enforce_eager=config.vllm_enforce_eager,
+                                 stop_token_ids=spec["stop_token_ids"],
+                                 max_images_per_prompt=spec["max_images_per_prompt"],
+                                 image_token_id=spec["image_token_id"])
+    from ..models import load_base_model, load_tokenizer
+    from .hf import HFRolloutEngine
+
+    # the trainer's dtype, which is what its weight sync sends (see GRPOTrainer._sync_rollout_weights)
+    model = load_base_model(spec["model_path"], getattr(torch, spec["dtype"]), device, config.trust_remote_code)
+    model.requires_grad_(False)
+    return HFRolloutEngine(model, load_tokenizer(spec["model_path"], config.trust_remote_code),
+                           suppress_token_ids=spec["suppress_token_ids"], owns_model=True)

@@ -1,0 +1,83 @@
+"""--vllm_mode server on CPU: the job's last rank generates (HF engine on a model of its own), the others train
+with DeepSpeed; completions and the updated policy travel between them after every step."""
+import json
+import shutil
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from grpo.reporting import read_metrics
+from grpo.rollout.remote import _even_bounds
+
+from .test_multiprocess import launch, setup  # noqa: F401  (setup is the module's fixture)
+
+needs_launcher = pytest.mark.skipif(shutil.which("deepspeed") is None, reason="the deepspeed launcher is not on PATH")
+SERVER = ("--vllm_mode", "server", "--rollout_gpus", "1", "--logprob_check_steps", "1")
+
+
+def test_prompts_are_split_into_even_contiguous_shares():
+    assert _even_bounds(7, 3) == [(0, 3), (3, 5), (5, 7)]
+    assert _even_bounds(2, 4) == [(0, 1), (1, 2), (2, 2), (2, 2)]
+
+
+def sequence_logprobs(model_dir, ids):
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    with torch.no_grad():
+        logprobs = torch.log_softmax(model(ids).logits[0, :-1], -1)
+    return logprobs.gather(-1, ids[0, 1:, None]).squeeze(-1)
+
+
+@needs_launcher
+def test_the_rollout_rank_samples_the_policy_after_every_step(setup):  # noqa: F811
+    folder, model, registry = setup
+    out = folder / "out_server_full"
+    proc = launch(folder, model, registry, out, 29541, "--reward_module", str(folder / "rewards.py"),
+                  "--tuning_strategy", "full", "--max_steps", "3", *SERVER)
+    both = proc.stdout + proc.stderr
+    assert proc.returncode == 0, both[-4000:]
+    assert "1 rank(s)" in both and "waiting for 1 rollout rank(s)" in both  # one rank trained, one generated
+    rows = [r for r in read_metrics(str(out / "metrics.jsonl")) if "loss" in r]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    # the engine's sampling log-probs equal the trainer's at every step: its weights are the policy's
+    assert max(r["rollout/logprob_diff_max"] for r in rows) < 1e-4, rows
+    # ... while the policy moved far from where the engine started: a stale engine would be off by this much
+    ids = torch.arange(5, 45)[None]
+    moved = (sequence_logprobs(model, ids) - sequence_logprobs(out / "model", ids)).abs().max().item()
+    assert moved > 1e-2, moved
+
+
+@needs_launcher
+def test_two_training_ranks_share_one_rollout_rank_under_zero3_lora(setup):  # noqa: F811
+    folder, model, registry = setup
+    out = folder / "out_server_lora"
+    proc = launch(folder, model, registry, out, 29543, "--reward_module", str(folder / "rewards.py"),
+                  "--tuning_strategy", "lora", "--deepspeed", "zero3", "--learning_rate", "1e-2", "--max_steps", "3",
+                  *SERVER, ranks=3)
+    both = proc.stdout + proc.stderr
+    assert proc.returncode == 0, both[-4000:]
+    assert "2 rank(s)" in both
+    rows = [r for r in read_metrics(str(out / "metrics.jsonl")) if "loss" in r]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    # merged LoRA weights in fp32: exact up to the merge's rounding
+    assert max(r["rollout/logprob_diff_max"] for r in rows) < 1e-3, rows
+    seen = {}
+    for rank in (0, 1):  # each training rank got the completions of its own prompts back
+        with open(out / "completions" / f"rank{rank}.jsonl") as fh:
+            seen[rank] = [json.loads(line)["index"] for line in fh]
+        assert len(seen[rank]) == 3 * 2
+    assert not set(seen[0]) & set(seen[1])
+    assert not (out / "completions" / "rank2.jsonl").exists()  # the rollout rank trains nothing
+
+
+@needs_launcher
+def test_a_training_rank_that_fails_ends_the_rollout_rank_too(setup):  # noqa: F811
+    folder, model, registry = setup
+    out = folder / "out_server_failing"
+    proc = launch(folder, model, registry, out, 29545, "--reward_module", str(folder / "failing_rewards.py"),
+                  "--eval_on_start", "false", "--tuning_strategy", "lora", "--max_steps", "4",
+                  "--ddp_timeout_minutes", "10", *SERVER, ranks=3, timeout=300)
+    both = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "rank 1 failed at step 2 (rewards): reward 'says_seven' (dataset 'toy') raised ValueError: judge model " \
+           "returned HTTP 503" in both, both[-4000:]
