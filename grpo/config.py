@@ -176,8 +176,10 @@ class GRPOConfig:
                                "grpo")
     mask_truncated_completions: bool = _opt(
         False, "Exclude completions that hit --rollout_max_new_tokens from the loss.", "grpo")
-    rollout_is_correction: bool = _opt(
-        False, "Weight the loss by min(exp(trainer_old - rollout logprob), cap) (truncated IS).", "grpo")
+    rollout_is_correction: Optional[bool] = _opt(
+        None, "Weight the loss by min(exp(trainer_old - rollout logprob), cap) (truncated IS). Default: on with "
+              "--async_rollout (its rollouts come from the policy one step behind), off otherwise.", "grpo",
+        nargs="?", const=True)  # a bare flag still means true
     rollout_is_cap: float = _opt(2.0, "Cap of the truncated importance-sampling weight.", "grpo")
     filter_zero_std_groups: bool = _opt(
         False, "Dynamic sampling (DAPO): drop groups whose rewards are all equal and draw more prompts until the "
@@ -196,6 +198,10 @@ class GRPOConfig:
                     "the last --rollout_gpus ranks of the job only generate, the others only train; completions and "
                     "the updated policy travel between them after every step. Rollout ranks run vLLM with "
                     "--use_vllm_rollout, the HF engine otherwise.", "rollout")
+    async_rollout: bool = _opt(
+        False, "With --vllm_mode server: the rollout ranks generate the next step's rollouts while this step trains "
+               "(one step off policy, corrected by the truncated IS weights; rollout/staleness is logged).",
+        "rollout")
     rollout_gpus: int = _opt(0, "With --vllm_mode server: how many of the job's ranks (the last ones) run rollout "
                                 "engines; at least 1 and fewer than the job's ranks.", "rollout")
     vllm_gpu_memory_utilization: float = _opt(0.3, "Fraction of GPU memory vLLM may take.", "rollout")
@@ -323,8 +329,13 @@ class GRPOConfig:
                  f"must divide --rollout_gpus {self.rollout_gpus}; got {self.vllm_tp}")
         else:
             need(self.rollout_gpus == 0, "rollout_gpus", "is for --vllm_mode server (colocate: every rank generates)")
+            need(not self.async_rollout, "async_rollout",
+                 "needs --vllm_mode server (colocated engines share the GPU with training, so nothing overlaps)")
             need(world % self.vllm_tp == 0, "vllm_tp",
                  f"must divide the number of ranks (WORLD_SIZE={world}); got {self.vllm_tp}")
+        need(not (self.async_rollout and self.filter_zero_std_groups), "async_rollout",
+             "and --filter_zero_std_groups do not combine yet (dynamic sampling decides on more rounds after seeing "
+             "the rewards); drop one of them")
         need(0.0 < self.vllm_gpu_memory_utilization < 1.0, "vllm_gpu_memory_utilization", "must be in (0, 1)")
         need(self.save_steps >= 0, "save_steps", "must be >= 0")
         need(self.save_total_limit >= 1, "save_total_limit", "must be >= 1")
@@ -392,6 +403,11 @@ class GRPOConfig:
     @property
     def uses_lora(self) -> bool:
         return self.tuning_strategy in ("lora", "qlora")
+
+    @property
+    def is_correction(self) -> bool:
+        """--rollout_is_correction as given, or on by default exactly when the rollouts are a step behind."""
+        return self.async_rollout if self.rollout_is_correction is None else self.rollout_is_correction
 
     @property
     def effective_learning_rate(self) -> float:

@@ -41,6 +41,17 @@ def select_groups(informative: list[int], num_groups: int, target: int) -> list[
 
 
 @dataclass
+class PendingRollouts:
+    """Prompts whose completions were asked for and not yet received (server mode posts them ahead)."""
+    prompts: list[dict]
+    images: Optional[list]                 # per prompt, processed images (vision models), or None
+    sampling: object                       # grpo.rollout.base.SamplingSettings
+    policy_step: int                       # optimizer steps behind the weights that generate them
+    ticket: object = None                  # the server-mode request (grpo.rollout.remote.Ticket)
+    seconds: dict = field(default_factory=dict)
+
+
+@dataclass
 class RolloutRound:
     """The prompts of one or more rounds with their k completions each (grouped by prompt) and their rewards."""
     prompts: list[dict]

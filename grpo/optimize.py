@@ -66,6 +66,7 @@ def update(engine, micro_batches: list[MicroBatch], advantages: torch.Tensor, ol
     count = 0
     loss_total = pg_total = 0.0
     mismatch_mean, mismatch_max = [], []
+    is_stats = []  # per micro-batch: (mean truncated IS weight, fraction of tokens at the cap)
     bad = False
     for index, mb in enumerate(micro_batches):
         last = index == len(micro_batches) - 1
@@ -80,9 +81,13 @@ def update(engine, micro_batches: list[MicroBatch], advantages: torch.Tensor, ol
             mismatch_mean.append((diff.sum() / b.completion_mask.sum()).item())
             mismatch_max.append(diff.max().item())
         is_weights = None
-        if cfg.rollout_is_correction:  # (the rollout always asks for log-probs then)
+        if cfg.is_correction:  # (the rollout always asks for log-probs then)
             # truncated importance sampling: the rollout engine sampled from a slightly different policy
-            is_weights = torch.exp(old - b.rollout_logprobs).clamp(max=cfg.rollout_is_cap)
+            raw = torch.exp(old - b.rollout_logprobs)
+            is_weights = raw.clamp(max=cfg.rollout_is_cap)
+            if first_pass and not mb.empty and b.completion_mask.sum() > 0:
+                is_stats.append((masked_mean(is_weights, b.completion_mask).item(),
+                                 masked_mean((raw > cfg.rollout_is_cap).float(), b.completion_mask).item()))
         loss, m = policy_loss(logprobs, old, mb.gather(advantages).to(device), b.completion_mask, ref_logprobs=ref,
                               beta=cfg.kl_loss_coef, eps_low=cfg.clip_epsilon_low, eps_high=cfg.clip_epsilon_high,
                               aggregation=cfg.loss_aggregation, max_completion_length=cfg.rollout_max_new_tokens,
@@ -114,6 +119,9 @@ def update(engine, micro_batches: list[MicroBatch], advantages: torch.Tensor, ol
     if mismatch_mean:
         metrics["rollout/logprob_diff_mean"] = sum(mismatch_mean) / len(mismatch_mean)
         metrics["rollout/logprob_diff_max"] = max(mismatch_max)
+    if is_stats:
+        metrics["rollout/is_weight_mean"] = sum(w for w, _ in is_stats) / len(is_stats)
+        metrics["rollout/is_capped_frac"] = sum(c for _, c in is_stats) / len(is_stats)
     return UpdateResult(metrics, bad)
 
 

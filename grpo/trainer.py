@@ -29,7 +29,7 @@ from .config import EMBEDDED_MODEL, GRPOConfig
 from .data import (dataset_routes, first_rows_per_source, load_dataset_registry, load_prompt_datasets,
                    render_prompts)
 from .ds_config import default_dtype, load_deepspeed_config, zero_stage
-from .dynamic_sampling import ZERO_STD, RolloutRound, dynamic_rollouts
+from .dynamic_sampling import ZERO_STD, PendingRollouts, RolloutRound, dynamic_rollouts
 from .embedded import resolve_model_path
 from .errors import ConfigError, TrainingError
 from .evaluation import eval_metrics, eval_sample_rows
@@ -142,6 +142,8 @@ class GRPOTrainer:
                 warn_changed_options(os.path.join(config.output_dir, "grpo_config.json"), config)
             config.save(os.path.join(config.output_dir, "grpo_config.json"))
         self._stop_signal: Optional[int] = None
+        self._pending_rollouts: Optional[PendingRollouts] = None  # --async_rollout: the next step's, in flight
+        self._position_before_prefetch = (self.state.epoch, self.state.position)
 
     # ================================================================================================
     @phase("step", passes=(TrainingError,))  # a stop on signal is deliberate; its message says it all
@@ -222,10 +224,18 @@ class GRPOTrainer:
         return time.perf_counter() - start
 
     def _rollout_round(self) -> RolloutRound:
-        prompts = self._next_prompts()
-        completions, texts, images, times = self._generate_rollouts(prompts)
-        result, times["reward"] = self._score_rewards(prompts, texts, [c.token_ids for c in completions])
-        return RolloutRound(prompts, completions, texts, result, images, times)
+        # --async_rollout: this step's request went out during the previous step; the next step's goes out now, so
+        # the rollout ranks generate it while this step trains (one step off policy)
+        pending = self._pending_rollouts or self._request_rollouts(self._next_prompts())
+        self._pending_rollouts = None
+        if self.config.async_rollout and self.state.step + 1 < self.total_steps:
+            self._position_before_prefetch = (self.state.epoch, self.state.position)
+            self._pending_rollouts = self._request_rollouts(self._next_prompts())
+        completions, texts, times = self._receive_rollouts(pending)
+        result, times["reward"] = self._score_rewards(pending.prompts, texts, [c.token_ids for c in completions])
+        stats = {"rollout/staleness": float(self.state.step - pending.policy_step)} if self.config.async_rollout \
+            else {}
+        return RolloutRound(pending.prompts, completions, texts, result, pending.images, times, stats)
 
     @phase("data")
     def _next_prompts(self) -> list[dict]:
@@ -235,33 +245,44 @@ class GRPOTrainer:
         return [dict(row, index=i) for row, i in zip(rows, indices)]
 
     @phase("rollout")
-    def _generate_rollouts(self, prompts: list[dict]):
-        """k completions per prompt (grouped by prompt), their texts, the prompts' images, and timings."""
+    def _request_rollouts(self, prompts: list[dict]) -> PendingRollouts:
+        """Ask for k completions per prompt: posted at once to server-mode rollout ranks, generated on reception by
+        a colocated engine."""
         cfg = self.config
         start = time.perf_counter()
-        self._sizes = {"prompts per rank": len(prompts), "completions per rank": len(prompts) * cfg.k_samples,
-                       "--rollout_max_new_tokens": cfg.rollout_max_new_tokens}
-        parts = {}  # where the rollout phase's time goes: time/rollout_images, _generate, _decode (+ _wake, _sleep)
-
-        def lap(name: str, since: float) -> float:
-            now = time.perf_counter()
-            parts[f"rollout_{name}"] = now - since
-            return now
-
         # the engine's log-probs serve the IS correction (every step) and the mismatch metric (every N steps)
-        logprobs = cfg.rollout_is_correction or self.state.step % cfg.logprob_check_steps == 0
+        logprobs = cfg.is_correction or self.state.step % cfg.logprob_check_steps == 0
         sampling = SamplingSettings(n=cfg.k_samples, max_new_tokens=cfg.rollout_max_new_tokens,
                                     temperature=cfg.temperature, top_p=cfg.top_p, logprobs=logprobs)
         images = self._prompt_images(prompts)  # each prompt's pixels once, shared by its k samples
-        mark = lap("images", start)
-        completions = self.rollout_engine.generate([p["prompt_ids"] for p in prompts], sampling,
-                                                   **({"images": images} if images else {}))
-        mark = lap("generate", mark)
+        pending = PendingRollouts(prompts, images, sampling, policy_step=self.state.step)
+        images_done = time.perf_counter()
+        if hasattr(self.rollout_engine, "submit"):
+            pending.ticket = self.rollout_engine.submit([p["prompt_ids"] for p in prompts], sampling, images)
+        pending.seconds = {"rollout_images": images_done - start, "rollout_submit": time.perf_counter() - images_done}
+        return pending
+
+    @phase("rollout")
+    def _receive_rollouts(self, pending: PendingRollouts):
+        """The k completions per prompt (grouped by prompt), their texts, and where the time went."""
+        cfg = self.config
+        prompts = pending.prompts
+        self._sizes = {"prompts per rank": len(prompts), "completions per rank": len(prompts) * cfg.k_samples,
+                       "--rollout_max_new_tokens": cfg.rollout_max_new_tokens}
+        start = time.perf_counter()
+        if pending.ticket is not None:  # server mode: wait for the rollout ranks
+            completions = self.rollout_engine.collect(pending.ticket)
+        else:
+            completions = self.rollout_engine.generate([p["prompt_ids"] for p in prompts], pending.sampling,
+                                                       **({"images": pending.images} if pending.images else {}))
+        generated = time.perf_counter()
         texts = self.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
-        lap("decode", mark)
-        seconds = time.perf_counter() - start
+        # time/rollout_images, _submit, _generate (the wait, in server mode), _decode (+ _wake, _sleep)
+        parts = {**pending.seconds, "rollout_generate": generated - start,
+                 "rollout_decode": time.perf_counter() - generated}
+        seconds = sum(parts.values())
         tokens = sum(len(c.token_ids) for c in completions)
-        return completions, texts, images, {"rollout": seconds, **parts, "_rollout_tokens": tokens}
+        return completions, texts, {"rollout": seconds, **parts, "_rollout_tokens": tokens}
 
     def _rollout_batch(self, rollout: RolloutRound) -> RolloutBatch:
         return build_rollout_batch([p["prompt_ids"] for p in rollout.prompts], rollout.completions,
@@ -513,8 +534,14 @@ class GRPOTrainer:
 
     @phase("save", after_step=True)
     def _save_checkpoint(self) -> None:
-        path = save_checkpoint(self.engine, self.state, self.config.output_dir, self.config.save_total_limit,
-                               frozen_excluded=self.config.uses_lora)
+        trained = (self.state.epoch, self.state.position)
+        if self._pending_rollouts is not None:  # the prompts in flight are not trained yet: a resume draws them again
+            self.state.epoch, self.state.position = self._position_before_prefetch
+        try:
+            path = save_checkpoint(self.engine, self.state, self.config.output_dir, self.config.save_total_limit,
+                                   frozen_excluded=self.config.uses_lora)
+        finally:
+            self.state.epoch, self.state.position = trained
         logger.info(f"checkpoint saved: {path}")
 
     @phase("save final model", after_step=True)

@@ -200,3 +200,8 @@ def test_server_mode_needs_rollout_and_training_ranks():
     assert_clean_failure(proc, "--rollout_gpus", "--vllm_mode server")
     proc, _ = run_cli("--vllm_mode", "remote")
     assert_clean_failure(proc, "--vllm_mode", "colocate, server")
+    proc, _ = run_cli("--async_rollout", "true")
+    assert_clean_failure(proc, "--async_rollout", "needs --vllm_mode server")
+    proc, _ = run_cli("--vllm_mode", "server", "--rollout_gpus", "1", "--async_rollout", "true",
+                      "--filter_zero_std_groups", "true", env={"WORLD_SIZE": "2"})
+    assert_clean_failure(proc, "--async_rollout", "--filter_zero_std_groups do not combine")

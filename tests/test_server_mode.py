@@ -81,3 +81,38 @@ def test_a_training_rank_that_fails_ends_the_rollout_rank_too(setup):  # noqa: F
     assert proc.returncode != 0
     assert "rank 1 failed at step 2 (rewards): reward 'says_seven' (dataset 'toy') raised ValueError: judge model " \
            "returned HTTP 503" in both, both[-4000:]
+
+
+def prompts_by_step(out):
+    steps = {}
+    with open(out / "completions" / "rank0.jsonl") as fh:
+        for line in fh:
+            row = json.loads(line)
+            steps.setdefault(row["step"], []).append(row["index"])
+    return steps
+
+
+@needs_launcher
+def test_async_rollouts_run_one_step_behind_and_resume_on_the_same_prompts(setup):  # noqa: F811
+    folder, model, registry = setup
+    out = folder / "out_server_async"
+    flags = ("--reward_module", str(folder / "rewards.py"), "--tuning_strategy", "full", "--max_steps", "4",
+             "--save_steps", "2", "--async_rollout", "true", *SERVER)
+    proc = launch(folder, model, registry, out, 29547, *flags)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    rows = [r for r in read_metrics(str(out / "metrics.jsonl")) if "loss" in r]
+    # the first step's rollouts come from the synced start, every later one from the policy a step behind
+    assert [r["rollout/staleness"] for r in rows] == [0.0, 1.0, 1.0, 1.0]
+    # ... which the truncated IS weights (on by default here) correct: they are logged, and at most the cap
+    assert all(0.0 < r["rollout/is_weight_mean"] <= 2.0 for r in rows)
+    assert rows[2]["rollout/logprob_diff_mean"] > 1e-3  # a step behind after a real update
+
+    # a checkpoint saved while step 3's prompts were in flight resumes by drawing them again
+    state = json.loads((out / "checkpoint-2" / "trainer_state.json").read_text())
+    assert (state["step"], state["position"]) == (2, 2 * 2)
+    resumed = folder / "out_server_async_resumed"
+    shutil.copytree(out / "checkpoint-2", resumed / "checkpoint-2")
+    proc = launch(folder, model, registry, resumed, 29549, *flags, "--resume_from_checkpoint", "latest")
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    first, again = prompts_by_step(out), prompts_by_step(resumed)
+    assert sorted(again) == [3, 4] and all(again[s] == first[s] for s in (3, 4)), (first, again)

@@ -6,6 +6,7 @@ Prompts are split evenly over the rollout ranks in training-rank order, so each 
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Iterable, Optional
 
@@ -15,6 +16,15 @@ from .. import distributed as dist_utils
 from ..errors import TrainingError
 from .base import Completion, SamplingSettings
 from .bridge import BridgeClosed, RolloutBridge, layout, training_store
+
+
+@dataclass
+class Ticket:
+    """A request in flight; rank 0 keeps where each prompt came from and which messages carry it."""
+    owners: list = field(default_factory=list)   # per prompt: (training rank, its index there)
+    ranks: int = 0                               # training ranks
+    bounds: list = field(default_factory=list)   # per rollout rank: its [start, end) of the prompts
+    numbers: list = field(default_factory=list)  # per rollout rank: the message number of its share
 
 
 class RemoteRolloutEngine:
@@ -33,21 +43,35 @@ class RemoteRolloutEngine:
     # ------------------------------------------------------------------------------------------ protocol
     def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingSettings,
                  images: Optional[list] = None) -> list[Completion]:
+        return self.collect(self.submit(prompt_token_ids, sampling, images))
+
+    def submit(self, prompt_token_ids: list[list[int]], sampling: SamplingSettings,
+               images: Optional[list] = None) -> "Ticket":
+        """Post the prompts of every training rank to the rollout ranks and return at once (--async_rollout: they
+        generate while this rank trains); `collect` waits for the completions."""
         parts = dist_utils.gather_objects((prompt_token_ids, images))
-        per_rank: Optional[list] = None
+        ticket = Ticket()
         if self.bridge is not None:
-            owners = [(rank, i) for rank, (ids, _) in enumerate(parts) for i in range(len(ids))]
+            ticket.owners = [(rank, i) for rank, (ids, _) in enumerate(parts) for i in range(len(ids))]
+            ticket.ranks = len(parts)
             ids = [p for part, _ in parts for p in part]
             pics = [im for part, part_images in parts for im in (part_images or [None] * len(part))]
-            per_rank = [[] for _ in parts]
             if ids:
-                bounds = _even_bounds(len(ids), self.count)
-                answers = self._ask_all([("generate", (ids[a:b], sampling, pics[a:b] if any(pics[a:b]) else None))
-                                         for a, b in bounds])
-                for (a, _), completions in zip(bounds, answers):
-                    for c in completions:  # prompt_index is within the share; back to the owner's own numbering
-                        rank, local = owners[a + c.prompt_index]
-                        per_rank[rank].append(Completion(local, c.token_ids, c.logprobs, c.finish_reason))
+                ticket.bounds = _even_bounds(len(ids), self.count)
+                ticket.numbers = [self.bridge.send(r, ("generate", (ids[a:b], sampling,
+                                                                    pics[a:b] if any(pics[a:b]) else None)))
+                                  for r, (a, b) in enumerate(ticket.bounds)]
+        return ticket
+
+    def collect(self, ticket: "Ticket") -> list[Completion]:
+        """This rank's completions of a submitted request (all training ranks call it together)."""
+        per_rank: Optional[list] = None
+        if self.bridge is not None:
+            per_rank = [[] for _ in range(ticket.ranks)]
+            for r, ((a, _), number) in enumerate(zip(ticket.bounds, ticket.numbers)):
+                for c in self._answer(r, number):  # prompt_index is within the share; back to the owner's numbering
+                    rank, local = ticket.owners[a + c.prompt_index]
+                    per_rank[rank].append(Completion(local, c.token_ids, c.logprobs, c.finish_reason))
         return dist_utils.scatter_objects(per_rank)
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
