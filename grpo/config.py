@@ -204,7 +204,9 @@ class GRPOConfig:
         "rollout")
     rollout_gpus: int = _opt(0, "With --vllm_mode server: how many of the job's ranks (the last ones) run rollout "
                                 "engines; at least 1 and fewer than the job's ranks.", "rollout")
-    vllm_gpu_memory_utilization: float = _opt(0.3, "Fraction of GPU memory vLLM may take.", "rollout")
+    vllm_gpu_memory_utilization: Optional[float] = _opt(
+        None, "Fraction of GPU memory vLLM may take. Default: 0.3 colocated (training needs the rest), 0.85 on the "
+              "rollout ranks of server mode (their GPUs only generate).", "rollout")
     vllm_sleep: bool = _opt(True, "Put vLLM to sleep (free KV cache) while DeepSpeed trains.", "rollout")
     logprob_check_steps: int = _opt(
         10, "Ask the rollout engine for its sampling log-probs every N steps, for the rollout/logprob_diff metric "
@@ -336,7 +338,8 @@ class GRPOConfig:
         need(not (self.async_rollout and self.filter_zero_std_groups), "async_rollout",
              "and --filter_zero_std_groups do not combine yet (dynamic sampling decides on more rounds after seeing "
              "the rewards); drop one of them")
-        need(0.0 < self.vllm_gpu_memory_utilization < 1.0, "vllm_gpu_memory_utilization", "must be in (0, 1)")
+        need(self.vllm_gpu_memory_utilization is None or 0.0 < self.vllm_gpu_memory_utilization < 1.0,
+             "vllm_gpu_memory_utilization", "must be in (0, 1)")
         need(self.save_steps >= 0, "save_steps", "must be >= 0")
         need(self.save_total_limit >= 1, "save_total_limit", "must be >= 1")
         need(self.eval_steps >= 0, "eval_steps", "must be >= 0")
@@ -403,6 +406,13 @@ class GRPOConfig:
     @property
     def uses_lora(self) -> bool:
         return self.tuning_strategy in ("lora", "qlora")
+
+    @property
+    def vllm_memory_share(self) -> float:
+        """--vllm_gpu_memory_utilization as given, or the default for the mode."""
+        if self.vllm_gpu_memory_utilization is not None:
+            return self.vllm_gpu_memory_utilization
+        return 0.85 if self.vllm_mode == "server" else 0.3
 
     @property
     def is_correction(self) -> bool:

@@ -116,6 +116,10 @@ class GRPOTrainer:
                 f"needs {self.prompts_per_step} per rank x {self.world} ranks; lower the batch size or "
                 f"--gradient_accumulation_steps, or raise --train_split_ratio")
         self.total_steps = config.max_steps if config.max_steps > 0 else config.epochs * self.order.steps_per_epoch
+        if not config.resume_from_checkpoint and list_checkpoints(config.output_dir) and \
+                not config.overwrite_output_dir:
+            raise ConfigError(f"--output_dir {config.output_dir} holds checkpoints of an earlier run; continue it with "
+                              f"--resume_from_checkpoint latest, or start over with --overwrite_output_dir")
 
         # --- models, DeepSpeed, rollout engine --------------------------------------------------------
         self.device, self.dtype = dist_utils.device(), default_dtype()
@@ -124,19 +128,13 @@ class GRPOTrainer:
         policy = load_policy(config, self.model_path, self.dtype, self.device)
         self.reference = load_reference(config, self.model_path, self.dtype, self.device)
         self.engine = self._init_deepspeed(policy)
-        self.rollout_engine = self._init_rollout_engine()
         self.state = TrainerState()
-        if not config.resume_from_checkpoint and list_checkpoints(config.output_dir) and \
-                not config.overwrite_output_dir:
-            raise ConfigError(f"--output_dir {config.output_dir} holds checkpoints of an earlier run; continue it with "
-                              f"--resume_from_checkpoint latest, or start over with --overwrite_output_dir")
-        if config.resume_from_checkpoint:
-            path = resolve_resume_path(config.resume_from_checkpoint, config.output_dir)
-            self.state = load_checkpoint(self.engine, path, frozen_excluded=config.uses_lora)
-            logger.info(f"resumed from {path} at step {self.state.step}")
-        # the engine started from the checkpoint on disk: from here on it samples the policy being trained
-        # (for qlora the 4-bit weights, for a resumed run the restored ones), in evaluate() before train() too
-        self._sync_rollout_weights(first=True)
+        self.rollout_engine = self._init_rollout_engine()
+        try:
+            self._restore_and_sync()
+        except BaseException:
+            self.close()  # server mode: the rollout ranks stop with us
+            raise
         if self.is_main:
             if config.resume_from_checkpoint:
                 warn_changed_options(os.path.join(config.output_dir, "grpo_config.json"), config)
@@ -144,6 +142,17 @@ class GRPOTrainer:
         self._stop_signal: Optional[int] = None
         self._pending_rollouts: Optional[PendingRollouts] = None  # --async_rollout: the next step's, in flight
         self._position_before_prefetch = (self.state.epoch, self.state.position)
+
+    def _restore_and_sync(self) -> None:
+        """Load the checkpoint to resume from, if any, then give the rollout engine the policy."""
+        config = self.config
+        if config.resume_from_checkpoint:
+            path = resolve_resume_path(config.resume_from_checkpoint, config.output_dir)
+            self.state = load_checkpoint(self.engine, path, frozen_excluded=config.uses_lora)
+            logger.info(f"resumed from {path} at step {self.state.step}")
+        # the engine started from the checkpoint on disk: from here on it samples the policy being trained
+        # (for qlora the 4-bit weights, for a resumed run the restored ones), in evaluate() before train() too
+        self._sync_rollout_weights(first=True)
 
     # ================================================================================================
     @phase("step", passes=(TrainingError,))  # a stop on signal is deliberate; its message says it all
@@ -367,7 +376,7 @@ class GRPOTrainer:
     def _sync_rollout_weights(self, first: bool = False) -> float:
         """Push the updated policy into the rollout engine (vLLM, or the rollout ranks in server mode); the
         colocated HF engine samples the live model."""
-        if not (self.config.use_vllm_rollout or self.config.vllm_mode == "server"):
+        if not self._syncs_weights:
             return 0.0
         from .sync import sync_weights
 
@@ -433,7 +442,7 @@ class GRPOTrainer:
         if cfg.vllm_mode == "server":
             from .rollout.remote import RemoteRolloutEngine
 
-            spec = dict(model_path=self.model_path, dtype=str(self._sync_dtype()).removeprefix("torch."),
+            spec = dict(dtype=str(self._sync_dtype()).removeprefix("torch."),
                         stop_token_ids=stop_token_ids(self.engine.module, self.tokenizer),
                         max_images_per_prompt=cfg.max_images_per_prompt if self.vision else 0,
                         image_token_id=self.vision.image_token_id if self.vision else None,
@@ -445,7 +454,7 @@ class GRPOTrainer:
 
             # ranks of one tensor-parallel group share a seed: they must sample the same completions
             return VLLMRolloutEngine(self.model_path, tensor_parallel_size=cfg.vllm_tp,
-                                     gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
+                                     gpu_memory_utilization=cfg.vllm_memory_share,
                                      max_model_len=cfg.max_seq_length, seed=cfg.seed + self.rank // cfg.vllm_tp,
                                      enable_sleep=cfg.vllm_sleep, enforce_eager=cfg.vllm_enforce_eager,
                                      stop_token_ids=stop_token_ids(self.engine.module, self.tokenizer),
@@ -453,6 +462,11 @@ class GRPOTrainer:
                                      image_token_id=self.vision.image_token_id if self.vision else None)
         return HFRolloutEngine(self.engine.module, self.tokenizer,
                                suppress_token_ids=self.vision.placeholder_token_ids if self.vision else None)
+
+    @property
+    def _syncs_weights(self) -> bool:
+        """Whether the rollout engine holds weights of its own (vLLM, or the rollout ranks of server mode)."""
+        return self.config.use_vllm_rollout or self.config.vllm_mode == "server"
 
     def _sync_dtype(self) -> torch.dtype:
         """What the engine computes in: vLLM bf16; the HF engine of a rollout rank the trainer's own dtype."""
@@ -516,9 +530,9 @@ class GRPOTrainer:
             **{f"time/{k_}": v for k_, v in times.items() if not k_.startswith("_")},
             "throughput/rollout_tokens_per_s": times["_rollout_tokens"] / max(times["rollout"], 1e-9),
         }
-        if self.config.use_vllm_rollout:
+        if self._syncs_weights:
             local["sync/bytes"] = float(self._last_sync.bytes)
-            local["memory/vllm_sleep_freed_gib"] = self.rollout_engine.last_sleep_freed_bytes / 2**30
+            local["memory/vllm_sleep_freed_gib"] = getattr(self.rollout_engine, "last_sleep_freed_bytes", 0) / 2**30
         return _mean_over_ranks(local)
 
     def _log_completions(self, prompts, texts, rewards) -> None:

@@ -113,3 +113,20 @@ def test_training_mode_restored(engine):
     eng.model.train()
     eng.generate(prompts(tok)[:1], SamplingSettings(n=1, max_new_tokens=2))
     assert eng.model.training
+
+
+def test_an_engine_with_a_model_of_its_own_loads_what_it_is_sent(engine):
+    engine, tokenizer = engine
+    own = HFRolloutEngine(copy.deepcopy(engine.model), tokenizer, owns_model=True)
+    name, weight = next((n, p) for n, p in own.model.named_parameters() if n.endswith("q_proj.weight"))
+    new = torch.full_like(weight, 0.25)
+    own.load_weights([(name, new)])
+    assert torch.equal(dict(own.model.named_parameters())[name], new)
+    with pytest.raises(KeyError, match="no weight named 'model.nope.weight'"):
+        own.load_weights([("model.nope.weight", new)])
+    with pytest.raises(ValueError, match="the trainer sent"):
+        own.load_weights([(name, new[:1])])
+    # the engine of the live policy ignores what it is sent: its model is the policy
+    before = dict(engine.model.named_parameters())[name].clone()
+    engine.load_weights([(name, new)])
+    assert torch.equal(dict(engine.model.named_parameters())[name], before)

@@ -116,3 +116,15 @@ def test_async_rollouts_run_one_step_behind_and_resume_on_the_same_prompts(setup
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     first, again = prompts_by_step(out), prompts_by_step(resumed)
     assert sorted(again) == [3, 4] and all(again[s] == first[s] for s in (3, 4)), (first, again)
+
+
+@needs_launcher
+def test_a_failure_while_the_trainer_starts_stops_the_rollout_rank(setup):  # noqa: F811
+    folder, model, registry = setup
+    out = folder / "out_server_bad_resume"
+    proc = launch(folder, model, registry, out, 29551, "--reward_module", str(folder / "rewards.py"),
+                  "--resume_from_checkpoint", str(folder / "no_such_checkpoint"), *SERVER, timeout=240)
+    both = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "error: --resume_from_checkpoint" in both, both[-3000:]
+    assert "stopped without a word" not in both  # the rollout rank was told, not left to find out

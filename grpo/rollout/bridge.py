@@ -2,7 +2,8 @@
 
 The two sides live in different torch.distributed worlds (see grpo/roles.py), so they meet in two ways of their own:
   - messages (requests, completions, errors) are pickled into the key-value store of the training world, which
-    training rank 0 hosts at MASTER_ADDR:MASTER_PORT and the rollout ranks join as clients;
+    training rank 0 hosts at MASTER_ADDR:MASTER_PORT; both sides reach it through a client of their own (a store
+    client serves one operation at a time, and the process groups' own store traffic must not queue behind a wait);
   - weights travel through a process group made for the purpose over that store: training rank 0 is its rank 0,
     rollout rank i its rank i + 1 (NCCL on GPU, gloo on CPU), so tensors go device to device.
 Each message to rollout rank i has a sequence number; the reply to it carries the same number.
@@ -12,7 +13,7 @@ from __future__ import annotations
 import os
 import pickle
 from datetime import timedelta
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -24,16 +25,12 @@ class BridgeClosed(RuntimeError):
     """The other side is gone (its store or group closed)."""
 
 
-def training_store() -> dist.Store:
-    """The store of this (training) world, as the rollout ranks see it: without torch's own prefixes."""
-    store = dist.distributed_c10d._get_default_store()
-    while isinstance(store, dist.PrefixStore):
-        store = store.underlying_store
-    return store
+POLL = timedelta(seconds=2)  # one wait on the store; waits loop over these, so a lost connection shows at once
 
 
 def connect_store(timeout: timedelta) -> dist.Store:
-    """A rollout rank's client of training rank 0's store (waits for it to come up, up to `timeout`)."""
+    """A client of the training world's store at MASTER_ADDR:MASTER_PORT (waits for it to come up, up to
+    `timeout`)."""
     return dist.TCPStore(os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"]),
                          is_master=False, timeout=timeout, wait_for_workers=False)
 
@@ -43,13 +40,23 @@ class RolloutBridge:
 
     def __init__(self, store: dist.Store, rank: int, size: int, device: torch.device, timeout: timedelta):
         self.store = dist.PrefixStore(PREFIX, store)
-        self.rank, self.size, self.device = rank, size, device
+        self.rank, self.size, self.device, self.timeout = rank, size, device, timeout
         self._sequence = [0] * size  # per rollout rank (index + 1): the next message's number
         group_store = dist.PrefixStore("weights", self.store)
         if device.type == "cuda":
-            self.group = dist.ProcessGroupNCCL(group_store, rank, size, dist.ProcessGroupNCCL.Options())
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timeout
+            self.group = dist.ProcessGroupNCCL(group_store, rank, size, options)
         else:
             self.group = dist.ProcessGroupGloo(group_store, rank, size, timeout)
+
+    def close(self) -> None:
+        shutdown = getattr(self.group, "shutdown", None)
+        if shutdown is not None:
+            try:
+                shutdown()
+            except Exception:  # best effort: the process is ending
+                pass
 
     # ------------------------------------------------------------------------------------------ messages
     def send(self, rollout_rank: int, message) -> int:
@@ -59,25 +66,39 @@ class RolloutBridge:
         self.store.set(f"to/{rollout_rank}/{number}", pickle.dumps(message))
         return number
 
-    def reply_of(self, rollout_rank: int, number: int):
-        """Training rank 0: the rollout rank's reply to message `number` (waits for it)."""
-        return self._take(f"from/{rollout_rank}/{number}")
+    def reply_of(self, rollout_rank: int, number: int, timeout: Optional[timedelta] = None):
+        """Training rank 0: the rollout rank's reply to message `number` (waits for it up to `timeout`, by default
+        --ddp_timeout_minutes)."""
+        return self._take(f"from/{rollout_rank}/{number}", timeout or self.timeout)
 
     def receive(self, rollout_rank: int):
-        """Rollout rank: the next message for it (waits for it) and its number."""
+        """Rollout rank: the next message for it and its number; waits as long as the link stands (a training step
+        with its checkpoint may take any time)."""
         number = self._sequence[rollout_rank + 1]
         self._sequence[rollout_rank + 1] += 1
-        return self._take(f"to/{rollout_rank}/{number}"), number
+        return self._take(f"to/{rollout_rank}/{number}", None), number
 
     def reply(self, rollout_rank: int, number: int, message) -> None:
         self.store.set(f"from/{rollout_rank}/{number}", pickle.dumps(message))
 
-    def _take(self, key: str):
+    def _take(self, key: str, timeout: Optional[timedelta]):
+        """The value at `key` once it is set, removed from the store; waits up to `timeout` (None: no limit)."""
+        waited = timedelta(0)
+        while True:
+            try:
+                self.store.wait([key], POLL)
+                break
+            except Exception as exc:  # a timeout of this poll, or a closed connection
+                waited += POLL
+                lost = "timeout" not in str(exc).lower() and "timed out" not in str(exc).lower()
+                if lost or (timeout is not None and waited >= timeout):
+                    what = "the link closed" if lost else f"no answer in {timeout}"
+                    raise BridgeClosed(f"{what} ({type(exc).__name__}: {exc})") from exc
         try:
-            value = self.store.get(key)  # blocks until set, up to the store's timeout
-        except Exception as exc:  # a closed connection or a timeout: the other side stopped answering
-            raise BridgeClosed(f"no answer on the rollout link ({type(exc).__name__}: {exc})") from exc
-        self.store.delete_key(key)
+            value = self.store.get(key)
+            self.store.delete_key(key)
+        except Exception as exc:
+            raise BridgeClosed(f"the link closed ({type(exc).__name__}: {exc})") from exc
         return pickle.loads(value)
 
     # ------------------------------------------------------------------------------------------- weights

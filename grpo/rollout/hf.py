@@ -126,7 +126,12 @@ class HFRolloutEngine:
             for _ in named_tensors:  # consumed all the same: the sender may stream them
                 pass
             return
-        own = self.model.state_dict(keep_vars=True)  # tied weights appear under each of their names
+        from ..vision import checkpoint_prefixes, rename
+
+        # by the checkpoint names the trainer sends (vision-language models: see grpo/vision.py); tied weights
+        # appear under each of their names
+        prefixes = checkpoint_prefixes(self.model)
+        own = {rename(name, prefixes): p for name, p in self.model.state_dict(keep_vars=True).items()}
         with torch.no_grad():
             for name, tensor in named_tensors:
                 if name not in own:

@@ -15,7 +15,10 @@ import torch
 from .. import distributed as dist_utils
 from ..errors import TrainingError
 from .base import Completion, SamplingSettings
-from .bridge import BridgeClosed, RolloutBridge, layout, training_store
+from .bridge import BridgeClosed, RolloutBridge, connect_store, layout
+
+
+STOP_WAIT = timedelta(seconds=60)
 
 
 @dataclass
@@ -35,8 +38,8 @@ class RemoteRolloutEngine:
         self.count = rollout_ranks
         self.bridge: Optional[RolloutBridge] = None
         if dist_utils.is_main():
-            self.bridge = RolloutBridge(training_store(), 0, rollout_ranks + 1, dist_utils.device(),
-                                        timedelta(minutes=timeout_minutes))
+            timeout = timedelta(minutes=timeout_minutes)
+            self.bridge = RolloutBridge(connect_store(timeout), 0, rollout_ranks + 1, dist_utils.device(), timeout)
             self._ask_all(("start", spec))
         dist_utils.barrier()  # no rank goes on before every rollout engine is up
 
@@ -97,10 +100,12 @@ class RemoteRolloutEngine:
         bridge, self.bridge = self.bridge, None
         try:
             numbers = [bridge.send(r, ("stop", None)) for r in range(self.count)]
-            for r, number in enumerate(numbers):
-                bridge.reply_of(r, number)
+            for r, number in enumerate(numbers):  # a stuck rollout rank must not hold a failing job for long
+                bridge.reply_of(r, number, timeout=STOP_WAIT)
         except BridgeClosed:
             pass
+        finally:
+            bridge.close()
 
     # ------------------------------------------------------------------------------------------- helpers
     def _ask_all(self, messages) -> list:

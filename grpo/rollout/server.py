@@ -34,7 +34,7 @@ def serve_rollouts(config) -> int:
 
     setup_console_logging(is_main=False)
     count = rollout_ranks_of(config)
-    index = rollout_index(count)
+    index, rank = rollout_index(count), job_rank()  # (vLLM's launcher variables overwrite RANK later)
     timeout = timedelta(minutes=config.ddp_timeout_minutes)
     device = rollout_device()
     if device.type == "cuda":
@@ -50,20 +50,26 @@ def serve_rollouts(config) -> int:
             return 1
         if kind == "stop":
             bridge.reply(index, number, {"ok": True})
+            bridge.close()
             return 1 if failed else 0
         if failed:  # only the stop is awaited now
             bridge.reply(index, number, {"error": "this rollout rank failed earlier"})
             continue
         try:
             if kind == "start":
-                engine = _build_engine(config, payload, index, count, store, device)
+                engine = _build_engine(config, payload, index, count, device, rank)
                 answer = True
             elif kind == "generate":
                 prompts, sampling, images = payload
                 answer = engine.generate(prompts, sampling, **({"images": images} if images else {})) \
                     if prompts or getattr(engine, "collective_generate", False) else []
             elif kind == "weights":
-                engine.load_weights(bridge.receive_weights(payload))
+                tensors = bridge.receive_weights(payload)
+                try:
+                    engine.load_weights(tensors)
+                finally:  # take every tensor the sender broadcasts, even after a failure, so that it is not left waiting
+                    for _ in tensors:
+                        pass
                 answer = True
             else:
                 raise RuntimeError(f"unknown message {kind!r}")
@@ -72,13 +78,15 @@ def serve_rollouts(config) -> int:
             failed = True
             text = str(exc) if isinstance(exc, GRPOError) else f"{type(exc).__name__}: {exc}"
             logger.error(f"rollout rank {index} failed in {kind}:\n{traceback.format_exc()}")
-            bridge.reply(index, number, {"error": f"rollout rank {index} (job rank {job_rank()}) failed in {kind}: "
-                                                  f"{text}"})
+            bridge.reply(index, number, {"error": f"rollout rank {index} (job rank {rank}) failed in {kind}: {text}"})
 
 
-def _build_engine(config, spec: dict, index: int, count: int, store, device: torch.device):
+def _build_engine(config, spec: dict, index: int, count: int, device: torch.device, rank: int):
     """vLLM in a world of the rollout ranks (its tensor-parallel groups), or the HF engine on its own model copy."""
-    seed = config.seed + job_rank()
+    from ..embedded import resolve_model_path
+
+    model_path = resolve_model_path(config.model_name_or_path)  # this node's copy (the embedded one is converted here)
+    seed = config.seed + rank
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
@@ -87,13 +95,14 @@ def _build_engine(config, spec: dict, index: int, count: int, store, device: tor
 
         # vLLM's external launcher takes the process group it finds, and its rank layout from these variables
         os.environ.update(RANK=str(index), WORLD_SIZE=str(count))
-        dist.init_process_group("nccl", store=dist.PrefixStore("grpo_rollout_world", store), rank=index,
-                                world_size=count, timeout=timedelta(minutes=config.ddp_timeout_minutes))
+        timeout = timedelta(minutes=config.ddp_timeout_minutes)
+        world_store = dist.PrefixStore("grpo_rollout_world", connect_store(timeout))  # a client of its own
+        dist.init_process_group("nccl", store=world_store, rank=index, world_size=count, timeout=timeout)
         from .vllm import VLLMRolloutEngine
 
         # ranks of one tensor-parallel group share a seed: they must sample the same completions
-        return VLLMRolloutEngine(spec["model_path"], tensor_parallel_size=config.vllm_tp,
-                                 gpu_memory_utilization=config.vllm_gpu_memory_utilization,
+        return VLLMRolloutEngine(model_path, tensor_parallel_size=config.vllm_tp,
+                                 gpu_memory_utilization=config.vllm_memory_share,
                                  max_model_len=config.max_seq_length, seed=config.seed + index // config.vllm_tp,
                                  enable_sleep=False, enforce_eager=config.vllm_enforce_eager,
                                  stop_token_ids=spec["stop_token_ids"],
@@ -103,7 +112,7 @@ def _build_engine(config, spec: dict, index: int, count: int, store, device: tor
     from .hf import HFRolloutEngine
 
     # the trainer's dtype, which is what its weight sync sends (see GRPOTrainer._sync_rollout_weights)
-    model = load_base_model(spec["model_path"], getattr(torch, spec["dtype"]), device, config.trust_remote_code)
+    model = load_base_model(model_path, getattr(torch, spec["dtype"]), device, config.trust_remote_code)
     model.requires_grad_(False)
-    return HFRolloutEngine(model, load_tokenizer(spec["model_path"], config.trust_remote_code),
+    return HFRolloutEngine(model, load_tokenizer(model_path, config.trust_remote_code),
                            suppress_token_ids=spec["suppress_token_ids"], owns_model=True)
