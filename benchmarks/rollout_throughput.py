@@ -140,7 +140,8 @@ def main() -> None:
     rows = bare_cases(args, prompts) if args.engine == "bare" else grpo_cases(args, prompts)
     with open(args.json, "a") as fh:
         for row in rows:
-            row.update(prompts=args.prompts, k=args.k, prompt_len=args.prompt_len, max_new=args.max_new)
+            row.update(prompts=args.prompts, k=args.k, prompt_len=args.prompt_len, max_new=args.max_new,
+                       v1_multiprocessing=os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "default"))
             fh.write(json.dumps(row) + "\n")
             print(f"{row['engine']:>10} {row['call']:<27} logprobs={row['logprobs']!s:<5} {row['tokens']} tokens "
                   f"in {row['seconds']:.3f} s: {row['tok_s']:,.0f} tok/s (median {row['tok_s_median']:,.0f})",

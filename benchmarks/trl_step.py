@@ -12,8 +12,8 @@ One step = --micro completions per micro-batch x (prompts x k / micro) accumulat
 step's prompts x k completions at once (generation_batch_size), then trains on them. Seconds per step = time
 between consecutive on_step_end callbacks (TRL's per-step logging included), the first step left out.
 
-    torchrun --standalone --nproc_per_node 1 benchmarks/trl_step.py --model /tmp/llama068 --output_dir /tmp/trl \\
-        --steps 6 --json /tmp/trl/trl.json
+    python -m torch.distributed.run --standalone --nproc_per_node 1 benchmarks/trl_step.py --model /tmp/llama068 \\
+        --output_dir /tmp/trl --steps 6 --json /tmp/trl/trl.json
 
 Checked against trl 1.16.0 (trl/trainer/grpo_config.py, grpo_trainer.py).
 """

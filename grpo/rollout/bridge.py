@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import time
 from datetime import timedelta
 from typing import Iterable, Iterator, Optional
 
@@ -25,7 +26,7 @@ class BridgeClosed(RuntimeError):
     """The other side is gone (its store or group closed)."""
 
 
-POLL = timedelta(seconds=2)  # one wait on the store; waits loop over these, so a lost connection shows at once
+POLL_MAX = 0.01  # seconds between two looks at the store while waiting: the most a message waits unseen
 
 
 def connect_store(timeout: timedelta) -> dist.Store:
@@ -82,22 +83,22 @@ class RolloutBridge:
         self.store.set(f"from/{rollout_rank}/{number}", pickle.dumps(message))
 
     def _take(self, key: str, timeout: Optional[timedelta]):
-        """The value at `key` once it is set, removed from the store; waits up to `timeout` (None: no limit)."""
-        waited = timedelta(0)
-        while True:
-            try:
-                self.store.wait([key], POLL)
-                break
-            except Exception as exc:  # a timeout of this poll, or a closed connection
-                waited += POLL
-                lost = "timeout" not in str(exc).lower() and "timed out" not in str(exc).lower()
-                if lost or (timeout is not None and waited >= timeout):
-                    what = "the link closed" if lost else f"no answer in {timeout}"
-                    raise BridgeClosed(f"{what} ({type(exc).__name__}: {exc})") from exc
+        """The value at `key` once it is set, removed from the store; waits up to `timeout` (None: no limit).
+
+        Polls with `check` (a blocking `wait` that times out logs a warning each time), backing off to POLL_MAX."""
+        deadline = None if timeout is None else time.monotonic() + timeout.total_seconds()
+        pause = 0.0005
         try:
+            while not self.store.check([key]):
+                if deadline is not None and time.monotonic() > deadline:
+                    raise BridgeClosed(f"no answer in {timeout}")
+                time.sleep(pause)
+                pause = min(2 * pause, POLL_MAX)
             value = self.store.get(key)
             self.store.delete_key(key)
-        except Exception as exc:
+        except BridgeClosed:
+            raise
+        except Exception as exc:  # the store's server (training rank 0) is gone
             raise BridgeClosed(f"the link closed ({type(exc).__name__}: {exc})") from exc
         return pickle.loads(value)
 
