@@ -7,7 +7,8 @@
 #   2. seconds per optimizer step, that grpo run vs TRL's GRPOTrainer on the same work (benchmarks/trl_step.py)
 #   3. with 2+ GPUs: grpo colocate on 1 and 2 GPUs, server mode (1 training + 1 rollout GPU), server mode with
 #      --async_rollout, at 256 and LONG_NEW (1,024) new tokens: samples/s per mode
-# The table (benchmarks/throughput_table.py) goes to $OUT/table.md; logs and metrics to $OUT/ and $OUT/runs/.
+# The table (benchmarks/throughput_table.py) goes to $OUT/table.md; logs and metrics to $OUT/ and $OUT/runs/
+# (a previous run's results there are removed first; the model folder is kept and reused).
 # Every run has a wall-clock limit; on one H100 sections 1-2 take about 8 minutes (more on the first run, which
 # converts the embedded tokenizer and compiles vLLM's graphs).
 #
@@ -35,11 +36,12 @@ TRL_IS=${TRL_IS:-0}              # 1: TRL's vLLM importance-sampling correction 
 MODEL_DIR=${MODEL_DIR:-$OUT/llama-0.68b}
 T_MODEL=${T_MODEL:-300} T_ROLLOUT=${T_ROLLOUT:-240} T_RUN=${T_RUN:-360} T_TRL=${T_TRL:-420} T_MULTI=${T_MULTI:-480}
 port=${PORT:-29700}
+rm -rf "$OUT/runs" "$OUT/trl" "$OUT/rollout.jsonl" "$OUT/trl.json"  # a previous run's results (the model stays)
 mkdir -p "$OUT/runs"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" TOKENIZERS_PARALLELISM=false WANDB_MODE=disabled PYTHONUNBUFFERED=1
 launcher=(deepspeed)
 command -v deepspeed >/dev/null 2>&1 || launcher=(python -m deepspeed.launcher.runner)
-GPUS=$(nvidia-smi -L 2>/dev/null | wc -l)
+GPUS=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
 bounded() { timeout -k 30 "$@"; }  # timeout <seconds> <command...>, its whole process group killed 30 s later
 
 python - "$OUT/env.json" <<'PY'
@@ -76,13 +78,13 @@ train() {
   port=$((port + 1))
   printf '{"name": "%s", "mode": "%s", "gpus": %s, "train_ranks": %s, "max_new": %s, ' \
     "$name" "$mode" "$gpus" "$ranks" "$new" > "$dir.json"
-  printf '"samples_per_step": %s, "rc": %s, "wall_s": %s}\n' $((ranks * 16 * 8)) "$rc" $((SECONDS - start)) >> "$dir.json"
+  printf '"samples_per_step": %s, "rc": %s, "wall_s": %s}\n' $((ranks * 16 * 8)) "$rc" $((SECONDS - start)) \
+    >> "$dir.json"
   echo "   rc=$rc, $((SECONDS - start)) s; $(grep -E 'step [0-9]+:' "$dir.log" | tail -1 | cut -c1-160)"
 }
 
 # 1. rollout throughput, one batch
 if [ "${SKIP_ROLLOUT:-0}" != 1 ]; then
-  rm -f "$OUT/rollout.jsonl"
   for engine in bare grpo; do
     echo "== rollout: $engine (limit ${T_ROLLOUT}s)"
     bounded "$T_ROLLOUT" python benchmarks/rollout_throughput.py --engine "$engine" --model "$MODEL_DIR" \
@@ -100,11 +102,10 @@ if [ "${SKIP_TRL:-0}" != 1 ]; then
   trl_flags=()
   [ "$VLLM_SLEEP" = true ] && trl_flags+=(--vllm_sleep)
   [ "$TRL_IS" = 1 ] && trl_flags+=(--is_correction)
-  rm -f "$OUT/trl.json"
   bounded "$T_TRL" env VLLM_ENABLE_V1_MULTIPROCESSING=0 python -m torch.distributed.run --standalone \
     --nproc_per_node 1 benchmarks/trl_step.py --model "$MODEL_DIR" --output_dir "$OUT/trl" --json "$OUT/trl.json" \
-    --steps "$STEPS" --prompts 16 --k 8 --max_new "$MAX_NEW" --max_model_len $((PROMPT_LEN + MAX_NEW)) --micro "$TRL_MICRO" --vllm_mem "$VLLM_MEM" \
-    "${trl_flags[@]}" > "$OUT/trl.log" 2>&1
+    --steps "$STEPS" --prompts 16 --k 8 --max_new "$MAX_NEW" --max_model_len $((PROMPT_LEN + MAX_NEW)) \
+    --micro "$TRL_MICRO" --vllm_mem "$VLLM_MEM" "${trl_flags[@]}" > "$OUT/trl.log" 2>&1
   echo "   rc=$?"; grep -E '"framework"' "$OUT/trl.log" | cut -c1-300
 fi
 

@@ -19,6 +19,9 @@ print("ended")
 
 
 def test_shutdown_ends_the_process_group():
+    # a process group started earlier in this test session must not leak its port into the child
+    launcher_vars = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
+    env = {k: v for k, v in os.environ.items() if k not in launcher_vars}
     proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, cwd=ROOT, timeout=300,
-                          env={**os.environ, "PYTHONPATH": ROOT})
+                          env={**env, "PYTHONPATH": ROOT})
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ended"), proc.stderr[-3000:]
