@@ -1,7 +1,9 @@
 """--vllm_mode server on CPU: the job's last rank generates (HF engine on a model of its own), the others train
 with DeepSpeed; completions and the updated policy travel between them after every step."""
 import json
+import os
 import shutil
+import subprocess
 
 import pytest
 import torch
@@ -10,7 +12,7 @@ from transformers import AutoModelForCausalLM
 from grpo.reporting import read_metrics
 from grpo.rollout.remote import _even_bounds
 
-from .test_multiprocess import launch, setup  # noqa: F401  (setup is the module's fixture)
+from .test_multiprocess import ROOT, launch, setup  # noqa: F401  (setup is the module's fixture)
 
 needs_launcher = pytest.mark.skipif(shutil.which("deepspeed") is None, reason="the deepspeed launcher is not on PATH")
 SERVER = ("--vllm_mode", "server", "--rollout_gpus", "1", "--logprob_check_steps", "1")
@@ -128,3 +130,26 @@ def test_a_failure_while_the_trainer_starts_stops_the_rollout_rank(setup):  # no
     assert proc.returncode != 0
     assert "error: --resume_from_checkpoint" in both, both[-3000:]
     assert "stopped without a word" not in both  # the rollout rank was told, not left to find out
+
+
+@needs_launcher
+def test_a_vision_language_model_gets_its_images_and_weights_on_the_rollout_rank(tmp_path):
+    from .tiny_vl_models import make_tiny_vl_model_dir
+
+    model = make_tiny_vl_model_dir(str(tmp_path / "vl"))
+    out = tmp_path / "out"
+    cmd = ["deepspeed", "--num_gpus", "2", "--master_port", "29553", os.path.join(ROOT, "train_grpo.py"),
+           "--model_name_or_path", model, "--dataset_names", "shapes", "--output_dir", str(out),
+           "--per_device_train_batch_size", "2", "--k_samples", "4", "--rollout_max_new_tokens", "6",
+           "--max_prompt_length", "96", "--max_seq_length", "104", "--max_steps", "2", "--save_steps", "0",
+           "--eval_max_prompts", "2", "--train_split_ratio", "0.99", "--tuning_strategy", "full", *SERVER]
+    env = {k: v for k, v in os.environ.items() if k not in {"RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR",
+                                                            "MASTER_PORT"}}
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600,
+                          env={**env, "PYTHONPATH": ROOT + os.pathsep + env.get("PYTHONPATH", "")})
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    rows = [r for r in read_metrics(str(out / "metrics.jsonl")) if "loss" in r]
+    # every weight (vision tower included) found its place under the checkpoint names, and the rollout rank
+    # scored with the same pixels as the trainer
+    assert len(rows) == 2 and all(r["sync/bytes"] > 0 for r in rows)
+    assert max(r["rollout/logprob_diff_max"] for r in rows) < 1e-4, rows
