@@ -327,12 +327,7 @@ class GRPOTrainer:
         """Group-relative advantages; with --scale_rewards batch the std is the whole step's, over every rank
         (two reductions: the mean, then the squared deviations about it, which keeps the std exact for rewards far
         from 0). Under dynamic sampling the uniform filler groups count in that std like any kept group."""
-        batch_std = None
-        if self.config.scale_rewards == "batch":
-            r = rewards.double()
-            total, count = dist_utils.all_sum([r.sum().item(), float(r.numel())])
-            squared = dist_utils.all_sum([((r - total / max(count, 1.0)) ** 2).sum().item()])[0]
-            batch_std = reward_std(squared, count)
+        batch_std = _step_std(rewards) if self.config.scale_rewards == "batch" else None
         return group_advantages(rewards, self.config.k_samples, scale=self.config.scale_rewards, batch_std=batch_std)
 
     @phase("log-probs")
@@ -520,7 +515,7 @@ class GRPOTrainer:
             reward_metrics["reward/kl_penalized_mean"] = rewards.mean().item()
         local = {
             "reward/mean": raw.mean().item(),
-            "reward/std": raw.std().item() if len(raw) > 1 else 0.0,
+            "reward/std": _step_std(raw),  # over every rank's completions (the same on each rank)
             "reward/zero_std_group_frac": (grouped.std(dim=1) < ZERO_STD).float().mean().item(),
             "advantage/abs_mean": advantages.abs().mean().item(),
             "completion/length_mean": lengths.mean().item(),
@@ -594,6 +589,15 @@ class GRPOTrainer:
     def _restore_signal_handlers(self, previous: dict) -> None:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def _step_std(values: torch.Tensor) -> float:
+    """The std of every rank's values together (all ranks call it): two reductions, the mean, then the squared
+    deviations about it, which keeps the std exact for values far from 0."""
+    r = values.double()
+    total, count = dist_utils.all_sum([r.sum().item(), float(r.numel())])
+    squared = dist_utils.all_sum([((r - total / max(count, 1.0)) ** 2).sum().item()])[0]
+    return reward_std(squared, count)
 
 
 def _mean_over_ranks(local: dict) -> dict:

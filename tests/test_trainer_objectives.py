@@ -115,26 +115,41 @@ def test_old_and_reference_logprobs_are_taken_without_a_graph(tiny_model, regist
     assert not old.requires_grad and not ref.requires_grad  # scored under no_grad: no graph kept for the step
 
 
-def test_batch_scaled_advantages_use_every_ranks_rewards(monkeypatch, tmp_path):
-    """This rank holds the group [3, 5, 3, 5], a second (simulated) rank [0, 1, 0, 1]. Step: [0, 1, 0, 1, 3, 5, 3, 5],
-    mean 2.25, squared deviations 2 x (5.0625 + 1.5625 + 0.5625 + 7.5625) = 29.5, std sqrt(29.5 / 7) = 2.05287;
-    this rank's advantages: ([3, 5, 3, 5] - 4) / (2.05287 + 1e-4)."""
-    from types import SimpleNamespace
-
+def simulate_second_rank(monkeypatch, rewards: list[float]) -> list[float]:
+    """all_sum as two ranks would return it, the other holding `rewards`; returns the step means it computed."""
     from grpo import distributed as dist_utils
 
-    other = torch.tensor([0.0, 1.0, 0.0, 1.0], dtype=torch.float64)
+    other = torch.tensor(rewards, dtype=torch.float64)
     means = []
 
-    def all_sum(values):  # what the reduction over the two ranks returns
+    def all_sum(values):
         if len(values) == 2:  # [sum, count]
             means.append((values[0] + other.sum().item()) / (values[1] + len(other)))
             return [values[0] + other.sum().item(), values[1] + len(other)]
         return [values[0] + ((other - means[-1]) ** 2).sum().item()]  # squared deviations about the step's mean
 
     monkeypatch.setattr(dist_utils, "all_sum", all_sum)
+    return means
+
+
+def test_batch_scaled_advantages_use_every_ranks_rewards(monkeypatch, tmp_path):
+    """This rank holds the group [3, 5, 3, 5], a second (simulated) rank [0, 1, 0, 1]. Step: [0, 1, 0, 1, 3, 5, 3, 5],
+    mean 2.25, squared deviations 2 x (5.0625 + 1.5625 + 0.5625 + 7.5625) = 29.5, std sqrt(29.5 / 7) = 2.05287;
+    this rank's advantages: ([3, 5, 3, 5] - 4) / (2.05287 + 1e-4)."""
+    from types import SimpleNamespace
+
+    means = simulate_second_rank(monkeypatch, [0.0, 1.0, 0.0, 1.0])
     host = SimpleNamespace(config=tiny_config("unused", "unused", str(tmp_path)))  # k_samples 4, default scaling
     adv = GRPOTrainer._advantages(host, torch.tensor([3.0, 5.0, 3.0, 5.0]))
     s = math.sqrt(29.5 / 7) + 1e-4
     torch.testing.assert_close(adv, torch.tensor([-1 / s, 1 / s, -1 / s, 1 / s]))
     assert means == [2.25]
+
+
+def test_the_logged_reward_std_is_the_whole_steps(monkeypatch):
+    """The same two ranks as above: reward/std is sqrt(29.5 / 7) on this rank too, not the std of its own [3, 5, 3, 5]
+    (1.1547) averaged with the other rank's."""
+    from grpo.trainer import _step_std
+
+    simulate_second_rank(monkeypatch, [0.0, 1.0, 0.0, 1.0])
+    assert _step_std(torch.tensor([3.0, 5.0, 3.0, 5.0])) == pytest.approx(math.sqrt(29.5 / 7))
