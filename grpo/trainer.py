@@ -2,8 +2,9 @@
 
     rollout -> rewards -> advantages -> old/ref log-probs -> loss + DeepSpeed step -> weight sync -> log/eval/save
 
-Everything that is not wiring lives elsewhere: math in algorithm.py, data in data/, rewards in rewards.py,
-models in models.py, engines in rollout/, weight sync in sync.py, checkpoints in checkpoint.py.
+Everything that is not wiring lives elsewhere: math in algorithm.py, data in data/, rewards in rewards/,
+models in models.py, engines in rollout/ (which one: rollout/setup.py), the optimisation phase in optimize.py,
+weight sync in sync.py, checkpoints in checkpoint.py, the step's metrics in step_metrics.py.
 """
 from __future__ import annotations
 
@@ -12,16 +13,14 @@ import json
 import logging
 import math
 import os
-import random
 import signal
 import time
 from typing import Callable, Optional, Sequence
 
-import numpy as np
 import torch
 
 from . import distributed as dist_utils
-from .algorithm import group_advantages, kl_penalized_rewards, reward_std
+from .algorithm import group_advantages, kl_penalized_rewards
 from .batch import RolloutBatch, build_rollout_batch
 from .checkpoint import (TrainerState, list_checkpoints, load_checkpoint, resolve_resume_path, save_checkpoint,
                          warn_changed_options)
@@ -29,7 +28,7 @@ from .config import EMBEDDED_MODEL, GRPOConfig
 from .data import (dataset_routes, first_rows_per_source, load_dataset_registry, load_prompt_datasets,
                    render_prompts)
 from .ds_config import default_dtype, load_deepspeed_config, zero_stage
-from .dynamic_sampling import ZERO_STD, PendingRollouts, RolloutRound, dynamic_rollouts
+from .dynamic_sampling import PendingRollouts, RolloutRound, dynamic_rollouts
 from .embedded import resolve_model_path
 from .errors import ConfigError, TrainingError
 from .evaluation import eval_metrics, eval_sample_rows
@@ -41,10 +40,12 @@ from .rewards import RewardRouter, load_reward_module
 from .rewards.reward_model import register_reward_models
 from .roles import enter_training_world, rollout_ranks_of
 from .rollout.base import SamplingSettings
-from .rollout.hf import HFRolloutEngine, stop_token_ids
+from .rollout.setup import build_rollout_engine, check_tensor_parallel, engine_dtype, engine_holds_weights
 from .micro_batches import MicroBatch
 from .optimize import lr_schedule, score, step_micro_batches, step_normaliser, update
 from .sampler import PromptOrder
+from .seeding import seed_everything
+from .step_metrics import mean_over_ranks, step_metrics, step_std
 from .vision import load_vision_processor, render_vision_prompts
 
 logger = logging.getLogger("grpo")
@@ -68,7 +69,7 @@ class GRPOTrainer:
         setup_console_logging(self.is_main, os.path.join(config.output_dir, "train.log")
                               if config.log_to_file else None)
         self.failures = FailureReporter(config.output_dir, self.rank, self.world)
-        _seed_everything(config.seed + self.rank)
+        seed_everything(config.seed + self.rank)
         if config.use_vllm_rollout:
             if not torch.cuda.is_available():
                 raise ConfigError("--use_vllm_rollout needs a GPU; drop the flag to use the HF engine on CPU")
@@ -107,7 +108,7 @@ class GRPOTrainer:
         self.eval_set = first_rows_per_source(render(eval_rows, "eval"), config.eval_max_prompts) \
             if len(eval_rows) else None
         if config.use_vllm_rollout and config.vllm_tp > 1:
-            _check_tensor_parallel(self.model_path, config)
+            check_tensor_parallel(self.model_path, config)
         self.prompts_per_step = config.per_device_train_batch_size * config.gradient_accumulation_steps
         self.order = PromptOrder(len(self.train_set), self.prompts_per_step, config.seed, self.rank, self.world)
         if self.order.steps_per_epoch == 0:
@@ -129,7 +130,8 @@ class GRPOTrainer:
         self.reference = load_reference(config, self.model_path, self.dtype, self.device)
         self.engine = self._init_deepspeed(policy)
         self.state = TrainerState()
-        self.rollout_engine = self._init_rollout_engine()
+        self.rollout_engine = build_rollout_engine(config, self.model_path, self.engine.module, self.tokenizer,
+                                                   self.vision, self.rank, self.dtype)
         try:
             self._restore_and_sync()
         except BaseException:
@@ -327,7 +329,7 @@ class GRPOTrainer:
         """Group-relative advantages; with --scale_rewards batch the std is the whole step's, over every rank
         (two reductions: the mean, then the squared deviations about it, which keeps the std exact for rewards far
         from 0). Under dynamic sampling the uniform filler groups count in that std like any kept group."""
-        batch_std = _step_std(rewards) if self.config.scale_rewards == "batch" else None
+        batch_std = step_std(rewards) if self.config.scale_rewards == "batch" else None
         return group_advantages(rewards, self.config.k_samples, scale=self.config.scale_rewards, batch_std=batch_std)
 
     @phase("log-probs")
@@ -371,12 +373,13 @@ class GRPOTrainer:
     def _sync_rollout_weights(self, first: bool = False) -> float:
         """Push the updated policy into the rollout engine (vLLM, or the rollout ranks in server mode); the
         colocated HF engine samples the live model."""
-        if not self._syncs_weights:
+        if not engine_holds_weights(self.config):
             return 0.0
         from .sync import sync_weights
 
         stats = sync_weights(self.rollout_engine, self.engine.module, self.config.tuning_strategy,
-                             zero3=self.zero3, first_sync=first, dtype=self._sync_dtype())
+                             zero3=self.zero3, first_sync=first,
+                             dtype=engine_dtype(self.config, self.dtype))
         self._last_sync = stats
         return stats.seconds
 
@@ -432,41 +435,6 @@ class GRPOTrainer:
                                                lr_scheduler=scheduler, config=self.ds_config)
         return engine
 
-    def _init_rollout_engine(self):
-        cfg = self.config
-        if cfg.vllm_mode == "server":
-            from .rollout.remote import RemoteRolloutEngine
-
-            spec = dict(dtype=str(self._sync_dtype()).removeprefix("torch."),
-                        stop_token_ids=stop_token_ids(self.engine.module, self.tokenizer),
-                        max_images_per_prompt=cfg.max_images_per_prompt if self.vision else 0,
-                        image_token_id=self.vision.image_token_id if self.vision else None,
-                        suppress_token_ids=self.vision.placeholder_token_ids if self.vision else None)
-            logger.info(f"waiting for {cfg.rollout_gpus} rollout rank(s) to start their engines")
-            return RemoteRolloutEngine(spec, cfg.rollout_gpus, cfg.ddp_timeout_minutes)
-        if cfg.use_vllm_rollout:
-            from .rollout.vllm import VLLMRolloutEngine
-
-            # ranks of one tensor-parallel group share a seed: they must sample the same completions
-            return VLLMRolloutEngine(self.model_path, tensor_parallel_size=cfg.vllm_tp,
-                                     gpu_memory_utilization=cfg.vllm_memory_share,
-                                     max_model_len=cfg.max_seq_length, seed=cfg.seed + self.rank // cfg.vllm_tp,
-                                     enable_sleep=cfg.vllm_sleep, enforce_eager=cfg.vllm_enforce_eager,
-                                     stop_token_ids=stop_token_ids(self.engine.module, self.tokenizer),
-                                     max_images_per_prompt=cfg.max_images_per_prompt if self.vision else 0,
-                                     image_token_id=self.vision.image_token_id if self.vision else None)
-        return HFRolloutEngine(self.engine.module, self.tokenizer,
-                               suppress_token_ids=self.vision.placeholder_token_ids if self.vision else None)
-
-    @property
-    def _syncs_weights(self) -> bool:
-        """Whether the rollout engine holds weights of its own (vLLM, or the rollout ranks of server mode)."""
-        return self.config.use_vllm_rollout or self.config.vllm_mode == "server"
-
-    def _sync_dtype(self) -> torch.dtype:
-        """What the engine computes in: vLLM bf16; the HF engine of a rollout rank the trainer's own dtype."""
-        return torch.bfloat16 if self.config.use_vllm_rollout else self.dtype
-
     def close(self) -> None:
         """Stop the rollout ranks of server mode (they wait for this, or for training rank 0 to go away)."""
         close = getattr(self.rollout_engine, "close", None)
@@ -504,31 +472,12 @@ class GRPOTrainer:
 
     @phase("metrics", after_step=True)
     def _step_metrics(self, batch, drawn: RolloutRound, rewards, advantages, train_metrics, times) -> dict:
-        """Reward metrics are over every completion drawn this step (all rounds of dynamic sampling), before any KL
-        penalty; the rest over the rows trained on (`rewards`: what the advantages came from)."""
-        k = self.config.k_samples
-        raw = drawn.rewards                                                          # [rounds x N]
-        grouped = raw.view(-1, k)
-        lengths = batch.attention_mask[:, -batch.completion_width:].sum(1).float()  # [N] completion tokens
-        reward_metrics = {f"rewards/{name}": value for name, value in drawn.result.means().items()}
-        if self.config.kl_in_reward:
-            reward_metrics["reward/kl_penalized_mean"] = rewards.mean().item()
-        local = {
-            "reward/mean": raw.mean().item(),
-            "reward/std": _step_std(raw),  # over every rank's completions (the same on each rank)
-            "reward/zero_std_group_frac": (grouped.std(dim=1) < ZERO_STD).float().mean().item(),
-            "advantage/abs_mean": advantages.abs().mean().item(),
-            "completion/length_mean": lengths.mean().item(),
-            "completion/length_max": lengths.max().item(),
-            "completion/truncated_frac": batch.truncated.float().mean().item(),
-            **reward_metrics, **train_metrics,
-            **{f"time/{k_}": v for k_, v in times.items() if not k_.startswith("_")},
-            "throughput/rollout_tokens_per_s": times["_rollout_tokens"] / max(times["rollout"], 1e-9),
-        }
-        if self._syncs_weights:
+        local = step_metrics(batch, drawn, rewards, advantages, train_metrics, times, self.config.k_samples,
+                             self.config.kl_in_reward)
+        if engine_holds_weights(self.config):
             local["sync/bytes"] = float(self._last_sync.bytes)
             local["memory/vllm_sleep_freed_gib"] = getattr(self.rollout_engine, "last_sleep_freed_bytes", 0) / 2**30
-        return _mean_over_ranks(local)
+        return mean_over_ranks(local)
 
     def _log_completions(self, prompts, texts, rewards) -> None:
         """One rollout sample per prompt and rank each step, for reading what the model writes."""
@@ -589,41 +538,3 @@ class GRPOTrainer:
     def _restore_signal_handlers(self, previous: dict) -> None:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-
-
-def _step_std(values: torch.Tensor) -> float:
-    """The std of every rank's values together (all ranks call it): two reductions, the mean, then the squared
-    deviations about it, which keeps the std exact for values far from 0."""
-    r = values.double()
-    total, count = dist_utils.all_sum([r.sum().item(), float(r.numel())])
-    squared = dist_utils.all_sum([((r - total / max(count, 1.0)) ** 2).sum().item()])[0]
-    return reward_std(squared, count)
-
-
-def _mean_over_ranks(local: dict) -> dict:
-    """Average each metric over the ranks that have it (max for *_max keys)."""
-    parts = dist_utils.gather_objects(local)
-    out = {}
-    for key in sorted({k for p in parts for k in p}):
-        values = [p[key] for p in parts if key in p and p[key] is not None and not math.isnan(p[key])]
-        if values:
-            out[key] = max(values) if key.endswith("_max") else sum(values) / len(values)
-    return out
-
-
-def _check_tensor_parallel(model_path: str, config: GRPOConfig) -> None:
-    """vLLM splits attention heads over the group: say so now rather than after the models load."""
-    from transformers import AutoConfig
-
-    heads = getattr(AutoConfig.from_pretrained(model_path, trust_remote_code=config.trust_remote_code),
-                    "num_attention_heads", None)
-    if heads and heads % config.vllm_tp:
-        divisors = [d for d in range(1, heads + 1) if heads % d == 0]
-        raise ConfigError(f"--vllm_tp {config.vllm_tp}: the model has {heads} attention heads, which tensor "
-                          f"parallelism must divide; use one of {divisors}")
-
-
-def _seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)

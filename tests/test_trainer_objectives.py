@@ -149,7 +149,7 @@ def test_batch_scaled_advantages_use_every_ranks_rewards(monkeypatch, tmp_path):
 def test_the_logged_reward_std_is_the_whole_steps(monkeypatch):
     """The same two ranks as above: reward/std is sqrt(29.5 / 7) on this rank too, not the std of its own [3, 5, 3, 5]
     (1.1547) averaged with the other rank's."""
-    from grpo.trainer import _step_std
+    from grpo.step_metrics import step_std
 
     simulate_second_rank(monkeypatch, [0.0, 1.0, 0.0, 1.0])
-    assert _step_std(torch.tensor([3.0, 5.0, 3.0, 5.0])) == pytest.approx(math.sqrt(29.5 / 7))
+    assert step_std(torch.tensor([3.0, 5.0, 3.0, 5.0])) == pytest.approx(math.sqrt(29.5 / 7))

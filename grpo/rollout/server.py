@@ -9,15 +9,14 @@ from __future__ import annotations
 
 import logging
 import os
-import random
 import traceback
 from datetime import timedelta
 
-import numpy as np
 import torch
 
 from ..errors import GRPOError
 from ..roles import job_rank, rollout_index, rollout_ranks_of
+from ..seeding import seed_everything
 from .bridge import BridgeClosed, RolloutBridge, connect_store
 
 logger = logging.getLogger("grpo")
@@ -86,10 +85,7 @@ def _build_engine(config, spec: dict, index: int, count: int, device: torch.devi
     from ..embedded import resolve_model_path
 
     model_path = resolve_model_path(config.model_name_or_path)  # this node's copy (the embedded one is converted here)
-    seed = config.seed + rank
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
+    seed_everything(config.seed + rank)
     if config.use_vllm_rollout:
         import torch.distributed as dist
 
