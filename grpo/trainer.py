@@ -177,8 +177,8 @@ class GRPOTrainer:
                 micro_batches = self._micro_batches(batch)
                 old_logprobs, ref_logprobs, times["logprobs"] = self._old_and_reference_logprobs(batch, micro_batches)
                 if cfg.kl_in_reward:  # r - beta * sum_t (lp - ref), in place of the loss's KL term
-                    rewards = kl_penalized_rewards(rewards, old_logprobs, ref_logprobs, batch.completion_mask,
-                                                   cfg.kl_beta)
+                    rewards = kl_penalized_rewards(rewards, old_logprobs.cpu(), ref_logprobs.cpu(),
+                                                   batch.completion_mask, cfg.kl_beta)
                 advantages = self._advantages(rewards)  # [N]
                 train_metrics, times["train"] = self._optimize(batch, micro_batches, advantages, old_logprobs,
                                                                ref_logprobs)
@@ -340,8 +340,9 @@ class GRPOTrainer:
         cfg = self.config
         start = time.perf_counter()
         need_old = cfg.num_iterations > 1 or cfg.kl_in_reward  # KL in the reward: the sampling policy's log-probs
-        old = torch.zeros(batch.completion_ids.shape) if need_old else None
-        ref = torch.zeros(batch.completion_ids.shape) if cfg.kl_coef > 0 else None
+        # on the training device: the update reads them back micro-batch by micro-batch
+        old = torch.zeros(batch.completion_ids.shape, device=self.device) if need_old else None
+        ref = torch.zeros(batch.completion_ids.shape, device=self.device) if cfg.kl_coef > 0 else None
         for mb in micro_batches if old is not None or ref is not None else ():
             if old is not None:
                 mb.scatter(score(self.engine, mb, cfg)[0], into=old)
