@@ -52,6 +52,8 @@ def serve_rollouts(config) -> int:
             bridge.close()
             return 1 if failed else 0
         if failed:  # only the stop is awaited now
+            for _ in bridge.receive_weights(payload) if kind == "weights" else ():
+                pass  # (the sender's broadcast must not be left waiting)
             bridge.reply(index, number, {"error": "this rollout rank failed earlier"})
             continue
         try:
