@@ -6,7 +6,7 @@ Prompts are split evenly over the rollout ranks in training-rank order, so each 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Iterable, Optional
 
@@ -33,9 +33,12 @@ class Ticket:
 class RemoteRolloutEngine:
     collective_generate = True  # every training rank must call generate, even with no prompts of its own
 
-    def __init__(self, spec: dict, rollout_ranks: int, timeout_minutes: float):
-        """`spec`: what a rollout rank needs to build its engine (see server._build_engine)."""
+    def __init__(self, spec: dict, rollout_ranks: int, timeout_minutes: float, images_as_decoded: bool = False):
+        """`spec`: what a rollout rank needs to build its engine (see server._build_engine). `images_as_decoded`:
+        the engines take the decoded images only (vLLM runs its own image processor), so the processed pixels,
+        several MB per image, stay here."""
         self.count = rollout_ranks
+        self.images_as_decoded = images_as_decoded
         self.bridge: Optional[RolloutBridge] = None
         if dist_utils.is_main():
             timeout = timedelta(minutes=timeout_minutes)
@@ -52,6 +55,8 @@ class RemoteRolloutEngine:
                images: Optional[list] = None) -> "Ticket":
         """Post the prompts of every training rank to the rollout ranks and return at once (--async_rollout: they
         generate while this rank trains); `collect` waits for the completions."""
+        if images and self.images_as_decoded:
+            images = [replace(p, pixel_values=None, image_grid_thw=None) if p is not None else None for p in images]
         parts = dist_utils.gather_objects((prompt_token_ids, images))
         ticket = Ticket()
         if self.bridge is not None:

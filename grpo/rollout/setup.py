@@ -34,7 +34,8 @@ def build_rollout_engine(config, model_path: str, policy, tokenizer, vision, ran
                     image_token_id=vision.image_token_id if vision else None,
                     suppress_token_ids=vision.placeholder_token_ids if vision else None)
         logger.info(f"waiting for {config.rollout_gpus} rollout rank(s) to start their engines")
-        return RemoteRolloutEngine(spec, config.rollout_gpus, config.ddp_timeout_minutes)
+        return RemoteRolloutEngine(spec, config.rollout_gpus, config.ddp_timeout_minutes,
+                                   images_as_decoded=config.use_vllm_rollout)
     if config.use_vllm_rollout:
         from .vllm import VLLMRolloutEngine
 
