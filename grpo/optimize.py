@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 
@@ -58,8 +59,10 @@ class UpdateResult:
 
 
 def update(engine, micro_batches: list[MicroBatch], advantages: torch.Tensor, old_logprobs, ref_logprobs,
-           normaliser: float, cfg: GRPOConfig, first_pass: bool = True) -> UpdateResult:
-    """One optimizer step over the micro-batches. old_logprobs / ref_logprobs: step-wide [N, T] or None."""
+           normaliser: float, cfg: GRPOConfig, first_pass: bool = True,
+           keep_old: Optional[torch.Tensor] = None) -> UpdateResult:
+    """One optimizer step over the micro-batches. old_logprobs / ref_logprobs: step-wide [N, T] or None (old: this
+    pass's own log-probs, detached). `keep_old` [N, T] receives the old log-probs used, for the next passes."""
     device = next(iter(engine.module.parameters())).device
     world = getattr(engine, "dp_world_size", dist_utils.world_size())
     sums: dict[str, float] = {}
@@ -75,6 +78,8 @@ def update(engine, micro_batches: list[MicroBatch], advantages: torch.Tensor, ol
         logprobs, entropy = score(engine, mb, cfg, with_entropy=True, entropy_grad=cfg.entropy_coef != 0)
         logprobs = logprobs.float()                                                   # [n, t]
         old = mb.gather(old_logprobs).to(device) if old_logprobs is not None else logprobs.detach()
+        if keep_old is not None:
+            mb.scatter(old, into=keep_old)
         ref = mb.gather(ref_logprobs).to(device) if ref_logprobs is not None else None
         if first_pass and not mb.empty and b.completion_mask.sum() > 0 and b.rollout_logprobs is not None:
             diff = (old - b.rollout_logprobs).abs() * b.completion_mask

@@ -339,7 +339,9 @@ class GRPOTrainer:
         each step-wide [N, T]."""
         cfg = self.config
         start = time.perf_counter()
-        need_old = cfg.num_iterations > 1 or cfg.kl_in_reward  # KL in the reward: the sampling policy's log-probs
+        # the KL in the reward needs the sampling policy's log-probs before the advantages; several updates per
+        # rollout take them from the first update's own forward (see _optimize)
+        need_old = cfg.kl_in_reward
         # on the training device: the update reads them back micro-batch by micro-batch
         old = torch.zeros(batch.completion_ids.shape, device=self.device) if need_old else None
         ref = torch.zeros(batch.completion_ids.shape, device=self.device) if cfg.kl_coef > 0 else None
@@ -357,9 +359,14 @@ class GRPOTrainer:
         start = time.perf_counter()
         normaliser = step_normaliser(batch, self.config)
         metrics: dict = {}
+        keep_old = None
+        if old_logprobs is None and self.config.num_iterations > 1:  # filled by the first update, read by the rest
+            keep_old = torch.zeros(batch.completion_ids.shape, device=self.device)
         for iteration in range(self.config.num_iterations):
+            first = iteration == 0
             result = update(self.engine, micro_batches, advantages, old_logprobs, ref_logprobs, normaliser,
-                            self.config, first_pass=iteration == 0)
+                            self.config, first_pass=first, keep_old=keep_old if first else None)
+            old_logprobs = keep_old if keep_old is not None else old_logprobs
             metrics = {**result.metrics, **{k: v for k, v in metrics.items() if k.startswith("rollout/")}}
             grad_norm = self._grad_norm()
             if result.bad or not math.isfinite(grad_norm):

@@ -105,7 +105,7 @@ def test_dynamic_sampling_draws_more_rounds_and_resumes_exactly(tiny_model, regi
 
 
 def test_old_and_reference_logprobs_are_taken_without_a_graph(tiny_model, registry, tmp_path):
-    config = tiny_config(tiny_model, registry, str(tmp_path), use_kl_penalty=True, kl_beta=0.1, num_iterations=2,
+    config = tiny_config(tiny_model, registry, str(tmp_path), use_kl_penalty=True, kl_beta=0.1, kl_in_reward=True,
                          eval_on_start=False)
     trainer = GRPOTrainer(config)
     rollout, _ = trainer._collect_rollouts()
@@ -113,6 +113,41 @@ def test_old_and_reference_logprobs_are_taken_without_a_graph(tiny_model, regist
     old, ref, _ = trainer._old_and_reference_logprobs(batch, trainer._micro_batches(batch))
     assert old.shape == ref.shape == batch.completion_ids.shape
     assert not old.requires_grad and not ref.requires_grad  # scored under no_grad: no graph kept for the step
+
+
+def test_later_updates_of_a_rollout_reuse_the_first_updates_logprobs(tiny_model, registry, tmp_path, monkeypatch):
+    """num_iterations 2: no separate scoring pass; the first update's own (detached) log-probs are the old policy's,
+    so its ratio is exactly 1, and the second update reads them back."""
+    import grpo.trainer as trainer_module
+
+    config = tiny_config(tiny_model, registry, str(tmp_path), num_iterations=2, eval_on_start=False,
+                         lora_dropout=0.0)
+    trainer = GRPOTrainer(config)
+    rollout, _ = trainer._collect_rollouts()
+    batch = trainer._rollout_batch(rollout)
+    micro_batches = trainer._micro_batches(batch)
+    old, ref, _ = trainer._old_and_reference_logprobs(batch, micro_batches)
+    assert old is None and ref is None  # nothing scored up front
+    expected = torch.zeros(batch.completion_ids.shape)
+    for mb in micro_batches:  # the policy before any update
+        with torch.no_grad():
+            mb.scatter(trainer_module.score(trainer.engine, mb, config)[0], into=expected)
+
+    calls, real_update = [], trainer_module.update
+
+    def recording_update(*args, **kwargs):
+        calls.append((args[3], kwargs.get("keep_old")))
+        result = real_update(*args, **kwargs)
+        calls[-1] += (None if kwargs.get("keep_old") is None else kwargs["keep_old"].clone(),)
+        return result
+
+    monkeypatch.setattr(trainer_module, "update", recording_update)
+    trainer._optimize(batch, micro_batches, trainer._advantages(rollout.rewards), None, None)
+    (first_old, kept, filled), (second_old, second_keep, _) = calls
+    assert first_old is None and kept is not None and second_keep is None
+    assert second_old is kept  # the second update reads what the first one wrote
+    mask = batch.completion_mask.bool()
+    torch.testing.assert_close(filled[mask], expected[mask], rtol=0, atol=1e-5)  # the policy before the update
 
 
 def simulate_second_rank(monkeypatch, rewards: list[float]) -> list[float]:
