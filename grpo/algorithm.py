@@ -348,20 +348,20 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
 
 
 def _chunk_logprobs_entropy(hidden: torch.Tensor, head, token_ids: torch.Tensor, temperature: float,
-                            with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                            with_entropy: bool, entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     z = _scaled_fp32(head(hidden), temperature)                   # [c, V]  one chunk's logits, fp32
     logz = torch.logsumexp(z, dim=-1)                              # [c]
     logprobs = z.gather(-1, token_ids.long().unsqueeze(-1)).squeeze(-1) - logz   # [c]
     if not with_entropy:
         return logprobs, logprobs.new_zeros(())
-    with torch.no_grad():
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
         p = torch.softmax(z, dim=-1)                               # [c, V]
         entropy = logz - (p * z).sum(dim=-1)                       # [c]  H = logsumexp(z) - sum_v p_v z_v
     return logprobs, entropy
 
 
 def hidden_token_logprobs(hidden: torch.Tensor, head, token_ids: torch.Tensor, temperature: float = 1.0,
-                          chunk_tokens: int = 1024, with_entropy: bool = False
+                          chunk_tokens: int = 1024, with_entropy: bool = False, entropy_grad: bool = False
                           ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Log-probabilities (and entropies) of tokens from final hidden states, never holding [M, V] logits:
 
@@ -370,7 +370,7 @@ def hidden_token_logprobs(hidden: torch.Tensor, head, token_ids: torch.Tensor, t
     time, each chunk under activation checkpointing: the forward keeps only the chunk's hidden states, the backward
     recomputes the chunk's logits, so peak memory is one chunk's [c, V] fp32 logits instead of [M, V].
     hidden [M, H], token_ids [M] -> logprobs [M] fp32 (differentiable w.r.t. hidden and the head's parameters),
-    entropy [M] fp32 without gradient (None unless with_entropy).
+    entropy [M] fp32 (None unless with_entropy), differentiable alike only with `entropy_grad` (an entropy bonus).
     """
     _check_chunking(temperature, chunk_tokens)
     if hidden.dim() != 2 or token_ids.shape != hidden.shape[:1]:
@@ -383,10 +383,10 @@ def hidden_token_logprobs(hidden: torch.Tensor, head, token_ids: torch.Tensor, t
     logprobs, entropies = [], []
     for start in range(0, hidden.shape[0], chunk_tokens):
         args = (hidden[start:start + chunk_tokens], head, token_ids[start:start + chunk_tokens], temperature,
-                with_entropy)
+                with_entropy, entropy_grad)
         lp, ent = checkpoint(_chunk_logprobs_entropy, *args, use_reentrant=False) if grad else \
             _chunk_logprobs_entropy(*args)
         logprobs.append(lp)
-        entropies.append(ent.detach())
+        entropies.append(ent if entropy_grad else ent.detach())
     out = torch.cat(logprobs) if logprobs else hidden.new_zeros(0, dtype=torch.float32)
     return out, (torch.cat(entropies) if with_entropy and entropies else None)

@@ -105,12 +105,11 @@ def completion_logprobs(model, batch: RolloutBatch, temperature: float, with_ent
     gradient when `entropy_grad` (an entropy bonus in the loss).
 
     Positions past a row's completion hold 0. `chunk_tokens` > 0 takes the hidden-state path where the model
-    allows it (output layer applied per chunk of completion tokens); `packed` also drops the padding. An entropy
-    with gradient takes the logits path (the chunked path keeps no graph of the entropy).
+    allows it (output layer applied per chunk of completion tokens); `packed` also drops the padding.
     """
     real = batch.attention_mask[:, -batch.completion_width:].bool()                           # [N, T]
     # (rows without any completion token take the logits path: its graph reaches every trained parameter)
-    chunked = chunk_tokens > 0 and not batch.images and bool(real.any()) and not entropy_grad
+    chunked = chunk_tokens > 0 and not batch.images and bool(real.any())
     parts = decoder_and_head(model) if chunked else None
     if parts is None:
         logits = completion_logits(model, batch)
@@ -124,7 +123,8 @@ def completion_logprobs(model, batch: RolloutBatch, temperature: float, with_ent
     decoder, head = parts
     hidden = _packed_hidden(decoder, batch) if packed else _padded_hidden(decoder, batch)     # [M, H]
     flat, flat_entropy = hidden_token_logprobs(hidden, head, batch.completion_ids[real], temperature,
-                                               chunk_tokens=chunk_tokens, with_entropy=with_entropy)  # [M]
+                                               chunk_tokens=chunk_tokens, with_entropy=with_entropy,
+                                               entropy_grad=entropy_grad)                             # [M]
     logprobs = torch.zeros(real.shape, dtype=flat.dtype, device=flat.device).masked_scatter(real, flat)  # [N, T]
     entropy = None
     if with_entropy:

@@ -71,6 +71,25 @@ def test_chunked_logprobs_and_gradients_equal_the_full_logits():
     torch.testing.assert_close(grads[1], head.weight.grad)
 
 
+def test_chunked_entropy_gradient_equals_the_full_logits():
+    """An entropy bonus on the chunked path: the gradient of sum_t w_t H_t matches the one through full logits."""
+    g = torch.Generator().manual_seed(1)
+    hidden = torch.randn(29, 16, generator=g, requires_grad=True)
+    head = torch.nn.Linear(16, 50, bias=False)
+    ids = torch.randint(0, 50, (29,), generator=g)
+    weights = torch.randn(29, generator=g)
+    logprobs, entropy = hidden_token_logprobs(hidden, head, ids, temperature=0.7, chunk_tokens=8, with_entropy=True,
+                                              entropy_grad=True)
+    (entropy * weights).sum().backward()
+    grads = hidden.grad.clone(), head.weight.grad.clone()
+    hidden.grad, head.weight.grad = None, None
+    plain = token_entropy(head(hidden).unsqueeze(0), temperature=0.7, with_grad=True)[0]
+    (plain * weights).sum().backward()
+    torch.testing.assert_close(entropy, plain)
+    torch.testing.assert_close(grads[0], hidden.grad)
+    torch.testing.assert_close(grads[1], head.weight.grad)
+
+
 def test_pack_rows_positions():
     batch, _ = make_step()
     ids, positions, predicting = pack_rows(cut_rows(batch, [0, 1]))     # prompt 0 (3) + 4, prompt 0 (3) + 9
@@ -103,10 +122,11 @@ def test_chunked_and_packed_forwards_equal_the_padded_logits_with_gradients(stra
     results = []
     for kwargs in (dict(chunk_tokens=0), dict(chunk_tokens=5), dict(chunk_tokens=5, packed=True)):
         model.zero_grad()
-        logprobs, entropy = completion_logprobs(model, batch, 0.8, with_entropy=True, **kwargs)
-        (logprobs * weights * batch.completion_mask).sum().backward()
+        logprobs, entropy = completion_logprobs(model, batch, 0.8, with_entropy=True, entropy_grad=True, **kwargs)
+        # an entropy bonus too: its gradient takes the same path
+        ((logprobs + 0.3 * entropy) * weights * batch.completion_mask).sum().backward()
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
-        results.append((logprobs.detach(), entropy, grads))
+        results.append((logprobs.detach(), entropy.detach(), grads))
     mask = batch.completion_mask.bool()
     for logprobs, entropy, grads in results[1:]:
         torch.testing.assert_close(logprobs[mask], results[0][0][mask], rtol=1e-5, atol=1e-5)
