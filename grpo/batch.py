@@ -10,7 +10,7 @@ that predict the completion tokens, and the prompt never enters the (large) logi
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Optional
 
 import torch
@@ -20,14 +20,18 @@ from .rollout.base import Completion
 
 @dataclass
 class RolloutBatch:
-    input_ids: torch.Tensor          # [N, P+T] long
-    attention_mask: torch.Tensor     # [N, P+T] long
-    completion_ids: torch.Tensor     # [N, T] long
-    completion_mask: torch.Tensor    # [N, T] float
-    rollout_logprobs: Optional[torch.Tensor]  # [N, T] float, from the rollout engine; None when not asked for
-    truncated: torch.Tensor          # [N] bool, completion hit the length limit
-    prompt_index: Optional[torch.Tensor] = None  # [N] long
-    images: Optional[list] = None    # [prompts] of grpo.vision.PromptImages or None, not sliced with the rows
+    # each field's columns, for cutting micro-batches: "sequence" [N, P+T], "completion" [N, T], "row" [N],
+    # "shared" (not cut by rows)
+    input_ids: torch.Tensor = field(metadata={"columns": "sequence"})          # [N, P+T] long
+    attention_mask: torch.Tensor = field(metadata={"columns": "sequence"})     # [N, P+T] long
+    completion_ids: torch.Tensor = field(metadata={"columns": "completion"})   # [N, T] long
+    completion_mask: torch.Tensor = field(metadata={"columns": "completion"})  # [N, T] float
+    # [N, T] float, from the rollout engine; None when not asked for
+    rollout_logprobs: Optional[torch.Tensor] = field(metadata={"columns": "completion"})
+    truncated: torch.Tensor = field(metadata={"columns": "row"})               # [N] bool, hit the length limit
+    prompt_index: Optional[torch.Tensor] = field(default=None, metadata={"columns": "row"})  # [N] long
+    # [prompts] of grpo.vision.PromptImages or None, not sliced with the rows
+    images: Optional[list] = field(default=None, metadata={"columns": "shared"})
 
     @property
     def completion_id_lists(self) -> list[list[int]]:

@@ -10,7 +10,7 @@ mask, which contributes no loss and no gradient.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Optional
 
 import torch
@@ -82,17 +82,16 @@ def cut_rows(batch: RolloutBatch, rows: list[int]) -> RolloutBatch:
     completion_len = max(1, int(attention[:, prompt_width:].sum(1).max())) if len(rows) else 1
     keep_cols = torch.arange(prompt_width - prompt_len, prompt_width + completion_len)
 
-    def take(tensor, cols=None):
-        if tensor is None:
-            return None
-        tensor = tensor[index.to(tensor.device)]
-        return tensor if cols is None else tensor[:, cols]
+    columns = {"sequence": keep_cols, "completion": slice(0, completion_len), "row": None}
 
-    return RolloutBatch(input_ids=take(batch.input_ids, keep_cols), attention_mask=take(batch.attention_mask, keep_cols),
-                        completion_ids=take(batch.completion_ids, slice(0, completion_len)),
-                        completion_mask=take(batch.completion_mask, slice(0, completion_len)),
-                        rollout_logprobs=take(batch.rollout_logprobs, slice(0, completion_len)),
-                        truncated=take(batch.truncated), prompt_index=take(batch.prompt_index), images=batch.images)
+    def take(f):
+        value, layout = getattr(batch, f.name), f.metadata["columns"]  # every field names its columns
+        if value is None or layout == "shared":
+            return value
+        value = value[index.to(value.device)]
+        return value if columns[layout] is None else value[:, columns[layout]]
+
+    return RolloutBatch(**{f.name: take(f) for f in fields(batch)})
 
 
 def micro_batch_groups(batch: RolloutBatch, max_tokens: Optional[int], rows_per_micro_batch: int) -> list[list[int]]:
