@@ -55,7 +55,7 @@ def test_two_training_ranks_share_one_rollout_rank_under_zero3_lora(setup):  # n
     out = folder / "out_server_lora"
     proc = launch(folder, model, registry, out, 29543, "--reward_module", str(folder / "rewards.py"),
                   "--tuning_strategy", "lora", "--deepspeed", "zero3", "--learning_rate", "1e-2", "--max_steps", "3",
-                  *SERVER, ranks=3)
+                  "--eval_max_prompts", "1", *SERVER, ranks=3)  # (one eval prompt: rank 1 generates none, with rank 0)
     both = proc.stdout + proc.stderr
     assert proc.returncode == 0, both[-4000:]
     assert "2 rank(s)" in both
