@@ -37,11 +37,32 @@ def run(out, port: int, *flags: str) -> list[dict]:
     return rows
 
 
+def mean_logprob_change(before: str, after: str) -> float:
+    """Mean |log-prob difference| of two bf16 checkpoints over a fixed token sequence (the gap a stale engine has)."""
+    from transformers import AutoModelForCausalLM
+
+    ids = torch.arange(100, 612, device="cuda")[None]
+    out = []
+    for path in (before, after):
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda()
+        with torch.no_grad():
+            logprobs = torch.log_softmax(model(ids).logits[0, :-1].float(), -1)
+        out.append(logprobs.gather(-1, ids[0, 1:, None]).squeeze(-1))
+    return (out[0] - out[1]).abs().mean().item()
+
+
 @pytest.mark.parametrize("strategy", ["full", "lora", "qlora"])
 def test_the_rollout_rank_samples_the_policy_after_every_step(strategy, tmp_path):
-    rows = run(tmp_path / "out", 29561, "--tuning_strategy", strategy)
+    rows = run(tmp_path / "out", 29561, "--tuning_strategy", strategy,
+               *(("--learning_rate", "1e-4") if strategy == "full" else ()))
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert all(r["rollout/logprob_diff_mean"] < SYNCED_MAX for r in rows), rows
+    if strategy == "full":  # an engine left on the starting weights would be clearly further off
+        from grpo.embedded import resolve_model_path
+
+        moved = mean_logprob_change(resolve_model_path("smollm2-135m-instruct"), str(tmp_path / "out" / "model"))
+        print({"stale_engine_gap": moved})
+        assert moved > 2 * max(r["rollout/logprob_diff_mean"] for r in rows), (moved, rows)
 
 
 def test_async_rollouts_run_one_step_behind(tmp_path):
