@@ -15,7 +15,9 @@ pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.device_count() < 2 or importlib.util.find_spec("vllm") is None,
     reason="needs 2 GPUs and vLLM")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SYNCED_MAX = 0.02  # mean |log-prob difference| between vLLM and the trainer, both bf16 (as in test_vllm_sync.py)
+# mean |log-prob difference| over sampled completion tokens between vLLM and the trainer, both bf16; colocated runs
+# on SmolLM2 measured 0.008 (lora) and 0.014 (--vllm_tp 2)
+SYNCED_MAX = 0.03
 
 
 def run(out, port: int, *flags: str) -> list[dict]:
