@@ -306,8 +306,8 @@ class GRPOConfig:
         need(self.num_iterations >= 1, "num_iterations", "must be >= 1")
         need(self.kl_estimator in KL_ESTIMATORS, "kl_estimator",
              f"got '{self.kl_estimator}', choose one of {', '.join(KL_ESTIMATORS)}")
-        need(not self.kl_in_reward or self.use_kl_penalty, "kl_in_reward",
-             "needs --use_kl_penalty (and --kl_beta > 0): it moves that penalty from the loss into the reward")
+        need(not self.kl_in_reward or (self.use_kl_penalty and self.kl_beta > 0), "kl_in_reward",
+             "needs --use_kl_penalty and --kl_beta > 0: it moves that penalty from the loss into the reward")
         need(self.entropy_coef >= 0, "entropy_coef", f"must be >= 0 (a bonus on entropy), got {self.entropy_coef}")
         need(self.importance_sampling_level in IMPORTANCE_SAMPLING_LEVELS, "importance_sampling_level",
              f"got '{self.importance_sampling_level}', choose one of {', '.join(IMPORTANCE_SAMPLING_LEVELS)}")

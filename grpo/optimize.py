@@ -60,9 +60,10 @@ class UpdateResult:
 
 def update(engine, micro_batches: list[MicroBatch], advantages: torch.Tensor, old_logprobs, ref_logprobs,
            normaliser: float, cfg: GRPOConfig, first_pass: bool = True,
-           keep_old: Optional[torch.Tensor] = None) -> UpdateResult:
+           keep_old: Optional[torch.Tensor] = None, mismatch_key: str = "rollout/logprob_diff") -> UpdateResult:
     """One optimizer step over the micro-batches. old_logprobs / ref_logprobs: step-wide [N, T] or None (old: this
-    pass's own log-probs, detached). `keep_old` [N, T] receives the old log-probs used, for the next passes."""
+    pass's own log-probs, detached). `keep_old` [N, T] receives the old log-probs used, for the next passes.
+    The first pass logs the rollout engine's log-prob gap to the trainer as `mismatch_key`_mean / _max."""
     device = next(iter(engine.module.parameters())).device
     world = getattr(engine, "dp_world_size", dist_utils.world_size())
     sums: dict[str, float] = {}
@@ -122,8 +123,8 @@ def update(engine, micro_batches: list[MicroBatch], advantages: torch.Tensor, ol
     if not bad:
         metrics["loss"], metrics["pg_loss"] = dist_utils.all_sum([loss_total, pg_total])
     if mismatch_mean:
-        metrics["rollout/logprob_diff_mean"] = sum(mismatch_mean) / len(mismatch_mean)
-        metrics["rollout/logprob_diff_max"] = max(mismatch_max)
+        metrics[f"{mismatch_key}_mean"] = sum(mismatch_mean) / len(mismatch_mean)
+        metrics[f"{mismatch_key}_max"] = max(mismatch_max)
     if is_stats:
         metrics["rollout/is_weight_mean"] = sum(w for w, _ in is_stats) / len(is_stats)
         metrics["rollout/is_capped_frac"] = sum(c for _, c in is_stats) / len(is_stats)

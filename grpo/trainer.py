@@ -175,13 +175,14 @@ class GRPOTrainer:
                 rollout, drawn = self._collect_rollouts()  # prompts -> k completions each -> rewards
                 batch, rewards, times = self._rollout_batch(rollout), rollout.rewards, dict(rollout.times)
                 micro_batches = self._micro_batches(batch)
-                old_logprobs, ref_logprobs, times["logprobs"] = self._old_and_reference_logprobs(batch, micro_batches)
+                policy_logprobs, ref_logprobs, times["logprobs"] = self._policy_and_reference_logprobs(
+                    batch, micro_batches)
                 if cfg.kl_in_reward:  # r - beta * sum_t (lp - ref), in place of the loss's KL term
-                    rewards = kl_penalized_rewards(rewards, old_logprobs.cpu(), ref_logprobs.cpu(),
+                    rewards = kl_penalized_rewards(rewards, policy_logprobs.cpu(), ref_logprobs.cpu(),
                                                    batch.completion_mask, cfg.kl_beta)
                 advantages = self._advantages(rewards)  # [N]
-                train_metrics, times["train"] = self._optimize(batch, micro_batches, advantages, old_logprobs,
-                                                               ref_logprobs)
+                train_metrics, times["train"] = self._optimize(batch, micro_batches, advantages, ref_logprobs,
+                                                               stale=rollout.stats.get("rollout/staleness", 0) > 0)
                 times["sync"] = self._sync_rollout_weights()
                 self.state.step += 1
                 times["step"] = time.perf_counter() - step_start
@@ -334,39 +335,41 @@ class GRPOTrainer:
 
     @phase("log-probs")
     @torch.no_grad()
-    def _old_and_reference_logprobs(self, batch: RolloutBatch, micro_batches: list[MicroBatch]):
-        """Old-policy log-probs (needed when one rollout feeds several updates) and reference log-probs (KL),
-        each step-wide [N, T]."""
+    def _policy_and_reference_logprobs(self, batch: RolloutBatch, micro_batches: list[MicroBatch]):
+        """The policy's log-probs before the update (only for --kl_in_reward, whose penalty the advantages need
+        first) and the reference's (KL), each step-wide [N, T] on the training device, or None. The loss's ratio
+        takes its old log-probs from the first update's own forward instead (see _optimize)."""
         cfg = self.config
         start = time.perf_counter()
-        # the KL in the reward needs the sampling policy's log-probs before the advantages; several updates per
-        # rollout take them from the first update's own forward (see _optimize)
-        need_old = cfg.kl_in_reward
-        # on the training device: the update reads them back micro-batch by micro-batch
-        old = torch.zeros(batch.completion_ids.shape, device=self.device) if need_old else None
+        policy = torch.zeros(batch.completion_ids.shape, device=self.device) if cfg.kl_in_reward else None
         ref = torch.zeros(batch.completion_ids.shape, device=self.device) if cfg.kl_coef > 0 else None
-        for mb in micro_batches if old is not None or ref is not None else ():
-            if old is not None:
-                mb.scatter(score(self.engine, mb, cfg)[0], into=old)
+        for mb in micro_batches if policy is not None or ref is not None else ():
+            if policy is not None:
+                mb.scatter(score(self.engine, mb, cfg)[0], into=policy)
             if ref is not None:
                 mb.scatter(self._reference_logprobs(mb), into=ref)
-        return old, ref, time.perf_counter() - start
+        return policy, ref, time.perf_counter() - start
 
     @phase("optimize")
     def _optimize(self, batch: RolloutBatch, micro_batches: list[MicroBatch], advantages: torch.Tensor,
-                  old_logprobs, ref_logprobs):
-        """num_iterations optimizer steps over the micro-batches, each the gradient of the whole step's loss."""
+                  ref_logprobs, stale: bool = False):
+        """num_iterations optimizer steps over the micro-batches, each the gradient of the whole step's loss.
+
+        The old log-probs of the ratio are the first update's own (detached: ratio 1 there, dropout or not); later
+        updates read them back. `stale`: the rollouts came from an older policy (--async_rollout), so their log-prob
+        gap to the trainer is logged as rollout/offpolicy_logprob_diff, not as the engine's mismatch."""
         start = time.perf_counter()
         normaliser = step_normaliser(batch, self.config)
         metrics: dict = {}
-        keep_old = None
-        if old_logprobs is None and self.config.num_iterations > 1:  # filled by the first update, read by the rest
-            keep_old = torch.zeros(batch.completion_ids.shape, device=self.device)
+        old_logprobs = None
+        keep_old = torch.zeros(batch.completion_ids.shape, device=self.device) \
+            if self.config.num_iterations > 1 else None
         for iteration in range(self.config.num_iterations):
             first = iteration == 0
             result = update(self.engine, micro_batches, advantages, old_logprobs, ref_logprobs, normaliser,
-                            self.config, first_pass=first, keep_old=keep_old if first else None)
-            old_logprobs = keep_old if keep_old is not None else old_logprobs
+                            self.config, first_pass=first, keep_old=keep_old if first else None,
+                            mismatch_key="rollout/offpolicy_logprob_diff" if stale else "rollout/logprob_diff")
+            old_logprobs = keep_old
             metrics = {**result.metrics, **{k: v for k, v in metrics.items() if k.startswith("rollout/")}}
             grad_norm = self._grad_norm()
             if result.bad or not math.isfinite(grad_norm):

@@ -104,13 +104,13 @@ def test_dynamic_sampling_draws_more_rounds_and_resumes_exactly(tiny_model, regi
         assert [r[key] for r in rows_a] == [r[key] for r in rows_b], key
 
 
-def test_old_and_reference_logprobs_are_taken_without_a_graph(tiny_model, registry, tmp_path):
+def test_policy_and_reference_logprobs_are_taken_without_a_graph(tiny_model, registry, tmp_path):
     config = tiny_config(tiny_model, registry, str(tmp_path), use_kl_penalty=True, kl_beta=0.1, kl_in_reward=True,
                          eval_on_start=False)
     trainer = GRPOTrainer(config)
     rollout, _ = trainer._collect_rollouts()
     batch = trainer._rollout_batch(rollout)
-    old, ref, _ = trainer._old_and_reference_logprobs(batch, trainer._micro_batches(batch))
+    old, ref, _ = trainer._policy_and_reference_logprobs(batch, trainer._micro_batches(batch))
     assert old.shape == ref.shape == batch.completion_ids.shape
     assert not old.requires_grad and not ref.requires_grad  # scored under no_grad: no graph kept for the step
 
@@ -126,7 +126,7 @@ def test_later_updates_of_a_rollout_reuse_the_first_updates_logprobs(tiny_model,
     rollout, _ = trainer._collect_rollouts()
     batch = trainer._rollout_batch(rollout)
     micro_batches = trainer._micro_batches(batch)
-    old, ref, _ = trainer._old_and_reference_logprobs(batch, micro_batches)
+    old, ref, _ = trainer._policy_and_reference_logprobs(batch, micro_batches)
     assert old is None and ref is None  # nothing scored up front
     expected = torch.zeros(batch.completion_ids.shape)
     for mb in micro_batches:  # the policy before any update
@@ -142,7 +142,7 @@ def test_later_updates_of_a_rollout_reuse_the_first_updates_logprobs(tiny_model,
         return result
 
     monkeypatch.setattr(trainer_module, "update", recording_update)
-    trainer._optimize(batch, micro_batches, trainer._advantages(rollout.rewards), None, None)
+    trainer._optimize(batch, micro_batches, trainer._advantages(rollout.rewards), None)
     (first_old, kept, filled), (second_old, second_keep, _) = calls
     assert first_old is None and kept is not None and second_keep is None
     assert second_old is kept  # the second update reads what the first one wrote
@@ -188,3 +188,14 @@ def test_the_logged_reward_std_is_the_whole_steps(monkeypatch):
 
     simulate_second_rank(monkeypatch, [0.0, 1.0, 0.0, 1.0])
     assert step_std(torch.tensor([3.0, 5.0, 3.0, 5.0])) == pytest.approx(math.sqrt(29.5 / 7))
+
+
+def test_the_first_updates_ratio_is_one_under_lora_dropout_and_kl_in_reward(tiny_model, registry, tmp_path):
+    """The KL penalty scores the policy in a pass of its own (its own dropout masks); the ratio must not take its
+    old log-probs from that pass, or dropout noise alone would clip."""
+    config = tiny_config(tiny_model, registry, str(tmp_path), lora_dropout=0.3, use_kl_penalty=True, kl_beta=0.1,
+                         kl_in_reward=True, max_steps=2, eval_on_start=False)
+    GRPOTrainer(config).train()
+    rows = [r for r in read_metrics(str(tmp_path / "metrics.jsonl")) if "loss" in r]
+    assert len(rows) == 2 and all("reward/kl_penalized_mean" in r for r in rows)
+    assert all(r["ratio_mean"] == pytest.approx(1.0, abs=1e-6) and r["clip_frac"] == 0.0 for r in rows), rows

@@ -64,7 +64,7 @@ class RolloutBridge:
         """Training rank 0: post `message` to a rollout rank; returns its number (the reply's key)."""
         number = self._sequence[rollout_rank + 1]
         self._sequence[rollout_rank + 1] += 1
-        self.store.set(f"to/{rollout_rank}/{number}", pickle.dumps(message))
+        self._set(f"to/{rollout_rank}/{number}", message)
         return number
 
     def reply_of(self, rollout_rank: int, number: int, timeout: Optional[timedelta] = None):
@@ -80,7 +80,13 @@ class RolloutBridge:
         return self._take(f"to/{rollout_rank}/{number}", None), number
 
     def reply(self, rollout_rank: int, number: int, message) -> None:
-        self.store.set(f"from/{rollout_rank}/{number}", pickle.dumps(message))
+        self._set(f"from/{rollout_rank}/{number}", message)
+
+    def _set(self, key: str, message) -> None:
+        try:
+            self.store.set(key, pickle.dumps(message))
+        except Exception as exc:  # the store's server (training rank 0) is gone
+            raise BridgeClosed(f"the link closed ({type(exc).__name__}: {exc})") from exc
 
     def _take(self, key: str, timeout: Optional[timedelta]):
         """The value at `key` once it is set, removed from the store; waits up to `timeout` (None: no limit).

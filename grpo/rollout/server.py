@@ -40,21 +40,26 @@ def serve_rollouts(config) -> int:
         torch.cuda.set_device(device)
     store = connect_store(timeout)
     bridge = RolloutBridge(store, index + 1, count + 1, device, timeout)
-    engine, failed = None, False
+    try:
+        return _serve(bridge, config, index, count, device, rank)
+    except BridgeClosed as exc:  # training rank 0 is gone (it stopped, or failed and said so itself)
+        logger.error(f"rollout rank {index}: the training ranks stopped without a word ({exc})")
+        return 1
+
+
+def _serve(bridge: RolloutBridge, config, index: int, count: int, device: torch.device, rank: int) -> int:
+    """Answer messages until the stop; the exit code."""
+    engine, failure = None, None  # failure: the first error's text, repeated to every later message
     while True:
-        try:
-            (kind, payload), number = bridge.receive(index)
-        except BridgeClosed as exc:
-            logger.error(f"rollout rank {index}: the training ranks stopped without a word ({exc})")
-            return 1
+        (kind, payload), number = bridge.receive(index)
         if kind == "stop":
             bridge.reply(index, number, {"ok": True})
             bridge.close()
-            return 1 if failed else 0
-        if failed:  # only the stop is awaited now
+            return 1 if failure else 0
+        if failure:  # only the stop is awaited now
             for _ in bridge.receive_weights(payload) if kind == "weights" else ():
                 pass  # (the sender's broadcast must not be left waiting)
-            bridge.reply(index, number, {"error": "this rollout rank failed earlier"})
+            bridge.reply(index, number, {"error": failure})
             continue
         try:
             if kind == "start":
@@ -75,11 +80,13 @@ def serve_rollouts(config) -> int:
             else:
                 raise RuntimeError(f"unknown message {kind!r}")
             bridge.reply(index, number, {"ok": answer})
+        except BridgeClosed:
+            raise
         except Exception as exc:  # reported to training rank 0, which stops the job with it
-            failed = True
             text = str(exc) if isinstance(exc, GRPOError) else f"{type(exc).__name__}: {exc}"
+            failure = f"rollout rank {index} (job rank {rank}) failed in {kind}: {text}"
             logger.error(f"rollout rank {index} failed in {kind}:\n{traceback.format_exc()}")
-            bridge.reply(index, number, {"error": f"rollout rank {index} (job rank {rank}) failed in {kind}: {text}"})
+            bridge.reply(index, number, {"error": failure})
 
 
 def _build_engine(config, spec: dict, index: int, count: int, device: torch.device, rank: int):
