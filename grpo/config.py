@@ -322,7 +322,8 @@ class GRPOConfig:
         need(self.vllm_tp >= 1, "vllm_tp", "must be >= 1")
         need(self.logprob_check_steps >= 1, "logprob_check_steps", "must be >= 1")
         world = job_world_size()
-        need(self.vllm_mode in VLLM_MODES, "vllm_mode", f"got '{self.vllm_mode}', choose one of {', '.join(VLLM_MODES)}")
+        need(self.vllm_mode in VLLM_MODES, "vllm_mode",
+             f"got '{self.vllm_mode}', choose one of {', '.join(VLLM_MODES)}")
         if self.vllm_mode == "server":
             need(1 <= self.rollout_gpus < world, "rollout_gpus",
                  f"server mode needs at least 1 rollout rank and at least 1 training rank: got {self.rollout_gpus} of "

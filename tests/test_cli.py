@@ -165,7 +165,8 @@ def test_readme_documents_every_flag():
 @pytest.mark.parametrize("args, message", [
     (["--clip_ratio_c", "1"], "--clip_ratio_c: must be > 1"),
     (["--kl_in_reward"], "--kl_in_reward: needs --use_kl_penalty"),
-    (["--kl_in_reward", "--use_kl_penalty", "--kl_beta", "0"], "--kl_in_reward: needs --use_kl_penalty and --kl_beta > 0"),
+    (["--kl_in_reward", "--use_kl_penalty", "--kl_beta", "0"],
+     "--kl_in_reward: needs --use_kl_penalty and --kl_beta > 0"),
     (["--max_generation_rounds", "0"], "--max_generation_rounds: must be >= 1"),
     (["--entropy_coef", "-0.1"], "--entropy_coef: must be >= 0"),
     (["--reward_model", "a/rm", "b/rm"], "--reward_model: two folders are named rm"),

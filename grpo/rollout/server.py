@@ -73,7 +73,7 @@ def _serve(bridge: RolloutBridge, config, index: int, count: int, device: torch.
                 tensors = bridge.receive_weights(payload)
                 try:
                     engine.load_weights(tensors)
-                finally:  # take every tensor the sender broadcasts, even after a failure, so that it is not left waiting
+                finally:  # take every tensor the sender broadcasts, even after a failure: it must not wait
                     for _ in tensors:
                         pass
                 answer = True
