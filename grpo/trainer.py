@@ -242,7 +242,7 @@ class GRPOTrainer:
         self._pending_rollouts = None
         if self.config.async_rollout and self.state.step + 1 < self.total_steps:
             self._position_before_prefetch = (self.state.epoch, self.state.position)
-            self._pending_rollouts = self._request_rollouts(self._next_prompts())
+            self._pending_rollouts = self._request_rollouts(self._next_prompts(), steps_ahead=1)
         completions, texts, times = self._receive_rollouts(pending)
         result, times["reward"] = self._score_rewards(pending.prompts, texts, [c.token_ids for c in completions])
         stats = {"rollout/staleness": float(self.state.step - pending.policy_step)} if self.config.async_rollout \
@@ -257,13 +257,14 @@ class GRPOTrainer:
         return [dict(row, index=i) for row, i in zip(rows, indices)]
 
     @phase("rollout")
-    def _request_rollouts(self, prompts: list[dict]) -> PendingRollouts:
+    def _request_rollouts(self, prompts: list[dict], steps_ahead: int = 0) -> PendingRollouts:
         """Ask for k completions per prompt: posted at once to server-mode rollout ranks, generated on reception by
-        a colocated engine."""
+        a colocated engine. `steps_ahead`: 1 for the next step's prompts (--async_rollout)."""
         cfg = self.config
         start = time.perf_counter()
-        # the engine's log-probs serve the IS correction (every step) and the mismatch metric (every N steps)
-        logprobs = cfg.is_correction or self.state.step % cfg.logprob_check_steps == 0
+        # the engine's log-probs serve the IS correction (every step) and the mismatch metric (every N steps, counted
+        # by the step that trains on them)
+        logprobs = cfg.is_correction or (self.state.step + steps_ahead) % cfg.logprob_check_steps == 0
         sampling = SamplingSettings(n=cfg.k_samples, max_new_tokens=cfg.rollout_max_new_tokens,
                                     temperature=cfg.temperature, top_p=cfg.top_p, logprobs=logprobs)
         images = self._prompt_images(prompts)  # each prompt's pixels once, shared by its k samples

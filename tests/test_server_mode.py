@@ -155,3 +155,17 @@ def test_a_vision_language_model_gets_its_images_and_weights_on_the_rollout_rank
     # scored with the same pixels as the trainer
     assert len(rows) == 2 and all(r["sync/bytes"] > 0 for r in rows)
     assert max(r["rollout/logprob_diff_max"] for r in rows) < 1e-4, rows
+
+
+@needs_launcher
+def test_async_without_is_correction_asks_for_logprobs_on_the_steps_that_train_on_them(setup):  # noqa: F811
+    folder, model, registry = setup
+    out = folder / "out_server_async_every2"
+    proc = launch(folder, model, registry, out, 29555, "--reward_module", str(folder / "rewards.py"),
+                  "--tuning_strategy", "full", "--max_steps", "4", "--async_rollout", "true",
+                  "--rollout_is_correction", "false", "--eval_on_start", "false", "--eval_max_prompts", "1",
+                  "--vllm_mode", "server", "--rollout_gpus", "1", "--logprob_check_steps", "2")
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    rows = [r for r in read_metrics(str(out / "metrics.jsonl")) if "loss" in r]
+    with_logprobs = [r["step"] for r in rows if any(k.endswith("logprob_diff_mean") for k in r)]
+    assert with_logprobs == [1, 3] and "rollout/is_weight_mean" not in rows[1]
