@@ -7,7 +7,7 @@ from .config import GRPOConfig, parse_args
 from .errors import ConfigError, DatasetError, GRPOError, RewardError, TrainingError
 
 __all__ = [
-    "GRPOConfig", "GRPOTrainer", "parse_args", "register_reward", "load_dataset_registry",
+    "GRPOConfig", "GRPOTrainer", "parse_args", "register_reward", "load_dataset_registry", "serve_rollouts",
     "GRPOError", "ConfigError", "DatasetError", "RewardError", "TrainingError",
 ]
 __version__ = "0.1.0"
@@ -16,6 +16,7 @@ _LAZY = {
     "GRPOTrainer": ("grpo.trainer", "GRPOTrainer"),
     "register_reward": ("grpo.rewards", "register_reward"),
     "load_dataset_registry": ("grpo.data", "load_dataset_registry"),
+    "serve_rollouts": ("grpo.rollout.server", "serve_rollouts"),
 }
 
 

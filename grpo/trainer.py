@@ -38,7 +38,7 @@ from .plots import plot_training_curves
 from .reporting import RunReporter, read_metrics, setup_console_logging
 from .rewards import RewardRouter, load_reward_module
 from .rewards.reward_model import register_reward_models
-from .roles import enter_training_world, rollout_ranks_of
+from .roles import enter_training_world, job_rank, rollout_index, rollout_ranks_of
 from .rollout.base import SamplingSettings
 from .rollout.setup import build_rollout_engine, check_tensor_parallel, engine_dtype, engine_holds_weights
 from .micro_batches import MicroBatch
@@ -61,6 +61,11 @@ class GRPOTrainer:
 
     def __init__(self, config: GRPOConfig, reward_funcs: Sequence[Callable] = ()):
         self.config = config
+        index = rollout_index(rollout_ranks_of(config))
+        if index is not None:  # a script run on every rank of a server-mode job
+            raise ConfigError(f"--vllm_mode server: this process is rollout rank {index} (job rank {job_rank()}), "
+                              f"which only generates; run grpo.serve_rollouts(config) on it instead of GRPOTrainer, "
+                              f"as train_grpo.py does")
         enter_training_world(rollout_ranks_of(config))  # server mode: the rollout ranks are not in this world
         dist_utils.init_distributed(config.ddp_timeout_minutes)
         self.rank, self.world = dist_utils.rank(), dist_utils.world_size()

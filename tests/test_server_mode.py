@@ -169,3 +169,14 @@ def test_async_without_is_correction_asks_for_logprobs_on_the_steps_that_train_o
     rows = [r for r in read_metrics(str(out / "metrics.jsonl")) if "loss" in r]
     with_logprobs = [r["step"] for r in rows if any(k.endswith("logprob_diff_mean") for k in r)]
     assert with_logprobs == [1, 3] and "rollout/is_weight_mean" not in rows[1]
+
+
+def test_a_rollout_rank_building_a_trainer_is_told_what_to_run(monkeypatch):
+    """A script that builds GRPOTrainer on every rank of a server-mode job: the rollout ranks learn what to call."""
+    from grpo import ConfigError, GRPOConfig, GRPOTrainer
+
+    monkeypatch.setenv("RANK", "2")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    config = GRPOConfig(vllm_mode="server", rollout_gpus=1)
+    with pytest.raises(ConfigError, match=r"rollout rank 0 \(job rank 2\).*grpo.serve_rollouts\(config\)"):
+        GRPOTrainer(config)
