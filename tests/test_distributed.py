@@ -3,6 +3,8 @@ import os
 import subprocess
 import sys
 
+from .trainer_setup import child_env
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # its own process: DeepSpeed keeps the groups it saw, so a test process that ended its group could not start another
@@ -19,9 +21,6 @@ print("ended")
 
 
 def test_shutdown_ends_the_process_group():
-    # a process group started earlier in this test session must not leak its port into the child
-    launcher_vars = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
-    env = {k: v for k, v in os.environ.items() if k not in launcher_vars}
     proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, cwd=ROOT, timeout=300,
-                          env={**env, "PYTHONPATH": ROOT})
+                          env=child_env())
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ended"), proc.stderr[-3000:]

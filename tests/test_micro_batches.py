@@ -52,12 +52,16 @@ def test_micro_batch_parts_sum_to_the_step_aggregate(aggregation):
     torch.testing.assert_close(aggregation_numerator(x, mask, aggregation) / d, whole)
 
 
-def test_chunked_logprobs_and_gradients_equal_the_full_logits():
-    g = torch.Generator().manual_seed(0)
-    hidden = torch.randn(37, 16, generator=g, requires_grad=True)
+def chunk_case(seed: int, positions: int):
+    """Random final hidden states [M, 16], an output layer to 50 tokens, token ids [M] and loss weights [M]."""
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(positions, 16, generator=g, requires_grad=True)
     head = torch.nn.Linear(16, 50, bias=False)
-    ids = torch.randint(0, 50, (37,), generator=g)
-    weights = torch.randn(37, generator=g)
+    return hidden, head, torch.randint(0, 50, (positions,), generator=g), torch.randn(positions, generator=g)
+
+
+def test_chunked_logprobs_and_gradients_equal_the_full_logits():
+    hidden, head, ids, weights = chunk_case(0, 37)
     logprobs, entropy = hidden_token_logprobs(hidden, head, ids, temperature=0.7, chunk_tokens=8, with_entropy=True)
     (logprobs * weights).sum().backward()
     grads = hidden.grad.clone(), head.weight.grad.clone()
@@ -73,11 +77,7 @@ def test_chunked_logprobs_and_gradients_equal_the_full_logits():
 
 def test_chunked_entropy_gradient_equals_the_full_logits():
     """An entropy bonus on the chunked path: the gradient of sum_t w_t H_t matches the one through full logits."""
-    g = torch.Generator().manual_seed(1)
-    hidden = torch.randn(29, 16, generator=g, requires_grad=True)
-    head = torch.nn.Linear(16, 50, bias=False)
-    ids = torch.randint(0, 50, (29,), generator=g)
-    weights = torch.randn(29, generator=g)
+    hidden, head, ids, weights = chunk_case(1, 29)
     logprobs, entropy = hidden_token_logprobs(hidden, head, ids, temperature=0.7, chunk_tokens=8, with_entropy=True,
                                               entropy_grad=True)
     (entropy * weights).sum().backward()

@@ -11,7 +11,7 @@ from grpo.manifest import MANIFEST_FILE
 from grpo.reporting import read_metrics
 
 from .tiny_models import make_tiny_model_dir
-from .trainer_setup import write_prompt_registry
+from .trainer_setup import child_env, write_prompt_registry
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REWARD_MODULE = '''
@@ -57,10 +57,7 @@ def launch(folder, model, registry, out, port, *flags, timeout=600, ranks=2):
            "--dataset_names", "toy", "--output_dir", str(out), "--k_samples", "4",
            "--per_device_train_batch_size", "2", "--rollout_max_new_tokens", "8", "--max_prompt_length", "32",
            "--max_seq_length", "48", "--learning_rate", "1e-3", "--eval_max_prompts", "4", *flags]
-    launcher_vars = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}  # the launcher sets its own
-    env = {**{k: v for k, v in os.environ.items() if k not in launcher_vars},
-           "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=timeout)
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=child_env(), timeout=timeout)
 
 
 @pytest.mark.skipif(shutil.which("deepspeed") is None, reason="the deepspeed launcher is not on PATH")

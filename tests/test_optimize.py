@@ -12,6 +12,7 @@ from grpo.micro_batches import micro_batch_groups
 
 from .optimize_setup import make_engine, make_step, old_and_ref, reference_update, run_split, step_config
 from .tiny_models import make_tiny_model_dir
+from .trainer_setup import child_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SPLITS = {1: [list(range(8))], 3: [[1, 6], [0, 3, 5, 7], [2, 4]], 8: [[i] for i in range(8)]}
@@ -93,9 +94,7 @@ def test_filler_micro_batches_change_nothing(model_dir, reference):
 @pytest.mark.parametrize("zero_stage", [2, 3])
 def test_two_ranks_give_the_one_batch_update(zero_stage, model_dir, reference, tmp_path):
     """Rank 0 holds rows 0-3 in several micro-batches, rank 1 rows 4-7 in one: same weights as one batch."""
-    env = {**{k: v for k, v in os.environ.items() if k not in {"RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR",
-                                                                "MASTER_PORT"}},
-           "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env = child_env()
     cmd = ["deepspeed", "--num_gpus", "2", "--master_port", str(dist_utils._free_port()),
            os.path.join(ROOT, "tests", "optimize_ranks.py"), model_dir, str(tmp_path), str(zero_stage)]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)

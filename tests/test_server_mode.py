@@ -9,13 +9,21 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from grpo.reporting import read_metrics
 from grpo.rollout.remote import _even_bounds
 
 from .test_multiprocess import ROOT, launch, setup  # noqa: F401  (setup is the module's fixture)
+from .trainer_setup import child_env, train_rows
 
 needs_launcher = pytest.mark.skipif(shutil.which("deepspeed") is None, reason="the deepspeed launcher is not on PATH")
 SERVER = ("--vllm_mode", "server", "--rollout_gpus", "1", "--logprob_check_steps", "1")
+
+
+def run_server(setup, name: str, port: int, *flags: str, reward: str = "rewards.py", **kw):  # noqa: F811
+    """A server-mode job on the tiny model (the last rank generates); returns its output folder and process."""
+    folder, model, registry = setup
+    out = folder / name
+    return out, launch(folder, model, registry, out, port, "--reward_module", str(folder / reward), *SERVER, *flags,
+                       **kw)
 
 
 def test_prompts_are_split_into_even_contiguous_shares():
@@ -32,14 +40,12 @@ def sequence_logprobs(model_dir, ids):
 
 @needs_launcher
 def test_the_rollout_rank_samples_the_policy_after_every_step(setup):  # noqa: F811
-    folder, model, registry = setup
-    out = folder / "out_server_full"
-    proc = launch(folder, model, registry, out, 29541, "--reward_module", str(folder / "rewards.py"),
-                  "--tuning_strategy", "full", "--max_steps", "3", *SERVER)
+    model = setup[1]
+    out, proc = run_server(setup, "out_server_full", 29541, "--tuning_strategy", "full", "--max_steps", "3")
     both = proc.stdout + proc.stderr
     assert proc.returncode == 0, both[-4000:]
     assert "1 rank(s)" in both and "waiting for 1 rollout rank(s)" in both  # one rank trained, one generated
-    rows = [r for r in read_metrics(str(out / "metrics.jsonl")) if "loss" in r]
+    rows = train_rows(out)
     assert [r["step"] for r in rows] == [1, 2, 3]
     # the engine's sampling log-probs equal the trainer's at every step: its weights are the policy's
     assert max(r["rollout/logprob_diff_max"] for r in rows) < 1e-4, rows
@@ -51,15 +57,13 @@ def test_the_rollout_rank_samples_the_policy_after_every_step(setup):  # noqa: F
 
 @needs_launcher
 def test_two_training_ranks_share_one_rollout_rank_under_zero3_lora(setup):  # noqa: F811
-    folder, model, registry = setup
-    out = folder / "out_server_lora"
-    proc = launch(folder, model, registry, out, 29543, "--reward_module", str(folder / "rewards.py"),
-                  "--tuning_strategy", "lora", "--deepspeed", "zero3", "--learning_rate", "1e-2", "--max_steps", "3",
-                  "--eval_max_prompts", "1", *SERVER, ranks=3)  # (one eval prompt: rank 1 generates none, with rank 0)
+    # (one eval prompt: rank 1 generates none, with rank 0)
+    out, proc = run_server(setup, "out_server_lora", 29543, "--tuning_strategy", "lora", "--deepspeed", "zero3",
+                           "--learning_rate", "1e-2", "--max_steps", "3", "--eval_max_prompts", "1", ranks=3)
     both = proc.stdout + proc.stderr
     assert proc.returncode == 0, both[-4000:]
     assert "2 rank(s)" in both
-    rows = [r for r in read_metrics(str(out / "metrics.jsonl")) if "loss" in r]
+    rows = train_rows(out)
     assert [r["step"] for r in rows] == [1, 2, 3]
     # merged LoRA weights in fp32: exact up to the merge's rounding
     assert max(r["rollout/logprob_diff_max"] for r in rows) < 1e-3, rows
@@ -74,11 +78,9 @@ def test_two_training_ranks_share_one_rollout_rank_under_zero3_lora(setup):  # n
 
 @needs_launcher
 def test_a_training_rank_that_fails_ends_the_rollout_rank_too(setup):  # noqa: F811
-    folder, model, registry = setup
-    out = folder / "out_server_failing"
-    proc = launch(folder, model, registry, out, 29545, "--reward_module", str(folder / "failing_rewards.py"),
-                  "--eval_on_start", "false", "--tuning_strategy", "lora", "--max_steps", "4",
-                  "--ddp_timeout_minutes", "10", *SERVER, ranks=3, timeout=300)
+    out, proc = run_server(setup, "out_server_failing", 29545, "--eval_on_start", "false", "--tuning_strategy", "lora",
+                           "--max_steps", "4", "--ddp_timeout_minutes", "10", ranks=3, timeout=300,
+                           reward="failing_rewards.py")
     both = proc.stdout + proc.stderr
     assert proc.returncode != 0
     assert "rank 1 failed at step 2 (rewards): reward 'says_seven' (dataset 'toy') raised ValueError: judge model " \
@@ -96,13 +98,10 @@ def prompts_by_step(out):
 
 @needs_launcher
 def test_async_rollouts_run_one_step_behind_and_resume_on_the_same_prompts(setup):  # noqa: F811
-    folder, model, registry = setup
-    out = folder / "out_server_async"
-    flags = ("--reward_module", str(folder / "rewards.py"), "--tuning_strategy", "full", "--max_steps", "4",
-             "--save_steps", "2", "--async_rollout", "true", *SERVER)
-    proc = launch(folder, model, registry, out, 29547, *flags)
+    flags = ("--tuning_strategy", "full", "--max_steps", "4", "--save_steps", "2", "--async_rollout", "true")
+    out, proc = run_server(setup, "out_server_async", 29547, *flags)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    rows = [r for r in read_metrics(str(out / "metrics.jsonl")) if "loss" in r]
+    rows = train_rows(out)
     # the first step's rollouts come from the synced start, every later one from the policy a step behind
     assert [r["rollout/staleness"] for r in rows] == [0.0, 1.0, 1.0, 1.0]
     # ... which the truncated IS weights (on by default here) correct: they are logged, and at most the cap
@@ -114,9 +113,8 @@ def test_async_rollouts_run_one_step_behind_and_resume_on_the_same_prompts(setup
     # a checkpoint saved while step 3's prompts were in flight resumes by drawing them again
     state = json.loads((out / "checkpoint-2" / "trainer_state.json").read_text())
     assert (state["step"], state["position"]) == (2, 2 * 2)
-    resumed = folder / "out_server_async_resumed"
-    shutil.copytree(out / "checkpoint-2", resumed / "checkpoint-2")
-    proc = launch(folder, model, registry, resumed, 29549, *flags, "--resume_from_checkpoint", "latest")
+    shutil.copytree(out / "checkpoint-2", setup[0] / "out_server_async_resumed" / "checkpoint-2")
+    resumed, proc = run_server(setup, "out_server_async_resumed", 29549, *flags, "--resume_from_checkpoint", "latest")
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     first, again = prompts_by_step(out), prompts_by_step(resumed)
     assert sorted(again) == [3, 4] and all(again[s] == first[s] for s in (3, 4)), (first, again)
@@ -124,10 +122,8 @@ def test_async_rollouts_run_one_step_behind_and_resume_on_the_same_prompts(setup
 
 @needs_launcher
 def test_a_failure_while_the_trainer_starts_stops_the_rollout_rank(setup):  # noqa: F811
-    folder, model, registry = setup
-    out = folder / "out_server_bad_resume"
-    proc = launch(folder, model, registry, out, 29551, "--reward_module", str(folder / "rewards.py"),
-                  "--resume_from_checkpoint", str(folder / "no_such_checkpoint"), *SERVER, timeout=240)
+    out, proc = run_server(setup, "out_server_bad_resume", 29551, "--resume_from_checkpoint",
+                           str(setup[0] / "no_such_checkpoint"), timeout=240)
     both = proc.stdout + proc.stderr
     assert proc.returncode != 0
     assert "error: --resume_from_checkpoint" in both, both[-3000:]
@@ -145,12 +141,9 @@ def test_a_vision_language_model_gets_its_images_and_weights_on_the_rollout_rank
            "--per_device_train_batch_size", "2", "--k_samples", "4", "--rollout_max_new_tokens", "6",
            "--max_prompt_length", "96", "--max_seq_length", "104", "--max_steps", "2", "--save_steps", "0",
            "--eval_max_prompts", "2", "--train_split_ratio", "0.99", "--tuning_strategy", "full", *SERVER]
-    env = {k: v for k, v in os.environ.items() if k not in {"RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR",
-                                                            "MASTER_PORT"}}
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600,
-                          env={**env, "PYTHONPATH": ROOT + os.pathsep + env.get("PYTHONPATH", "")})
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600, env=child_env())
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    rows = [r for r in read_metrics(str(out / "metrics.jsonl")) if "loss" in r]
+    rows = train_rows(out)
     # every weight (vision tower included) found its place under the checkpoint names, and the rollout rank
     # scored with the same pixels as the trainer
     assert len(rows) == 2 and all(r["sync/bytes"] > 0 for r in rows)
@@ -159,14 +152,11 @@ def test_a_vision_language_model_gets_its_images_and_weights_on_the_rollout_rank
 
 @needs_launcher
 def test_async_without_is_correction_asks_for_logprobs_on_the_steps_that_train_on_them(setup):  # noqa: F811
-    folder, model, registry = setup
-    out = folder / "out_server_async_every2"
-    proc = launch(folder, model, registry, out, 29555, "--reward_module", str(folder / "rewards.py"),
-                  "--tuning_strategy", "full", "--max_steps", "4", "--async_rollout", "true",
-                  "--rollout_is_correction", "false", "--eval_on_start", "false", "--eval_max_prompts", "1",
-                  "--vllm_mode", "server", "--rollout_gpus", "1", "--logprob_check_steps", "2")
+    out, proc = run_server(setup, "out_server_async_every2", 29555, "--tuning_strategy", "full", "--max_steps", "4",
+                           "--async_rollout", "true", "--rollout_is_correction", "false", "--eval_on_start", "false",
+                           "--eval_max_prompts", "1", "--logprob_check_steps", "2")
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    rows = [r for r in read_metrics(str(out / "metrics.jsonl")) if "loss" in r]
+    rows = train_rows(out)
     with_logprobs = [r["step"] for r in rows if any(k.endswith("logprob_diff_mean") for k in r)]
     assert with_logprobs == [1, 3] and "rollout/is_weight_mean" not in rows[1]
 

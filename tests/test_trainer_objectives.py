@@ -11,11 +11,7 @@ from grpo.trainer import GRPOTrainer
 
 from .test_trainer import final_weights, pick_target
 from .tiny_models import make_tiny_reward_model_dir
-from .trainer_setup import tiny_config, write_prompt_registry
-
-
-def train_rows(output_dir):
-    return [r for r in read_metrics(str(output_dir / "metrics.jsonl")) if "loss" in r]
+from .trainer_setup import tiny_config, train_rows, write_prompt_registry
 
 
 def test_gspo_dual_clip_entropy_and_kl_estimator(tiny_model, registry, tmp_path):

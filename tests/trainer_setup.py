@@ -3,8 +3,24 @@ import json
 import os
 
 from grpo.config import GRPOConfig
+from grpo.reporting import read_metrics
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LAUNCHER_VARS = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
 
 PROMPTS = [f"What is {a} + {b} ?" for a in range(1, 9) for b in range(1, 6)]  # 40 prompts
+
+
+def child_env(**extra) -> dict:
+    """This environment for a child process, without the launcher variables of a process group started earlier in
+    the test session (the child, or its launcher, sets its own), with this checkout first on PYTHONPATH."""
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
+    return {**env, "PYTHONPATH": ROOT + os.pathsep + env.get("PYTHONPATH", ""), **extra}
+
+
+def train_rows(output_dir) -> list[dict]:
+    """metrics.jsonl's rows of training steps (not eval rows)."""
+    return [r for r in read_metrics(os.path.join(str(output_dir), "metrics.jsonl")) if "loss" in r]
 
 
 def write_prompt_registry(folder: str, reward: str = "boxed_accuracy") -> str:
