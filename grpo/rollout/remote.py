@@ -43,7 +43,7 @@ class RemoteRolloutEngine:
         if dist_utils.is_main():
             timeout = timedelta(minutes=timeout_minutes)
             self.bridge = RolloutBridge(connect_store(timeout), 0, rollout_ranks + 1, dist_utils.device(), timeout)
-            self._ask_all(("start", spec))
+            self._answers(self._post_all(("start", spec)))
         dist_utils.barrier()  # no rank goes on before every rollout engine is up
 
     # ------------------------------------------------------------------------------------------ protocol
@@ -87,10 +87,9 @@ class RemoteRolloutEngine:
         tensors = list(named_tensors)
         if self.bridge is None:
             return
-        numbers = [self.bridge.send(r, ("weights", layout(tensors))) for r in range(self.count)]
+        numbers = self._post_all(("weights", layout(tensors)))
         self.bridge.broadcast_weights(tensors)
-        for r, number in enumerate(numbers):
-            self._answer(r, number)
+        self._answers(numbers)
 
     def sleep(self) -> None:
         """Nothing to release: the rollout ranks' memory is their own."""
@@ -113,10 +112,11 @@ class RemoteRolloutEngine:
             bridge.close()
 
     # ------------------------------------------------------------------------------------------- helpers
-    def _ask_all(self, messages) -> list:
-        """One message to each rollout rank (the same one, or one each), then their answers in rank order."""
-        messages = messages if isinstance(messages, list) else [messages] * self.count
-        numbers = [self.bridge.send(r, m) for r, m in enumerate(messages)]
+    def _post_all(self, message) -> list[int]:
+        """The same message to every rollout rank; its numbers, in rank order."""
+        return [self.bridge.send(r, message) for r in range(self.count)]
+
+    def _answers(self, numbers: list[int]) -> list:
         return [self._answer(r, n) for r, n in enumerate(numbers)]
 
     def _answer(self, rollout_rank: int, number: int):
