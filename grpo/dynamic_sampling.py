@@ -10,7 +10,7 @@ Every prompt drawn advances the data position, so a resumed run draws exactly wh
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Optional
 
 import torch
@@ -67,8 +67,14 @@ class RolloutRound:
         return torch.tensor(self.result.total, dtype=torch.float32)  # [N]
 
 
-def concat_rounds(rounds: list[RolloutRound]) -> RolloutRound:
-    """All rounds as one, in draw order; times summed."""
+def renumbered(completions: list, group_size: int) -> list:
+    """The completions with prompt_index set to their group's position in `completions` (k per prompt, in order):
+    a batch pairs each completion with prompt_ids[prompt_index], so rows moved between rounds must follow."""
+    return [replace(c, prompt_index=i // group_size) for i, c in enumerate(completions)]
+
+
+def concat_rounds(rounds: list[RolloutRound], group_size: int) -> RolloutRound:
+    """All rounds as one, in draw order (completions renumbered to the joined prompts); times summed."""
     if len(rounds) == 1:
         return rounds[0]
     n = [len(r.texts) for r in rounds]
@@ -82,17 +88,20 @@ def concat_rounds(rounds: list[RolloutRound]) -> RolloutRound:
     for r in rounds:
         for key, value in r.times.items():
             times[key] = times.get(key, 0.0) + value
-    return RolloutRound([p for r in rounds for p in r.prompts], [c for r in rounds for c in r.completions],
+    return RolloutRound([p for r in rounds for p in r.prompts],
+                        renumbered([c for r in rounds for c in r.completions], group_size),
                         [t for r in rounds for t in r.texts],
                         RewardResult([v for r in rounds for v in r.result.total], per_function), images, times)
 
 
 def pick_groups(drawn: RolloutRound, groups: list[int], group_size: int) -> RolloutRound:
-    """The chosen groups of `drawn` (prompts, their completions and rewards), in the given order."""
+    """The chosen groups of `drawn` (prompts, their completions and rewards), in the given order; each completion
+    points at its prompt's new position."""
     rows = [g * group_size + j for g in groups for j in range(group_size)]
     result = RewardResult([drawn.result.total[i] for i in rows],
                           {name: [values[i] for i in rows] for name, values in drawn.result.per_function.items()})
-    return RolloutRound([drawn.prompts[g] for g in groups], [drawn.completions[i] for i in rows],
+    completions = renumbered([drawn.completions[i] for i in rows], group_size)
+    return RolloutRound([drawn.prompts[g] for g in groups], completions,
                         [drawn.texts[i] for i in rows], result,
                         [drawn.images[g] for g in groups] if drawn.images else None, dict(drawn.times))
 
@@ -115,7 +124,7 @@ def dynamic_rollouts(run_round: Callable[[], RolloutRound], group_size: int, tar
         groups_drawn += len(new.prompts)
         if len(rounds) >= max_rounds or not any_rank(len(informative) < target):
             break
-    drawn = concat_rounds(rounds)
+    drawn = concat_rounds(rounds, group_size)
     kept = pick_groups(drawn, select_groups(informative, groups_drawn, target), group_size)
     kept.stats = {"dynamic_sampling/rounds": float(len(rounds)),
                   "dynamic_sampling/groups_kept": float(min(len(informative), target)),

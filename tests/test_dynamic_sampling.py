@@ -4,6 +4,7 @@ import torch
 
 from grpo.dynamic_sampling import RolloutRound, dynamic_rollouts, informative_groups, select_groups
 from grpo.rewards import RewardResult
+from grpo.rollout.base import Completion
 
 
 def test_informative_groups_by_hand():
@@ -27,7 +28,8 @@ def test_select_groups_keeps_the_first_informative_then_tops_up():
 
 
 def fake_rounds(reward_rows):
-    """run_round() returning one round per entry of `reward_rows` (a list of groups' rewards); prompts are numbered."""
+    """run_round() returning one round per entry of `reward_rows` (a list of groups' rewards); prompts are numbered,
+    and each completion's prompt_index counts within its round, as an engine's does."""
     drawn = {"n": 0}
 
     def run_round():
@@ -37,7 +39,9 @@ def fake_rounds(reward_rows):
         prompts = [{"index": base + i} for i in range(len(groups))]
         total = [float(r) for g in groups for r in g]
         texts = [f"p{base + i}c{j}" for i, g in enumerate(groups) for j in range(len(g))]
-        return RolloutRound(prompts, list(texts), texts, RewardResult(total, {"acc": list(total)}),
+        completions = [Completion(prompt_index=i, token_ids=[base + i, j], logprobs=[], finish_reason="stop")
+                       for i, g in enumerate(groups) for j in range(len(g))]
+        return RolloutRound(prompts, completions, texts, RewardResult(total, {"acc": list(total)}),
                             times={"rollout": 1.0})
     return run_round, drawn
 
@@ -53,6 +57,16 @@ def test_dynamic_rollouts_draws_until_full():
     assert kept.stats == {"dynamic_sampling/rounds": 2.0, "dynamic_sampling/groups_kept": 2.0,
                           "dynamic_sampling/informative_groups": 2.0, "dynamic_sampling/prompts_drawn": 4.0}
     assert len(all_drawn.texts) == 8 and all_drawn.times["rollout"] == 2.0
+    # prompt 2 was round 2's first prompt (prompt_index 0 there); kept second, its completions must point at 1
+    assert [c.prompt_index for c in kept.completions] == [0, 0, 1, 1]
+    assert_paired(kept) and assert_paired(all_drawn)
+
+
+def assert_paired(rollouts):
+    """Every completion points at its own prompt: token_ids[0] is the number of the prompt it was sampled for."""
+    for c in rollouts.completions:
+        assert rollouts.prompts[c.prompt_index]["index"] == c.token_ids[0], c
+    return True
 
 
 def test_dynamic_rollouts_stops_at_max_rounds_and_tops_up():
@@ -61,6 +75,7 @@ def test_dynamic_rollouts_stops_at_max_rounds_and_tops_up():
     kept, _ = dynamic_rollouts(run_round, group_size=2, target=2, max_rounds=2)
     assert drawn["n"] == 2
     assert [p["index"] for p in kept.prompts] == [0, 3]
+    assert_paired(kept)
     assert kept.stats["dynamic_sampling/groups_kept"] == 1.0 and kept.stats["dynamic_sampling/prompts_drawn"] == 4.0
 
 

@@ -72,7 +72,8 @@ def contains_target(target_id):
 def test_dynamic_sampling_draws_more_rounds_and_resumes_exactly(tiny_model, registry, tmp_path):
     reward = contains_target(pick_target(tiny_model))
     common = dict(max_steps=4, save_steps=2, filter_zero_std_groups=True, max_generation_rounds=3,
-                  per_device_train_batch_size=2, k_samples=4, eval_on_start=False, train_split_ratio=1.0)
+                  per_device_train_batch_size=2, k_samples=4, eval_on_start=False, train_split_ratio=1.0,
+                  logprob_check_steps=1)
     straight = GRPOTrainer(tiny_config(tiny_model, registry, str(tmp_path / "a"), **common), reward_funcs=[reward])
     straight.train()
     rows_a = train_rows(tmp_path / "a")
@@ -80,6 +81,8 @@ def test_dynamic_sampling_draws_more_rounds_and_resumes_exactly(tiny_model, regi
     assert max(r["dynamic_sampling/rounds"] for r in rows_a) > 1
     assert all(r["dynamic_sampling/rounds"] <= 3 for r in rows_a)
     assert sum(r["dynamic_sampling/prompts_drawn"] for r in rows_a) > 4 * 2
+    # every kept completion is scored after its own prompt: the trainer's log-probs are the sampler's
+    assert all(r["rollout/logprob_diff_max"] < 1e-4 for r in rows_a)
     # the data position counts every prompt drawn, in every round
     assert straight.state.epoch * straight.order.steps_per_epoch * 2 + straight.state.position == \
         sum(r["dynamic_sampling/prompts_drawn"] for r in rows_a)
