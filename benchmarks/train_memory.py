@@ -6,6 +6,7 @@ rollouts are). Modes:
   before   micro-batches of --rows rows padded to the whole step's widths, full logits (the code before issue 11)
   after    --max_tokens_per_micro_batch / --logprob_chunk_tokens defaults (token budget, chunked output layer)
   packed   after + --padding_free
+  after-cudnn  after, with PyTorch's cuDNN SDPA backend allowed (grpo leaves it out: a plan per new shape)
 Prints one markdown row per (model, strategy, mode): peak GPU memory (max_memory_allocated) and seconds per step
 (mean of --steps after one warm-up). An out-of-memory is reported as OOM. Never run by CI.
 """
@@ -70,7 +71,7 @@ def micro_batches(batch, mode: str, cfg, rows: int):
         n = len(batch.input_ids)
         return [MicroBatch(torch.arange(lo, min(lo + rows, n)), batch.rows(lo, min(lo + rows, n)).to("cuda"))
                 for lo in range(0, n, rows)]
-    return step_micro_batches(batch, cfg, "cuda")
+    return step_micro_batches(batch, cfg, "cuda")  # after, after-cudnn, packed
 
 
 def run(shape: str, strategy: str, mode: str, args) -> dict:
@@ -81,6 +82,8 @@ def run(shape: str, strategy: str, mode: str, args) -> dict:
     from grpo.optimize import step_normaliser, update
 
     dist_utils.init_distributed()
+    # before: the code before issue 11, cuDNN attention allowed; after: as grpo.models.load_policy sets it
+    torch.backends.cuda.enable_cudnn_sdp(mode in ("before", "after-cudnn"))
     cfg = GRPOConfig(k_samples=args.k, rollout_max_new_tokens=args.max_new, max_prompt_length=args.prompt_len,
                      max_seq_length=args.prompt_len + args.max_new, tuning_strategy=strategy,
                      max_tokens_per_micro_batch=args.max_tokens if mode != "before" else 0,

@@ -46,10 +46,23 @@ def lora_target_modules(value: str):
     return "all-linear" if value.strip() == "all-linear" else [m.strip() for m in value.split(",") if m.strip()]
 
 
+def attention_without_shape_plans(device: torch.device) -> None:
+    """Leave PyTorch's cuDNN backend out of scaled-dot-product attention, process-wide, when training on CUDA.
+
+    Training micro-batches change shape all the time (token budgets over sampled lengths), and cuDNN attention
+    builds an execution plan for every new shape; flash and memory-efficient attention need none.
+    """
+    if device.type == "cuda" and torch.backends.cuda.cudnn_sdp_enabled():
+        torch.backends.cuda.enable_cudnn_sdp(False)
+        logger.info("attention: flash / memory-efficient SDPA kernels (cuDNN attention left out: it builds a plan "
+                    "for every new batch shape)")
+
+
 def load_policy(config: GRPOConfig, model_path: str, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
     """The trainable policy: the full model, or the base with a (new or continued) LoRA adapter."""
     from . import vision
 
+    attention_without_shape_plans(device)
     is_vl = vision.is_vision_language(model_path, config.trust_remote_code)
     quantization = None
     if config.tuning_strategy == "qlora":

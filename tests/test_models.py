@@ -7,8 +7,8 @@ import torch
 
 from grpo.config import EMBEDDED_MODEL, GRPOConfig
 from grpo.errors import ConfigError
-from grpo.models import (keep_4bit_forward_exact, load_policy, load_reference, load_tokenizer, reference_mode,
-                         save_final_model)
+from grpo.models import (attention_without_shape_plans, keep_4bit_forward_exact, load_policy, load_reference,
+                         load_tokenizer, reference_mode, save_final_model)
 
 from .tiny_models import make_tiny_model_dir
 
@@ -230,3 +230,17 @@ def test_qlora_keeps_named_layers_in_full_precision(model_dir):
     with pytest.raises(ConfigError, match="matches no module"):
         load_policy(config(model_dir, tuning_strategy="qlora", qlora_skip_modules="value_proj"), model_dir,
                     torch.float32, CPU)
+
+
+def test_training_on_cuda_leaves_cudnn_attention_out():
+    # cuDNN attention builds a plan for every new batch shape; the flag is process-wide, so it is put back after
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    try:
+        torch.backends.cuda.enable_cudnn_sdp(True)
+        attention_without_shape_plans(CPU)
+        assert torch.backends.cuda.cudnn_sdp_enabled()  # CPU runs leave it alone
+        attention_without_shape_plans(torch.device("cuda", 0))
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.mem_efficient_sdp_enabled()
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(before)
