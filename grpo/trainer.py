@@ -493,7 +493,9 @@ class GRPOTrainer:
                              self.config.kl_in_reward)
         if engine_holds_weights(self.config):
             local["sync/bytes"] = float(self._last_sync.bytes)
-            local["memory/vllm_sleep_freed_gib"] = getattr(self.rollout_engine, "last_sleep_freed_bytes", 0) / 2**30
+            freed = getattr(self.rollout_engine, "last_sleep_freed_bytes", None)  # server-mode engines never sleep
+            if freed is not None:
+                local["memory/vllm_sleep_freed_gib"] = freed / 2**30
         return mean_over_ranks(local)
 
     def _log_completions(self, prompts, texts, rewards) -> None:

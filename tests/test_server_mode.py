@@ -47,6 +47,7 @@ def test_the_rollout_rank_samples_the_policy_after_every_step(setup):  # noqa: F
     assert "1 rank(s)" in both and "waiting for 1 rollout rank(s)" in both  # one rank trained, one generated
     rows = train_rows(out)
     assert [r["step"] for r in rows] == [1, 2, 3]
+    assert "memory/vllm_sleep_freed_gib" not in rows[0]  # rollout ranks never sleep: nothing to report
     # the engine's sampling log-probs equal the trainer's at every step: its weights are the policy's
     assert max(r["rollout/logprob_diff_max"] for r in rows) < 1e-4, rows
     # ... while the policy moved far from where the engine started: a stale engine would be off by this much
