@@ -2,7 +2,7 @@
 
 The batch: --prompts random prompts of --prompt_len tokens (ids drawn with a fixed seed, the same in every run),
 n = --k samples each at temperature 1, exactly --max_new new tokens per sample (EOS ignored), token ids in and out
-(no detokenizing). Each case runs one warm-up generate, then --repeats timed ones; tokens/s = generated tokens,
+(no detokenizing). Each case runs one warm-up generate, then --repeats timed ones (grpo's two calls take turns); tokens/s = generated tokens,
 counted from the outputs, over wall seconds; the best repeat and the median are kept.
 
   --engine bare  vLLM's LLM as a user would start it (its own defaults: engine core in a worker process unless
@@ -35,12 +35,26 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 def timed(call, repeats: int) -> dict:
     """One warm-up call, then `repeats` timed ones; `call` returns the number of tokens it generated."""
-    call()
-    runs = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        tokens = call()
-        runs.append((tokens, time.perf_counter() - start))
+    return timed_alternately({"call": call}, repeats)["call"]
+
+
+def timed_alternately(calls: dict, repeats: int) -> dict:
+    """Like `timed` for several calls on one engine, their timed repeats interleaved (in turn first and last), so
+    that drift over the run (clocks, caches) does not favour the one measured later."""
+    for call in calls.values():
+        call()
+    runs: dict = {name: [] for name in calls}
+    for repeat in range(repeats):
+        for name in (list(calls) if repeat % 2 == 0 else list(reversed(calls))):
+            start = time.perf_counter()
+            tokens = calls[name]()
+            runs[name].append((tokens, time.perf_counter() - start))
+    return {name: summary(rows) for name, rows in runs.items()}
+
+
+def summary(runs: list) -> dict:
+    """Best and median tokens/s of (tokens, seconds) runs."""
+    repeats = len(runs)
     rates = [t / s for t, s in runs]
     best = max(range(repeats), key=lambda i: rates[i])
     return {"tokens": runs[best][0], "seconds": runs[best][1], "tok_s": rates[best],
@@ -114,10 +128,10 @@ def grpo_cases(args, prompts) -> list[dict]:
             outs = engine.llm.generate(requests, params, use_tqdm=False)
             return sum(len(o.token_ids) for r in outs for o in r.outputs)
 
+        timings = timed_alternately({"wrapped": wrapped, "raw": raw}, args.repeats)
         rows.append({"engine": "grpo", "call": "VLLMRolloutEngine.generate", "logprobs": logprobs,
-                     "ignore_eos": fixed_length, **timed(wrapped, args.repeats)})
-        rows.append({"engine": "grpo's LLM", "call": "LLM.generate", "logprobs": logprobs,
-                     **timed(raw, args.repeats)})
+                     "ignore_eos": fixed_length, **timings["wrapped"]})
+        rows.append({"engine": "grpo's LLM", "call": "LLM.generate", "logprobs": logprobs, **timings["raw"]})
     return rows
 
 
