@@ -28,24 +28,19 @@ def main() -> None:
     if os.path.isfile(os.path.join(args.out, "config.json")):
         print(f"{args.out}: model already there")
         return
-    from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM, Qwen2Config, \
-        Qwen2ForCausalLM
+    from transformers import AutoTokenizer, GenerationConfig
 
     from grpo.embedded import resolve_model_path
-    from train_memory import SHAPES
+    from train_memory import SHAPES, random_model
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path("smollm2-135m-instruct"))
-    spec = dict(SHAPES[args.shape])
-    arch = spec.pop("arch")
-    if len(tokenizer) > spec["vocab_size"]:
-        raise SystemExit(f"the tokenizer has {len(tokenizer)} tokens, more than {args.shape}'s {spec['vocab_size']}")
-    config_cls, model_cls = (LlamaConfig, LlamaForCausalLM) if arch == "llama" else (Qwen2Config, Qwen2ForCausalLM)
+    vocab = SHAPES[args.shape]["vocab_size"]
+    if len(tokenizer) > vocab:
+        raise SystemExit(f"the tokenizer has {len(tokenizer)} tokens, more than {args.shape}'s {vocab}")
     ids = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                pad_token_id=tokenizer.pad_token_id)
-    config = config_cls(max_position_embeddings=4096, **ids, **spec)
-    torch.manual_seed(0)
-    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):  # initialising 0.68B on CPU takes a while
-        model = model_cls(config).to(torch.bfloat16)
+    # on the GPU when there is one: initialising 0.68B on CPU takes a while
+    model = random_model(args.shape, "cuda" if torch.cuda.is_available() else "cpu", **ids)
     model.generation_config = GenerationConfig(**ids)
     tmp = args.out.rstrip("/") + ".tmp"  # renamed when complete: an interrupted run leaves no half-written model
     shutil.rmtree(tmp, ignore_errors=True)

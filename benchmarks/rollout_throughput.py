@@ -107,11 +107,7 @@ def grpo_cases(args, prompts) -> list[dict]:
     engine = VLLMRolloutEngine(args.model, gpu_memory_utilization=args.vllm_mem,
                                max_model_len=args.prompt_len + args.max_new, seed=0,
                                enable_sleep=True, enforce_eager=args.enforce_eager)
-    fixed_length = hasattr(engine, "_vllm")
-    if fixed_length:
-        engine._vllm = FixedLengthVLLM(engine._vllm)
-    else:  # the engine changed: samples may stop at EOS; the counted tokens still make tokens/s exact
-        print("VLLMRolloutEngine has no _vllm attribute: EOS is not ignored in engine.generate", flush=True)
+    engine._vllm = FixedLengthVLLM(engine._vllm)  # the module the engine builds its SamplingParams from
     import vllm
 
     requests = [vllm.TokensPrompt(prompt_token_ids=p) for p in prompts]
@@ -130,7 +126,7 @@ def grpo_cases(args, prompts) -> list[dict]:
 
         timings = timed_alternately({"wrapped": wrapped, "raw": raw}, args.repeats)
         rows.append({"engine": "grpo", "call": "VLLMRolloutEngine.generate", "logprobs": logprobs,
-                     "ignore_eos": fixed_length, **timings["wrapped"]})
+                     "ignore_eos": True, **timings["wrapped"]})
         rows.append({"engine": "grpo's LLM", "call": "LLM.generate", "logprobs": logprobs, **timings["raw"]})
     return rows
 

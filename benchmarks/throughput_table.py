@@ -13,19 +13,15 @@ import os
 import statistics
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from grpo.reporting import read_metrics  # noqa: E402
+
 
 def read_json(path: str, default=None):
     if not os.path.isfile(path):
         return default
     with open(path) as fh:
         return json.load(fh)
-
-
-def read_jsonl(path: str) -> list[dict]:
-    if not os.path.isfile(path):
-        return []
-    with open(path) as fh:
-        return [json.loads(line) for line in fh if line.strip()]
 
 
 def ratio(a, b) -> str:
@@ -39,7 +35,7 @@ def num(x, fmt: str = ",.0f") -> str:
 def grpo_run(folder: str, name: str) -> dict:
     """A train_grpo.py run's step rows (step > 1) summarised: seconds per step and rollout tokens/s."""
     meta = read_json(os.path.join(folder, "runs", f"{name}.json"), {"name": name, "rc": None})
-    rows = [r for r in read_jsonl(os.path.join(folder, "runs", name, "metrics.jsonl"))
+    rows = [r for r in read_metrics(os.path.join(folder, "runs", name, "metrics.jsonl"))
             if "time/step" in r and r.get("step", 0) > 1]
     out = dict(meta, measured_steps=len(rows))
     if not rows or "samples_per_step" not in meta:
@@ -64,7 +60,7 @@ def status(run: dict) -> str:
 
 
 def rollout_section(folder: str) -> None:
-    rows = read_jsonl(os.path.join(folder, "rollout.jsonl"))
+    rows = read_metrics(os.path.join(folder, "rollout.jsonl"))
     print("## 1. Rollout throughput, one batch (bare vLLM vs grpo)\n")
     if rows:
         r0 = rows[0]

@@ -28,16 +28,21 @@ SHAPES = {  # random models of these shapes
 }
 
 
-def build_model(shape: str, strategy: str, gradient_checkpointing: bool):
+def random_model(shape: str, device, **config_kwargs):
+    """A randomly initialised (seed 0) bf16 model of one of SHAPES, built on `device`."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     spec = dict(SHAPES[shape])
     arch = spec.pop("arch")
     config_cls, model_cls = (LlamaConfig, LlamaForCausalLM) if arch == "llama" else (Qwen2Config, Qwen2ForCausalLM)
-    config = config_cls(max_position_embeddings=4096, attn_implementation="sdpa", **spec)
+    config = config_cls(max_position_embeddings=4096, **config_kwargs, **spec)
     torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = model_cls(config).to(torch.bfloat16)
+    with torch.device(device):
+        return model_cls(config).to(torch.bfloat16)
+
+
+def build_model(shape: str, strategy: str, gradient_checkpointing: bool):
+    model = random_model(shape, "cuda", attn_implementation="sdpa")
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if strategy == "lora":
@@ -79,11 +84,14 @@ def run(shape: str, strategy: str, mode: str, args) -> dict:
 
     from grpo import distributed as dist_utils
     from grpo.config import GRPOConfig
+    from grpo.models import attention_without_shape_plans
     from grpo.optimize import step_normaliser, update
 
     dist_utils.init_distributed()
-    # before: the code before issue 11, cuDNN attention allowed; after: as grpo.models.load_policy sets it
-    torch.backends.cuda.enable_cudnn_sdp(mode in ("before", "after-cudnn"))
+    # before: the code before token budgets, cuDNN attention allowed; after: as grpo.models.load_policy sets it
+    torch.backends.cuda.enable_cudnn_sdp(True)
+    if mode not in ("before", "after-cudnn"):
+        attention_without_shape_plans(torch.device("cuda"))
     cfg = GRPOConfig(k_samples=args.k, rollout_max_new_tokens=args.max_new, max_prompt_length=args.prompt_len,
                      max_seq_length=args.prompt_len + args.max_new, tuning_strategy=strategy,
                      max_tokens_per_micro_batch=args.max_tokens if mode != "before" else 0,

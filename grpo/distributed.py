@@ -43,8 +43,7 @@ def shutdown() -> None:
     """End the process group once every rank is done: a rank that exits while a peer still holds a connection
     (rank 0 writing the final model) can abort in the communication library's teardown."""
     if dist.is_available() and dist.is_initialized():
-        if dist.get_world_size() > 1:
-            dist.barrier()
+        barrier()
         dist.destroy_process_group()
 
 

@@ -7,7 +7,8 @@ import time
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from .trainer_setup import ROOT, child_env
+
 REQUIRED_FLAGS = """--model_name_or_path --output_dir --resume_from_checkpoint --dataset_config_path --dataset_names
 --train_split_ratio --epochs --max_steps --per_device_train_batch_size --gradient_accumulation_steps
 --learning_rate --learning_rate_lora --max_seq_length --max_prompt_length --k_samples --rollout_max_new_tokens
@@ -21,8 +22,7 @@ REQUIRED_FLAGS = """--model_name_or_path --output_dir --resume_from_checkpoint -
 
 def run_cli(*args, env=None, timeout=120):
     # a process group started earlier in this test session must not leak its port into the child
-    launcher_vars = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
-    full_env = {**{k: v for k, v in os.environ.items() if k not in launcher_vars}, **(env or {})}
+    full_env = child_env(**(env or {}))
     start = time.time()
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "train_grpo.py"), *args], capture_output=True,
                           text=True, cwd=ROOT, env=full_env, timeout=timeout)

@@ -1,11 +1,9 @@
 """The process group's end: the command ends it on every rank together once training is done."""
-import os
 import subprocess
 import sys
 
-from .trainer_setup import child_env
+from .trainer_setup import ROOT, child_env
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # its own process: DeepSpeed keeps the groups it saw, so a test process that ended its group could not start another
 SCRIPT = """

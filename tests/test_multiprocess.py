@@ -8,12 +8,10 @@ import time
 import pytest
 
 from grpo.manifest import MANIFEST_FILE
-from grpo.reporting import read_metrics
 
 from .tiny_models import make_tiny_model_dir
-from .trainer_setup import child_env, write_prompt_registry
+from .trainer_setup import ROOT, child_env, train_rows, write_prompt_registry
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REWARD_MODULE = '''
 from grpo import register_reward
 
@@ -70,7 +68,7 @@ def test_two_ranks(zero, strategy, setup):
                   "--max_steps", "2", "--gradient_accumulation_steps", "2", "--save_steps", "2")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "2 rank(s)" in proc.stderr + proc.stdout
-    rows = [r for r in read_metrics(str(out / "metrics.jsonl")) if "loss" in r]
+    rows = train_rows(out)
     assert [r["step"] for r in rows] == [1, 2]
     # every rank trained on its own prompts: 2 steps x 4 prompts each, no prompt on both ranks
     seen = {}
@@ -151,7 +149,7 @@ def test_two_ranks_verify_before_resuming(setup):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     log = (out / "train.log").read_text()
     assert "checkpoint-2 is damaged" in log and f"resumed from {out / 'checkpoint-1'} at step 1" in log
-    rows = [r for r in read_metrics(str(out / "metrics.jsonl")) if "loss" in r]
+    rows = train_rows(out)
     assert [r["step"] for r in rows] == [1, 2, 3]
 
 

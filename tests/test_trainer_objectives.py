@@ -6,7 +6,6 @@ import math
 import pytest
 import torch
 
-from grpo.reporting import read_metrics
 from grpo.trainer import GRPOTrainer
 
 from .test_trainer import final_weights, pick_target
@@ -195,6 +194,6 @@ def test_the_first_updates_ratio_is_one_under_lora_dropout_and_kl_in_reward(tiny
     config = tiny_config(tiny_model, registry, str(tmp_path), lora_dropout=0.3, use_kl_penalty=True, kl_beta=0.1,
                          kl_in_reward=True, max_steps=2, eval_on_start=False)
     GRPOTrainer(config).train()
-    rows = [r for r in read_metrics(str(tmp_path / "metrics.jsonl")) if "loss" in r]
+    rows = train_rows(tmp_path)
     assert len(rows) == 2 and all("reward/kl_penalized_mean" in r for r in rows)
     assert all(r["ratio_mean"] == pytest.approx(1.0, abs=1e-6) and r["clip_frac"] == 0.0 for r in rows), rows

@@ -37,6 +37,7 @@ class HFRolloutEngine:
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
         self.owns_model = owns_model
+        self._by_checkpoint_name: Optional[dict] = None
         # never sampled (e.g. a VL model's image placeholder, which the scoring forward would take for an image)
         self.suppress_token_ids = list(suppress_token_ids or [])
         self.stop_ids = stop_token_ids(model, tokenizer)
@@ -126,12 +127,7 @@ class HFRolloutEngine:
             for _ in named_tensors:  # consumed all the same: the sender may stream them
                 pass
             return
-        from ..vision import checkpoint_prefixes, rename
-
-        # by the checkpoint names the trainer sends (vision-language models: see grpo/vision.py); tied weights
-        # appear under each of their names
-        prefixes = checkpoint_prefixes(self.model)
-        own = {rename(name, prefixes): p for name, p in self.model.state_dict(keep_vars=True).items()}
+        own = self._weights_by_checkpoint_name()
         with torch.no_grad():
             for name, tensor in named_tensors:
                 if name not in own:
@@ -141,6 +137,18 @@ class HFRolloutEngine:
                     raise ValueError(f"weight {name!r}: the rollout model's is {tuple(own[name].shape)}, the "
                                      f"trainer sent {tuple(tensor.shape)}")
                 own[name].copy_(tensor)
+
+    def _weights_by_checkpoint_name(self) -> dict:
+        """The model's tensors by the checkpoint names the trainer sends (vision-language models: see
+        grpo/vision.py; tied weights appear under each of their names), built on the first sync and kept: a sync
+        arrives in many calls."""
+        if self._by_checkpoint_name is None:
+            from ..vision import checkpoint_prefixes, rename
+
+            prefixes = checkpoint_prefixes(self.model)
+            self._by_checkpoint_name = {rename(name, prefixes): p
+                                        for name, p in self.model.state_dict(keep_vars=True).items()}
+        return self._by_checkpoint_name
 
     def sleep(self) -> None:
         """Nothing to release: the policy's memory is the trainer's."""

@@ -79,7 +79,7 @@ class RemoteRolloutEngine:
             for r, ((a, _), number) in enumerate(zip(ticket.bounds, ticket.numbers)):
                 for c in self._answer(r, number):  # prompt_index is within the share; back to the owner's numbering
                     rank, local = ticket.owners[a + c.prompt_index]
-                    per_rank[rank].append(Completion(local, c.token_ids, c.logprobs, c.finish_reason))
+                    per_rank[rank].append(replace(c, prompt_index=local))
         return dist_utils.scatter_objects(per_rank)
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -14,17 +14,13 @@ from datetime import timedelta
 
 import torch
 
+from .. import distributed as dist_utils
 from ..errors import GRPOError
 from ..roles import job_rank, rollout_index, rollout_ranks_of
 from ..seeding import seed_everything
 from .bridge import BridgeClosed, RolloutBridge, connect_store
 
 logger = logging.getLogger("grpo")
-
-
-def rollout_device() -> torch.device:
-    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if torch.cuda.is_available() \
-        else torch.device("cpu")
 
 
 def serve_rollouts(config) -> int:
@@ -35,7 +31,7 @@ def serve_rollouts(config) -> int:
     count = rollout_ranks_of(config)
     index, rank = rollout_index(count), job_rank()  # (vLLM's launcher variables overwrite RANK later)
     timeout = timedelta(minutes=config.ddp_timeout_minutes)
-    device = rollout_device()
+    device = dist_utils.device()  # the launcher's LOCAL_RANK: its own GPU
     if device.type == "cuda":
         torch.cuda.set_device(device)
     store = connect_store(timeout)

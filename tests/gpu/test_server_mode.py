@@ -2,19 +2,17 @@
 SmolLM2 and `arith`. After every step the rollout rank's sampling log-probs match the trainer's (bf16 on both sides),
 for full, lora and qlora; with --async_rollout the job runs one step behind and logs it."""
 import importlib.util
-import os
 import shutil
 import subprocess
 
 import pytest
 import torch
 
-from grpo.reporting import read_metrics
+from tests.trainer_setup import ROOT, child_env, train_rows
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.device_count() < 2 or importlib.util.find_spec("vllm") is None,
     reason="needs 2 GPUs and vLLM")
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # mean |log-prob difference| over sampled completion tokens between vLLM and the trainer, both bf16; colocated runs
 # on SmolLM2 measured 0.008 (lora) and 0.014 (--vllm_tp 2)
 SYNCED_MAX = 0.03
@@ -30,11 +28,10 @@ def run(out, port: int, *flags: str) -> list[dict]:
            "--vllm_enforce_eager", "true", "--max_steps", "4", "--logprob_check_steps", "1",
            "--use_vllm_rollout", "true", "--vllm_mode", "server", "--rollout_gpus", "1",
            "--vllm_gpu_memory_utilization", "0.5", "--output_dir", str(out), "--overwrite_output_dir", *flags]
-    env = {k: v for k, v in os.environ.items() if k not in {"RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT"}}
-    proc = subprocess.run(cmd, cwd=ROOT, env={**env, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}, capture_output=True,
+    proc = subprocess.run(cmd, cwd=ROOT, env=child_env(VLLM_ENABLE_V1_MULTIPROCESSING="0"), capture_output=True,
                           text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-6000:]
-    rows = [r for r in read_metrics(str(out / "metrics.jsonl")) if "loss" in r]
+    rows = train_rows(out)
     print([{k: round(r[k], 4) for k in r if k.startswith("rollout/") or k in ("step", "time/step")} for r in rows])
     return rows
 
