@@ -19,6 +19,7 @@ from .roles import job_world_size
 
 EMBEDDED_MODEL = "smollm2-135m-instruct"
 STRATEGIES = ("qlora", "lora", "full")
+QLORA_INITS = ("zero", "loftq")
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 REWARD_SCALES = ("group", "batch", "none")
 KL_ESTIMATORS = ("k1", "k2", "k3")
@@ -68,6 +69,11 @@ class GRPOConfig:
     qlora_skip_modules: Optional[str] = _opt(
         None, "qlora: linear layers kept in 16-bit instead of 4-bit, comma-separated names or suffixes (e.g. "
               "'v_proj,down_proj', the layers 4-bit rounding hurts most); the output layer is always kept.", "model")
+    qlora_init: str = _opt(
+        "zero", "qlora: how the adapter starts. zero: B = 0, the policy starts as the 4-bit model. loftq: B A = the "
+                "best rank-r approximation of the 4-bit rounding error (W - dequantize(Q), W read from the "
+                "checkpoint's safetensors), so the policy starts nearer the 16-bit model.", "model",
+        choices=QLORA_INITS)
     lora_adapter_path: Optional[str] = _opt(
         None, "Continue training from a saved LoRA adapter folder (rank/alpha read from its config).", "model")
     freeze_vision_tower: bool = _opt(
@@ -356,6 +362,15 @@ class GRPOConfig:
              "give comma-separated module names, e.g. v_proj,down_proj")
         if self.lora_exclude_modules is not None:
             self._validate_lora_exclude(need)
+        need(self.qlora_init in QLORA_INITS, "qlora_init",
+             f"got '{self.qlora_init}', choose one of {', '.join(QLORA_INITS)}")
+        if self.qlora_init == "loftq":
+            need(self.tuning_strategy == "qlora", "qlora_init", "loftq needs --tuning_strategy qlora")
+            need(not self.lora_adapter_path, "qlora_init",
+                 "loftq sets a new adapter; a continued one (--lora_adapter_path) keeps its own weights: drop one")
+            need(self.kl_coef == 0, "qlora_init",
+                 "loftq starts the policy away from the 4-bit base, which --use_kl_penalty takes as its reference "
+                 "(adapter off); use --qlora_init zero with the KL penalty")
 
     def _validate_lora_exclude(self, need) -> None:
         need(self.tuning_strategy in ("lora", "qlora"), "lora_exclude_modules",

@@ -94,6 +94,10 @@ def load_policy(config: GRPOConfig, model_path: str, dtype: torch.dtype, device:
         vision.freeze_vision_tower(model)  # prepare_model_for_kbit_training may have unfrozen it
     if config.uses_lora:
         model = _attach_lora(model, config, vision.language_linear_names(model) if is_vl else None)
+        if config.qlora_init == "loftq":
+            from .loftq import init_adapter_from_rounding_error
+
+            init_adapter_from_rounding_error(model, model_path)
         if config.gradient_checkpointing:
             model.enable_input_require_grads()  # checkpointed blocks need an input that requires grad
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -220,6 +224,10 @@ def save_final_model(model, tokenizer, output_dir: str, config: GRPOConfig, mode
 
         # merge into the full-precision base (for qlora too): the training model itself is never merged
         base = load_base_model(model_path, dtype, torch.device("cpu"), config.trust_remote_code)
+        if config.qlora_init == "loftq":  # its adapter holds the 4-bit rounding error: merge into the rounded base
+            from .loftq import round_like_training
+
+            round_like_training(base, model)
         merged = PeftModel.from_pretrained(base, path).merge_and_unload()
         merged_path = os.path.join(output_dir, "merged_model")
         merged.save_pretrained(merged_path, safe_serialization=True)

@@ -94,14 +94,14 @@ def _owned(tensor: torch.Tensor, dtype: torch.dtype, zero3: bool) -> torch.Tenso
     return out.clone() if zero3 and out.data_ptr() == tensor.data_ptr() else out
 
 
-def _is_4bit(weight) -> bool:
+def is_4bit(weight) -> bool:
     return weight is not None and weight.__class__.__name__ == "Params4bit"
 
 
-def _dense_weight(layer) -> torch.Tensor:
+def dense_weight(layer) -> torch.Tensor:
     """The layer's weight as a new dense fp32 tensor (4-bit weights dequantized with their quant_state)."""
     weight = layer.weight
-    if _is_4bit(weight):
+    if is_4bit(weight):
         import bitsandbytes.functional as bnbf
 
         if getattr(weight.quant_state, "packing_format_for_cpu", False):
@@ -156,7 +156,7 @@ def _lora_merged(module, adapters: list[str], zero3: bool) -> tuple[torch.Tensor
     for a in adapters:
         parts += [module.lora_A[a].weight, *module.lora_B[a].parameters()]
     with _gathered(parts, zero3), torch.no_grad():  # a copy for the engine: no autograd graph
-        weight = _dense_weight(base)                                          # [out, in] ([in, out] if fan_in_fan_out)
+        weight = dense_weight(base)                                          # [out, in] ([in, out] if fan_in_fan_out)
         bias = base.bias.data.to(torch.float32, copy=True) if getattr(base, "bias", None) is not None else None
         for a in adapters:
             scale = module.scaling[a]                                         # alpha / r (rank/alpha patterns incl.)
@@ -194,11 +194,11 @@ def _iter_adapter(model, dtype, zero3, dequantize_frozen: bool):
         elif isinstance(module, LoraLayer):
             wrapped_prefixes.append(module_name + ".")
             adapters = _lora_adapters(module)
-            if not adapters and not (dequantize_frozen and _is_4bit(module.get_base_layer().weight)):
+            if not adapters and not (dequantize_frozen and is_4bit(module.get_base_layer().weight)):
                 continue  # unchanged since the checkpoint the engine loaded
             weight, bias = _lora_merged(module, adapters, zero3)
             yield f"{name}.weight", weight.to(dtype)
             if bias is not None and any(getattr(module, "lora_bias", {}).get(a, False) for a in adapters):
                 yield f"{name}.bias", bias.to(dtype)
-        elif dequantize_frozen and _is_4bit(getattr(module, "weight", None)):
-            yield f"{name}.weight", _dense_weight(module).to(dtype)
+        elif dequantize_frozen and is_4bit(getattr(module, "weight", None)):
+            yield f"{name}.weight", dense_weight(module).to(dtype)
