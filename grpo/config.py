@@ -72,7 +72,8 @@ class GRPOConfig:
     qlora_init: str = _opt(
         "zero", "qlora: how the adapter starts. zero: B = 0, the policy starts as the 4-bit model. loftq: B A = the "
                 "best rank-r approximation of the 4-bit rounding error (W - dequantize(Q), W read from the "
-                "checkpoint's safetensors), so the policy starts nearer the 16-bit model.", "model",
+                "checkpoint's safetensors), so the policy starts nearer the 16-bit model; the KL penalty's "
+                "reference is then that starting policy (a frozen copy of the initial adapter).", "model",
         choices=QLORA_INITS)
     lora_adapter_path: Optional[str] = _opt(
         None, "Continue training from a saved LoRA adapter folder (rank/alpha read from its config).", "model")
@@ -368,9 +369,6 @@ class GRPOConfig:
             need(self.tuning_strategy == "qlora", "qlora_init", "loftq needs --tuning_strategy qlora")
             need(not self.lora_adapter_path, "qlora_init",
                  "loftq sets a new adapter; a continued one (--lora_adapter_path) keeps its own weights: drop one")
-            need(self.kl_coef == 0, "qlora_init",
-                 "loftq starts the policy away from the 4-bit base, which --use_kl_penalty takes as its reference "
-                 "(adapter off); use --qlora_init zero with the KL penalty")
 
     def _validate_lora_exclude(self, need) -> None:
         need(self.tuning_strategy in ("lora", "qlora"), "lora_exclude_modules",

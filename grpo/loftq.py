@@ -9,6 +9,9 @@ rank-r approximation of the rounding error instead:
     A = S_r^1/2 V_r^T,  B = U_r S_r^1/2 / s        with s = alpha / r, the adapter's scale
     policy weight = dequantize(Q) + s B A = dequantize(Q) + U_r S_r V_r^T
 
+With the KL penalty, the reference is the policy training starts from: a frozen copy of the initial adapter,
+named REFERENCE_ADAPTER (grpo.models.reference_mode switches to it), not the 4-bit base with the adapter off.
+
 The 4-bit weight itself is kept (peft's multi-pass LoftQ re-quantizes W - sBA; bitsandbytes' quantization is fixed
 once the model is loaded), so this is the single pass that works on a model already quantized by bitsandbytes.
 """
@@ -26,6 +29,8 @@ from .sync import checkpoint_name, dense_weight, is_4bit
 from .vision import checkpoint_prefixes, rename
 
 logger = logging.getLogger(__name__)
+
+REFERENCE_ADAPTER = "reference"
 
 
 def low_rank_factors(residual: torch.Tensor, rank: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -128,3 +133,17 @@ def round_like_training(base, trained) -> int:
         target.data.copy_(bnbf.dequantize_4bit(q, qs).to(target.dtype))
         rounded += 1
     return rounded
+
+
+@torch.no_grad()
+def add_reference_adapter(model, adapter: str = "default") -> None:
+    """A frozen copy of `adapter` under REFERENCE_ADAPTER: the starting policy, for the KL penalty's reference."""
+    model.add_adapter(REFERENCE_ADAPTER, model.peft_config[adapter])  # inactive, so not trainable
+    params = dict(model.named_parameters())
+    copied = 0
+    for name, param in params.items():
+        if f".{REFERENCE_ADAPTER}." in name:
+            param.copy_(params[name.replace(f".{REFERENCE_ADAPTER}.", f".{adapter}.")])
+            param.requires_grad_(False)
+            copied += 1
+    logger.info(f"KL reference: the initial loftq adapter, kept frozen ({copied} tensors)")

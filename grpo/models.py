@@ -98,6 +98,10 @@ def load_policy(config: GRPOConfig, model_path: str, dtype: torch.dtype, device:
             from .loftq import init_adapter_from_rounding_error
 
             init_adapter_from_rounding_error(model, model_path)
+            if config.kl_coef > 0:
+                from .loftq import add_reference_adapter
+
+                add_reference_adapter(model)
         if config.gradient_checkpointing:
             model.enable_input_require_grads()  # checkpointed blocks need an input that requires grad
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -192,8 +196,22 @@ def load_reference(config: GRPOConfig, model_path: str, dtype: torch.dtype,
 
 @contextlib.contextmanager
 def reference_mode(model):
-    """Within the block, a peft model computes with its adapter off (= the base model); others are unchanged."""
-    if hasattr(model, "disable_adapter") and hasattr(model, "peft_config"):
+    """Within the block, a peft model computes as its reference: with its adapter off (= the base model), or with
+    the frozen starting adapter of --qlora_init loftq (see grpo/loftq.py); other models are unchanged."""
+    from .loftq import REFERENCE_ADAPTER
+
+    if REFERENCE_ADAPTER in getattr(model, "peft_config", {}):
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        model.set_adapter(REFERENCE_ADAPTER)  # peft marks the active adapter trainable: restored below
+        try:
+            yield model
+        finally:
+            model.set_adapter("default")
+            for p in model.parameters():
+                p.requires_grad_(False)
+            for p in trainable:
+                p.requires_grad_(True)
+    elif hasattr(model, "disable_adapter") and hasattr(model, "peft_config"):
         with model.disable_adapter():
             yield model
     else:
@@ -215,7 +233,8 @@ def save_final_model(model, tokenizer, output_dir: str, config: GRPOConfig, mode
         return {"model": path}
     path = os.path.join(output_dir, "lora_adapter")
     model.peft_config["default"].base_model_name_or_path = model_path
-    model.save_pretrained(path, state_dict=state_dict, safe_serialization=True)
+    # the trained adapter only (not loftq's frozen KL reference)
+    model.save_pretrained(path, state_dict=state_dict, safe_serialization=True, selected_adapters=["default"])
     tokenizer.save_pretrained(path)
     _copy_processor_files(model_path, path)
     saved["lora_adapter"] = path

@@ -84,7 +84,31 @@ def test_loftq_merged_model_is_the_policy_as_trained(model_dir, tmp_path):
 def test_loftq_config_errors(model_dir):
     for bad, fragment in [(dict(tuning_strategy="lora"), "loftq needs --tuning_strategy qlora"),
                           (dict(lora_adapter_path="some/adapter"), "keeps its own weights"),
-                          (dict(use_kl_penalty=True), "use --qlora_init zero with the KL penalty"),
                           (dict(qlora_init="pissa"), "choose one of zero, loftq")]:
         with pytest.raises(ConfigError, match=fragment):
             config(model_dir, **{"qlora_init": "loftq", **bad})
+
+
+def test_loftq_kl_reference_is_the_starting_policy_and_stays_out_of_training_and_saving(model_dir, tmp_path):
+    import os
+
+    from grpo.models import reference_mode
+
+    cfg = config(model_dir, qlora_init="loftq", use_kl_penalty=True)
+    policy = load_policy(cfg, model_dir, torch.float32, CPU)
+    start = logits_of(policy)
+    trainable = {n for n, p in policy.named_parameters() if p.requires_grad}
+    assert trainable and all(".default." in n for n in trainable)
+    for name, p in policy.named_parameters():
+        if "lora_B.default" in name:
+            p.data.add_(torch.randn_like(p) * 0.1)  # as after some training
+    assert not torch.allclose(logits_of(policy), start, atol=1e-3)
+    with reference_mode(policy):
+        torch.testing.assert_close(logits_of(policy), start)  # the policy training started from, not the 4-bit base
+    assert {n for n, p in policy.named_parameters() if p.requires_grad} == trainable
+    assert not torch.allclose(logits_of(policy), start, atol=1e-3)  # the trained adapter is back
+    # weight sync and the saved adapter carry the trained adapter only
+    synced = dict(iter_policy_weights(policy, "qlora", dtype=torch.float32))
+    assert not any("reference" in name for name in synced)
+    saved = save_final_model(policy, load_tokenizer(model_dir), str(tmp_path), cfg, model_dir, torch.float32)
+    assert not os.path.exists(os.path.join(saved["lora_adapter"], "reference"))

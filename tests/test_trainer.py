@@ -82,9 +82,11 @@ def final_weights(trainer):
     return {n: p.detach().clone() for n, p in trainer.engine.module.named_parameters() if p.requires_grad}
 
 
-@pytest.mark.parametrize("strategy", ["full", "lora"])
+@pytest.mark.parametrize("strategy", ["full", "lora", "qlora-loftq-kl"])
 def test_resume_is_exact(strategy, tiny_model, registry, tmp_path):
     common = dict(tuning_strategy=strategy, max_steps=4, save_steps=2, lora_dropout=0.1)
+    if strategy == "qlora-loftq-kl":  # the KL reference is loftq's frozen starting adapter, restored on resume too
+        common.update(tuning_strategy="qlora", qlora_init="loftq", use_kl_penalty=True, kl_beta=0.1)
     straight = GRPOTrainer(tiny_config(tiny_model, registry, str(tmp_path / "a"), **common))
     straight.train()
     expected = final_weights(straight)
@@ -102,6 +104,8 @@ def test_resume_is_exact(strategy, tiny_model, registry, tmp_path):
     rows_a = [r for r in read_metrics(str(tmp_path / "a" / "metrics.jsonl")) if "loss" in r]
     rows_b = [r for r in read_metrics(str(tmp_path / "b" / "metrics.jsonl")) if "loss" in r]
     assert [r["reward/mean"] for r in rows_a] == [r["reward/mean"] for r in rows_b]
+    if strategy == "qlora-loftq-kl":  # once the policy has moved, it has a KL to its frozen start
+        assert all(r["kl"] > 0 and r["kl"] == r["kl"] for r in rows_a[1:])
 
 
 def test_fresh_run_refuses_a_folder_with_checkpoints(tiny_model, registry, tmp_path):
