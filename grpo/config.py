@@ -70,10 +70,11 @@ class GRPOConfig:
         None, "qlora: linear layers kept in 16-bit instead of 4-bit, comma-separated names or suffixes (e.g. "
               "'v_proj,down_proj', the layers 4-bit rounding hurts most); the output layer is always kept.", "model")
     qlora_init: str = _opt(
-        "zero", "qlora: how the adapter starts. zero: B = 0, the policy starts as the 4-bit model. loftq: B A = the "
-                "best rank-r approximation of the 4-bit rounding error (W - dequantize(Q), W read from the "
-                "checkpoint's safetensors), so the policy starts nearer the 16-bit model; the KL penalty's "
-                "reference is then that starting policy (a frozen copy of the initial adapter).", "model",
+        "zero", "qlora: zero: the policy starts as the 4-bit model (B = 0). loftq: a frozen rank-r correction of "
+                "the 4-bit rounding error (best rank-r approximation of W - dequantize(Q), W read from the "
+                "checkpoint's safetensors) is added, so the policy starts nearer the 16-bit model; the trained "
+                "adapter still starts at 0, the KL reference is the corrected start, and the saved adapter is one "
+                "rank-2r LoRA (trained + correction) for the 4-bit base.", "model",
         choices=QLORA_INITS)
     lora_adapter_path: Optional[str] = _opt(
         None, "Continue training from a saved LoRA adapter folder (rank/alpha read from its config).", "model")

@@ -1,19 +1,22 @@
-"""QLoRA adapter initialised from the 4-bit rounding error (LoftQ, one pass), so training starts near the 16-bit model.
+"""QLoRA with the 4-bit rounding error corrected at rank r (LoftQ, one pass), so training starts near the 16-bit model.
 
-Plain QLoRA starts from B = 0: the policy is dequantize(Q), which for a small model is far from the checkpoint
-(SmolLM2-135M: 0.66 nats/token mean KL on arith chat text). LoftQ (Li et al., 2023) sets the adapter to the best
-rank-r approximation of the rounding error instead:
+Plain QLoRA trains on dequantize(Q), which for a small model is far from the checkpoint (SmolLM2-135M: 0.66
+nats/token mean KL on arith chat text). Following LoftQ (Li et al., 2023), the best rank-r approximation of the
+rounding error is added back:
 
     R = W - dequantize(Q)              (W from the checkpoint, Q the nf4 weight being trained on)
     R ~= U_r S_r V_r^T                 (truncated SVD, r = --lora_rank)
-    A = S_r^1/2 V_r^T,  B = U_r S_r^1/2 / s        with s = alpha / r, the adapter's scale
-    policy weight = dequantize(Q) + s B A = dequantize(Q) + U_r S_r V_r^T
+    A = S_r^1/2 V_r^T,  B = U_r S_r^1/2 / s        with s = alpha / r
+    policy weight = dequantize(Q) + s B A + s B' A'      (B' A': the trained adapter, B' = 0 at the start)
 
-With the KL penalty, the reference is the policy training starts from: a frozen copy of the initial adapter,
-named REFERENCE_ADAPTER (grpo.models.reference_mode switches to it), not the 4-bit base with the adapter off.
-
+The correction lives in a second, frozen LoRA adapter (CORRECTION_ADAPTER) that is always active next to the trained
+one. So the trained adapter starts at zero exactly as in plain QLoRA and takes steps of the same size (LoftQ's own
+recipe trains the correction itself, which starts both factors away from zero and enlarges every step), and:
+  - weight sync merges both adapters (grpo/sync.py sums the active ones);
+  - the KL penalty's reference is the starting policy, dequantize(Q) + s B A (grpo.models.reference_mode);
+  - the saved adapter is the two concatenated into one rank-2r LoRA for the 4-bit base (save_combined_adapter).
 The 4-bit weight itself is kept (peft's multi-pass LoftQ re-quantizes W - sBA; bitsandbytes' quantization is fixed
-once the model is loaded), so this is the single pass that works on a model already quantized by bitsandbytes.
+once the model is loaded).
 """
 from __future__ import annotations
 
@@ -30,7 +33,7 @@ from .vision import checkpoint_prefixes, rename
 
 logger = logging.getLogger(__name__)
 
-REFERENCE_ADAPTER = "reference"
+CORRECTION_ADAPTER = "loftq_correction"
 
 
 def low_rank_factors(residual: torch.Tensor, rank: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -104,8 +107,8 @@ def init_adapter_from_rounding_error(model, model_path: str, adapter: str = "def
         raise ConfigError("--qlora_init loftq found no 4-bit layer with a LoRA adapter; it applies to "
                           "--tuning_strategy qlora with LoRA on the quantized layers")
     share = captured / max(total, 1e-30)
-    logger.info(f"qlora init loftq: {layers} adapters set from the 4-bit rounding error (they cancel "
-                f"{100 * share:.1f}% of its energy)")
+    logger.info(f"qlora init loftq: a frozen rank-{rank} correction on {layers} 4-bit layers (it cancels "
+                f"{100 * share:.1f}% of the rounding error's energy)")
     return share
 
 
@@ -135,15 +138,43 @@ def round_like_training(base, trained) -> int:
     return rounded
 
 
-@torch.no_grad()
-def add_reference_adapter(model, adapter: str = "default") -> None:
-    """A frozen copy of `adapter` under REFERENCE_ADAPTER: the starting policy, for the KL penalty's reference."""
-    model.add_adapter(REFERENCE_ADAPTER, model.peft_config[adapter])  # inactive, so not trainable
-    params = dict(model.named_parameters())
-    copied = 0
-    for name, param in params.items():
-        if f".{REFERENCE_ADAPTER}." in name:
-            param.copy_(params[name.replace(f".{REFERENCE_ADAPTER}.", f".{adapter}.")])
-            param.requires_grad_(False)
-            copied += 1
-    logger.info(f"KL reference: the initial loftq adapter, kept frozen ({copied} tensors)")
+
+def add_rounding_correction(model, model_path: str, trained: str = "default") -> float:
+    """Add the frozen rank-r correction of the 4-bit rounding error as an adapter active next to `trained`.
+    Returns the share of the rounding error's energy it cancels."""
+    import copy
+
+    config = copy.deepcopy(model.peft_config[trained])
+    config.lora_dropout = 0.0  # a fixed part of the base: no dropout on it in training mode
+    model.add_adapter(CORRECTION_ADAPTER, config)
+    share = init_adapter_from_rounding_error(model, model_path, CORRECTION_ADAPTER)
+    model.base_model.set_adapter([trained, CORRECTION_ADAPTER])  # both active: peft marks both trainable
+    for name, param in model.named_parameters():
+        param.requires_grad_(f".{trained}." in name)
+    return share
+
+
+def save_combined_adapter(model, path: str, state_dict=None, trained: str = "default") -> None:
+    """Save the trained adapter and the correction as one plain rank-2r LoRA: on the 4-bit base,
+    s [B' B] [A'; A] = s B' A' + s B A is the policy as trained (alpha doubles with r, so s = alpha / r stays)."""
+    import copy
+
+    from peft import get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    parts = [get_peft_model_state_dict(model, state_dict=state_dict, adapter_name=a)
+             for a in (trained, CORRECTION_ADAPTER)]
+    combined = {}
+    for key, value in parts[0].items():
+        if "lora_A" in key:
+            combined[key] = torch.cat([value, parts[1][key]], dim=0)   # [2r, in]
+        elif "lora_B" in key:
+            combined[key] = torch.cat([value, parts[1][key]], dim=1)   # [out, 2r]
+        else:
+            raise ConfigError(f"--qlora_init loftq saves plain LoRA factors only; the adapter has {key!r}")
+    config = copy.deepcopy(model.peft_config[trained])
+    config.r, config.lora_alpha = 2 * config.r, 2 * config.lora_alpha
+    os.makedirs(path, exist_ok=True)
+    save_file({k: v.detach().contiguous().cpu() for k, v in combined.items()},
+              os.path.join(path, "adapter_model.safetensors"), metadata={"format": "pt"})
+    config.save_pretrained(path)

@@ -95,13 +95,9 @@ def load_policy(config: GRPOConfig, model_path: str, dtype: torch.dtype, device:
     if config.uses_lora:
         model = _attach_lora(model, config, vision.language_linear_names(model) if is_vl else None)
         if config.qlora_init == "loftq":
-            from .loftq import init_adapter_from_rounding_error
+            from .loftq import add_rounding_correction
 
-            init_adapter_from_rounding_error(model, model_path)
-            if config.kl_coef > 0:
-                from .loftq import add_reference_adapter
-
-                add_reference_adapter(model)
+            add_rounding_correction(model, model_path)
         if config.gradient_checkpointing:
             model.enable_input_require_grads()  # checkpointed blocks need an input that requires grad
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -196,17 +192,19 @@ def load_reference(config: GRPOConfig, model_path: str, dtype: torch.dtype,
 
 @contextlib.contextmanager
 def reference_mode(model):
-    """Within the block, a peft model computes as its reference: with its adapter off (= the base model), or with
-    the frozen starting adapter of --qlora_init loftq (see grpo/loftq.py); other models are unchanged."""
-    from .loftq import REFERENCE_ADAPTER
+    """Within the block, a peft model computes as its reference, the policy training started from: its adapter off
+    (= the base model), or with --qlora_init loftq only the frozen correction on (see grpo/loftq.py); other models
+    are unchanged."""
+    from .loftq import CORRECTION_ADAPTER
 
-    if REFERENCE_ADAPTER in getattr(model, "peft_config", {}):
+    if CORRECTION_ADAPTER in getattr(model, "peft_config", {}):
+        active = list(model.base_model.active_adapters)
         trainable = [p for p in model.parameters() if p.requires_grad]
-        model.set_adapter(REFERENCE_ADAPTER)  # peft marks the active adapter trainable: restored below
+        model.base_model.set_adapter(CORRECTION_ADAPTER)  # peft marks the active adapters trainable: restored below
         try:
             yield model
         finally:
-            model.set_adapter("default")
+            model.base_model.set_adapter(active)
             for p in model.parameters():
                 p.requires_grad_(False)
             for p in trainable:
@@ -233,8 +231,12 @@ def save_final_model(model, tokenizer, output_dir: str, config: GRPOConfig, mode
         return {"model": path}
     path = os.path.join(output_dir, "lora_adapter")
     model.peft_config["default"].base_model_name_or_path = model_path
-    # the trained adapter only (not loftq's frozen KL reference)
-    model.save_pretrained(path, state_dict=state_dict, safe_serialization=True, selected_adapters=["default"])
+    from .loftq import CORRECTION_ADAPTER, save_combined_adapter
+
+    if CORRECTION_ADAPTER in model.peft_config:  # one plain adapter: trained + rounding correction
+        save_combined_adapter(model, path, state_dict)
+    else:
+        model.save_pretrained(path, state_dict=state_dict, safe_serialization=True)
     tokenizer.save_pretrained(path)
     _copy_processor_files(model_path, path)
     saved["lora_adapter"] = path

@@ -1,11 +1,13 @@
-"""--qlora_init loftq: the adapter starts as the best rank-r approximation of the 4-bit rounding error."""
+"""--qlora_init loftq: a frozen adapter adds back the best rank-r approximation of the 4-bit rounding error."""
+import os
+
 import pytest
 import torch
 
 from grpo.config import GRPOConfig
 from grpo.errors import ConfigError
-from grpo.loftq import low_rank_factors
-from grpo.models import load_policy, load_tokenizer, save_final_model
+from grpo.loftq import CORRECTION_ADAPTER, low_rank_factors
+from grpo.models import keep_4bit_forward_exact, load_policy, load_tokenizer, reference_mode, save_final_model
 from grpo.sync import iter_policy_weights
 
 from .tiny_models import make_tiny_model_dir
@@ -29,6 +31,13 @@ def logits_of(model, ids=IDS):
         return model(input_ids=ids).logits
 
 
+def trained_a_little(policy):
+    for name, p in policy.named_parameters():
+        if "lora_B.default" in name:
+            p.data.add_(torch.randn_like(p) * 0.1)
+    return policy
+
+
 def test_low_rank_factors_by_hand():
     # R = diag(3, 1): its best rank-1 approximation is diag(3, 0); A = sqrt(3) e1^T, B = sqrt(3) e1 / s with s = 2
     a, b = low_rank_factors(torch.tensor([[3.0, 0.0], [0.0, 1.0]]), rank=1, scale=2.0)
@@ -38,8 +47,9 @@ def test_low_rank_factors_by_hand():
     torch.testing.assert_close(b.abs(), torch.tensor([[3 ** 0.5 / 2], [0.0]]))
 
 
-def test_loftq_adapter_cancels_the_best_rank_r_part_of_the_rounding_error(model_dir):
+def test_the_correction_cancels_the_best_rank_r_part_of_the_rounding_error(model_dir):
     from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
 
     checkpoint = load_file(f"{model_dir}/model.safetensors")
     zero = dict(iter_policy_weights(load_policy(config(model_dir), model_dir, torch.float32, CPU), "qlora",
@@ -48,35 +58,58 @@ def test_loftq_adapter_cancels_the_best_rank_r_part_of_the_rounding_error(model_
     loftq = dict(iter_policy_weights(policy, "qlora", dtype=torch.float32))
     assert set(loftq) == set(zero) and any(name.endswith("q_proj.weight") for name in loftq)
     for name, rounded in zero.items():
-        residual = checkpoint[name].float() - rounded                     # W - dequantize(Q), B = 0 start
+        residual = checkpoint[name].float() - rounded                     # W - dequantize(Q)
         singular = torch.linalg.svdvals(residual)
         left = (checkpoint[name].float() - loftq[name]).norm()
         # what is left is exactly the part of the residual beyond rank 4 (Eckart-Young)
         torch.testing.assert_close(left, singular[4:].square().sum().sqrt(), atol=1e-5, rtol=1e-4)
         assert left < residual.norm()
     # the policy computes that way: its logits are nearer the 16-bit model's than the plain 4-bit start's
-    from transformers import AutoModelForCausalLM
-
     full = logits_of(AutoModelForCausalLM.from_pretrained(model_dir))
     plain = logits_of(load_policy(config(model_dir), model_dir, torch.float32, CPU))
     assert (logits_of(policy) - full).norm() < (plain - full).norm()
-    # trainable as usual: only the adapter, and it gets gradients
+    # only the usual adapter trains, from B = 0 as in plain qlora; the correction is frozen and gets no gradient
+    assert all(p.abs().sum() == 0 for n, p in policy.named_parameters() if "lora_B.default" in n)
     policy.train()
     policy(input_ids=IDS, labels=IDS).loss.backward()
-    trainable = [(n, p) for n, p in policy.named_parameters() if p.requires_grad]
-    assert trainable and all("lora_" in n and p.grad is not None for n, p in trainable)
+    for name, p in policy.named_parameters():
+        assert p.requires_grad == (".default." in name), name
+        assert (p.grad is not None) == (".default." in name), name
 
 
-def test_loftq_merged_model_is_the_policy_as_trained(model_dir, tmp_path):
-    from transformers import AutoModelForCausalLM
+def test_kl_reference_is_the_corrected_start(model_dir):
+    policy = load_policy(config(model_dir, qlora_init="loftq", use_kl_penalty=True), model_dir, torch.float32, CPU)
+    start = logits_of(policy)
+    trainable = {n for n, p in policy.named_parameters() if p.requires_grad}
+    trained_a_little(policy)
+    assert not torch.allclose(logits_of(policy), start, atol=1e-3)
+    with reference_mode(policy):
+        torch.testing.assert_close(logits_of(policy), start)  # the corrected start, not the plain 4-bit base
+    assert {n for n, p in policy.named_parameters() if p.requires_grad} == trainable
+    assert not torch.allclose(logits_of(policy), start, atol=1e-3)  # trained adapter and correction back on
+
+
+def test_saved_adapter_is_one_plain_lora_that_reproduces_the_policy(model_dir, tmp_path):
+    import json
+
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     cfg = config(model_dir, qlora_init="loftq", save_merged_model=True)
-    policy = load_policy(cfg, model_dir, torch.float32, CPU)
-    for name, p in policy.named_parameters():
-        if "lora_B" in name:
-            p.data.add_(torch.randn_like(p) * 0.1)  # as after some training
+    policy = trained_a_little(load_policy(cfg, model_dir, torch.float32, CPU))
     expected = logits_of(policy)
     saved = save_final_model(policy, load_tokenizer(model_dir), str(tmp_path), cfg, model_dir, torch.float32)
+    adapter_cfg = json.load(open(os.path.join(saved["lora_adapter"], "adapter_config.json")))
+    assert (adapter_cfg["r"], adapter_cfg["lora_alpha"]) == (8, 16)  # rank 2r, same scale alpha / r
+    assert not os.path.exists(os.path.join(saved["lora_adapter"], CORRECTION_ADAPTER))
+    # on a freshly quantized base, with plain peft
+    nf4 = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                             bnb_4bit_compute_dtype=torch.float32)
+    quantized = AutoModelForCausalLM.from_pretrained(model_dir, quantization_config=nf4, device_map={"": "cpu"})
+    keep_4bit_forward_exact(quantized)
+    torch.testing.assert_close(logits_of(PeftModel.from_pretrained(quantized, saved["lora_adapter"])), expected,
+                               atol=1e-4, rtol=1e-4)
+    # merged into the rounded 16-bit base: the policy as trained
     merged = AutoModelForCausalLM.from_pretrained(saved["merged_model"])
     torch.testing.assert_close(logits_of(merged), expected, atol=1e-4, rtol=1e-4)
 
@@ -87,28 +120,3 @@ def test_loftq_config_errors(model_dir):
                           (dict(qlora_init="pissa"), "choose one of zero, loftq")]:
         with pytest.raises(ConfigError, match=fragment):
             config(model_dir, **{"qlora_init": "loftq", **bad})
-
-
-def test_loftq_kl_reference_is_the_starting_policy_and_stays_out_of_training_and_saving(model_dir, tmp_path):
-    import os
-
-    from grpo.models import reference_mode
-
-    cfg = config(model_dir, qlora_init="loftq", use_kl_penalty=True)
-    policy = load_policy(cfg, model_dir, torch.float32, CPU)
-    start = logits_of(policy)
-    trainable = {n for n, p in policy.named_parameters() if p.requires_grad}
-    assert trainable and all(".default." in n for n in trainable)
-    for name, p in policy.named_parameters():
-        if "lora_B.default" in name:
-            p.data.add_(torch.randn_like(p) * 0.1)  # as after some training
-    assert not torch.allclose(logits_of(policy), start, atol=1e-3)
-    with reference_mode(policy):
-        torch.testing.assert_close(logits_of(policy), start)  # the policy training started from, not the 4-bit base
-    assert {n for n, p in policy.named_parameters() if p.requires_grad} == trainable
-    assert not torch.allclose(logits_of(policy), start, atol=1e-3)  # the trained adapter is back
-    # weight sync and the saved adapter carry the trained adapter only
-    synced = dict(iter_policy_weights(policy, "qlora", dtype=torch.float32))
-    assert not any("reference" in name for name in synced)
-    saved = save_final_model(policy, load_tokenizer(model_dir), str(tmp_path), cfg, model_dir, torch.float32)
-    assert not os.path.exists(os.path.join(saved["lora_adapter"], "reference"))
