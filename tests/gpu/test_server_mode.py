@@ -55,7 +55,8 @@ def test_the_rollout_rank_samples_the_policy_after_every_step(strategy, tmp_path
     rows = run(tmp_path / "out", 29561, "--tuning_strategy", strategy,
                *(("--learning_rate", "1e-4") if strategy == "full" else ()))
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
-    assert all(r["rollout/logprob_diff_mean"] < SYNCED_MAX for r in rows), rows
+    gaps = [round(r["rollout/logprob_diff_mean"], 4) for r in rows]
+    assert all(g < SYNCED_MAX for g in gaps), f"engine vs trainer log-prob gap per step: {gaps}"
     if strategy == "full":  # an engine left on the starting weights would be clearly further off
         from grpo.embedded import resolve_model_path
 
