@@ -12,7 +12,7 @@ from grpo.errors import CheckpointError, ConfigError, TrainingError
 from grpo.manifest import MANIFEST_FILE, quick_problem, verify_checkpoint, write_manifest
 from grpo.trainer import GRPOTrainer
 
-from .trainer_setup import tiny_config
+from .trainer_setup import even_tokens, tiny_config, trainable_weights
 
 ENGINE_FILE = "engine/mp_rank_00_model_states.pt"
 
@@ -21,7 +21,8 @@ ENGINE_FILE = "engine/mp_rank_00_model_states.pt"
 def saved_run(tiny_model, registry, tmp_path_factory):
     """A lora run of 3 steps with a checkpoint after each (all kept). Tests copy it before damaging it."""
     out = str(tmp_path_factory.mktemp("saved") / "run")
-    GRPOTrainer(tiny_config(tiny_model, registry, out, max_steps=3, save_steps=1, save_total_limit=3)).train()
+    GRPOTrainer(tiny_config(tiny_model, registry, out, max_steps=3, save_steps=1, save_total_limit=3),
+                reward_funcs=[even_tokens]).train()
     return out
 
 
@@ -46,10 +47,6 @@ def damage(path: str, how: str) -> None:
             fh.write(bytes([byte[0] ^ 0xFF]))
     else:
         raise ValueError(how)
-
-
-def trainable_weights(trainer):
-    return {n: p.detach().clone() for n, p in trainer.engine.module.named_parameters() if p.requires_grad}
 
 
 # ------------------------------------------------------------------------------------------ manifest alone
@@ -113,15 +110,17 @@ def test_latest_skips_a_damaged_checkpoint_and_continues_exactly(saved_run, tiny
     intact = str(tmp_path / "intact")
     shutil.copytree(saved_run, intact)
     reference = GRPOTrainer(tiny_config(tiny_model, registry, intact, max_steps=4, save_steps=1, save_total_limit=3,
-                                        resume_from_checkpoint=os.path.join(intact, "checkpoint-2")))
+                                        resume_from_checkpoint=os.path.join(intact, "checkpoint-2")),
+                            reward_funcs=[even_tokens])
     assert reference.state.step == 2
     reference.train()
     expected = trainable_weights(reference)
+    assert any(v.abs().sum() > 0 for k, v in expected.items() if "lora_B" in k)  # trained: B left its zero start
 
     out = copy_run(saved_run, tmp_path)
     damage(os.path.join(out, "checkpoint-3", ENGINE_FILE), "truncate")
     resumed = GRPOTrainer(tiny_config(tiny_model, registry, out, max_steps=4, save_steps=1, save_total_limit=3,
-                                      resume_from_checkpoint="latest"))
+                                      resume_from_checkpoint="latest"), reward_funcs=[even_tokens])
     assert resumed.state.step == 2
     log = open(os.path.join(out, "train.log")).read()
     assert "checkpoint-3 is damaged" in log and f"{ENGINE_FILE} is" in log and "checkpoint-2" in log

@@ -12,7 +12,8 @@ from grpo.errors import DatasetError, TrainingError
 from grpo.reporting import read_metrics
 from grpo.trainer import GRPOTrainer
 
-from .trainer_setup import PROMPTS, add_dataset, tiny_config, write_prompt_registry
+from .trainer_setup import (PROMPTS, add_dataset, even_tokens, tiny_config, trainable_weights,
+                            write_prompt_registry)
 
 
 def target_token_reward(target_id):
@@ -78,21 +79,15 @@ def test_notebook_run_writes_every_output(tiny_model, registry, tmp_path):
     assert {"prompt", "completion", "reward", "index"} <= set(sample)
 
 
-def final_weights(trainer):
-    return {n: p.detach().clone() for n, p in trainer.engine.module.named_parameters() if p.requires_grad}
-
-
 @pytest.mark.parametrize("strategy", ["full", "lora", "qlora-loftq-kl"])
 def test_resume_is_exact(strategy, tiny_model, registry, tmp_path):
     common = dict(tuning_strategy=strategy, max_steps=4, save_steps=2, lora_dropout=0.1)
     if strategy == "qlora-loftq-kl":  # loftq's frozen rounding correction, recomputed on resume; the KL reference
         common.update(tuning_strategy="qlora", qlora_init="loftq", use_kl_penalty=True, kl_beta=0.1)
-    def even_tokens(completions, answers, completion_ids, **row):  # varies within every group: the policy moves
-        return [sum(t % 2 == 0 for t in ids) / max(len(ids), 1) for ids in completion_ids]
-    rewards = [even_tokens]
+    rewards = [even_tokens]  # non-zero advantages: the weights move, so exactness means something
     straight = GRPOTrainer(tiny_config(tiny_model, registry, str(tmp_path / "a"), **common), reward_funcs=rewards)
     straight.train()
-    expected = final_weights(straight)
+    expected = trainable_weights(straight)
 
     first_half = GRPOTrainer(tiny_config(tiny_model, registry, str(tmp_path / "b"), **{**common, "max_steps": 2}),
                              reward_funcs=rewards)
@@ -101,7 +96,7 @@ def test_resume_is_exact(strategy, tiny_model, registry, tmp_path):
                                       **common), reward_funcs=rewards)
     assert resumed.state.step == 2
     resumed.train()
-    got = final_weights(resumed)
+    got = trainable_weights(resumed)
     assert expected.keys() == got.keys()
     for name in expected:
         torch.testing.assert_close(got[name], expected[name], rtol=0, atol=1e-6, msg=name)
@@ -137,7 +132,7 @@ def test_non_finite_loss_skips_then_stops(tiny_model, registry, tmp_path, monkey
 
     def remember_weights(*args, **kwargs):
         if not after_first_step and trainer.state.step == 1:
-            after_first_step.update(final_weights(trainer))
+            after_first_step.update(trainable_weights(trainer))
         return real_save(*args, **kwargs)
 
     real_save = trainer._save_checkpoint
@@ -147,7 +142,7 @@ def test_non_finite_loss_skips_then_stops(tiny_model, registry, tmp_path, monkey
         trainer.train()
     assert trainer.state.step == 3
     # skipped updates left the weights as they were after step 1; checkpoint-1 survived rotation
-    for name, value in final_weights(trainer).items():
+    for name, value in trainable_weights(trainer).items():
         torch.testing.assert_close(value, after_first_step[name], rtol=0, atol=0)
     assert [step for step, _ in list_checkpoints(str(tmp_path))] == [1, 3]
 

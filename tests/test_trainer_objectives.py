@@ -8,9 +8,9 @@ import torch
 
 from grpo.trainer import GRPOTrainer
 
-from .test_trainer import final_weights, pick_target
+from .test_trainer import pick_target
 from .tiny_models import make_tiny_reward_model_dir
-from .trainer_setup import tiny_config, train_rows, write_prompt_registry
+from .trainer_setup import tiny_config, train_rows, trainable_weights, write_prompt_registry
 
 
 def test_gspo_dual_clip_entropy_and_kl_estimator(tiny_model, registry, tmp_path):
@@ -93,7 +93,7 @@ def test_dynamic_sampling_draws_more_rounds_and_resumes_exactly(tiny_model, regi
                                       **common), reward_funcs=[reward])
     assert resumed.state.step == 2
     resumed.train()
-    expected, got = final_weights(straight), final_weights(resumed)
+    expected, got = trainable_weights(straight), trainable_weights(resumed)
     for name in expected:
         torch.testing.assert_close(got[name], expected[name], rtol=0, atol=1e-6, msg=name)
     rows_b = train_rows(tmp_path / "b")

@@ -60,3 +60,13 @@ def tiny_config(model_dir: str, registry: str, output_dir: str, **overrides) -> 
                   lora_dropout=0.0, learning_rate=1e-3, learning_rate_lora=1e-2, seed=0, log_to_file=True)
     values.update(overrides)
     return GRPOConfig(**values)
+
+
+def even_tokens(completions, answers, completion_ids, **row):
+    """A reward that pays the share of even token ids: it differs between the samples of almost every group, so a
+    tiny random model gets non-zero advantages and its weights move (a boxed-answer reward gives it none)."""
+    return [sum(t % 2 == 0 for t in ids) / max(len(ids), 1) for ids in completion_ids]
+
+
+def trainable_weights(trainer) -> dict:
+    return {n: p.detach().clone() for n, p in trainer.engine.module.named_parameters() if p.requires_grad}
