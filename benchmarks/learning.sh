@@ -8,7 +8,8 @@
 #                                              # the table's wall / train seconds then include the sharing. Runs
 #   that share a GPU keep vLLM awake with a VLLM_MEM share (default 0.08): vLLM sizes its KV cache by profiling the
 #   GPU's memory, which another run's sleep / wake would disturb. With 8 at once, or 4 at a 0.15 share, some runs
-#   failed to start or ran out of memory on an H100.
+#   failed to start or ran out of memory on an H100. A run whose vLLM start-up was disturbed that way is started once
+#   more.
 #
 # arith: SmolLM2-135M-Instruct (embedded), 16 prompts x 8 samples, 64 new tokens, 40 steps, 100 held-out prompts
 # evaluated greedily (boxed accuracy). GSM8K: train on train.jsonl, evaluate greedily on all 1,319 test.jsonl
@@ -43,11 +44,18 @@ run() {  # run <name> <dataset> <strategy> <seed> <accuracy reward> <extra train
   local lr=$LR_LORA; [ "$strategy" = full ] && lr=$LR_FULL
   local dir="$OUT_DIR/$name$TAG" start=$(date +%s)
   mkdir -p "$dir"
-  "${launcher[@]}" --num_gpus 1 --master_port "$port" train_grpo.py --model_name_or_path smollm2-135m-instruct --tuning_strategy "$strategy" \
-    --learning_rate "$lr" --learning_rate_lora "$lr" --seed "$seed" --per_device_train_batch_size 16 --k_samples 8 \
-    --use_vllm_rollout true --vllm_enforce_eager true --eval_on_start true --save_steps 0 --logging_steps 5 \
-    --output_dir "$dir" --overwrite_output_dir "$@" "${EXTRA_ARGS[@]}" > "$dir.log" 2>&1
-  local rc=$?
+  local rc try
+  for try in 1 2; do
+    "${launcher[@]}" --num_gpus 1 --master_port $((port + 100 * (try - 1))) train_grpo.py --model_name_or_path smollm2-135m-instruct --tuning_strategy "$strategy" \
+      --learning_rate "$lr" --learning_rate_lora "$lr" --seed "$seed" --per_device_train_batch_size 16 --k_samples 8 \
+      --use_vllm_rollout true --vllm_enforce_eager true --eval_on_start true --save_steps 0 --logging_steps 5 \
+      --output_dir "$dir" --overwrite_output_dir "$@" "${EXTRA_ARGS[@]}" > "$dir.log" 2>&1
+    rc=$?
+    # runs sharing a GPU: vLLM's start-up memory profiling fails when a neighbour frees memory meanwhile; once more
+    [ "$rc" -ne 0 ] && [ "$try" = 1 ] && grep -q "Error in memory profiling" "$dir.log" || break
+    echo "$name$TAG: vLLM's memory profiling was disturbed by another run; starting it again"
+    sleep 15
+  done
   printf '{"dataset": "%s", "strategy": "%s%s", "seed": %s, "lr": "%s", "accuracy": "%s", "wall_s": %s, "gpu": "%s", "rc": %s}\n' \
     "$dataset" "$strategy" "$TAG" "$seed" "$lr" "$accuracy" $(( $(date +%s) - start )) "$GPU" "$rc" > "$dir/bench.json"
   echo "$name$TAG: rc=$rc $(grep -E 'eval at step' "$dir.log" | sed 's/.*eval at/eval at/' | cut -c1-160 | tr '\n' ' ')"
