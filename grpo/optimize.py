@@ -52,6 +52,23 @@ def score(model, mb: MicroBatch, cfg: GRPOConfig, with_entropy: bool = False, en
                                packed=cfg.padding_free and not zero3, entropy_grad=entropy_grad)
 
 
+def has_dropout(model) -> bool:
+    """Whether the model in training mode drops anything (e.g. --lora_dropout): its log-probs then differ from those
+    of the policy the rollout engine samples from, which never drops."""
+    return model.training and any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules())
+
+
+def without_dropout(engine, mb: MicroBatch, cfg: GRPOConfig) -> torch.Tensor:
+    """The micro-batch's log-probs with dropout off (no graph): the sampled policy, for the engine's mismatch."""
+    engine.module.eval()
+    try:
+        with torch.no_grad():
+            logprobs, _ = score(engine, mb, cfg)
+    finally:
+        engine.module.train()
+    return logprobs.float()
+
+
 @dataclass
 class UpdateResult:
     metrics: dict = field(default_factory=dict)   # per-step values (loss summed, others averaged over micro-batches)
@@ -72,6 +89,7 @@ def update(engine, micro_batches: list[MicroBatch], advantages: torch.Tensor, ol
     mismatch_mean, mismatch_max = [], []
     is_stats = []  # per micro-batch: (mean truncated IS weight, fraction of tokens at the cap)
     bad = False
+    dropout = has_dropout(engine.module)
     for index, mb in enumerate(micro_batches):
         last = index == len(micro_batches) - 1
         engine.set_gradient_accumulation_boundary(last)
@@ -82,8 +100,12 @@ def update(engine, micro_batches: list[MicroBatch], advantages: torch.Tensor, ol
         if keep_old is not None:
             mb.scatter(old, into=keep_old)
         ref = mb.gather(ref_logprobs).to(device) if ref_logprobs is not None else None
+        if first_pass and b.rollout_logprobs is not None and dropout:  # (the same on every rank: ZeRO-3 collectives)
+            sampled_policy = without_dropout(engine, mb, cfg)
+        else:
+            sampled_policy = old
         if first_pass and not mb.empty and b.completion_mask.sum() > 0 and b.rollout_logprobs is not None:
-            diff = (old - b.rollout_logprobs).abs() * b.completion_mask
+            diff = (sampled_policy - b.rollout_logprobs).abs() * b.completion_mask
             mismatch_mean.append((diff.sum() / b.completion_mask.sum()).item())
             mismatch_max.append(diff.max().item())
         is_weights = None

@@ -197,3 +197,17 @@ def test_the_first_updates_ratio_is_one_under_lora_dropout_and_kl_in_reward(tiny
     rows = train_rows(tmp_path)
     assert len(rows) == 2 and all("reward/kl_penalized_mean" in r for r in rows)
     assert all(r["ratio_mean"] == pytest.approx(1.0, abs=1e-6) and r["clip_frac"] == 0.0 for r in rows), rows
+
+
+def test_the_engine_gap_is_measured_against_the_policy_without_dropout(tiny_model, registry, tmp_path):
+    """The HF engine samples the fp32 policy in eval mode (no dropout): once the adapter has moved, train-mode
+    log-probs differ from its by the dropout noise alone, which is no sync error; the logged gap leaves it out."""
+    from .trainer_setup import even_tokens
+
+    config = tiny_config(tiny_model, registry, str(tmp_path), lora_dropout=0.3, max_steps=4, eval_on_start=False,
+                         logprob_check_steps=1)
+    GRPOTrainer(config, reward_funcs=[even_tokens]).train()
+    rows = train_rows(tmp_path)
+    assert len(rows) == 4 and all(r["reward/std"] > 0 for r in rows)
+    assert all(r["rollout/logprob_diff_max"] < 1e-4 for r in rows), [r["rollout/logprob_diff_max"] for r in rows]
+    assert all(r["ratio_mean"] == pytest.approx(1.0, abs=1e-6) for r in rows)  # the loss still uses its own pass

@@ -13,9 +13,10 @@ from tests.trainer_setup import ROOT, child_env, train_rows
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.device_count() < 2 or importlib.util.find_spec("vllm") is None,
     reason="needs 2 GPUs and vLLM")
-# mean |log-prob difference| over sampled completion tokens between vLLM and the trainer, both bf16; colocated runs
-# on SmolLM2 measured 0.008 (lora) and 0.014 (--vllm_tp 2)
-SYNCED_MAX = 0.03
+# mean |log-prob difference| over sampled completion tokens between vLLM and the trainer, both bf16: colocated runs
+# of these settings (arith, 64 tokens, temperature 1, entropy ~1.9 at the start) log 0.038-0.047 at step 1 on an H100
+# for full, lora and qlora alike; a stale engine is 1.9-8 away (tests/gpu/sync_check.py)
+SYNCED_MAX = 0.06
 
 
 def run(out, port: int, *flags: str) -> list[dict]:
