@@ -77,9 +77,13 @@ class UpdateResult:
 
 def update(engine, micro_batches: list[MicroBatch], advantages: torch.Tensor, old_logprobs, ref_logprobs,
            normaliser: float, cfg: GRPOConfig, first_pass: bool = True,
-           keep_old: Optional[torch.Tensor] = None, mismatch_key: str = "rollout/logprob_diff") -> UpdateResult:
+           keep_old: Optional[torch.Tensor] = None, mismatch_key: str = "rollout/logprob_diff",
+           sampled_logprobs: Optional[torch.Tensor] = None, keep_sampled: Optional[torch.Tensor] = None
+           ) -> UpdateResult:
     """One optimizer step over the micro-batches. old_logprobs / ref_logprobs: step-wide [N, T] or None (old: this
     pass's own log-probs, detached). `keep_old` [N, T] receives the old log-probs used, for the next passes.
+    The engine's side is compared (mismatch metric, IS weights) with the old policy as the engine samples it, with
+    dropout off: taken in the first pass (kept in `keep_sampled`), read from `sampled_logprobs` in later ones.
     The first pass logs the rollout engine's log-prob gap to the trainer as `mismatch_key`_mean / _max."""
     device = next(iter(engine.module.parameters())).device
     world = getattr(engine, "dp_world_size", dist_utils.world_size())
@@ -100,10 +104,14 @@ def update(engine, micro_batches: list[MicroBatch], advantages: torch.Tensor, ol
         if keep_old is not None:
             mb.scatter(old, into=keep_old)
         ref = mb.gather(ref_logprobs).to(device) if ref_logprobs is not None else None
-        if first_pass and b.rollout_logprobs is not None and dropout:  # (the same on every rank: ZeRO-3 collectives)
+        if sampled_logprobs is not None:
+            sampled_policy = mb.gather(sampled_logprobs).to(device)
+        elif first_pass and b.rollout_logprobs is not None and dropout:  # (alike on every rank: ZeRO-3 collectives)
             sampled_policy = without_dropout(engine, mb, cfg)
         else:
             sampled_policy = old
+        if keep_sampled is not None:
+            mb.scatter(sampled_policy, into=keep_sampled)
         if first_pass and not mb.empty and b.completion_mask.sum() > 0 and b.rollout_logprobs is not None:
             diff = (sampled_policy - b.rollout_logprobs).abs() * b.completion_mask
             mismatch_mean.append((diff.sum() / b.completion_mask.sum()).item())
@@ -111,7 +119,7 @@ def update(engine, micro_batches: list[MicroBatch], advantages: torch.Tensor, ol
         is_weights = None
         if cfg.is_correction:  # (the rollout always asks for log-probs then)
             # truncated importance sampling: the rollout engine sampled from a slightly different policy
-            raw = torch.exp(old - b.rollout_logprobs)
+            raw = torch.exp(sampled_policy - b.rollout_logprobs)
             is_weights = raw.clamp(max=cfg.rollout_is_cap)
             if first_pass and not mb.empty and b.completion_mask.sum() > 0:
                 is_stats.append((masked_mean(is_weights, b.completion_mask).item(),

@@ -362,7 +362,7 @@ class GRPOTrainer:
         """num_iterations optimizer steps over the micro-batches, each the gradient of the whole step's loss.
 
         The old log-probs of the ratio are the first update's own (detached: ratio 1 there, dropout or not); later
-        updates read them back. `stale`: the rollouts came from an older policy (--async_rollout), so their log-prob
+        updates read them back, and the importance weights' dropout-free ones too (see optimize.update). `stale`: the rollouts came from an older policy (--async_rollout), so their log-prob
         gap to the trainer is logged as rollout/offpolicy_logprob_diff, not as the engine's mismatch."""
         start = time.perf_counter()
         normaliser = step_normaliser(batch, self.config)
@@ -370,12 +370,15 @@ class GRPOTrainer:
         old_logprobs = None
         keep_old = torch.zeros(batch.completion_ids.shape, device=self.device) \
             if self.config.num_iterations > 1 else None
+        keep_sampled = torch.zeros_like(keep_old) if keep_old is not None and self.config.is_correction else None
+        sampled_logprobs = None
         for iteration in range(self.config.num_iterations):
             first = iteration == 0
             result = update(self.engine, micro_batches, advantages, old_logprobs, ref_logprobs, normaliser,
                             self.config, first_pass=first, keep_old=keep_old if first else None,
-                            mismatch_key="rollout/offpolicy_logprob_diff" if stale else "rollout/logprob_diff")
-            old_logprobs = keep_old
+                            mismatch_key="rollout/offpolicy_logprob_diff" if stale else "rollout/logprob_diff",
+                            sampled_logprobs=sampled_logprobs, keep_sampled=keep_sampled if first else None)
+            old_logprobs, sampled_logprobs = keep_old, keep_sampled
             metrics = {**result.metrics, **{k: v for k, v in metrics.items() if k.startswith("rollout/")}}
             grad_norm = self._grad_norm()
             if result.bad or not math.isfinite(grad_norm):

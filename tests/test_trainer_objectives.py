@@ -211,3 +211,17 @@ def test_the_engine_gap_is_measured_against_the_policy_without_dropout(tiny_mode
     assert len(rows) == 4 and all(r["reward/std"] > 0 for r in rows)
     assert all(r["rollout/logprob_diff_max"] < 1e-4 for r in rows), [r["rollout/logprob_diff_max"] for r in rows]
     assert all(r["ratio_mean"] == pytest.approx(1.0, abs=1e-6) for r in rows)  # the loss still uses its own pass
+
+
+def test_importance_weights_compare_the_engine_with_the_policy_without_dropout(tiny_model, registry, tmp_path):
+    """fp32 HF engine, no dropout when sampling: the truncated IS weight exp(trainer - engine) is 1 on every pass of
+    every step when the trainer's side is the dropout-free old policy, whatever the adapter's dropout noise."""
+    from .trainer_setup import even_tokens
+
+    config = tiny_config(tiny_model, registry, str(tmp_path), lora_dropout=0.3, max_steps=3, eval_on_start=False,
+                         rollout_is_correction=True, num_iterations=2)
+    GRPOTrainer(config, reward_funcs=[even_tokens]).train()
+    rows = train_rows(tmp_path)
+    assert len(rows) == 3 and all(r["reward/std"] > 0 for r in rows)
+    assert all(r["rollout/is_weight_mean"] == pytest.approx(1.0, abs=1e-4) for r in rows), rows
+    assert all(r["rollout/is_capped_frac"] == 0.0 for r in rows)
