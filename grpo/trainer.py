@@ -75,6 +75,10 @@ class GRPOTrainer:
                               if config.log_to_file else None)
         self.failures = FailureReporter(config.output_dir, self.rank, self.world)
         seed_everything(config.seed + self.rank)
+        if config.num_iterations > 1 and config.uses_lora and config.lora_dropout > 0:
+            logger.warning(f"--num_iterations {config.num_iterations} with --lora_dropout {config.lora_dropout}: each "
+                           "update draws new dropout masks, so the later updates' ratios to the first one's log-probs "
+                           "carry dropout noise and are clipped as if the policy had moved; --lora_dropout 0 avoids it")
         if config.use_vllm_rollout:
             if not torch.cuda.is_available():
                 raise ConfigError("--use_vllm_rollout needs a GPU; drop the flag to use the HF engine on CPU")

@@ -221,6 +221,8 @@ def test_importance_weights_compare_the_engine_with_the_policy_without_dropout(t
     config = tiny_config(tiny_model, registry, str(tmp_path), lora_dropout=0.3, max_steps=3, eval_on_start=False,
                          rollout_is_correction=True, num_iterations=2)
     GRPOTrainer(config, reward_funcs=[even_tokens]).train()
+    # the ratio of the second update does carry dropout noise: the run says so up front
+    assert "--num_iterations 2 with --lora_dropout 0.3" in (tmp_path / "train.log").read_text()
     rows = train_rows(tmp_path)
     assert len(rows) == 3 and all(r["reward/std"] > 0 for r in rows)
     assert all(r["rollout/is_weight_mean"] == pytest.approx(1.0, abs=1e-4) for r in rows), rows
