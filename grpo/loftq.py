@@ -43,13 +43,13 @@ def low_rank_factors(residual: torch.Tensor, rank: int, scale: float) -> tuple[t
     return root[:, None] * vh[:rank], u[:, :rank] * root / scale
 
 
-def checkpoint_tensors(model_path: str) -> dict[str, tuple[str, str]]:
-    """Checkpoint weight name -> (safetensors file, name) for a local model folder."""
+def checkpoint_tensors(model_path: str) -> dict[str, str]:
+    """Checkpoint weight name -> the safetensors file that holds it, for a local model folder."""
     index = os.path.join(model_path, "model.safetensors.index.json")
     if os.path.isfile(index):
         with open(index) as fh:
             weight_map = json.load(fh)["weight_map"]
-        return {name: (os.path.join(model_path, file), name) for name, file in weight_map.items()}
+        return {name: os.path.join(model_path, file) for name, file in weight_map.items()}
     files = sorted(glob.glob(os.path.join(model_path, "*.safetensors")))
     if not files:
         raise ConfigError(f"--qlora_init loftq reads the 16-bit weights from the checkpoint's .safetensors files; "
@@ -59,7 +59,7 @@ def checkpoint_tensors(model_path: str) -> dict[str, tuple[str, str]]:
     found = {}
     for file in files:
         with safe_open(file, framework="pt") as fh:
-            found.update({name: (file, name) for name in fh.keys()})
+            found.update({name: file for name in fh.keys()})
     return found
 
 
@@ -69,7 +69,6 @@ def init_adapter_from_rounding_error(model, model_path: str, adapter: str = "def
     Frobenius norm, summed over layers) that the adapters now cancel."""
     from peft.tuners.lora import LoraLayer
     from safetensors import safe_open
-
 
     tensors = checkpoint_tensors(model_path)
     prefixes = checkpoint_prefixes(model)
@@ -86,11 +85,11 @@ def init_adapter_from_rounding_error(model, model_path: str, adapter: str = "def
             if name not in tensors:
                 raise ConfigError(f"--qlora_init loftq: the checkpoint in {model_path} has no weight {name!r} for "
                                   f"layer {module_name} (use --qlora_init zero)")
-            file, key = tensors[name]
+            file = tensors[name]
             if file not in handles:
                 handles[file] = safe_open(file, framework="pt")
             rounded = dense_weight(base)                     # dequantize(Q), fp32, on the layer's device
-            residual = handles[file].get_tensor(key).to(rounded.device, torch.float32) - rounded
+            residual = handles[file].get_tensor(name).to(rounded.device, torch.float32) - rounded
             lora_a, lora_b = module.lora_A[adapter].weight, module.lora_B[adapter].weight
             rank = lora_a.shape[0]
             a, b = low_rank_factors(residual, rank, module.scaling[adapter])
@@ -138,7 +137,6 @@ def round_like_training(base, trained) -> int:
     return rounded
 
 
-
 def add_rounding_correction(model, model_path: str, trained: str = "default") -> float:
     """Add the frozen rank-r correction of the 4-bit rounding error as an adapter active next to `trained`.
     Returns the share of the rounding error's energy it cancels."""
@@ -148,10 +146,16 @@ def add_rounding_correction(model, model_path: str, trained: str = "default") ->
     config.lora_dropout = 0.0  # a fixed part of the base: no dropout on it in training mode
     model.add_adapter(CORRECTION_ADAPTER, config)
     share = init_adapter_from_rounding_error(model, model_path, CORRECTION_ADAPTER)
-    model.base_model.set_adapter([trained, CORRECTION_ADAPTER])  # both active: peft marks both trainable
-    for name, param in model.named_parameters():
-        param.requires_grad_(f".{trained}." in name)
+    model.base_model.set_adapter([trained, CORRECTION_ADAPTER])
+    freeze_correction(model)
     return share
+
+
+def freeze_correction(model) -> None:
+    """peft marks every active adapter trainable whenever the active set changes: the correction stays frozen."""
+    for name, param in model.named_parameters():
+        if f".{CORRECTION_ADAPTER}." in name:
+            param.requires_grad_(False)
 
 
 def save_combined_adapter(model, path: str, state_dict=None, trained: str = "default") -> None:

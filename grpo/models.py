@@ -195,20 +195,16 @@ def reference_mode(model):
     """Within the block, a peft model computes as its reference, the policy training started from: its adapter off
     (= the base model), or with --qlora_init loftq only the frozen correction on (see grpo/loftq.py); other models
     are unchanged."""
-    from .loftq import CORRECTION_ADAPTER
+    from .loftq import CORRECTION_ADAPTER, freeze_correction
 
     if CORRECTION_ADAPTER in getattr(model, "peft_config", {}):
         active = list(model.base_model.active_adapters)
-        trainable = [p for p in model.parameters() if p.requires_grad]
-        model.base_model.set_adapter(CORRECTION_ADAPTER)  # peft marks the active adapters trainable: restored below
+        model.base_model.set_adapter(CORRECTION_ADAPTER)
         try:
             yield model
         finally:
-            model.base_model.set_adapter(active)
-            for p in model.parameters():
-                p.requires_grad_(False)
-            for p in trainable:
-                p.requires_grad_(True)
+            model.base_model.set_adapter(active)  # the trained adapter trainable again ...
+            freeze_correction(model)              # ... and the correction not
     elif hasattr(model, "disable_adapter") and hasattr(model, "peft_config"):
         with model.disable_adapter():
             yield model

@@ -98,6 +98,9 @@ def update(engine, micro_batches: list[MicroBatch], advantages: torch.Tensor, ol
         last = index == len(micro_batches) - 1
         engine.set_gradient_accumulation_boundary(last)
         b = mb.batch
+        # the dropout-free pass first: no graph is held while it runs (alike on every rank: ZeRO-3 collectives)
+        clean = without_dropout(engine, mb, cfg) \
+            if first_pass and dropout and b.rollout_logprobs is not None and sampled_logprobs is None else None
         logprobs, entropy = score(engine, mb, cfg, with_entropy=True, entropy_grad=cfg.entropy_coef != 0)
         logprobs = logprobs.float()                                                   # [n, t]
         old = mb.gather(old_logprobs).to(device) if old_logprobs is not None else logprobs.detach()
@@ -106,10 +109,8 @@ def update(engine, micro_batches: list[MicroBatch], advantages: torch.Tensor, ol
         ref = mb.gather(ref_logprobs).to(device) if ref_logprobs is not None else None
         if sampled_logprobs is not None:
             sampled_policy = mb.gather(sampled_logprobs).to(device)
-        elif first_pass and b.rollout_logprobs is not None and dropout:  # (alike on every rank: ZeRO-3 collectives)
-            sampled_policy = without_dropout(engine, mb, cfg)
         else:
-            sampled_policy = old
+            sampled_policy = clean if clean is not None else old
         if keep_sampled is not None:
             mb.scatter(sampled_policy, into=keep_sampled)
         if first_pass and not mb.empty and b.completion_mask.sum() > 0 and b.rollout_logprobs is not None:

@@ -42,7 +42,7 @@ from .roles import enter_training_world, job_rank, rollout_index, rollout_ranks_
 from .rollout.base import SamplingSettings
 from .rollout.setup import build_rollout_engine, check_tensor_parallel, engine_dtype, engine_holds_weights
 from .micro_batches import MicroBatch
-from .optimize import lr_schedule, score, step_micro_batches, step_normaliser, update
+from .optimize import has_dropout, lr_schedule, score, step_micro_batches, step_normaliser, update
 from .sampler import PromptOrder
 from .seeding import seed_everything
 from .step_metrics import mean_over_ranks, step_metrics, step_std
@@ -366,15 +366,18 @@ class GRPOTrainer:
         """num_iterations optimizer steps over the micro-batches, each the gradient of the whole step's loss.
 
         The old log-probs of the ratio are the first update's own (detached: ratio 1 there, dropout or not); later
-        updates read them back, and the importance weights' dropout-free ones too (see optimize.update). `stale`: the rollouts came from an older policy (--async_rollout), so their log-prob
-        gap to the trainer is logged as rollout/offpolicy_logprob_diff, not as the engine's mismatch."""
+        updates read them back, and with dropout the importance weights' dropout-free ones too (optimize.update).
+        `stale`: the rollouts came from an older policy (--async_rollout), so their log-prob gap to the trainer is
+        logged as rollout/offpolicy_logprob_diff, not as the engine's mismatch."""
         start = time.perf_counter()
         normaliser = step_normaliser(batch, self.config)
         metrics: dict = {}
         old_logprobs = None
         keep_old = torch.zeros(batch.completion_ids.shape, device=self.device) \
             if self.config.num_iterations > 1 else None
-        keep_sampled = torch.zeros_like(keep_old) if keep_old is not None and self.config.is_correction else None
+        # without dropout the dropout-free log-probs are the old ones: nothing more to keep
+        keep_sampled = torch.zeros_like(keep_old) if keep_old is not None and self.config.is_correction \
+            and has_dropout(self.engine.module) else None
         sampled_logprobs = None
         for iteration in range(self.config.num_iterations):
             first = iteration == 0
