@@ -4,6 +4,8 @@
 #   bash benchmarks/learning.sh                                  # arith: full, lora, qlora; GSM8K: lora, qlora
 #   ARITH="lora qlora" SEEDS="0 1" GSM8K="" bash benchmarks/learning.sh
 #   ARITH=qlora GSM8K="" TAG=nodrop EXTRA="--lora_dropout 0" bash benchmarks/learning.sh   # an ablation
+#   TAG=dsstrict EXTRA="--dataset_config_path benchmarks/arith_strict_format.json --filter_zero_std_groups true" \
+#     GSM8K="" bash benchmarks/learning.sh    # dynamic sampling + a format reward that must end at the box
 #   PARALLEL=4 bash benchmarks/learning.sh     # up to 4 runs at once on the one GPU (a 135M model leaves it idle);
 #                                              # the table's wall / train seconds then include the sharing. Runs
 #   that share a GPU keep vLLM awake with a VLLM_MEM share (default 0.08): vLLM sizes its KV cache by profiling the

@@ -1,5 +1,8 @@
 """Print compact per-step curves of finished runs (every Nth step): reward, length, entropy, mismatch, grad norm.
 
+The rollout/trainer mismatch (lp_diff) is measured every --logprob_check_steps steps (1, 11, 21, ... by default), so
+those steps are printed too; "-" marks a metric the step did not log.
+
     python benchmarks/learning_curves.py --every 4 outputs/bench/learning/*/
 """
 import argparse
@@ -24,8 +27,9 @@ def main():
         print(f"== {os.path.basename(os.path.normpath(run))}")
         print("step " + " ".join(f"{short:>8}" for _, short in COLUMNS))
         for r in rows:
-            if r["step"] == 1 or r["step"] % args.every == 0:
-                print(f"{r['step']:4d} " + " ".join(f"{r.get(key, float('nan')):8.3f}" for key, _ in COLUMNS))
+            if r["step"] == 1 or r["step"] % args.every == 0 or "rollout/logprob_diff_mean" in r:
+                print(f"{r['step']:4d} " + " ".join(f"{r[key]:8.3f}" if key in r else f"{'-':>8}"
+                                                    for key, _ in COLUMNS))
 
 
 if __name__ == "__main__":
