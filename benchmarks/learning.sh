@@ -4,8 +4,9 @@
 #   bash benchmarks/learning.sh                                  # arith: full, lora, qlora; GSM8K: lora, qlora
 #   ARITH="lora qlora" SEEDS="0 1" GSM8K="" bash benchmarks/learning.sh
 #   ARITH=qlora GSM8K="" TAG=nodrop EXTRA="--lora_dropout 0" bash benchmarks/learning.sh   # an ablation
-#   TAG=dsstrict EXTRA="--dataset_config_path benchmarks/arith_strict_format.json --filter_zero_std_groups true" \
-#     GSM8K="" bash benchmarks/learning.sh    # dynamic sampling + a format reward that must end at the box
+#   TAG=dsstrict STRICT_FORMAT=1 EXTRA="--filter_zero_std_groups true" GSM8K="" bash benchmarks/learning.sh
+#                                           # dynamic sampling + arith's format reward paid only when the answer ends
+#                                           # at the box (a registry derived from configs/dataset_config.json)
 #   PARALLEL=4 bash benchmarks/learning.sh     # up to 4 runs at once on the one GPU (a 135M model leaves it idle);
 #                                              # the table's wall / train seconds then include the sharing. Runs
 #   that share a GPU keep vLLM awake with a VLLM_MEM share (default 0.08): vLLM sizes its KV cache by profiling the
@@ -32,6 +33,7 @@ read -r -a EXTRA_ARGS <<< "${EXTRA:-}"  # extra train_grpo.py flags for every ru
 PARALLEL=${PARALLEL:-1}
 [ "$PARALLEL" -gt 1 ] && EXTRA_ARGS+=(--vllm_sleep false --vllm_gpu_memory_utilization "${VLLM_MEM:-0.08}")
 port=${PORT:-29600}
+STRICT_FORMAT=${STRICT_FORMAT:-0}
 GSM8K_DIR=${GSM8K_DIR:-../shared/data/gsm8k}
 [ -f "$GSM8K_DIR/test.jsonl" ] || GSM8K_DIR=data/gsm8k
 mkdir -p "$OUT_DIR"
@@ -79,10 +81,22 @@ launch() {  # launch <run args>: runs in the background, at most PARALLEL at onc
   [ "$PARALLEL" -gt 1 ] && sleep 30  # one vLLM start at a time
 }
 
+arith_registry=()
+if [ "$STRICT_FORMAT" = 1 ]; then
+  python - "$OUT_DIR/arith_strict_registry.json" <<'PY'
+import json, os, sys
+arith = json.load(open("configs/dataset_config.json"))["arith"]
+arith["path"] = os.path.abspath(os.path.join("configs", arith["path"]))
+arith["reward_kwargs"]["format"]["pattern"] = r".*\\boxed\{\s*-?\d+\s*\}[\s.$\\)\]]*"  # nothing after the box
+json.dump({"arith": arith}, open(sys.argv[1], "w"), indent=1)
+PY
+  arith_registry=(--dataset_config_path "$OUT_DIR/arith_strict_registry.json")
+fi
 for seed in $SEEDS; do
   for strategy in $ARITH; do
     launch "arith-$strategy-s$seed" arith "$strategy" "$seed" boxed_accuracy --dataset_names arith --max_steps "$STEPS" \
-      --rollout_max_new_tokens 64 --max_prompt_length 128 --max_seq_length 192 --eval_max_prompts 100
+      --rollout_max_new_tokens 64 --max_prompt_length 128 --max_seq_length 192 --eval_max_prompts 100 \
+      "${arith_registry[@]}"
   done
 done
 if [ -n "$GSM8K" ] && [ -f "$GSM8K_DIR/test.jsonl" ]; then

@@ -10,7 +10,7 @@ from grpo.trainer import GRPOTrainer
 
 from .test_trainer import pick_target
 from .tiny_models import make_tiny_reward_model_dir
-from .trainer_setup import tiny_config, train_rows, trainable_weights, write_prompt_registry
+from .trainer_setup import even_tokens, tiny_config, train_rows, trainable_weights, write_prompt_registry
 
 
 def test_gspo_dual_clip_entropy_and_kl_estimator(tiny_model, registry, tmp_path):
@@ -202,8 +202,6 @@ def test_the_first_updates_ratio_is_one_under_lora_dropout_and_kl_in_reward(tiny
 def test_the_engine_gap_is_measured_against_the_policy_without_dropout(tiny_model, registry, tmp_path):
     """The HF engine samples the fp32 policy in eval mode (no dropout): once the adapter has moved, train-mode
     log-probs differ from its by the dropout noise alone, which is no sync error; the logged gap leaves it out."""
-    from .trainer_setup import even_tokens
-
     config = tiny_config(tiny_model, registry, str(tmp_path), lora_dropout=0.3, max_steps=4, eval_on_start=False,
                          logprob_check_steps=1)
     GRPOTrainer(config, reward_funcs=[even_tokens]).train()
@@ -216,8 +214,6 @@ def test_the_engine_gap_is_measured_against_the_policy_without_dropout(tiny_mode
 def test_importance_weights_compare_the_engine_with_the_policy_without_dropout(tiny_model, registry, tmp_path):
     """fp32 HF engine, no dropout when sampling: the truncated IS weight exp(trainer - engine) is 1 on every pass of
     every step when the trainer's side is the dropout-free old policy, whatever the adapter's dropout noise."""
-    from .trainer_setup import even_tokens
-
     config = tiny_config(tiny_model, registry, str(tmp_path), lora_dropout=0.3, max_steps=3, eval_on_start=False,
                          rollout_is_correction=True, num_iterations=2)
     GRPOTrainer(config, reward_funcs=[even_tokens]).train()
