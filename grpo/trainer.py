@@ -460,6 +460,9 @@ class GRPOTrainer:
             if optimizer is not None else None
         engine, _, _, _ = deepspeed.initialize(model=policy, model_parameters=trainable, optimizer=optimizer,
                                                lr_scheduler=scheduler, config=self.ds_config)
+        # from_pretrained leaves the model in eval mode, where gradient checkpointing recomputes nothing and LoRA
+        # dropout drops nothing; scoring passes that must not drop switch to eval mode themselves
+        engine.train()
         return engine
 
     def close(self) -> None:

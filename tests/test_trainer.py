@@ -7,6 +7,7 @@ import signal
 import pytest
 import torch
 
+from grpo import optimize
 from grpo.checkpoint import list_checkpoints
 from grpo.errors import DatasetError, TrainingError
 from grpo.reporting import read_metrics
@@ -28,6 +29,44 @@ def pick_target(model_dir):
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     return tok.convert_tokens_to_ids(tok.tokenize("7")[0])
+
+
+def training_forward_saved_bytes(config, monkeypatch) -> int:
+    """Bytes the training forward of a one-step run saves for backward; fails unless every module is training then."""
+    trainer = GRPOTrainer(config)
+    real_score, saved = optimize.score, []
+
+    def measured(model, *args, **kwargs):
+        if not torch.is_grad_enabled():
+            return real_score(model, *args, **kwargs)  # a no-grad scoring pass
+        assert all(m.training for m in model.modules())
+        total = [0]
+
+        def pack(t):
+            total[0] += t.numel() * t.element_size()
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = real_score(model, *args, **kwargs)
+        saved.append(total[0])
+        return out
+    monkeypatch.setattr(optimize, "score", measured)
+    trainer.train()
+    assert saved
+    return sum(saved)
+
+
+@pytest.mark.parametrize("strategy", ["full", "lora", "qlora"])
+def test_training_forward_runs_in_training_mode_and_checkpoints(strategy, tiny_model, registry, tmp_path,
+                                                                 monkeypatch):
+    """from_pretrained hands over a model in eval mode, where gradient checkpointing keeps every activation and LoRA
+    dropout drops nothing: the training forward must run in training mode, and --gradient_checkpointing must cut
+    what it saves for backward."""
+    def run(checkpointing):
+        return training_forward_saved_bytes(tiny_config(
+            tiny_model, registry, str(tmp_path / f"{strategy}-{checkpointing}"), tuning_strategy=strategy,
+            max_steps=1, lora_dropout=0.0, gradient_checkpointing=checkpointing), monkeypatch)
+    kept, checkpointed = run(False), run(True)
+    assert checkpointed < 0.5 * kept, (checkpointed, kept)
 
 
 @pytest.mark.parametrize("strategy", ["full", "lora", "qlora"])
