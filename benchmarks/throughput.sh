@@ -5,8 +5,11 @@
 #      LLM.generate vs grpo's VLLMRolloutEngine, log-probs off and on (benchmarks/rollout_throughput.py); and the
 #      rollout phase of a real train_grpo.py run (`arith`, LoRA, vLLM colocate, STEPS steps, the first left out)
 #   2. seconds per optimizer step, that grpo run vs TRL's GRPOTrainer on the same work (benchmarks/trl_step.py)
-#   3. with 2+ GPUs: grpo colocate on 1 and 2 GPUs, server mode (1 training + 1 rollout GPU), server mode with
-#      --async_rollout, at 256 and LONG_NEW (1,024) new tokens: samples/s per mode
+#   3. with 2+ GPUs, each case of MULTI_CASES ("<prompts per step>:<new tokens>", default "16:256 64:256 16:1024")
+#      with the same prompts per step in every mode (strong scaling): grpo colocate on 1 GPU and on 2 GPUs (half the
+#      prompts per rank), server mode (1 training + 1 rollout GPU), server mode with --async_rollout; samples/s per
+#      mode, 2-GPU colocate / 1-GPU colocate and server / colocate ratios. MULTI_MODES picks the modes
+#      (default "colocate1 colocate2 server async")
 # The table (benchmarks/throughput_table.py) goes to $OUT/table.md; logs and metrics to $OUT/ and $OUT/runs/
 # (a previous run's results there are removed first; the model folder is kept and reused).
 # Every run has a wall-clock limit; on one H100 sections 1-2 take about 8 minutes (more on the first run, which
@@ -16,16 +19,20 @@
 #   STEPS=11 SKIP_TRL=1 bash benchmarks/throughput.sh          # 10 measured steps, no TRL
 #   SKIP_ROLLOUT=1 SKIP_MULTI=1 bash benchmarks/throughput.sh  # only the grpo run and TRL
 #   VLLM_SLEEP=false bash benchmarks/throughput.sh             # vLLM stays awake in grpo and TRL
+#   SKIP_ROLLOUT=1 SKIP_TRL=1 MULTI_CASES="16:1024" MULTI_MODES="colocate2 server async" bash benchmarks/throughput.sh
 #
-# Knobs: OUT STEPS MULTI_STEPS MAX_NEW LONG_NEW REPEATS VLLM_MEM SERVER_MEM VLLM_SLEEP TRL_MICRO TRL_IS MODEL_DIR
-# SKIP_ROLLOUT SKIP_TRL SKIP_MULTI T_MODEL T_ROLLOUT T_RUN T_TRL T_MULTI PORT
+# Knobs: OUT STEPS MULTI_STEPS MULTI_CASES MULTI_MODES MAX_NEW REPEATS VLLM_MEM SERVER_MEM VLLM_SLEEP TRL_MICRO TRL_IS
+# MODEL_DIR SKIP_ROLLOUT SKIP_TRL SKIP_MULTI T_MODEL T_ROLLOUT T_RUN T_TRL T_MULTI PORT
+# GPU_ID=<n> puts sections 1-2 and 1-GPU runs on GPU n, so two invocations (own OUT and PORT, same MODEL_DIR) can
+# share a 2-GPU machine; sections 1-2's train_grpo.py run is left out when both SKIP_ROLLOUT and SKIP_TRL are 1
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-outputs/bench/throughput}
 STEPS=${STEPS:-6}                # optimizer steps per training run; the first is left out
 MULTI_STEPS=${MULTI_STEPS:-$STEPS}
 MAX_NEW=${MAX_NEW:-256}
-LONG_NEW=${LONG_NEW:-1024}       # section 3's long completions
+MULTI_CASES=${MULTI_CASES:-16:256 64:256 16:1024}   # section 3: prompts per step:new tokens
+MULTI_MODES=${MULTI_MODES:-colocate1 colocate2 server async}
 PROMPT_LEN=128                   # the random prompts' length, and --max_prompt_length of the runs
 REPEATS=${REPEATS:-3}
 VLLM_MEM=${VLLM_MEM:-0.3}        # grpo's and TRL's default share for colocated vLLM
@@ -61,16 +68,18 @@ PY
 echo "== model: $MODEL_DIR"
 bounded "$T_MODEL" python benchmarks/random_model.py --out "$MODEL_DIR" || { echo "model creation failed"; exit 1; }
 
-# train <name> <mode label> <gpus> <training ranks> <max new> <steps> <timeout> <extra train_grpo.py args...>
+# train <name> <mode label> <gpus> <training ranks> <prompts per rank> <max new> <steps> <timeout> <extra args...>
 # (extra args come last, so they win over the shared ones, e.g. --vllm_gpu_memory_utilization in server mode)
 train() {
-  local name=$1 mode=$2 gpus=$3 ranks=$4 new=$5 steps=$6 limit=$7; shift 7
+  local name=$1 mode=$2 gpus=$3 ranks=$4 prompts=$5 new=$6 steps=$7 limit=$8; shift 8
   local dir="$OUT/runs/$name" start=$SECONDS
-  echo "== grpo $name: $mode, $gpus GPU(s), $new new tokens, $steps steps (limit ${limit}s)"
-  bounded "$limit" env VLLM_ENABLE_V1_MULTIPROCESSING=0 "${launcher[@]}" --num_gpus "$gpus" --master_port "$port" \
+  echo "== grpo $name: $mode, $gpus GPU(s), $ranks x $prompts prompts, $new new tokens, $steps steps (limit ${limit}s)"
+  local where=(--num_gpus "$gpus")
+  [ "$gpus" = 1 ] && [ -n "${GPU_ID:-}" ] && where=(--include "localhost:$GPU_ID")
+  bounded "$limit" env VLLM_ENABLE_V1_MULTIPROCESSING=0 "${launcher[@]}" "${where[@]}" --master_port "$port" \
     train_grpo.py --model_name_or_path "$MODEL_DIR" --tuning_strategy lora --lora_rank 16 --lora_alpha 32 \
     --lora_target_modules all-linear --learning_rate_lora 1e-5 --dataset_names arith --train_split_ratio 1.0 \
-    --per_device_train_batch_size 16 --k_samples 8 --rollout_max_new_tokens "$new" \
+    --per_device_train_batch_size "$prompts" --k_samples 8 --rollout_max_new_tokens "$new" \
     --max_prompt_length "$PROMPT_LEN" --max_seq_length $((PROMPT_LEN + new)) --max_steps "$steps" \
     --use_vllm_rollout true --vllm_gpu_memory_utilization "$VLLM_MEM" --vllm_sleep "$VLLM_SLEEP" --save_steps 0 \
     --eval_on_start false --logging_steps 1 --output_dir "$dir" --overwrite_output_dir "$@" > "$dir.log" 2>&1
@@ -78,7 +87,7 @@ train() {
   port=$((port + 1))
   printf '{"name": "%s", "mode": "%s", "gpus": %s, "train_ranks": %s, "max_new": %s, ' \
     "$name" "$mode" "$gpus" "$ranks" "$new" > "$dir.json"
-  printf '"samples_per_step": %s, "rc": %s, "wall_s": %s}\n' $((ranks * 16 * 8)) "$rc" $((SECONDS - start)) \
+  printf '"samples_per_step": %s, "rc": %s, "wall_s": %s}\n' $((ranks * prompts * 8)) "$rc" $((SECONDS - start)) \
     >> "$dir.json"
   echo "   rc=$rc, $((SECONDS - start)) s; $(grep -E 'step [0-9]+:' "$dir.log" | tail -1 | cut -c1-160)"
 }
@@ -87,7 +96,8 @@ train() {
 if [ "${SKIP_ROLLOUT:-0}" != 1 ]; then
   for engine in bare grpo; do
     echo "== rollout: $engine (limit ${T_ROLLOUT}s)"
-    bounded "$T_ROLLOUT" python benchmarks/rollout_throughput.py --engine "$engine" --model "$MODEL_DIR" \
+    bounded "$T_ROLLOUT" env ${GPU_ID:+CUDA_VISIBLE_DEVICES=$GPU_ID} \
+      python benchmarks/rollout_throughput.py --engine "$engine" --model "$MODEL_DIR" \
       --prompts 16 --k 8 --prompt_len "$PROMPT_LEN" --max_new "$MAX_NEW" --repeats "$REPEATS" \
       --vllm_mem "$VLLM_MEM" --json "$OUT/rollout.jsonl" > "$OUT/rollout_$engine.log" 2>&1
     echo "   rc=$?"; grep -E 'tok/s' "$OUT/rollout_$engine.log"
@@ -95,30 +105,39 @@ if [ "${SKIP_ROLLOUT:-0}" != 1 ]; then
 fi
 
 # 1c + 2. a real run: its rollout phase (section 1) and its seconds per step (section 2, against TRL)
-train colocate-1gpu-short "colocate" 1 1 "$MAX_NEW" "$STEPS" "$T_RUN"
+if [ "${SKIP_ROLLOUT:-0}" != 1 ] || [ "${SKIP_TRL:-0}" != 1 ]; then
+  train colocate-1gpu-short "colocate" 1 1 16 "$MAX_NEW" "$STEPS" "$T_RUN"
+fi
 
 if [ "${SKIP_TRL:-0}" != 1 ]; then
   echo "== TRL GRPOTrainer (limit ${T_TRL}s)"
   trl_flags=()
   [ "$VLLM_SLEEP" = true ] && trl_flags+=(--vllm_sleep)
   [ "$TRL_IS" = 1 ] && trl_flags+=(--is_correction)
-  bounded "$T_TRL" env VLLM_ENABLE_V1_MULTIPROCESSING=0 python -m torch.distributed.run --standalone \
+  bounded "$T_TRL" env VLLM_ENABLE_V1_MULTIPROCESSING=0 ${GPU_ID:+CUDA_VISIBLE_DEVICES=$GPU_ID} \
+    python -m torch.distributed.run --standalone \
     --nproc_per_node 1 benchmarks/trl_step.py --model "$MODEL_DIR" --output_dir "$OUT/trl" --json "$OUT/trl.json" \
     --steps "$STEPS" --prompts 16 --k 8 --max_new "$MAX_NEW" --max_model_len $((PROMPT_LEN + MAX_NEW)) \
     --micro "$TRL_MICRO" --vllm_mem "$VLLM_MEM" "${trl_flags[@]}" > "$OUT/trl.log" 2>&1
   echo "   rc=$?"; grep -E '"framework"' "$OUT/trl.log" | cut -c1-300
 fi
 
-# 3. modes on two GPUs, at MAX_NEW and LONG_NEW new tokens
+# 3. modes on two GPUs, the same prompts per step in each: "<prompts>:<new tokens>" cases
 if [ "${SKIP_MULTI:-0}" != 1 ] && [ "$GPUS" -ge 2 ]; then
-  for new in "$MAX_NEW" "$LONG_NEW"; do
-    tag=$([ "$new" = "$MAX_NEW" ] && echo short || echo long)
-    [ "$tag" = long ] && train "colocate-1gpu-$tag" "colocate" 1 1 "$new" "$MULTI_STEPS" "$T_MULTI"
-    train "colocate-2gpu-$tag" "colocate" 2 2 "$new" "$MULTI_STEPS" "$T_MULTI"
-    train "server-2gpu-$tag" "server" 2 1 "$new" "$MULTI_STEPS" "$T_MULTI" \
-      --vllm_mode server --rollout_gpus 1 --vllm_gpu_memory_utilization "$SERVER_MEM"
-    train "server-async-2gpu-$tag" "server, async" 2 1 "$new" "$MULTI_STEPS" "$T_MULTI" \
-      --vllm_mode server --rollout_gpus 1 --vllm_gpu_memory_utilization "$SERVER_MEM" --async_rollout true
+  for case in $MULTI_CASES; do
+    p=${case%%:*} new=${case##*:}
+    [ $((p % 2)) = 0 ] || { echo "MULTI_CASES: $case has an odd prompt count; 2-GPU colocate halves it"; exit 1; }
+    server=(--vllm_mode server --rollout_gpus 1 --vllm_gpu_memory_utilization "$SERVER_MEM")
+    for m in $MULTI_MODES; do
+      case $m in
+        colocate1) train "p$p-n$new-colocate1" "colocate" 1 1 "$p" "$new" "$MULTI_STEPS" "$T_MULTI" ;;
+        colocate2) train "p$p-n$new-colocate2" "colocate" 2 2 $((p / 2)) "$new" "$MULTI_STEPS" "$T_MULTI" ;;
+        server) train "p$p-n$new-server" "server" 2 1 "$p" "$new" "$MULTI_STEPS" "$T_MULTI" "${server[@]}" ;;
+        async) train "p$p-n$new-async" "server, async" 2 1 "$p" "$new" "$MULTI_STEPS" "$T_MULTI" "${server[@]}" \
+                 --async_rollout true ;;
+        *) echo "MULTI_MODES: unknown mode $m (colocate1 colocate2 server async)"; exit 1 ;;
+      esac
+    done
   done
 elif [ "${SKIP_MULTI:-0}" != 1 ]; then
   echo "== section 3 skipped: $GPUS GPU(s) visible, it needs 2"

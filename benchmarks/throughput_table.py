@@ -46,6 +46,8 @@ def grpo_run(folder: str, name: str) -> dict:
     out.update(s_per_step=total("time/step") / len(rows),
                length_mean=statistics.mean(r["completion/length_mean"] for r in rows),
                rollout_s=total("time/rollout") / len(rows), generate_s=total("time/rollout_generate") / len(rows),
+               train_s=(total("time/logprobs") + total("time/train")) / len(rows),
+               sync_s=total("time/sync") / len(rows),
                rollout_tok_s=tokens / total("time/rollout") if total("time/rollout") else None,
                generate_tok_s=tokens / total("time/rollout_generate") if total("time/rollout_generate") else None)
     out["samples_s"] = meta["samples_per_step"] / out["s_per_step"]
@@ -125,20 +127,36 @@ def modes_section(folder: str) -> None:
     if len(runs) <= 1:
         return
     print("## 3. grpo modes (samples / s = completions per optimizer step / s per step)\n")
-    print("| mode | GPUs | max new | samples / step | s / step | samples / s | tokens / s | rollout s | "
-          "rollout generate tok/s per engine | status |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for r in sorted(runs, key=lambda r: (r.get("max_new", 0), r.get("gpus", 0), r["name"])):
+    print("| run | mode | GPUs | max new | samples / step | s / step | samples / s | tokens / s | rollout s | "
+          "log-probs + train s | sync s | rollout generate tok/s per engine | status |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    order = lambda r: (r.get("max_new", 0), r.get("samples_per_step", 0), r.get("gpus", 0), r["name"])  # noqa: E731
+    for r in sorted(runs, key=order):
         if r.get("measured_steps"):
-            print(f"| {r['mode']} | {r['gpus']} | {r['max_new']} | {r['samples_per_step']} | {r['s_per_step']:.2f} "
-                  f"| {r['samples_s']:.1f} | {r['tokens_s']:,.0f} | {r['rollout_s']:.2f} | "
-                  f"{num(r['generate_tok_s'])} | {status(r)} |")
+            print(f"| {r['name']} | {r['mode']} | {r['gpus']} | {r['max_new']} | {r['samples_per_step']} | "
+                  f"{r['s_per_step']:.2f} | {r['samples_s']:.1f} | {r['tokens_s']:,.0f} | {r['rollout_s']:.2f} | "
+                  f"{r['train_s']:.2f} | {r['sync_s']:.2f} | {num(r['generate_tok_s'])} | {status(r)} |")
         else:
-            print(f"| {r.get('mode', r['name'])} | {r.get('gpus', '-')} | {r.get('max_new', '-')} | - | - | - | - | "
-                  f"- | - | {status(r)} |")
+            print(f"| {r['name']} | {r.get('mode', '-')} | {r.get('gpus', '-')} | {r.get('max_new', '-')} | - | - | - "
+                  f"| - | - | - | - | - | {status(r)} |")
     print("\nIn server mode `time/rollout` is the training rank's wait for the rollout rank (with --async_rollout "
-          "only what generation did not overlap with training).")
+          "only what generation did not overlap with training).\n")
+    scaling_lines(runs)
     print()
+
+
+def scaling_lines(runs: list[dict]) -> None:
+    """Per "<prompts>:<new>" case of section 3 (runs named p<prompts>-n<new>-<mode>): samples/s ratios at equal
+    prompts per step, 2-GPU colocate over 1-GPU colocate (strong scaling) and server modes over 2-GPU colocate."""
+    by_name = {r["name"]: r for r in runs if r.get("measured_steps")}
+    cases = sorted({tuple(r["name"].split("-")[:2]) for r in runs if r["name"].startswith("p") and
+                    r["name"].count("-") == 2}, key=lambda c: (int(c[1][1:]), int(c[0][1:])))
+    for prompts, new in cases:
+        rate = lambda mode: by_name.get(f"{prompts}-{new}-{mode}", {}).get("samples_s")  # noqa: E731
+        print(f"- {prompts[1:]} prompts x 8 per step, {new[1:]} new tokens: 2-GPU colocate / 1-GPU colocate "
+              f"{ratio(rate('colocate2'), rate('colocate1'))}; server / 2-GPU colocate "
+              f"{ratio(rate('server'), rate('colocate2'))}; server + async / 2-GPU colocate "
+              f"{ratio(rate('async'), rate('colocate2'))}")
 
 
 def main() -> None:

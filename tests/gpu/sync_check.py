@@ -1,6 +1,7 @@
 """One GPU check of weight sync into vLLM, in its own process (vLLM allows one in-process engine per process).
 
     python tests/gpu/sync_check.py --strategy lora --zero 2 --out result.json
+    deepspeed --num_gpus 2 tests/gpu/sync_check.py --strategy lora --tp 2 --out result.json   # one engine, TP 2
 
 Builds (once, on the GPU) a ~200M-parameter random Llama whose output layer is scaled up so that log-probs are far
 from flat, trains it with DeepSpeed for 3 steps on a fixed sequence with vLLM asleep, syncs after each step, wakes
@@ -9,6 +10,8 @@ vLLM and records per step, as mean |vLLM log-prob - trainer log-prob| over the s
   stale         the engine before this step's sync (an engine that missed one sync)
   never_synced  the engine as started from the checkpoint (an engine never synced)
 plus the sync's time / bytes / tensors and the GPU memory freed by sleep; then samples from the woken engine.
+With --tp 2 (two ranks), both ranks train the same sequence (data parallel) and share one vLLM engine sharded over
+them, so each rank's sync must land in its own shard; rank 0 writes the result.
 """
 import argparse
 import json
@@ -47,6 +50,7 @@ def main():
     parser.add_argument("--strategy", choices=["full", "lora", "qlora"], required=True)
     parser.add_argument("--zero", type=int, default=2)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--tp", type=int, default=1, help="vLLM tensor-parallel size (= the number of ranks)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
@@ -62,7 +66,10 @@ def main():
     from grpo.sync import sync_weights
 
     dist_utils.init_distributed()
-    path = build_model(MODEL_DIR)
+    if dist_utils.rank() == 0:  # one writer; the other rank waits for the finished folder
+        build_model(MODEL_DIR)
+    dist_utils.barrier()
+    path = MODEL_DIR
     cfg = GRPOConfig(model_name_or_path=path, tuning_strategy=args.strategy, lora_rank=16, lora_alpha=32,
                      lora_dropout=0.0, deepspeed=f"zero{args.zero}", per_device_train_batch_size=1, k_samples=2)
     device = dist_utils.device()
@@ -72,7 +79,9 @@ def main():
                                       optimizer=torch.optim.AdamW(trainable, lr=LEARNING_RATES[args.strategy]),
                                       config=load_deepspeed_config(cfg, use_bf16=True))
     start = time.perf_counter()
-    vllm = VLLMRolloutEngine(path, gpu_memory_utilization=0.3, max_model_len=512, seed=0, enforce_eager=True)
+    vllm = VLLMRolloutEngine(path, tensor_parallel_size=args.tp, gpu_memory_utilization=0.3, max_model_len=512,
+                             seed=0, enforce_eager=True)
+    main_rank = dist_utils.rank() == 0
     engine_start_s = time.perf_counter() - start
 
     sequence = torch.randint(3, 32000, (1, 96), generator=torch.Generator().manual_seed(1))
@@ -96,7 +105,8 @@ def main():
     rows = [{"step": 0, "synced": gap(previous, current), "never_synced": gap(initial, current),
              "engine_start_s": engine_start_s, "sync_s": first.seconds, "sync_mib": first.bytes / 2**20,
              "sync_tensors": first.tensors}]
-    print(json.dumps(rows[-1]), flush=True)
+    if main_rank:
+        print(json.dumps(rows[-1]), flush=True)
     for step in range(1, args.steps + 1):
         vllm.sleep()
         freed = vllm.last_sleep_freed_bytes
@@ -113,7 +123,8 @@ def main():
                      "sync_mib": stats.bytes / 2**20, "sync_tensors": stats.tensors,
                      "sleep_freed_gib": freed / 2**30})
         previous = synced
-        print(json.dumps(rows[-1]), flush=True)
+        if main_rank:
+            print(json.dumps(rows[-1]), flush=True)
     # the woken, synced engine still generates
     start = time.perf_counter()
     out = vllm.generate([sequence[0, :16].tolist(), sequence[0, 16:40].tolist()],
@@ -122,9 +133,11 @@ def main():
                  "prompt_order": [c.prompt_index for c in out],
                  "lengths_ok": all(len(c.token_ids) == len(c.logprobs) > 0 for c in out),
                  "finite_logprobs": all(torch.isfinite(torch.tensor(c.logprobs)).all().item() for c in out)})
-    print(json.dumps(rows[-1]), flush=True)
-    with open(args.out, "w") as fh:
-        json.dump({"strategy": args.strategy, "zero": args.zero, "rows": rows}, fh, indent=1)
+    if main_rank:
+        print(json.dumps(rows[-1]), flush=True)
+        with open(args.out, "w") as fh:
+            json.dump({"strategy": args.strategy, "zero": args.zero, "tp": args.tp, "rows": rows}, fh, indent=1)
+    dist_utils.shutdown()
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ process (one in-process vLLM engine per process)."""
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -36,7 +37,29 @@ def run_script(script: str, out, *args: str) -> dict:
 
 @pytest.mark.parametrize("strategy, zero", [("full", 2), ("lora", 2), ("qlora", 2), ("full", 3)])
 def test_sync_is_exact_and_sleep_frees_memory(strategy, zero, tmp_path):
-    result = run_script("sync_check.py", tmp_path / "result.json", "--strategy", strategy, "--zero", str(zero))
+    check_sync(run_script("sync_check.py", tmp_path / "result.json", "--strategy", strategy, "--zero", str(zero)),
+               strategy)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("strategy", ["full", "lora"])
+def test_sync_is_exact_into_a_tensor_parallel_engine(strategy, tmp_path):
+    """--vllm_tp 2: two data-parallel ranks share one vLLM engine sharded over both; each rank's sync fills its
+    shard, so the whole engine scores like the trained policy after every step."""
+    launcher = ["deepspeed"] if shutil.which("deepspeed") else [sys.executable, "-m", "deepspeed.launcher.runner"]
+    out = tmp_path / "result.json"
+    env = {k: v for k, v in child_env().items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR")}
+    proc = subprocess.run([*launcher, "--num_gpus", "2", "--master_port", "29571", os.path.join(HERE, "sync_check.py"),
+                           "--strategy", strategy, "--tp", "2", "--out", str(out)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-6000:]
+    result = json.loads(out.read_text())
+    print(json.dumps(result))
+    assert result["tp"] == 2
+    check_sync(result, strategy)
+
+
+def check_sync(result: dict, strategy: str) -> None:
     steps = [r for r in result["rows"] if "synced" in r]
     assert len(steps) == 4
     assert steps[0]["synced"] < SYNCED_MAX, steps[0]  # the first sync matches the untrained policy
