@@ -50,6 +50,8 @@ def grpo_run(folder: str, name: str) -> dict:
                sync_s=total("time/sync") / len(rows),
                rollout_tok_s=tokens / total("time/rollout") if total("time/rollout") else None,
                generate_tok_s=tokens / total("time/rollout_generate") if total("time/rollout_generate") else None)
+    if "async" in meta.get("mode", ""):  # its wait is only what training did not hide: no generation rate
+        out["generate_tok_s"] = None
     out["samples_s"] = meta["samples_per_step"] / out["s_per_step"]
     out["tokens_s"] = out["samples_s"] * out["length_mean"]
     return out
@@ -140,7 +142,7 @@ def modes_section(folder: str) -> None:
             print(f"| {r['name']} | {r.get('mode', '-')} | {r.get('gpus', '-')} | {r.get('max_new', '-')} | - | - | - "
                   f"| - | - | - | - | - | {status(r)} |")
     print("\nIn server mode `time/rollout` is the training rank's wait for the rollout rank (with --async_rollout "
-          "only what generation did not overlap with training).\n")
+          "only what generation did not overlap with training, so no generation rate is shown).\n")
     scaling_lines(runs)
     print()
 
