@@ -60,18 +60,19 @@ def has_dropout(model) -> bool:
 
 def without_dropout(engine, mb: MicroBatch, cfg: GRPOConfig) -> torch.Tensor:
     """The micro-batch's log-probs with dropout off (no graph): the sampled policy, for the engine's mismatch."""
+    was_training = engine.module.training
     engine.module.eval()
     try:
         with torch.no_grad():
             logprobs, _ = score(engine, mb, cfg)
     finally:
-        engine.module.train()
+        engine.module.train(was_training)
     return logprobs.float()
 
 
 @dataclass
 class UpdateResult:
-    metrics: dict = field(default_factory=dict)   # per-step values (loss summed, others averaged over micro-batches)
+    metrics: dict = field(default_factory=dict)   # per-step values (combine_micro_batch_metrics; loss summed)
     bad: bool = False                               # some micro-batch had a non-finite loss: the update was cancelled
 
 
@@ -87,11 +88,9 @@ def update(engine, micro_batches: list[MicroBatch], advantages: torch.Tensor, ol
     The first pass logs the rollout engine's log-prob gap to the trainer as `mismatch_key`_mean / _max."""
     device = next(iter(engine.module.parameters())).device
     world = getattr(engine, "dp_world_size", dist_utils.world_size())
-    sums: dict[str, float] = {}
-    count = 0
+    per_micro_batch: list[tuple[dict, float]] = []  # (policy_loss metrics, completion tokens)
     loss_total = pg_total = 0.0
-    mismatch_mean, mismatch_max = [], []
-    is_stats = []  # per micro-batch: (mean truncated IS weight, fraction of tokens at the cap)
+    rollout_per_micro_batch: list[tuple[dict, float]] = []  # engine mismatch and IS weights, first pass only
     bad = False
     dropout = has_dropout(engine.module)
     for index, mb in enumerate(micro_batches):
@@ -113,18 +112,22 @@ def update(engine, micro_batches: list[MicroBatch], advantages: torch.Tensor, ol
             sampled_policy = clean if clean is not None else old
         if keep_sampled is not None:
             mb.scatter(sampled_policy, into=keep_sampled)
+        rollout_metrics: dict = {}
         if first_pass and not mb.empty and b.completion_mask.sum() > 0 and b.rollout_logprobs is not None:
             diff = (sampled_policy - b.rollout_logprobs).abs() * b.completion_mask
-            mismatch_mean.append((diff.sum() / b.completion_mask.sum()).item())
-            mismatch_max.append(diff.max().item())
+            rollout_metrics[f"{mismatch_key}_mean"] = (diff.sum() / b.completion_mask.sum()).item()
+            rollout_metrics[f"{mismatch_key}_max"] = diff.max().item()
         is_weights = None
         if cfg.is_correction:  # (the rollout always asks for log-probs then)
             # truncated importance sampling: the rollout engine sampled from a slightly different policy
             raw = torch.exp(sampled_policy - b.rollout_logprobs)
             is_weights = raw.clamp(max=cfg.rollout_is_cap)
             if first_pass and not mb.empty and b.completion_mask.sum() > 0:
-                is_stats.append((masked_mean(is_weights, b.completion_mask).item(),
-                                 masked_mean((raw > cfg.rollout_is_cap).float(), b.completion_mask).item()))
+                rollout_metrics["rollout/is_weight_mean"] = masked_mean(is_weights, b.completion_mask).item()
+                rollout_metrics["rollout/is_capped_frac"] = masked_mean((raw > cfg.rollout_is_cap).float(),
+                                                                        b.completion_mask).item()
+        if rollout_metrics:
+            rollout_per_micro_batch.append((rollout_metrics, b.completion_mask.sum().item()))
         loss, m = policy_loss(logprobs, old, mb.gather(advantages).to(device), b.completion_mask, ref_logprobs=ref,
                               beta=cfg.kl_loss_coef, eps_low=cfg.clip_epsilon_low, eps_high=cfg.clip_epsilon_high,
                               aggregation=cfg.loss_aggregation, max_completion_length=cfg.rollout_max_new_tokens,
@@ -141,25 +144,48 @@ def update(engine, micro_batches: list[MicroBatch], advantages: torch.Tensor, ol
             loss_total += loss.item()
             pg_total += m.pop("pg_loss")
             m["entropy"] = masked_mean(entropy.detach(), b.completion_mask).item()
-            for key, value in m.items():
-                sums[key] = sums.get(key, 0.0) + float(value)
-            count += 1
+            per_micro_batch.append((m, b.completion_mask.sum().item()))
         # the step's gradient is the sum over ranks; DeepSpeed averages over them
         engine.backward(loss * world, scale_wrt_gas=False)
+        saved_lrs = None
         if last and bad:
-            for group in engine.optimizer.param_groups:  # make this optimizer step a no-op (lr 0)
+            saved_lrs = [group["lr"] for group in engine.optimizer.param_groups]
+            # make this optimizer step a no-op for the weights (lr 0); Adam's moments still take the gradient of
+            # the micro-batches before the bad one
+            for group in engine.optimizer.param_groups:
                 group["lr"] = 0.0
         engine.step()
-    metrics = {key: value / max(count, 1) for key, value in sums.items()}
+        if saved_lrs is not None and getattr(engine, "lr_scheduler", None) is None:
+            # a scheduler sets the next step's lr itself; without one (a DeepSpeed "optimizer" and no "scheduler")
+            # nothing else would undo the 0
+            for group, lr in zip(engine.optimizer.param_groups, saved_lrs):
+                group["lr"] = lr
+    metrics = combine_micro_batch_metrics(per_micro_batch)
     if not bad:
         metrics["loss"], metrics["pg_loss"] = dist_utils.all_sum([loss_total, pg_total])
-    if mismatch_mean:
-        metrics[f"{mismatch_key}_mean"] = sum(mismatch_mean) / len(mismatch_mean)
-        metrics[f"{mismatch_key}_max"] = max(mismatch_max)
-    if is_stats:
-        metrics["rollout/is_weight_mean"] = sum(w for w, _ in is_stats) / len(is_stats)
-        metrics["rollout/is_capped_frac"] = sum(c for _, c in is_stats) / len(is_stats)
+    metrics.update(combine_micro_batch_metrics(rollout_per_micro_batch))
     return UpdateResult(metrics, bad)
+
+
+def combine_micro_batch_metrics(per_micro_batch: list[tuple[dict, float]]) -> dict:
+    """This rank's step values of policy_loss's per-micro-batch metrics, given each micro-batch's token count n_mb:
+
+        per-token means (clip_frac*, ratio_mean, kl, entropy, ...):  sum_mb n_mb * x_mb / sum_mb n_mb
+        maxima (ratio_max, *_max):                                    max_mb x_mb
+        entropy_loss (a share of the step's loss, like loss):         sum_mb x_mb
+    """
+    tokens = sum(n for _, n in per_micro_batch)
+    out: dict = {}
+    for metrics, n in per_micro_batch:
+        weight = n / tokens if tokens else 1.0 / len(per_micro_batch)
+        for key, value in metrics.items():
+            if key.endswith("_max"):
+                out[key] = max(out.get(key, value), value)
+            elif key == "entropy_loss":
+                out[key] = out.get(key, 0.0) + value
+            else:
+                out[key] = out.get(key, 0.0) + value * weight
+    return out
 
 
 def lr_schedule(optimizer, config: GRPOConfig, total_updates: int):

@@ -47,6 +47,7 @@ def test_any_split_gives_the_one_batch_update(aggregation, model_dir, reference)
     dist_utils.init_distributed()
     batch, advantages = make_step()
     cfg = step_config(aggregation)
+    whole_step_metrics = None
     for parts, groups in SPLITS.items():
         model = load(model_dir)
         old, ref = old_and_ref(model, batch, cfg)
@@ -54,12 +55,24 @@ def test_any_split_gives_the_one_batch_update(aggregation, model_dir, reference)
         engine = make_engine(model)
         result = run_split(engine, batch, advantages, old, ref, cfg, groups)
         assert not result.bad and torch.isfinite(torch.tensor(result.metrics["loss"]))
+        # the logged values (kl, entropy, clip fractions, ratios) are the step's too, whatever the split
+        whole_step_metrics = whole_step_metrics or result.metrics
+        assert result.metrics == pytest.approx(whole_step_metrics, rel=1e-5, abs=1e-7), parts
         moved = 0
         for name, p in engine.module.named_parameters():
             torch.testing.assert_close(p.detach(), reference[aggregation][name], rtol=1e-5, atol=1e-6,
                                        msg=lambda m: f"{parts} micro-batches, {name}: {m}")
             moved += int(not torch.equal(p.detach(), before[name]))
         assert moved == len(before)  # every parameter got a gradient
+
+
+def test_micro_batch_metrics_combine_token_weighted():
+    from grpo.optimize import combine_micro_batch_metrics
+
+    combined = combine_micro_batch_metrics([({"kl": 0.1, "ratio_max": 1.2, "entropy_loss": -0.01}, 10),
+                                            ({"kl": 0.4, "ratio_max": 1.5, "entropy_loss": -0.02}, 30)])
+    # kl: (10 * 0.1 + 30 * 0.4) / 40 = 13 / 40; the largest ratio; the entropy term's shares add up
+    assert combined == pytest.approx({"kl": 0.325, "ratio_max": 1.5, "entropy_loss": -0.03})
 
 
 def test_token_budget_split_gives_the_one_batch_update(model_dir, reference):

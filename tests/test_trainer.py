@@ -186,6 +186,42 @@ def test_non_finite_loss_skips_then_stops(tiny_model, registry, tmp_path, monkey
     assert [step for step, _ in list_checkpoints(str(tmp_path))] == [1, 3]
 
 
+def test_skipped_step_keeps_the_learning_rate_of_a_deepspeed_optimizer(tiny_model, registry, tmp_path, monkeypatch):
+    """A DeepSpeed config that brings its own "optimizer" and no "scheduler": the step with a non-finite loss is
+    skipped (lr 0 for it), and the next steps train at the configured learning rate again."""
+    import grpo.optimize as optimize_module
+
+    ds_path = tmp_path / "ds.json"
+    ds_path.write_text(json.dumps({
+        "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto", "bf16": {"enabled": "auto"}, "zero_optimization": {"stage": 2},
+        "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto", "torch_adam": True}}}))
+    real_loss = optimize_module.policy_loss
+
+    def nan_in_second_step(*args, **kwargs):
+        loss, metrics = real_loss(*args, **kwargs)
+        return (loss * float("nan") if trainer.state.step == 1 else loss), metrics
+
+    monkeypatch.setattr(optimize_module, "policy_loss", nan_in_second_step)
+    trainer = GRPOTrainer(tiny_config(tiny_model, registry, str(tmp_path / "out"), tuning_strategy="full",
+                                      max_steps=3, deepspeed=str(ds_path), eval_on_start=False),
+                          reward_funcs=[even_tokens])
+    weights = []
+    real_sync = trainer._sync_rollout_weights
+
+    def remember_weights(*args, **kwargs):
+        weights.append(trainable_weights(trainer))
+        return real_sync(*args, **kwargs)
+
+    trainer._sync_rollout_weights = remember_weights
+    trainer.train()
+    rows = [r for r in read_metrics(str(tmp_path / "out" / "metrics.jsonl")) if "loss" in r or "lr" in r]
+    assert [r["lr"] for r in rows] == [1e-3] * 3, rows
+    after = weights[-3:]  # after steps 1, 2 and 3
+    assert all(torch.equal(after[0][n], after[1][n]) for n in after[0])  # step 2 was skipped
+    assert any(not torch.equal(after[1][n], after[2][n]) for n in after[1])  # step 3 trained again
+
+
 def test_sigterm_saves_a_checkpoint(tiny_model, registry, tmp_path):
     def stop_at_second_step(completions, answers, **row):
         stop_at_second_step.calls += 1

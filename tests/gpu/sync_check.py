@@ -51,6 +51,7 @@ def main():
     parser.add_argument("--zero", type=int, default=2)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--tp", type=int, default=1, help="vLLM tensor-parallel size (= the number of ranks)")
+    parser.add_argument("--local_rank", type=int, default=0, help="set by the DeepSpeed launcher")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
