@@ -1,0 +1,84 @@
+"""How much arithmetic a 4-bit base keeps: on `arith`'s held-out prompts, the policy grpo would train (full, or the
+nf4 QLoRA base with some modules left unquantized) completes "<a> + <b> = " greedily, before any training step.
+
+Per variant: accuracy of the greedy number, and the mean negative log-likelihood (nats) of the right answer's
+tokens. A QLoRA run can learn the format, but the numbers it boxes come from this base (CPU or GPU; no vLLM).
+
+    python benchmarks/quantized_arithmetic.py                                    # full, qlora, MLP / attention kept
+    python benchmarks/quantized_arithmetic.py --variants qlora "qlora:down_proj" --prompts 50
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch  # noqa: E402
+
+DEFAULT_VARIANTS = ["full", "qlora", "qlora:gate_proj,up_proj,down_proj", "qlora:q_proj,k_proj,v_proj,o_proj"]
+
+
+def policy_and_prompts(model: str, variant: str, prompts: int, out_dir: str):
+    """The policy as GRPOTrainer builds it (quantization, dtype, device) and its eval rows."""
+    from grpo.config import GRPOConfig
+    from grpo.trainer import GRPOTrainer
+
+    strategy, _, skip = variant.partition(":")
+    config = GRPOConfig(model_name_or_path=model, dataset_names=["arith"], output_dir=out_dir,
+                        overwrite_output_dir=True, tuning_strategy=strategy, qlora_skip_modules=skip or None,
+                        eval_max_prompts=prompts, max_prompt_length=128, max_seq_length=192,
+                        rollout_max_new_tokens=64, max_steps=1, save_steps=0, seed=0)
+    trainer = GRPOTrainer(config)
+    return trainer.engine.module, trainer.tokenizer, list(trainer.eval_set)
+
+
+def score(model, tokenizer, rows) -> dict:
+    model.eval()
+    device = next(model.parameters()).device
+    right, nll = 0, 0.0
+    with torch.no_grad():
+        for row in rows:
+            expression = re.search(r"What is (.*?)\?", row["prompt_text"]).group(1)
+            ids = list(row["prompt_ids"]) + tokenizer.encode(f"{expression} = ", add_special_tokens=False)
+            generated = torch.tensor([ids], device=device)
+            for _ in range(4):  # answers are at most 3 digits and a sign
+                next_id = model(input_ids=generated).logits[0, -1].argmax()
+                generated = torch.cat([generated, next_id.view(1, 1)], 1)
+            number = re.match(r"\s*(-?\d+)", tokenizer.decode(generated[0, len(ids):]))
+            right += int(bool(number) and number.group(1) == str(row["answer"]).strip())
+            answer = tokenizer.encode(str(row["answer"]).strip(), add_special_tokens=False)
+            full = torch.tensor([ids + answer], device=device)
+            logprobs = torch.log_softmax(model(input_ids=full).logits[0, len(ids) - 1:-1].float(), -1)
+            nll -= logprobs.gather(-1, torch.tensor(answer, device=device)[:, None]).sum().item()
+    return {"accuracy": right / len(rows), "answer_nll": nll / len(rows)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS,
+                        help='full, lora, qlora, or "qlora:<modules left unquantized, comma-separated>"')
+    parser.add_argument("--prompts", type=int, default=100, help="held-out arith prompts")
+    args = parser.parse_args()
+    os.environ.setdefault("WANDB_MODE", "disabled")
+    results = []
+    for variant in args.variants:  # one trainer at a time: each owns the process group's engine
+        start = time.perf_counter()
+        with tempfile.TemporaryDirectory() as out_dir:
+            model, tokenizer, rows = policy_and_prompts(args.model, variant, args.prompts, out_dir)
+            results.append({"variant": variant, "prompts": len(rows), **score(model, tokenizer, rows),
+                            "seconds": round(time.perf_counter() - start, 1)})
+        del model
+        print(json.dumps(results[-1]), flush=True)
+    print("\n| variant | prompts | greedy accuracy | answer NLL (nats) |\n|---|---|---|---|")
+    for r in results:
+        print(f"| {r['variant']} | {r['prompts']} | {r['accuracy']:.2f} | {r['answer_nll']:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
