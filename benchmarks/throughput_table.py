@@ -52,6 +52,8 @@ def grpo_run(folder: str, name: str) -> dict:
                generate_tok_s=tokens / total("time/rollout_generate") if total("time/rollout_generate") else None)
     if "async" in meta.get("mode", ""):  # its wait is only what training did not hide: no generation rate
         out["generate_tok_s"] = None
+    out["rollout_parts"] = {key[len("time/rollout_"):]: total(key) / len(rows) for key in sorted(rows[0])
+                            if key.startswith("time/rollout_")}  # wake, sleep, generate, decode, ... seconds
     out["samples_s"] = meta["samples_per_step"] / out["s_per_step"]
     out["tokens_s"] = out["samples_s"] * out["length_mean"]
     return out
@@ -87,6 +89,8 @@ def rollout_section(folder: str) -> None:
         print(f"| grpo, train_grpo.py run | rollout phase: + wake, sleep, decode | None* | "
               f"{run['length_mean'] * run['samples_per_step']:,.0f}/step | {run['rollout_s']:.3f} | "
               f"{num(run['rollout_tok_s'])} | - | {ratio(run['rollout_tok_s'], bare.get(False))} |")
+        parts = ", ".join(f"{name} {seconds:.3f}" for name, seconds in run["rollout_parts"].items())
+        print(f"| grpo, train_grpo.py run | rollout phase, s per step by part: {parts} | | | | | | |")
         print(f"\n*train run: `arith` prompts (chat template, about 50 tokens), {run['max_new']} new tokens at most "
               f"(mean {run['length_mean']:.1f}), means over steps 2-{run['measured_steps'] + 1}; the engine is asked "
               f"for log-probs only on the steps of --logprob_check_steps (the first step here).")
