@@ -5,7 +5,7 @@ Per variant: accuracy of the greedy number, and the mean negative log-likelihood
 tokens. A QLoRA run can learn the format, but the numbers it boxes come from this base (CPU or GPU; no vLLM).
 
     python benchmarks/quantized_arithmetic.py                                    # full, qlora, MLP / attention kept
-    python benchmarks/quantized_arithmetic.py --variants qlora "qlora:down_proj" --prompts 50
+    python benchmarks/quantized_arithmetic.py --variants qlora qlora+loftq "qlora:down_proj" --prompts 50
 """
 from __future__ import annotations
 
@@ -29,8 +29,10 @@ def policy_and_prompts(model: str, variant: str, prompts: int, out_dir: str):
     from grpo.trainer import GRPOTrainer
 
     strategy, _, skip = variant.partition(":")
+    strategy, _, init = strategy.partition("+")  # "qlora+loftq": the rounding correction on
     config = GRPOConfig(model_name_or_path=model, dataset_names=["arith"], output_dir=out_dir,
                         overwrite_output_dir=True, tuning_strategy=strategy, qlora_skip_modules=skip or None,
+                        **({"qlora_init": init} if init else {}),
                         eval_max_prompts=prompts, max_prompt_length=128, max_seq_length=192,
                         rollout_max_new_tokens=64, max_steps=1, save_steps=0, seed=0)
     trainer = GRPOTrainer(config)
@@ -62,7 +64,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS,
-                        help='full, lora, qlora, or "qlora:<modules left unquantized, comma-separated>"')
+                        help='full, lora, qlora, "qlora+loftq", or "qlora:<modules left unquantized, comma-separated>"')
     parser.add_argument("--prompts", type=int, default=100, help="held-out arith prompts")
     args = parser.parse_args()
     os.environ.setdefault("WANDB_MODE", "disabled")
