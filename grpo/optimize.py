@@ -112,22 +112,23 @@ def update(engine, micro_batches: list[MicroBatch], advantages: torch.Tensor, ol
             sampled_policy = clean if clean is not None else old
         if keep_sampled is not None:
             mb.scatter(sampled_policy, into=keep_sampled)
+        tokens = b.completion_mask.sum().item()  # one host sync per micro-batch, reused below
         rollout_metrics: dict = {}
-        if first_pass and not mb.empty and b.completion_mask.sum() > 0 and b.rollout_logprobs is not None:
+        if first_pass and not mb.empty and tokens > 0 and b.rollout_logprobs is not None:
             diff = (sampled_policy - b.rollout_logprobs).abs() * b.completion_mask
-            rollout_metrics[f"{mismatch_key}_mean"] = (diff.sum() / b.completion_mask.sum()).item()
+            rollout_metrics[f"{mismatch_key}_mean"] = diff.sum().item() / tokens
             rollout_metrics[f"{mismatch_key}_max"] = diff.max().item()
         is_weights = None
         if cfg.is_correction:  # (the rollout always asks for log-probs then)
             # truncated importance sampling: the rollout engine sampled from a slightly different policy
             raw = torch.exp(sampled_policy - b.rollout_logprobs)
             is_weights = raw.clamp(max=cfg.rollout_is_cap)
-            if first_pass and not mb.empty and b.completion_mask.sum() > 0:
+            if first_pass and not mb.empty and tokens > 0:
                 rollout_metrics["rollout/is_weight_mean"] = masked_mean(is_weights, b.completion_mask).item()
                 rollout_metrics["rollout/is_capped_frac"] = masked_mean((raw > cfg.rollout_is_cap).float(),
                                                                         b.completion_mask).item()
         if rollout_metrics:
-            rollout_per_micro_batch.append((rollout_metrics, b.completion_mask.sum().item()))
+            rollout_per_micro_batch.append((rollout_metrics, tokens))
         loss, m = policy_loss(logprobs, old, mb.gather(advantages).to(device), b.completion_mask, ref_logprobs=ref,
                               beta=cfg.kl_loss_coef, eps_low=cfg.clip_epsilon_low, eps_high=cfg.clip_epsilon_high,
                               aggregation=cfg.loss_aggregation, max_completion_length=cfg.rollout_max_new_tokens,
@@ -144,7 +145,7 @@ def update(engine, micro_batches: list[MicroBatch], advantages: torch.Tensor, ol
             loss_total += loss.item()
             pg_total += m.pop("pg_loss")
             m["entropy"] = masked_mean(entropy.detach(), b.completion_mask).item()
-            per_micro_batch.append((m, b.completion_mask.sum().item()))
+            per_micro_batch.append((m, tokens))
         # the step's gradient is the sum over ranks; DeepSpeed averages over them
         engine.backward(loss * world, scale_wrt_gas=False)
         saved_lrs = None
