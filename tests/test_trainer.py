@@ -154,9 +154,7 @@ def test_fresh_run_refuses_a_folder_with_checkpoints(tiny_model, registry, tmp_p
 
 
 def test_non_finite_loss_skips_then_stops(tiny_model, registry, tmp_path, monkeypatch):
-    import grpo.optimize as optimize_module
-
-    real_loss = optimize_module.policy_loss
+    real_loss = optimize.policy_loss
     calls = {"n": 0}
 
     def nan_after_first_step(*args, **kwargs):
@@ -164,7 +162,7 @@ def test_non_finite_loss_skips_then_stops(tiny_model, registry, tmp_path, monkey
         loss, metrics = real_loss(*args, **kwargs)
         return (loss * float("nan") if calls["n"] > 1 else loss), metrics
 
-    monkeypatch.setattr(optimize_module, "policy_loss", nan_after_first_step)
+    monkeypatch.setattr(optimize, "policy_loss", nan_after_first_step)
     trainer = GRPOTrainer(tiny_config(tiny_model, registry, str(tmp_path), tuning_strategy="full", max_steps=6,
                                       save_steps=1, save_total_limit=1))
     after_first_step = {}
@@ -189,20 +187,18 @@ def test_non_finite_loss_skips_then_stops(tiny_model, registry, tmp_path, monkey
 def test_skipped_step_keeps_the_learning_rate_of_a_deepspeed_optimizer(tiny_model, registry, tmp_path, monkeypatch):
     """A DeepSpeed config that brings its own "optimizer" and no "scheduler": the step with a non-finite loss is
     skipped (lr 0 for it), and the next steps train at the configured learning rate again."""
-    import grpo.optimize as optimize_module
-
     ds_path = tmp_path / "ds.json"
     ds_path.write_text(json.dumps({
         "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
         "gradient_clipping": "auto", "bf16": {"enabled": "auto"}, "zero_optimization": {"stage": 2},
         "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto", "torch_adam": True}}}))
-    real_loss = optimize_module.policy_loss
+    real_loss = optimize.policy_loss
 
     def nan_in_second_step(*args, **kwargs):
         loss, metrics = real_loss(*args, **kwargs)
         return (loss * float("nan") if trainer.state.step == 1 else loss), metrics
 
-    monkeypatch.setattr(optimize_module, "policy_loss", nan_in_second_step)
+    monkeypatch.setattr(optimize, "policy_loss", nan_in_second_step)
     trainer = GRPOTrainer(tiny_config(tiny_model, registry, str(tmp_path / "out"), tuning_strategy="full",
                                       max_steps=3, deepspeed=str(ds_path), eval_on_start=False),
                           reward_funcs=[even_tokens])

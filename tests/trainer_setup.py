@@ -1,6 +1,8 @@
 """Shared set-up for the end-to-end trainer tests: a tiny model, a tiny prompt set, and a config for both."""
 import json
 import os
+import shutil
+import sys
 
 from grpo.config import GRPOConfig
 from grpo.reporting import read_metrics
@@ -16,6 +18,11 @@ def child_env(**extra) -> dict:
     the test session (the child, or its launcher, sets its own), with this checkout first on PYTHONPATH."""
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
     return {**env, "PYTHONPATH": ROOT + os.pathsep + env.get("PYTHONPATH", ""), **extra}
+
+
+def deepspeed_launcher() -> list[str]:
+    """The command that starts `deepspeed` jobs: the launcher on PATH, else its module."""
+    return ["deepspeed"] if shutil.which("deepspeed") else [sys.executable, "-m", "deepspeed.launcher.runner"]
 
 
 def train_rows(output_dir) -> list[dict]:

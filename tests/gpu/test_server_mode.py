@@ -2,13 +2,12 @@
 SmolLM2 and `arith`. After every step the rollout rank's sampling log-probs match the trainer's (bf16 on both sides),
 for full, lora and qlora; with --async_rollout the job runs one step behind and logs it."""
 import importlib.util
-import shutil
 import subprocess
 
 import pytest
 import torch
 
-from tests.trainer_setup import ROOT, child_env, train_rows
+from tests.trainer_setup import ROOT, child_env, deepspeed_launcher, train_rows
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.device_count() < 2 or importlib.util.find_spec("vllm") is None,
@@ -20,8 +19,7 @@ SYNCED_MAX = 0.06
 
 
 def run(out, port: int, *flags: str) -> list[dict]:
-    launcher = ["deepspeed"] if shutil.which("deepspeed") else ["python", "-m", "deepspeed.launcher.runner"]
-    cmd = [*launcher, "--num_gpus", "2", "--master_port", str(port), "train_grpo.py",
+    cmd = [*deepspeed_launcher(), "--num_gpus", "2", "--master_port", str(port), "train_grpo.py",
            "--model_name_or_path", "smollm2-135m-instruct", "--dataset_names", "arith",
            "--per_device_train_batch_size", "16", "--k_samples", "8", "--rollout_max_new_tokens", "64",
            "--max_prompt_length", "128", "--max_seq_length", "192", "--learning_rate_lora", "3e-4",

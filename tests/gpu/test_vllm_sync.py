@@ -4,12 +4,13 @@ process (one in-process vLLM engine per process)."""
 import importlib.util
 import json
 import os
-import shutil
 import subprocess
 import sys
 
 import pytest
 import torch
+
+from tests.trainer_setup import child_env as launcher_env, deepspeed_launcher
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("vllm") is None,
                                 reason="needs CUDA and vLLM")
@@ -46,12 +47,11 @@ def test_sync_is_exact_and_sleep_frees_memory(strategy, zero, tmp_path):
 def test_sync_is_exact_into_a_tensor_parallel_engine(strategy, tmp_path):
     """--vllm_tp 2: two data-parallel ranks share one vLLM engine sharded over both; each rank's sync fills its
     shard, so the whole engine scores like the trained policy after every step."""
-    launcher = ["deepspeed"] if shutil.which("deepspeed") else [sys.executable, "-m", "deepspeed.launcher.runner"]
     out = tmp_path / "result.json"
-    env = {k: v for k, v in child_env().items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR")}
-    proc = subprocess.run([*launcher, "--num_gpus", "2", "--master_port", "29571", os.path.join(HERE, "sync_check.py"),
-                           "--strategy", strategy, "--tp", "2", "--out", str(out)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=900)
+    proc = subprocess.run([*deepspeed_launcher(), "--num_gpus", "2", "--master_port", "29571",
+                           os.path.join(HERE, "sync_check.py"), "--strategy", strategy, "--tp", "2", "--out", str(out)],
+                          cwd=ROOT, env=launcher_env(VLLM_ENABLE_V1_MULTIPROCESSING="0"), capture_output=True,
+                          text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-6000:]
     result = json.loads(out.read_text())
     print(json.dumps(result))
