@@ -8,6 +8,9 @@ Streamed one module at a time, so memory stays bounded by the largest layer, nev
          plus the trained copies of modules_to_save
   qlora  dequantize_4bit(W) + (alpha / r) * B @ A, and on the first sync every other 4-bit linear dequantized too:
          the engine loads the unquantized checkpoint, and must sample from exactly the quantized policy being trained
+An engine that drops its weights while it sleeps (`needs_every_weight`, vLLM's level-2 sleep) gets the whole policy
+after every step instead: lora / qlora then also send their frozen tensors (embeddings, norms, layers without an
+adapter, 4-bit ones dequantized), which costs a copy on the GPU instead of two trips through CPU memory.
 """
 from __future__ import annotations
 
@@ -40,16 +43,18 @@ def checkpoint_name(module_name: str) -> str:
 
 
 def iter_policy_weights(model, strategy: str, *, dtype: torch.dtype = torch.bfloat16, zero3: bool = False,
-                        first_sync: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+                        first_sync: bool = True, everything: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (checkpoint name, tensor in `dtype`) for what the rollout engine must load after an optimizer step.
 
     `model` is the module being trained (DeepSpeed's `engine.module`): a plain HF model for "full", a peft model
     for "lora" / "qlora". With `zero3=True` its parameters are partitioned and each module's are gathered in turn.
+    `everything`: every tensor of the policy, not only what changed (for an engine that dropped its weights).
     """
     if strategy == "full":
         named = _iter_full(model, dtype, zero3)
     elif strategy in ("lora", "qlora"):
-        named = _iter_adapter(model, dtype, zero3, dequantize_frozen=first_sync and strategy == "qlora")
+        named = _iter_adapter(model, dtype, zero3, dequantize_frozen=everything or (first_sync and strategy == "qlora"),
+                              everything=everything)
     else:
         raise ConfigError(f"--tuning_strategy {strategy!r}: weight sync knows {', '.join(STRATEGIES)}")
     prefixes = checkpoint_prefixes(model)  # peft forwards .config to the base model
@@ -59,10 +64,13 @@ def iter_policy_weights(model, strategy: str, *, dtype: torch.dtype = torch.bflo
 
 def sync_weights(engine, model, strategy: str, *, zero3: bool = False, first_sync: bool = False,
                  dtype: torch.dtype = torch.bfloat16, chunk_bytes: int = 256 * 2**20) -> SyncStats:
-    """Stream the policy's weights into `engine.load_weights`, at most ~chunk_bytes per call (plus one tensor)."""
+    """Stream the policy's weights into `engine.load_weights`, at most ~chunk_bytes per call (plus one tensor).
+    All of them when the engine says it `needs_every_weight`, else what changed since the last sync."""
     start = time.perf_counter()
     total, count, chunk, chunk_size = 0, 0, [], 0
-    for name, tensor in iter_policy_weights(model, strategy, dtype=dtype, zero3=zero3, first_sync=first_sync):
+    everything = getattr(engine, "needs_every_weight", False)
+    for name, tensor in iter_policy_weights(model, strategy, dtype=dtype, zero3=zero3, first_sync=first_sync,
+                                            everything=everything):
         size = tensor.numel() * tensor.element_size()
         if chunk and chunk_size + size > chunk_bytes:
             engine.load_weights(chunk)
@@ -169,11 +177,12 @@ def _lora_merged(module, adapters: list[str], zero3: bool) -> tuple[torch.Tensor
     return weight, bias  # new tensors: they outlive a ZeRO-3 gather
 
 
-def _iter_adapter(model, dtype, zero3, dequantize_frozen: bool):
+def _iter_adapter(model, dtype, zero3, dequantize_frozen: bool, everything: bool = False):
     from peft.tuners.lora import LoraLayer
     from peft.utils.other import AuxiliaryTrainingWrapper, ModulesToSaveWrapper
 
     wrapped_prefixes: list[str] = []  # submodules of a wrapper are handled with the wrapper
+    seen: set[int] = set()  # with `everything`: tied weights (embed_tokens / lm_head) sent once
     for module_name, module in model.named_modules():
         if any(module_name.startswith(p) for p in wrapped_prefixes):
             continue
@@ -194,11 +203,20 @@ def _iter_adapter(model, dtype, zero3, dequantize_frozen: bool):
         elif isinstance(module, LoraLayer):
             wrapped_prefixes.append(module_name + ".")
             adapters = _lora_adapters(module)
-            if not adapters and not (dequantize_frozen and is_4bit(module.get_base_layer().weight)):
+            if not (adapters or everything or (dequantize_frozen and is_4bit(module.get_base_layer().weight))):
                 continue  # unchanged since the checkpoint the engine loaded
             weight, bias = _lora_merged(module, adapters, zero3)
             yield f"{name}.weight", weight.to(dtype)
-            if bias is not None and any(getattr(module, "lora_bias", {}).get(a, False) for a in adapters):
+            if bias is not None and (everything or any(getattr(module, "lora_bias", {}).get(a, False)
+                                                       for a in adapters)):
                 yield f"{name}.bias", bias.to(dtype)
         elif dequantize_frozen and is_4bit(getattr(module, "weight", None)):
             yield f"{name}.weight", dense_weight(module).to(dtype)
+            if everything and getattr(module, "bias", None) is not None:
+                yield f"{name}.bias", _owned(module.bias.data, dtype, zero3)
+        elif everything:  # a frozen module's own tensors (embeddings, norms, heads), as the checkpoint has them
+            params = [(n, p) for n, p in module.named_parameters(recurse=False) if id(p) not in seen]
+            seen.update(id(p) for _, p in params)
+            with _gathered([p for _, p in params], zero3):
+                for pname, param in params:
+                    yield f"{name}.{pname}", _owned(param.data, dtype, zero3)

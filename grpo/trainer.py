@@ -224,7 +224,7 @@ class GRPOTrainer:
         rounds as it takes to fill the step with groups whose rewards differ (see dynamic_sampling.py).
         Returns (kept, drawn): what the step trains on, and every completion sampled (for reward metrics)."""
         cfg = self.config
-        wake = self._switch_engine(awake=True)  # once for all rounds: sleep moves the weights out and back
+        wake = self._switch_engine(awake=True)  # once for all rounds: each sleep drops the KV cache and weights
         if not cfg.filter_zero_std_groups:
             kept = drawn = self._rollout_round()
         else:
@@ -429,7 +429,7 @@ class GRPOTrainer:
             images = self._prompt_images(rows)
             completions = self.rollout_engine.generate([r["prompt_ids"] for r in rows], sampling,
                                                        **({"images": images} if images else {}))
-            self.rollout_engine.sleep()
+            self.rollout_engine.sleep(keep_weights=True)  # no sync follows: the next rollout needs these weights
         if rows:
             texts = self.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
             result = self.rewards(texts, [r["answer"] for r in rows], [r["data_source"] for r in rows],

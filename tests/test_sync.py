@@ -202,6 +202,71 @@ def test_excluded_modules_stay_base_layers_in_the_sync(model_dir, strategy):
                       atol=1e-5 if strategy == "lora" else 1e-4)
 
 
+def scrambled(model):
+    """`model` with every parameter overwritten by noise: what an engine holds after dropping its weights."""
+    torch.manual_seed(3)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p))
+    return model
+
+
+class DroppingEngine(RecordingEngine):
+    """An engine whose sleep drops its weights (vLLM's level 2): every sync must send the whole policy."""
+    needs_every_weight = True
+
+
+@pytest.mark.parametrize("strategy", ["lora", "qlora"])
+def test_an_engine_that_drops_its_weights_gets_the_whole_policy(model_dir, strategy):
+    from transformers import AutoModelForCausalLM
+
+    policy = trained_policy(model_dir, strategy, targets="q_proj,v_proj")  # five linears per layer without adapter
+    engine = DroppingEngine()
+    stats = sync_weights(engine, policy, strategy, dtype=torch.float32)  # a later sync, not the first
+    named = [item for call in engine.calls for item in call]
+    checkpoint = AutoModelForCausalLM.from_pretrained(model_dir)
+    # every tensor of the checkpoint once: embeddings, norms, head, adapted and frozen (for qlora dequantized) linears
+    assert sorted(n for n, _ in named) == sorted(n for n, _ in checkpoint.named_parameters())
+    assert stats.tensors == len(named)
+    adapted = [(n, t) for n, t in named if n.endswith(("q_proj.weight", "v_proj.weight"))]
+    if strategy == "lora":  # (peft merges 4-bit layers back into 4 bits, so for qlora the logits are the check)
+        assert_equals_peft_merge(policy, named)
+    assert_reproduces(policy, lambda: scrambled(AutoModelForCausalLM.from_pretrained(model_dir)), named,
+                      atol=1e-5 if strategy == "lora" else 1e-4)
+    # an engine that keeps its weights still gets only what changed
+    keeping = RecordingEngine()
+    sync_weights(keeping, policy, strategy, dtype=torch.float32)
+    assert sorted(n for call in keeping.calls for n, _ in call) == sorted(n for n, _ in adapted)
+
+
+def test_the_whole_policy_sends_tied_weights_once_and_frozen_biases():
+    from peft import LoraConfig, get_peft_model
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    torch.manual_seed(4)
+    base_state = Qwen2ForCausalLM(config).state_dict()
+
+    def fresh_base():
+        model = Qwen2ForCausalLM(config)
+        model.load_state_dict(base_state)
+        return model
+
+    # q/k/v have biases in Qwen2: q_proj's sits under an adapter (no lora_bias), k/v's in frozen layers
+    policy = as_if_trained(get_peft_model(fresh_base(), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"],
+                                                                    lora_dropout=0.0)))
+    named = list(iter_policy_weights(policy, "lora", dtype=torch.float32, everything=True))
+    names = [n for n, _ in named]
+    assert len(names) == len(set(names))
+    assert sorted(names) == sorted(n for n, _ in fresh_base().named_parameters())  # lm_head is embed_tokens
+    assert "model.embed_tokens.weight" in names and "lm_head.weight" not in names
+    assert {f"model.layers.{i}.self_attn.{m}.bias" for i in range(2) for m in ("q_proj", "k_proj", "v_proj")} \
+        <= set(names)
+    assert_equals_peft_merge(policy, named)
+    assert_reproduces(policy, lambda: scrambled(fresh_base()), named)
+
+
 def test_sync_weights_streams_in_chunks(model_dir):
     policy = trained_policy(model_dir, "full")
     engine = RecordingEngine()

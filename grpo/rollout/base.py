@@ -41,8 +41,8 @@ class RolloutEngine(Protocol):
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Replace the engine's weights by these (HF checkpoint names)."""
 
-    def sleep(self) -> None:
-        """Release memory while the trainer runs."""
+    def sleep(self, keep_weights: bool = False) -> None:
+        """Release memory while the trainer runs; `keep_weights`: no sync follows, so the weights must survive."""
 
     def wake(self) -> None:
         """Take memory back before the next rollout."""

@@ -150,7 +150,7 @@ class HFRolloutEngine:
                                         for name, p in self.model.state_dict(keep_vars=True).items()}
         return self._by_checkpoint_name
 
-    def sleep(self) -> None:
+    def sleep(self, keep_weights: bool = False) -> None:
         """Nothing to release: the policy's memory is the trainer's."""
 
     def wake(self) -> None:

@@ -91,7 +91,7 @@ class RemoteRolloutEngine:
         self.bridge.broadcast_weights(tensors)
         self._answers(numbers)
 
-    def sleep(self) -> None:
+    def sleep(self, keep_weights: bool = False) -> None:
         """Nothing to release: the rollout ranks' memory is their own."""
 
     def wake(self) -> None:

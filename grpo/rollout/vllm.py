@@ -12,10 +12,11 @@ of a group runs the same scheduler and sampler, which only agree when the caller
   - every rank of a group generates the same prompts: generate() gathers the group's prompts over vLLM's own TP
     group, the group generates them together, and each rank keeps the completions of its own prompts.
 
-Sleep: level 1 (KV cache freed, weights parked in pinned CPU memory). Level 2 would drop the weights and is only
-safe when every weight is pushed after every step; LoRA / QLoRA syncs send only the adapted layers, so the
-others must survive the sleep. load_weights wakes the weights first, then overwrites them; wake() brings back the
-KV cache.
+Sleep: level 2 by default (KV cache and weights dropped): the trainer syncs after every step anyway, and with
+`needs_every_weight` set the sync sends the whole policy (lora / qlora too), a copy on the GPU, where level 1
+would park the weights in pinned CPU memory at every sleep and copy them back at every wake. Level 1 is for callers
+that sync only what changed. load_weights wakes the weights first, then overwrites them; wake() brings back the
+KV cache, and refuses to run on weights that a level-2 sleep dropped and no sync has loaded since.
 """
 from __future__ import annotations
 
@@ -48,10 +49,14 @@ class VLLMRolloutEngine:
 
     def __init__(self, model_path: str, *, tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.3,
                  dtype: str = "bfloat16", max_model_len: int = 2048, seed: int = 0, enable_sleep: bool = True,
-                 enforce_eager: bool = False, stop_token_ids: list[int] | None = None,
+                 sleep_level: int = 2, enforce_eager: bool = False, stop_token_ids: list[int] | None = None,
                  max_images_per_prompt: int = 0, image_token_id: int | None = None):
         """`max_images_per_prompt` > 0 (with the model's `image_token_id`) serves a vision-language model: prompts
-        then come with their images, passed as multi_modal_data (vLLM runs the model's own image processor)."""
+        then come with their images, passed as multi_modal_data (vLLM runs the model's own image processor).
+        `sleep_level` 2 drops the weights in sleep(), so every sync must send all of them (see the module docstring)."""
+        if sleep_level not in (1, 2):
+            raise ConfigError(f"sleep_level={sleep_level}: vLLM sleeps at level 1 (weights kept in CPU memory) or 2 "
+                              "(weights dropped)")
         vllm = _import_vllm()
         self._vllm = vllm
         self.tp = tensor_parallel_size
@@ -60,6 +65,10 @@ class VLLMRolloutEngine:
         self.max_model_len = max_model_len
         self.stop_token_ids = list(stop_token_ids or [])
         self.enable_sleep = enable_sleep
+        self.sleep_level = sleep_level
+        # read by grpo.sync.sync_weights: a level-2 sleep leaves nothing of the previous weights to build on
+        self.needs_every_weight = enable_sleep and sleep_level == 2
+        self._weights_dropped = False  # a level-2 sleep dropped them and no load_weights has run since
         self.image_token_id = image_token_id
         self.suppress_token_ids = [image_token_id] if image_token_id is not None else []  # never sample a placeholder
         multimodal = {"limit_mm_per_prompt": {"image": max_images_per_prompt, "video": 0}} \
@@ -147,25 +156,32 @@ class VLLMRolloutEngine:
         tensors = list(named_tensors)
         # the model's own load_weights maps checkpoint names onto vLLM's fused / sharded parameters
         self.llm.apply_model(lambda model: model.load_weights(tensors))
+        self._weights_dropped = False
         self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
 
     # ------------------------------------------------------------------------------------------ memory
-    def sleep(self) -> None:
-        """Free the KV cache and park the weights in CPU memory while the trainer uses the GPU."""
+    def sleep(self, keep_weights: bool = False) -> None:
+        """Free the KV cache and the weights (level 2: dropped; level 1: parked in CPU memory) while the trainer
+        uses the GPU. `keep_weights`: level 1 this time, for a sleep that no sync follows (after an evaluation)."""
         if not self.enable_sleep or self._asleep:
             return
+        level = 1 if keep_weights else self.sleep_level
         torch.cuda.synchronize()
         before = torch.cuda.mem_get_info()[0]
-        self.llm.sleep(level=1)
+        self.llm.sleep(level=level)
         torch.cuda.synchronize()
         self.last_sleep_freed_bytes = torch.cuda.mem_get_info()[0] - before
         self._asleep = {"weights", "kv_cache"}
+        self._weights_dropped = level == 2
         self._sleeps += 1
         log = logger.info if self._sleeps == 1 else logger.debug
         log(f"vLLM asleep: {self.last_sleep_freed_bytes / 2**30:.2f} GiB GPU memory freed")
 
     def wake(self) -> None:
         """Take the memory back (weights first if no sync did, then the KV cache) before the next rollout."""
+        if self._weights_dropped:
+            raise RuntimeError("vLLM's weights were dropped by its level-2 sleep and no sync has loaded them since: "
+                               "call grpo.sync.sync_weights(engine, ...) after sleep() and before generating")
         if self._asleep:
             self.llm.wake_up(tags=sorted(self._asleep, key=["weights", "kv_cache"].index))
             self._asleep = set()

@@ -4,12 +4,13 @@
     deepspeed --num_gpus 2 tests/gpu/sync_check.py --strategy lora --tp 2 --out result.json   # one engine, TP 2
 
 Builds (once, on the GPU) a ~200M-parameter random Llama whose output layer is scaled up so that log-probs are far
-from flat, trains it with DeepSpeed for 3 steps on a fixed sequence with vLLM asleep, syncs after each step, wakes
-vLLM and records per step, as mean |vLLM log-prob - trainer log-prob| over the sequence:
+from flat, trains it with DeepSpeed for 3 steps on a fixed sequence with vLLM asleep (level 2: its weights dropped,
+so each sync sends the whole policy), syncs after each step, wakes vLLM and records per step, as mean |vLLM log-prob - trainer log-prob| over the sequence:
   synced        the engine after this step's sync
   stale         the engine before this step's sync (an engine that missed one sync)
   never_synced  the engine as started from the checkpoint (an engine never synced)
-plus the sync's time / bytes / tensors and the GPU memory freed by sleep; then samples from the woken engine.
+plus the sync's time / bytes / tensors and the GPU memory freed by sleep; then checks that waking after a sleep with
+no sync is refused, and samples from the woken engine.
 With --tp 2 (two ranks), both ranks train the same sequence (data parallel) and share one vLLM engine sharded over
 them, so each rank's sync must land in its own shard; rank 0 writes the result.
 """
@@ -126,12 +127,21 @@ def main():
         previous = synced
         if main_rank:
             print(json.dumps(rows[-1]), flush=True)
+    # a level-2 sleep dropped the weights: waking without a sync is refused, and a sync makes the engine whole again
+    vllm.sleep()
+    try:
+        vllm.wake()
+        refused = False
+    except RuntimeError:
+        refused = True
+    sync_weights(vllm, engine.module, args.strategy, zero3=args.zero == 3)
+    vllm.wake()
     # the woken, synced engine still generates
     start = time.perf_counter()
     out = vllm.generate([sequence[0, :16].tolist(), sequence[0, 16:40].tolist()],
                         SamplingSettings(n=4, max_new_tokens=32))
     rows.append({"generate_s": time.perf_counter() - start, "completions": len(out),
-                 "prompt_order": [c.prompt_index for c in out],
+                 "unsynced_wake_refused": refused, "prompt_order": [c.prompt_index for c in out],
                  "lengths_ok": all(len(c.token_ids) == len(c.logprobs) > 0 for c in out),
                  "finite_logprobs": all(torch.isfinite(torch.tensor(c.logprobs)).all().item() for c in out)})
     if main_rank:

@@ -74,6 +74,7 @@ def check_sync(result: dict, strategy: str) -> None:
     generated = result["rows"][-1]
     assert generated["completions"] == 8 and generated["prompt_order"] == [0] * 4 + [1] * 4
     assert generated["lengths_ok"] and generated["finite_logprobs"]
+    assert generated["unsynced_wake_refused"]  # its level-2 sleep dropped the weights: no rollout on garbage
 
 
 @pytest.mark.parametrize("strategy", ["full", "lora", "qlora"])

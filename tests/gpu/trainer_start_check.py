@@ -50,7 +50,7 @@ def main():
     checkpoint_model = AutoModelForCausalLM.from_pretrained(trainer.model_path, dtype=torch.bfloat16).cuda()
     checkpoint = logprobs_of(checkpoint_model)
     del checkpoint_model
-    trainer.rollout_engine.sleep()  # as after construction in a run: evaluate() wakes it
+    trainer.rollout_engine.sleep(keep_weights=True)  # as after an evaluation: the next evaluate() wakes it
     metrics = trainer.evaluate()
     result = {"strategy": args.strategy, "tokens": len(sequence),
               "engine_vs_policy": (engine - policy).abs().mean().item(),
