@@ -6,6 +6,7 @@ tokens. A QLoRA run can learn the format, but the numbers it boxes come from thi
 
     python benchmarks/quantized_arithmetic.py                                    # full, qlora, MLP / attention kept
     python benchmarks/quantized_arithmetic.py --variants qlora qlora+loftq "qlora:down_proj" --prompts 50
+    python benchmarks/quantized_arithmetic.py --variants qlora qlora@fp4 qlora@fp4+loftq   # the 4-bit data type
 """
 from __future__ import annotations
 
@@ -28,11 +29,12 @@ def policy_and_prompts(model: str, variant: str, prompts: int, out_dir: str):
     from grpo.config import GRPOConfig
     from grpo.trainer import GRPOTrainer
 
-    strategy, _, skip = variant.partition(":")
-    strategy, _, init = strategy.partition("+")  # "qlora+loftq": the rounding correction on
+    head, _, skip = variant.partition(":")
+    head, _, init = head.partition("+")  # "qlora+loftq": the rounding correction on
+    strategy, _, quant = head.partition("@")  # "qlora@fp4": the 4-bit data type
     config = GRPOConfig(model_name_or_path=model, dataset_names=["arith"], output_dir=out_dir,
                         overwrite_output_dir=True, tuning_strategy=strategy, qlora_skip_modules=skip or None,
-                        **({"qlora_init": init} if init else {}),
+                        **({"qlora_init": init} if init else {}), **({"qlora_quant_type": quant} if quant else {}),
                         eval_max_prompts=prompts, max_prompt_length=128, max_seq_length=192,
                         rollout_max_new_tokens=64, max_steps=1, save_steps=0, seed=0)
     trainer = GRPOTrainer(config)

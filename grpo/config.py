@@ -20,6 +20,7 @@ from .roles import job_world_size
 EMBEDDED_MODEL = "smollm2-135m-instruct"
 STRATEGIES = ("qlora", "lora", "full")
 QLORA_INITS = ("zero", "loftq")
+QLORA_QUANT_TYPES = ("nf4", "fp4")
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 REWARD_SCALES = ("group", "batch", "none")
 KL_ESTIMATORS = ("k1", "k2", "k3")
@@ -69,6 +70,11 @@ class GRPOConfig:
     qlora_skip_modules: Optional[str] = _opt(
         None, "qlora: linear layers kept in 16-bit instead of 4-bit, comma-separated names or suffixes (e.g. "
               "'v_proj,down_proj', the layers 4-bit rounding hurts most); the output layer is always kept.", "model")
+    qlora_quant_type: str = _opt(
+        "nf4", "qlora: the 4-bit data type of the frozen base. nf4: NormalFloat, the least weight error overall. "
+               "fp4: bitsandbytes' 4-bit float, with more range for a heavy-tailed layer's large weights; on "
+               "SmolLM2-135M it keeps the base's arithmetic (see benchmarks/quantized_arithmetic.py).", "model",
+        choices=QLORA_QUANT_TYPES)
     qlora_init: str = _opt(
         "zero", "qlora: zero: the policy starts as the 4-bit model (B = 0). loftq: a frozen rank-r correction of "
                 "the 4-bit rounding error (best rank-r approximation of W - dequantize(Q), W read from the "
@@ -364,6 +370,10 @@ class GRPOConfig:
              "give comma-separated module names, e.g. v_proj,down_proj")
         if self.lora_exclude_modules is not None:
             self._validate_lora_exclude(need)
+        need(self.qlora_quant_type in QLORA_QUANT_TYPES, "qlora_quant_type",
+             f"got '{self.qlora_quant_type}', choose one of {', '.join(QLORA_QUANT_TYPES)}")
+        need(self.qlora_quant_type == "nf4" or self.tuning_strategy == "qlora", "qlora_quant_type",
+             "needs --tuning_strategy qlora")
         need(self.qlora_init in QLORA_INITS, "qlora_init",
              f"got '{self.qlora_init}', choose one of {', '.join(QLORA_INITS)}")
         if self.qlora_init == "loftq":

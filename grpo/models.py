@@ -73,7 +73,7 @@ def load_policy(config: GRPOConfig, model_path: str, dtype: torch.dtype, device:
         skip = vision.quantization_skip_modules(model_path) if is_vl else None
         if config.qlora_skip_list:
             skip = (skip or ["lm_head"]) + config.qlora_skip_list
-        quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+        quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=config.qlora_quant_type,
                                           bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=dtype,
                                           llm_int8_skip_modules=skip)
     model = load_base_model(model_path, dtype, device, config.trust_remote_code, quantization)

@@ -232,6 +232,39 @@ def test_qlora_keeps_named_layers_in_full_precision(model_dir):
                     torch.float32, CPU)
 
 
+@pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
+def test_qlora_base_uses_the_chosen_4bit_type_and_syncs_it(model_dir, quant_type):
+    import bitsandbytes.functional as bnbf
+
+    from grpo.sync import iter_policy_weights
+
+    policy = adapted_policy(config(model_dir, tuning_strategy="qlora", qlora_quant_type=quant_type), model_dir)
+    layer = policy.base_model.model.model.layers[0].mlp.up_proj
+    weight = layer.base_layer.weight
+    assert weight.quant_state.quant_type == quant_type
+    # the checkpoint's weight, rounded to this 4-bit type as bitsandbytes does it, is what the policy runs on
+    from transformers import AutoModelForCausalLM
+
+    dense = AutoModelForCausalLM.from_pretrained(model_dir).model.layers[0].mlp.up_proj.weight.data
+    q, state = bnbf.quantize_4bit(dense, blocksize=weight.quant_state.blocksize, quant_type=quant_type)
+    rounded = bnbf.dequantize_4bit(q, state).float()
+    torch.testing.assert_close(bnbf.dequantize_4bit(weight.data, weight.quant_state).float(), rounded,
+                               atol=2e-3, rtol=0)  # double quantization rounds the block scales once more
+    # (the other 4-bit type rounds this weight up to ~0.09 away)
+    synced = dict(iter_policy_weights(policy, "qlora", dtype=torch.float32))
+    scale = layer.scaling["default"]
+    delta = layer.lora_B["default"].weight @ layer.lora_A["default"].weight * scale
+    torch.testing.assert_close(synced["model.layers.0.mlp.up_proj.weight"],
+                               bnbf.dequantize_4bit(weight.data, weight.quant_state).float() + delta)
+
+
+def test_qlora_quant_type_errors(model_dir):
+    with pytest.raises(ConfigError, match="qlora_quant_type.*choose one of nf4, fp4"):
+        config(model_dir, tuning_strategy="qlora", qlora_quant_type="int4")
+    with pytest.raises(ConfigError, match="qlora_quant_type.*needs --tuning_strategy qlora"):
+        config(model_dir, tuning_strategy="lora", qlora_quant_type="fp4")
+
+
 def test_training_on_cuda_leaves_cudnn_attention_out():
     # cuDNN attention builds a plan for every new batch shape; the flag is process-wide, so it is put back after
     before = torch.backends.cuda.cudnn_sdp_enabled()
