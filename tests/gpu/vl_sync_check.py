@@ -72,6 +72,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--strategy", choices=["full", "lora", "qlora"], required=True)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--sleep_level", type=int, default=2, choices=[1, 2])
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
@@ -103,7 +104,8 @@ def main():
                                       config=load_deepspeed_config(cfg, use_bf16=True))
     start = time.perf_counter()
     vllm = VLLMRolloutEngine(path, gpu_memory_utilization=0.3, max_model_len=1024, seed=0, enforce_eager=True,
-                             max_images_per_prompt=1, image_token_id=processor.image_token_id)
+                             sleep_level=args.sleep_level, max_images_per_prompt=1,
+                             image_token_id=processor.image_token_id)
     engine_start_s = time.perf_counter() - start
 
     shapes = os.path.join(ROOT, "data", "shapes", "images", "0000.png")
