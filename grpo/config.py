@@ -221,7 +221,9 @@ class GRPOConfig:
     vllm_gpu_memory_utilization: Optional[float] = _opt(
         None, "Fraction of GPU memory vLLM may take. Default: 0.3 colocated (training needs the rest), 0.85 on the "
               "rollout ranks of server mode (their GPUs only generate).", "rollout")
-    vllm_sleep: bool = _opt(True, "Put vLLM to sleep (free KV cache) while DeepSpeed trains.", "rollout")
+    vllm_sleep: bool = _opt(True, "Put vLLM to sleep while DeepSpeed trains: its KV cache and weights are freed, and "
+                                    "every sync then sends the whole policy. false: it stays awake, and a lora / qlora "
+                                    "sync sends only the adapted layers.", "rollout")
     logprob_check_steps: int = _opt(
         10, "Ask the rollout engine for its sampling log-probs every N steps, for the rollout/logprob_diff metric "
             "(always with --rollout_is_correction); vLLM generates faster without them.", "rollout")
