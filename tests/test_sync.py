@@ -98,20 +98,26 @@ def test_lora_yields_only_the_merged_targets(model_dir):
     assert all(torch.equal(p, before[n]) for n, p in policy.named_parameters())
 
 
-def test_lora_bias_modules_to_save_and_per_module_alpha():
-    from peft import LoraConfig, get_peft_model
+def qwen2_base(seed: int, tie_word_embeddings: bool):
+    """A factory of one tiny random Qwen2 (biases on q/k/v), the same weights each call."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     config = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
-    torch.manual_seed(1)
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tie_word_embeddings)
+    torch.manual_seed(seed)
     base_state = Qwen2ForCausalLM(config).state_dict()
 
     def fresh_base():
         model = Qwen2ForCausalLM(config)
         model.load_state_dict(base_state)
         return model
+    return fresh_base
 
+
+def test_lora_bias_modules_to_save_and_per_module_alpha():
+    from peft import LoraConfig, get_peft_model
+
+    fresh_base = qwen2_base(seed=1, tie_word_embeddings=False)
     # q/v have biases in Qwen2; v_proj gets its own alpha, so the two scalings differ (8/4 = 2 and 32/4 = 8)
     lora = LoraConfig(r=4, lora_alpha=8, alpha_pattern={"v_proj": 32}, target_modules=["q_proj", "v_proj"],
                       lora_bias=True, modules_to_save=["lm_head"], lora_dropout=0.0)
@@ -241,18 +247,8 @@ def test_an_engine_that_drops_its_weights_gets_the_whole_policy(model_dir, strat
 
 def test_the_whole_policy_sends_tied_weights_once_and_frozen_biases():
     from peft import LoraConfig, get_peft_model
-    from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    config = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
-    torch.manual_seed(4)
-    base_state = Qwen2ForCausalLM(config).state_dict()
-
-    def fresh_base():
-        model = Qwen2ForCausalLM(config)
-        model.load_state_dict(base_state)
-        return model
-
+    fresh_base = qwen2_base(seed=4, tie_word_embeddings=True)
     # q/k/v have biases in Qwen2: q_proj's sits under an adapter (no lora_bias), k/v's in frozen layers
     policy = as_if_trained(get_peft_model(fresh_base(), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"],
                                                                     lora_dropout=0.0)))
