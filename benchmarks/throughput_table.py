@@ -50,6 +50,11 @@ def grpo_run(folder: str, name: str) -> dict:
                sync_s=total("time/sync") / len(rows),
                rollout_tok_s=tokens / total("time/rollout") if total("time/rollout") else None,
                generate_tok_s=tokens / total("time/rollout_generate") if total("time/rollout_generate") else None)
+    # the median step too: one slow step (a busy host, a collection) moves the mean, as bare vLLM's best / median
+    per_step = lambda key: statistics.median(  # noqa: E731
+        r["completion/length_mean"] * per_rank / r[key] for r in rows if r.get(key))
+    out.update(rollout_tok_s_median=per_step("time/rollout") if total("time/rollout") else None,
+               generate_tok_s_median=per_step("time/rollout_generate") if total("time/rollout_generate") else None)
     if "async" in meta.get("mode", ""):  # its wait is only what training did not hide: no generation rate
         out["generate_tok_s"] = None
     out["rollout_parts"] = {key[len("time/rollout_"):]: total(key) / len(rows) for key in sorted(rows[0])
@@ -73,6 +78,8 @@ def rollout_section(folder: str) -> None:
         print(f"{r0['prompts']} random prompts of {r0['prompt_len']} tokens x n={r0['k']}, {r0['max_new']} new "
               f"tokens each (EOS ignored), temperature 1; best of {r0['repeats']} after a warm-up.\n")
     bare = {r["logprobs"]: r["tok_s"] for r in rows if r["engine"] == "bare vLLM"}
+    bare_median = next((r["tok_s_median"] for r in rows if r["engine"] == "bare vLLM" and not r["logprobs"]), None)
+    median_ratio = lambda x: ratio(x, bare_median)  # noqa: E731  (the run's median step against bare's median call)
     print("| engine | call | logprobs | tokens | s | tok/s (best) | tok/s (median) | / bare |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
@@ -85,21 +92,26 @@ def rollout_section(folder: str) -> None:
     if run.get("measured_steps"):
         print(f"| grpo, train_grpo.py run | rollout phase: generate only | None* | "
               f"{run['length_mean'] * run['samples_per_step']:,.0f}/step | {run['generate_s']:.3f} | "
-              f"{num(run['generate_tok_s'])} | - | {ratio(run['generate_tok_s'], bare.get(False))} |")
+              f"{num(run['generate_tok_s'])} (mean) | {num(run['generate_tok_s_median'])} | "
+              f"{ratio(run['generate_tok_s'], bare.get(False))} / {median_ratio(run['generate_tok_s_median'])} |")
         print(f"| grpo, train_grpo.py run | rollout phase: + wake, sleep, decode | None* | "
               f"{run['length_mean'] * run['samples_per_step']:,.0f}/step | {run['rollout_s']:.3f} | "
-              f"{num(run['rollout_tok_s'])} | - | {ratio(run['rollout_tok_s'], bare.get(False))} |")
+              f"{num(run['rollout_tok_s'])} (mean) | {num(run['rollout_tok_s_median'])} | "
+              f"{ratio(run['rollout_tok_s'], bare.get(False))} / {median_ratio(run['rollout_tok_s_median'])} |")
         parts = ", ".join(f"{name} {seconds:.3f}" for name, seconds in run["rollout_parts"].items())
         print(f"| grpo, train_grpo.py run | rollout phase, s per step by part: {parts} | | | | | | |")
         print(f"\n*train run: `arith` prompts (chat template, about 50 tokens), {run['max_new']} new tokens at most "
-              f"(mean {run['length_mean']:.1f}), means over steps 2-{run['measured_steps'] + 1}; the engine is asked "
+              f"(mean {run['length_mean']:.1f}), mean and median step over steps 2-{run['measured_steps'] + 1} (/ bare: mean "
+              f"against bare's best, median against bare's median); the engine is asked "
               f"for log-probs only on the steps of --logprob_check_steps (the first step here).")
     else:
         print(f"\ntrain_grpo.py run: {status(run)}")
     print(f"\ngrpo / bare vLLM tokens/s: VLLMRolloutEngine.generate {ratio(wrapped.get(False), bare.get(False))} "
           f"(logprobs None), {ratio(wrapped.get(True), bare.get(True))} (logprobs 0); train run's rollout phase "
           f"{ratio(run.get('generate_tok_s'), bare.get(False))} (generate only), "
-          f"{ratio(run.get('rollout_tok_s'), bare.get(False))} (whole phase)\n")
+          f"{ratio(run.get('rollout_tok_s'), bare.get(False))} (whole phase); median step vs bare's median: "
+          f"{median_ratio(run.get('generate_tok_s_median'))} (generate only), "
+          f"{median_ratio(run.get('rollout_tok_s_median'))} (whole phase)\n")
 
 
 def trl_section(folder: str) -> None:
