@@ -14,7 +14,10 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.
                                 reason="needs CUDA and vLLM")
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
-SYNCED_MAX = 0.03  # mean |log-prob difference|, both bf16; vLLM's image processor may resize slightly differently
+# mean |log-prob difference|, both bf16; vLLM's image processor may resize slightly differently. The qlora policy after
+# step 2 is the touchiest: 0.034 with the weights kept over sleep (level 1), 0.017 and 0.041 dropped and re-sent
+# (level 2), in three runs on one H100; a stale engine is 1.9 or more off.
+SYNCED_MAX = 0.05
 
 
 @pytest.mark.parametrize("strategy", ["full", "lora", "qlora"])
