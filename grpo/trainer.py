@@ -239,10 +239,17 @@ class GRPOTrainer:
         """Wake the rollout engine (or put it to sleep); returns the seconds it took."""
         start = time.perf_counter()
         if awake:
-            self.rollout_engine.wake()
+            self._wake_engine()
         else:
             self.rollout_engine.sleep()
         return time.perf_counter() - start
+
+    def _wake_engine(self) -> None:
+        """Wake the rollout engine; if its last sleep dropped its weights and no sync followed (a step stopped between
+        its rollout and its sync, e.g. interrupted in a notebook), give it the policy again first."""
+        if getattr(self.rollout_engine, "weights_dropped", False):
+            self._sync_rollout_weights()
+        self.rollout_engine.wake()
 
     def _rollout_round(self) -> RolloutRound:
         # --async_rollout: this step's request went out during the previous step; the next step's goes out now, so
@@ -423,7 +430,7 @@ class GRPOTrainer:
         rows = [self.eval_set[i] for i in mine]
         samples = []
         if rows or getattr(self.rollout_engine, "collective_generate", False):  # all ranks generate together
-            self.rollout_engine.wake()
+            self._wake_engine()
             sampling = SamplingSettings(n=1, max_new_tokens=cfg.rollout_max_new_tokens, temperature=cfg.temperature,
                                         top_p=cfg.top_p, greedy=cfg.eval_greedy, logprobs=False)
             images = self._prompt_images(rows)

@@ -370,3 +370,44 @@ def test_resume_names_options_that_changed(tmp_path, caplog):
     assert "max_steps" not in caplog.text and "resume_from_checkpoint" not in caplog.text  # changes that are meant
     assert not (tmp_path / "missing.json").exists()
     warn_changed_options(str(tmp_path / "missing.json"), now)  # nothing saved to compare with: no error
+
+
+class ForgetfulEngine:
+    """The HF engine behind the interface of an engine whose sleep drops its weights (vLLM's level 2): it records
+    what syncs load, and refuses to wake on dropped weights, as VLLMRolloutEngine does."""
+    needs_every_weight = True
+
+    def __init__(self, engine):
+        self.engine, self.loaded, self.weights_dropped = engine, [], False
+
+    def generate(self, *args, **kwargs):
+        return self.engine.generate(*args, **kwargs)
+
+    def load_weights(self, named):
+        self.loaded += [name for name, _ in named]
+        self.weights_dropped = False
+
+    def sleep(self, keep_weights=False):
+        self.weights_dropped = not keep_weights
+
+    def wake(self):
+        assert not self.weights_dropped, "woken on dropped weights"
+
+
+def test_an_engine_left_without_weights_gets_the_policy_before_it_wakes(tiny_model, registry, tmp_path, monkeypatch):
+    import grpo.trainer as trainer_module
+
+    trainer = GRPOTrainer(tiny_config(tiny_model, registry, str(tmp_path)))
+    engine = trainer.rollout_engine = ForgetfulEngine(trainer.rollout_engine)
+    monkeypatch.setattr(trainer_module, "engine_holds_weights", lambda config: True)  # as for vLLM
+    engine.sleep()  # as when a step stops between its rollout's sleep and its sync (e.g. interrupted in a notebook)
+    trainer.evaluate()
+    # the whole policy went in first: every tensor of the checkpoint, under the checkpoint's names
+    from transformers import AutoModelForCausalLM
+
+    assert sorted(engine.loaded) == sorted(n for n, _ in AutoModelForCausalLM.from_pretrained(tiny_model)
+                                           .named_parameters())
+    # an evaluation's own sleep keeps the weights: the next one needs no sync
+    engine.loaded.clear()
+    trainer.evaluate()
+    assert engine.loaded == [] and not engine.weights_dropped

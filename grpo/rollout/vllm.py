@@ -68,7 +68,7 @@ class VLLMRolloutEngine:
         self.sleep_level = sleep_level
         # read by grpo.sync.sync_weights: a level-2 sleep leaves nothing of the previous weights to build on
         self.needs_every_weight = enable_sleep and sleep_level == 2
-        self._weights_dropped = False  # a level-2 sleep dropped them and no load_weights has run since
+        self.weights_dropped = False  # a level-2 sleep dropped them and no load_weights has run since
         self.image_token_id = image_token_id
         self.suppress_token_ids = [image_token_id] if image_token_id is not None else []  # never sample a placeholder
         multimodal = {"limit_mm_per_prompt": {"image": max_images_per_prompt, "video": 0}} \
@@ -156,7 +156,7 @@ class VLLMRolloutEngine:
         tensors = list(named_tensors)
         # the model's own load_weights maps checkpoint names onto vLLM's fused / sharded parameters
         self.llm.apply_model(lambda model: model.load_weights(tensors))
-        self._weights_dropped = False
+        self.weights_dropped = False
         self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
 
     # ------------------------------------------------------------------------------------------ memory
@@ -172,14 +172,14 @@ class VLLMRolloutEngine:
         torch.cuda.synchronize()
         self.last_sleep_freed_bytes = torch.cuda.mem_get_info()[0] - before
         self._asleep = {"weights", "kv_cache"}
-        self._weights_dropped = level == 2
+        self.weights_dropped = level == 2
         self._sleeps += 1
         log = logger.info if self._sleeps == 1 else logger.debug
         log(f"vLLM asleep: {self.last_sleep_freed_bytes / 2**30:.2f} GiB GPU memory freed")
 
     def wake(self) -> None:
         """Take the memory back (weights first if no sync did, then the KV cache) before the next rollout."""
-        if self._weights_dropped:
+        if self.weights_dropped:
             raise RuntimeError("vLLM's weights were dropped by its level-2 sleep and no sync has loaded them since: "
                                "call grpo.sync.sync_weights(engine, ...) after sleep() and before generating")
         if self._asleep:
