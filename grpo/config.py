@@ -223,7 +223,13 @@ class GRPOConfig:
               "rollout ranks of server mode (their GPUs only generate).", "rollout")
     vllm_sleep: bool = _opt(True, "Put vLLM to sleep while DeepSpeed trains: its KV cache and weights are freed, and "
                                     "every sync then sends the whole policy. false: it stays awake, and a lora / qlora "
-                                    "sync sends only the adapted layers.", "rollout")
+                                    "sync sends only the adapted layers. Colocated vLLM only (rollout ranks of "
+                                    "server mode never sleep).", "rollout")
+    vllm_sleep_level: int = _opt(
+        2, "With --vllm_sleep: 2 drops the weights, and every sync sends the whole policy (a copy on the GPU); 1 "
+           "parks them in pinned CPU memory and copies them back at each wake. Use 1 for a model whose vLLM "
+           "implementation derives parameters after loading (MLA attention, e.g. DeepSeek-V2/V3), which a sync "
+           "cannot rewrite.", "rollout", choices=(1, 2))
     logprob_check_steps: int = _opt(
         10, "Ask the rollout engine for its sampling log-probs every N steps, for the rollout/logprob_diff metric "
             "(always with --rollout_is_correction); vLLM generates faster without them.", "rollout")
@@ -372,6 +378,7 @@ class GRPOConfig:
              "give comma-separated module names, e.g. v_proj,down_proj")
         if self.lora_exclude_modules is not None:
             self._validate_lora_exclude(need)
+        need(self.vllm_sleep_level in (1, 2), "vllm_sleep_level", f"got {self.vllm_sleep_level}, choose 1 or 2")
         need(self.qlora_quant_type in QLORA_QUANT_TYPES, "qlora_quant_type",
              f"got '{self.qlora_quant_type}', choose one of {', '.join(QLORA_QUANT_TYPES)}")
         need(self.qlora_quant_type == "nf4" or self.tuning_strategy == "qlora", "qlora_quant_type",

@@ -69,11 +69,12 @@ def sync_weights(engine, model, strategy: str, *, zero3: bool = False, first_syn
     start = time.perf_counter()
     total, count, chunk, chunk_size = 0, 0, [], 0
     everything = getattr(engine, "needs_every_weight", False)
+    partial = {"complete": False} if everything else {}  # the engine may wake only once the last chunk is in
     for name, tensor in iter_policy_weights(model, strategy, dtype=dtype, zero3=zero3, first_sync=first_sync,
                                             everything=everything):
         size = tensor.numel() * tensor.element_size()
         if chunk and chunk_size + size > chunk_bytes:
-            engine.load_weights(chunk)
+            engine.load_weights(chunk, **partial)
             chunk, chunk_size = [], 0
         chunk.append((name, tensor))
         chunk_size += size
@@ -190,10 +191,12 @@ def _iter_adapter(model, dtype, zero3, dequantize_frozen: bool, everything: bool
         if isinstance(module, ModulesToSaveWrapper):
             wrapped_prefixes.append(module_name + ".")
             active = [a for a in _active_adapters(module) if a in module.modules_to_save]
-            if not active:
+            if not active and not everything:
                 continue
-            trained = module.modules_to_save[active[0]]  # what the wrapper's forward runs
+            # what the wrapper's forward runs: the active adapter's trained copy, else the original module
+            trained = module.modules_to_save[active[0]] if active else module.original_module
             params = list(trained.named_parameters())
+            seen.update(id(p) for _, p in params)
             with _gathered([p for _, p in params], zero3):
                 for pname, param in params:
                     yield f"{name}.{pname}", _owned(param.data, dtype, zero3)
@@ -205,15 +208,18 @@ def _iter_adapter(model, dtype, zero3, dequantize_frozen: bool, everything: bool
             adapters = _lora_adapters(module)
             if not (adapters or everything or (dequantize_frozen and is_4bit(module.get_base_layer().weight))):
                 continue  # unchanged since the checkpoint the engine loaded
+            seen.update(id(p) for p in module.get_base_layer().parameters())
             weight, bias = _lora_merged(module, adapters, zero3)
             yield f"{name}.weight", weight.to(dtype)
             if bias is not None and (everything or any(getattr(module, "lora_bias", {}).get(a, False)
                                                        for a in adapters)):
                 yield f"{name}.bias", bias.to(dtype)
         elif dequantize_frozen and is_4bit(getattr(module, "weight", None)):
+            seen.update(id(p) for p in module.parameters(recurse=False))
             yield f"{name}.weight", dense_weight(module).to(dtype)
             if everything and getattr(module, "bias", None) is not None:
-                yield f"{name}.bias", _owned(module.bias.data, dtype, zero3)
+                with _gathered([module.bias], zero3):
+                    yield f"{name}.bias", _owned(module.bias.data, dtype, zero3)
         elif everything:  # a frozen module's own tensors (embeddings, norms, heads), as the checkpoint has them
             params = [(n, p) for n, p in module.named_parameters(recurse=False) if id(p) not in seen]
             seen.update(id(p) for _, p in params)

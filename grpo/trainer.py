@@ -245,11 +245,16 @@ class GRPOTrainer:
         return time.perf_counter() - start
 
     def _wake_engine(self) -> None:
-        """Wake the rollout engine; if its last sleep dropped its weights and no sync followed (a step stopped between
-        its rollout and its sync, e.g. interrupted in a notebook), give it the policy again first."""
-        if getattr(self.rollout_engine, "weights_dropped", False):
-            self._sync_rollout_weights()
+        """Wake the rollout engine, after giving it the policy again where needed (see _restore_engine_weights)."""
+        self._restore_engine_weights()
         self.rollout_engine.wake()
+
+    def _restore_engine_weights(self) -> None:
+        """If the engine's last sleep dropped its weights and no whole sync followed (a step stopped between its
+        rollout and its sync, e.g. interrupted in a notebook), sync again. Every rank takes part and they agree first:
+        under ZeRO-3 the sync gathers parameters collectively."""
+        if dist_utils.any_rank(getattr(self.rollout_engine, "weights_dropped", False)):
+            self._sync_rollout_weights()
 
     def _rollout_round(self) -> RolloutRound:
         # --async_rollout: this step's request went out during the previous step; the next step's goes out now, so
@@ -429,8 +434,9 @@ class GRPOTrainer:
         mine = list(range(self.rank, len(self.eval_set), self.world))
         rows = [self.eval_set[i] for i in mine]
         samples = []
+        self._restore_engine_weights()  # on every rank, with or without eval rows
         if rows or getattr(self.rollout_engine, "collective_generate", False):  # all ranks generate together
-            self._wake_engine()
+            self.rollout_engine.wake()
             sampling = SamplingSettings(n=1, max_new_tokens=cfg.rollout_max_new_tokens, temperature=cfg.temperature,
                                         top_p=cfg.top_p, greedy=cfg.eval_greedy, logprobs=False)
             images = self._prompt_images(rows)

@@ -20,10 +20,11 @@ class RecordingEngine:
     """Stands in for the rollout engine's load_weights: records every call."""
 
     def __init__(self):
-        self.calls = []
+        self.calls, self.complete = [], []
 
-    def load_weights(self, named):
+    def load_weights(self, named, complete=True):
         self.calls.append(list(named))
+        self.complete.append(complete)
 
 
 @pytest.fixture(scope="module")
@@ -228,7 +229,9 @@ def test_an_engine_that_drops_its_weights_gets_the_whole_policy(model_dir, strat
 
     policy = trained_policy(model_dir, strategy, targets="q_proj,v_proj")  # five linears per layer without adapter
     engine = DroppingEngine()
-    stats = sync_weights(engine, policy, strategy, dtype=torch.float32)  # a later sync, not the first
+    stats = sync_weights(engine, policy, strategy, dtype=torch.float32, chunk_bytes=16 * 1024)  # a later sync
+    # in chunks, and only the last one says the load is whole (an interrupted sync leaves the engine unwakeable)
+    assert len(engine.calls) > 1 and engine.complete == [False] * (len(engine.calls) - 1) + [True]
     named = [item for call in engine.calls for item in call]
     checkpoint = AutoModelForCausalLM.from_pretrained(model_dir)
     # every tensor of the checkpoint once: embeddings, norms, head, adapted and frozen (for qlora dequantized) linears

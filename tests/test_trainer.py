@@ -383,9 +383,9 @@ class ForgetfulEngine:
     def generate(self, *args, **kwargs):
         return self.engine.generate(*args, **kwargs)
 
-    def load_weights(self, named):
+    def load_weights(self, named, complete=True):
         self.loaded += [name for name, _ in named]
-        self.weights_dropped = False
+        self.weights_dropped = not complete
 
     def sleep(self, keep_weights=False):
         self.weights_dropped = not keep_weights

@@ -43,7 +43,8 @@ def build_rollout_engine(config, model_path: str, policy, tokenizer, vision, ran
         return VLLMRolloutEngine(model_path, tensor_parallel_size=config.vllm_tp,
                                  gpu_memory_utilization=config.vllm_memory_share,
                                  max_model_len=config.max_seq_length, seed=config.seed + rank // config.vllm_tp,
-                                 enable_sleep=config.vllm_sleep, enforce_eager=config.vllm_enforce_eager,
+                                 enable_sleep=config.vllm_sleep,
+                                 sleep_level=config.vllm_sleep_level, enforce_eager=config.vllm_enforce_eager,
                                  stop_token_ids=stops,
                                  max_images_per_prompt=config.max_images_per_prompt if vision else 0,
                                  image_token_id=vision.image_token_id if vision else None)

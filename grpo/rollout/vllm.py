@@ -14,8 +14,10 @@ of a group runs the same scheduler and sampler, which only agree when the caller
 
 Sleep: level 2 by default (KV cache and weights dropped): the trainer syncs after every step anyway, and with
 `needs_every_weight` set the sync sends the whole policy (lora / qlora too), a copy on the GPU, where level 1
-would park the weights in pinned CPU memory at every sleep and copy them back at every wake. Level 1 is for callers
-that sync only what changed. load_weights wakes the weights first, then overwrites them; wake() brings back the
+would park the weights in pinned CPU memory at every sleep and copy them back at every wake. Level 2 relies on
+the model's load_weights rewriting every parameter from checkpoint tensors; a model that derives parameters after
+loading (vLLM's MLA attention builds W_UV / W_UK_T from kv_b_proj) needs level 1 (--vllm_sleep_level 1), as do
+callers that sync only what changed. load_weights wakes the weights first, then overwrites them; wake() brings back the
 KV cache, and refuses to run on weights that a level-2 sleep dropped and no sync has loaded since.
 """
 from __future__ import annotations
@@ -148,15 +150,18 @@ class VLLMRolloutEngine:
                            "(higher than the trainer's by -log(nucleus mass)); use top_p=1 for matching log-probs")
 
     # ----------------------------------------------------------------------------------------- weights
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Overwrite the engine's weights with these (HF checkpoint names), then drop its cached prefixes."""
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], complete: bool = True) -> None:
+        """Overwrite the engine's weights with these (HF checkpoint names), then drop its cached prefixes.
+        `complete`: these tensors finish a load of every weight (grpo.sync.sync_weights passes False for all chunks
+        but the last), so after a level-2 sleep the engine may wake again only once a whole sync has landed."""
         if "weights" in self._asleep:
             self.llm.wake_up(tags=["weights"])  # parked weights come back before they are partly overwritten
             self._asleep.discard("weights")
         tensors = list(named_tensors)
         # the model's own load_weights maps checkpoint names onto vLLM's fused / sharded parameters
         self.llm.apply_model(lambda model: model.load_weights(tensors))
-        self.weights_dropped = False
+        if complete:
+            self.weights_dropped = False
         self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
 
     # ------------------------------------------------------------------------------------------ memory
@@ -168,17 +173,19 @@ class VLLMRolloutEngine:
         level = 1 if keep_weights else self.sleep_level
         torch.cuda.synchronize()
         before = torch.cuda.mem_get_info()[0]
+        # marked first: an interrupt inside llm.sleep must not leave the engine believed awake and whole
+        self._asleep = {"weights", "kv_cache"}
+        self.weights_dropped = level == 2
         self.llm.sleep(level=level)
         torch.cuda.synchronize()
         self.last_sleep_freed_bytes = torch.cuda.mem_get_info()[0] - before
-        self._asleep = {"weights", "kv_cache"}
-        self.weights_dropped = level == 2
         self._sleeps += 1
         log = logger.info if self._sleeps == 1 else logger.debug
         log(f"vLLM asleep: {self.last_sleep_freed_bytes / 2**30:.2f} GiB GPU memory freed")
 
     def wake(self) -> None:
-        """Take the memory back (weights first if no sync did, then the KV cache) before the next rollout."""
+        """Take the memory back (the weights parked by a level-1 sleep if no sync woke them, then the KV cache)
+        before the next rollout; weights a level-2 sleep dropped must have been synced since."""
         if self.weights_dropped:
             raise RuntimeError("vLLM's weights were dropped by its level-2 sleep and no sync has loaded them since: "
                                "call grpo.sync.sync_weights(engine, ...) after sleep() and before generating")
