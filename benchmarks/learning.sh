@@ -12,7 +12,7 @@
 #   that share a GPU keep vLLM awake with a VLLM_MEM share (default 0.08): vLLM sizes its KV cache by profiling the
 #   GPU's memory, which another run's sleep / wake would disturb. With 8 at once, or 4 at a 0.15 share, some runs
 #   failed to start or ran out of memory on an H100. A run whose vLLM start-up was disturbed that way (profiling
-#   failed, or a KV cache of no blocks) is started once more.
+#   failed, a KV cache of no blocks, or no memory left for one) is started once more.
 #
 # arith: SmolLM2-135M-Instruct (embedded), 16 prompts x 8 samples, 64 new tokens, 40 steps, 100 held-out prompts
 # evaluated greedily (boxed accuracy). GSM8K: train on train.jsonl, evaluate greedily on all 1,319 test.jsonl
@@ -56,16 +56,17 @@ run() {  # run <name> <dataset> <strategy> <seed> <accuracy reward> <extra train
       --use_vllm_rollout true --vllm_enforce_eager true --eval_on_start true --save_steps 0 --logging_steps 5 \
       --output_dir "$dir" --overwrite_output_dir "$@" "${EXTRA_ARGS[@]}" > "$dir.log" 2>&1 &
     pid=$! starved=0
-    # runs sharing a GPU: vLLM sizes its KV cache by profiling the GPU's memory. A neighbour freeing memory meanwhile
-    # makes the profiling fail, or leaves a cache of no blocks that generates one sequence at a time; either way the
-    # run is started once more (its own process group is stopped first).
+    # runs sharing a GPU: vLLM sizes its KV cache by profiling the GPU's memory. A neighbour freeing or taking memory
+    # meanwhile makes the profiling fail, leaves a cache of no blocks that generates one sequence at a time, or a
+    # negative budget ("No available memory for the cache blocks"); in each case the run is started once more (its own
+    # process group is stopped first).
     while kill -0 "$pid" 2>/dev/null; do
       if grep -qs "Available KV cache memory: 0.0 GiB" "$dir.log"; then starved=1; kill -- -"$pid" 2>/dev/null; break; fi
       sleep 5
     done
     wait "$pid"; rc=$?
     [ "$starved" = 1 ] && rc=1
-    [ "$try" = 1 ] && [ "$rc" -ne 0 ] && { [ "$starved" = 1 ] || grep -q "Error in memory profiling" "$dir.log"; } || break
+    [ "$try" = 1 ] && [ "$rc" -ne 0 ] && { [ "$starved" = 1 ] || grep -qE "Error in memory profiling|No available memory for the cache blocks" "$dir.log"; } || break
     echo "$name$TAG: vLLM's memory profiling was disturbed by another run; starting it again"
     sleep 15
   done

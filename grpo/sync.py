@@ -103,6 +103,16 @@ def _owned(tensor: torch.Tensor, dtype: torch.dtype, zero3: bool) -> torch.Tenso
     return out.clone() if zero3 and out.data_ptr() == tensor.data_ptr() else out
 
 
+def _module_tensors(prefix: str, named_params, dtype: torch.dtype, zero3: bool, seen: set[int]):
+    """Yield (prefix.name, tensor in `dtype`) for the parameters not yet in `seen`, gathered together under ZeRO-3.
+    `seen` holds the ids already sent: tied weights (embed_tokens / lm_head) are one parameter, sent once."""
+    params = [(n, p) for n, p in named_params if id(p) not in seen]
+    seen.update(id(p) for _, p in params)
+    with _gathered([p for _, p in params], zero3):
+        for pname, param in params:
+            yield (f"{prefix}.{pname}" if prefix else pname), _owned(param.data, dtype, zero3)
+
+
 def is_4bit(weight) -> bool:
     return weight is not None and weight.__class__.__name__ == "Params4bit"
 
@@ -126,14 +136,8 @@ def dense_weight(layer) -> torch.Tensor:
 def _iter_full(model, dtype, zero3):
     seen = set()  # tied weights (embed_tokens / lm_head) are one parameter: sent once, under its first name
     for module_name, module in model.named_modules():
-        params = [(n, p) for n, p in module.named_parameters(recurse=False) if id(p) not in seen]
-        if not params:
-            continue
-        seen.update(id(p) for _, p in params)
-        with _gathered([p for _, p in params], zero3):
-            for name, param in params:
-                full_name = f"{module_name}.{name}" if module_name else name
-                yield checkpoint_name(full_name), _owned(param.data, dtype, zero3)
+        yield from _module_tensors(checkpoint_name(module_name), module.named_parameters(recurse=False), dtype,
+                                   zero3, seen)
 
 
 def _active_adapters(module) -> list[str]:
@@ -195,11 +199,7 @@ def _iter_adapter(model, dtype, zero3, dequantize_frozen: bool, everything: bool
                 continue
             # what the wrapper's forward runs: the active adapter's trained copy, else the original module
             trained = module.modules_to_save[active[0]] if active else module.original_module
-            params = list(trained.named_parameters())
-            seen.update(id(p) for _, p in params)
-            with _gathered([p for _, p in params], zero3):
-                for pname, param in params:
-                    yield f"{name}.{pname}", _owned(param.data, dtype, zero3)
+            yield from _module_tensors(name, trained.named_parameters(), dtype, zero3, seen)
         elif isinstance(module, AuxiliaryTrainingWrapper):
             raise ConfigError(f"weight sync cannot send {type(module).__name__} ({name}); "
                               "train without trainable_token_indices")
@@ -221,8 +221,4 @@ def _iter_adapter(model, dtype, zero3, dequantize_frozen: bool, everything: bool
                 with _gathered([module.bias], zero3):
                     yield f"{name}.bias", _owned(module.bias.data, dtype, zero3)
         elif everything:  # a frozen module's own tensors (embeddings, norms, heads), as the checkpoint has them
-            params = [(n, p) for n, p in module.named_parameters(recurse=False) if id(p) not in seen]
-            seen.update(id(p) for _, p in params)
-            with _gathered([p for _, p in params], zero3):
-                for pname, param in params:
-                    yield f"{name}.{pname}", _owned(param.data, dtype, zero3)
+            yield from _module_tensors(name, module.named_parameters(recurse=False), dtype, zero3, seen)

@@ -239,21 +239,20 @@ class GRPOTrainer:
         """Wake the rollout engine (or put it to sleep); returns the seconds it took."""
         start = time.perf_counter()
         if awake:
-            self._wake_engine()
+            self._restore_engine_weights()
+            self.rollout_engine.wake()
         else:
             self.rollout_engine.sleep()
         return time.perf_counter() - start
 
-    def _wake_engine(self) -> None:
-        """Wake the rollout engine, after giving it the policy again where needed (see _restore_engine_weights)."""
-        self._restore_engine_weights()
-        self.rollout_engine.wake()
-
     def _restore_engine_weights(self) -> None:
         """If the engine's last sleep dropped its weights and no whole sync followed (a step stopped between its
         rollout and its sync, e.g. interrupted in a notebook), sync again. Every rank takes part and they agree first:
-        under ZeRO-3 the sync gathers parameters collectively."""
-        if dist_utils.any_rank(getattr(self.rollout_engine, "weights_dropped", False)):
+        under ZeRO-3 the sync gathers parameters collectively. Only engines that drop weights (`needs_every_weight`,
+        the same on every rank: one engine kind per job) pay for that agreement."""
+        if not getattr(self.rollout_engine, "needs_every_weight", False):
+            return
+        if dist_utils.any_rank(self.rollout_engine.weights_dropped):
             self._sync_rollout_weights()
 
     def _rollout_round(self) -> RolloutRound:
