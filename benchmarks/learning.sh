@@ -6,7 +6,8 @@
 #   ARITH=qlora GSM8K="" TAG=nodrop EXTRA="--lora_dropout 0" bash benchmarks/learning.sh   # an ablation
 #   TAG=dsstrict STRICT_FORMAT=1 EXTRA="--filter_zero_std_groups true" GSM8K="" bash benchmarks/learning.sh
 #                                           # dynamic sampling + arith's format reward paid only when the answer ends
-#                                           # at the box (a registry derived from configs/dataset_config.json)
+#                                           # at the box (a registry derived from configs/dataset_config.json);
+#                                           # STRICT_FORMAT=2: and only when it holds one box
 #   PARALLEL=4 bash benchmarks/learning.sh     # up to 4 runs at once on the one GPU (a 135M model leaves it idle);
 #                                              # the table's wall / train seconds then include the sharing. Runs
 #   that share a GPU keep vLLM awake with a VLLM_MEM share (default 0.08): vLLM sizes its KV cache by profiling the
@@ -83,12 +84,15 @@ launch() {  # launch <run args>: runs in the background, at most PARALLEL at onc
 }
 
 arith_registry=()
-if [ "$STRICT_FORMAT" = 1 ]; then
-  python - "$OUT_DIR/arith_strict_registry.json" <<'PY'
+if [ "$STRICT_FORMAT" != 0 ]; then
+  python - "$OUT_DIR/arith_strict_registry.json" "$STRICT_FORMAT" <<'PY'
 import json, os, sys
 arith = json.load(open("configs/dataset_config.json"))["arith"]
 arith["path"] = os.path.abspath(os.path.join("configs", arith["path"]))
-arith["reward_kwargs"]["format"]["pattern"] = r".*\\boxed\{\s*-?\d+\s*\}[\s.$\\)\]]*"  # nothing after the box
+ends_at_box = r".*\\boxed\{\s*-?\d+\s*\}[\s.$\\)\]]*"  # nothing after the box
+# 2: also only one box (a repeated box earns nothing: see benchmarks/completion_shapes.py)
+one_box = r"(?!.*\\boxed.*\\boxed)" + ends_at_box
+arith["reward_kwargs"]["format"]["pattern"] = ends_at_box if sys.argv[2] == "1" else one_box
 json.dump({"arith": arith}, open(sys.argv[1], "w"), indent=1)
 PY
   arith_registry=(--dataset_config_path "$OUT_DIR/arith_strict_registry.json")

@@ -24,8 +24,8 @@ import torch  # noqa: E402
 DEFAULT_VARIANTS = ["full", "qlora", "qlora:gate_proj,up_proj,down_proj", "qlora:q_proj,k_proj,v_proj,o_proj"]
 
 
-def policy_and_prompts(model: str, variant: str, prompts: int, out_dir: str):
-    """The policy as GRPOTrainer builds it (quantization, dtype, device) and its eval rows."""
+def build_trainer(model: str, variant: str, prompts: int, out_dir: str):
+    """A GRPOTrainer on `arith` for a variant: "full", "qlora", "qlora@fp4", "qlora+loftq", "qlora:<kept modules>"."""
     from grpo.config import GRPOConfig
     from grpo.trainer import GRPOTrainer
 
@@ -37,7 +37,12 @@ def policy_and_prompts(model: str, variant: str, prompts: int, out_dir: str):
                         **({"qlora_init": init} if init else {}), **({"qlora_quant_type": quant} if quant else {}),
                         eval_max_prompts=prompts, max_prompt_length=128, max_seq_length=192,
                         rollout_max_new_tokens=64, max_steps=1, save_steps=0, seed=0)
-    trainer = GRPOTrainer(config)
+    return GRPOTrainer(config)
+
+
+def policy_and_prompts(model: str, variant: str, prompts: int, out_dir: str):
+    """The policy as GRPOTrainer builds it (quantization, dtype, device) and its eval rows."""
+    trainer = build_trainer(model, variant, prompts, out_dir)
     return trainer.engine.module, trainer.tokenizer, list(trainer.eval_set)
 
 
