@@ -216,6 +216,38 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
+# options that decide which tensors a checkpoint holds and what they mean: lora / qlora checkpoints hold only the
+# adapter, laid onto a base rebuilt from these at resume, so a change would resume a different policy without error
+POLICY_OPTIONS = ("tuning_strategy",)
+LORA_POLICY_OPTIONS = ("lora_rank", "lora_alpha", "lora_target_modules", "lora_exclude_modules")
+QLORA_POLICY_OPTIONS = ("qlora_quant_type", "qlora_skip_modules", "qlora_init")
+
+
+def saved_config_path(resume: str, output_dir: str) -> str:
+    """The grpo_config.json of the run that wrote the checkpoint: beside its checkpoint-* folders."""
+    folder = output_dir if resume == "latest" else os.path.dirname(os.path.normpath(resume))
+    return os.path.join(folder, "grpo_config.json")
+
+
+def check_resume_keeps_policy(saved_path: str, config) -> None:
+    """Refuse to resume with options that rebuild a different policy around the checkpoint's weights (before any
+    model is loaded). Other changed options only get named (warn_changed_options)."""
+    try:
+        saved = read_json_object(saved_path, ConfigError, "grpo_config.json")
+    except (ConfigError, OSError):  # none saved, or unreadable: nothing to compare with
+        return
+    now = config.to_dict()
+    keys = POLICY_OPTIONS
+    if saved.get("tuning_strategy") == now["tuning_strategy"] and config.uses_lora:
+        keys += LORA_POLICY_OPTIONS + (QLORA_POLICY_OPTIONS if now["tuning_strategy"] == "qlora" else ())
+    changed = [f"--{k} {saved[k]!r} -> {now[k]!r}" for k in keys if k in saved and saved[k] != now[k]]
+    if changed:
+        raise ConfigError(
+            f"--resume_from_checkpoint: the checkpoint was trained with other model options ({'; '.join(changed)}); "
+            f"its weights belong to that policy. Resume with the saved values (in {saved_path}), or start a new run "
+            f"with these options in another --output_dir (or --overwrite_output_dir)")
+
+
 def warn_changed_options(saved_path: str, config) -> None:
     """A resumed run continues with today's options: name those that differ from the run's saved ones (a flag
     given differently, or a default that changed between versions, e.g. --scale_rewards)."""

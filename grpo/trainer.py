@@ -22,8 +22,8 @@ import torch
 from . import distributed as dist_utils
 from .algorithm import group_advantages, kl_penalized_rewards
 from .batch import RolloutBatch, build_rollout_batch
-from .checkpoint import (TrainerState, list_checkpoints, load_checkpoint, resolve_resume_path, save_checkpoint,
-                         warn_changed_options)
+from .checkpoint import (TrainerState, check_resume_keeps_policy, list_checkpoints, load_checkpoint,
+                         resolve_resume_path, save_checkpoint, saved_config_path, warn_changed_options)
 from .config import EMBEDDED_MODEL, GRPOConfig
 from .data import (dataset_routes, first_rows_per_source, load_dataset_registry, load_prompt_datasets,
                    render_prompts)
@@ -130,6 +130,8 @@ class GRPOTrainer:
                 not config.overwrite_output_dir:
             raise ConfigError(f"--output_dir {config.output_dir} holds checkpoints of an earlier run; continue it with "
                               f"--resume_from_checkpoint latest, or start over with --overwrite_output_dir")
+        if config.resume_from_checkpoint:
+            check_resume_keeps_policy(saved_config_path(config.resume_from_checkpoint, config.output_dir), config)
 
         # --- models, DeepSpeed, rollout engine --------------------------------------------------------
         self.device, self.dtype = dist_utils.device(), default_dtype()
@@ -148,7 +150,7 @@ class GRPOTrainer:
             raise
         if self.is_main:
             if config.resume_from_checkpoint:
-                warn_changed_options(os.path.join(config.output_dir, "grpo_config.json"), config)
+                warn_changed_options(saved_config_path(config.resume_from_checkpoint, config.output_dir), config)
             config.save(os.path.join(config.output_dir, "grpo_config.json"))
         self._stop_signal: Optional[int] = None
         self._pending_rollouts: Optional[PendingRollouts] = None  # --async_rollout: the next step's, in flight

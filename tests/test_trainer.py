@@ -9,7 +9,7 @@ import torch
 
 from grpo import optimize
 from grpo.checkpoint import list_checkpoints
-from grpo.errors import DatasetError, TrainingError
+from grpo.errors import ConfigError, DatasetError, TrainingError
 from grpo.reporting import read_metrics
 from grpo.trainer import GRPOTrainer
 
@@ -370,6 +370,41 @@ def test_resume_names_options_that_changed(tmp_path, caplog):
     assert "max_steps" not in caplog.text and "resume_from_checkpoint" not in caplog.text  # changes that are meant
     assert not (tmp_path / "missing.json").exists()
     warn_changed_options(str(tmp_path / "missing.json"), now)  # nothing saved to compare with: no error
+
+
+def test_resume_refuses_options_that_rebuild_another_policy(tmp_path):
+    from grpo.checkpoint import check_resume_keeps_policy, saved_config_path
+
+    saved = tiny_config("model", "registry.json", str(tmp_path), tuning_strategy="qlora", qlora_quant_type="nf4")
+    saved.save(str(tmp_path / "grpo_config.json"))
+    path = saved_config_path("latest", str(tmp_path))
+    assert path == saved_config_path(str(tmp_path / "checkpoint-4") + "/", "elsewhere")  # beside the checkpoint
+    resume = dict(resume_from_checkpoint="latest", max_steps=10)
+    check_resume_keeps_policy(path, tiny_config("model", "registry.json", str(tmp_path), tuning_strategy="qlora",
+                                                lora_dropout=0.1, **resume))  # training options may change
+    for change, named in [(dict(tuning_strategy="qlora", qlora_quant_type="fp4"), "--qlora_quant_type 'nf4' -> 'fp4'"),
+                          (dict(tuning_strategy="qlora", lora_alpha=16), "--lora_alpha 8 -> 16"),
+                          (dict(tuning_strategy="lora"), "--tuning_strategy 'qlora' -> 'lora'")]:
+        with pytest.raises(ConfigError, match="other model options") as info:
+            check_resume_keeps_policy(path, tiny_config("model", "registry.json", str(tmp_path), **change, **resume))
+        assert named in str(info.value) and "--output_dir" in str(info.value)
+    full = tiny_config("model", "registry.json", str(tmp_path), tuning_strategy="full")
+    full.save(str(tmp_path / "grpo_config.json"))  # full fine-tuning has no adapter: LoRA options do not matter
+    check_resume_keeps_policy(path, tiny_config("model", "registry.json", str(tmp_path), tuning_strategy="full",
+                                                lora_rank=64, **resume))
+    check_resume_keeps_policy(str(tmp_path / "missing.json"), full)  # nothing saved to compare with: no error
+
+
+def test_a_resume_with_another_4bit_type_stops_before_any_model_loads(tiny_model, registry, tmp_path, monkeypatch):
+    import grpo.trainer as trainer_module
+
+    out = str(tmp_path / "run")
+    GRPOTrainer(tiny_config(tiny_model, registry, out, tuning_strategy="qlora", max_steps=1, save_steps=1)).train()
+    monkeypatch.setattr(trainer_module, "load_policy", lambda *a, **k: pytest.fail("a model was loaded"))
+    with pytest.raises(ConfigError, match="--qlora_quant_type 'nf4' -> 'fp4'"):
+        GRPOTrainer(tiny_config(tiny_model, registry, out, tuning_strategy="qlora", qlora_quant_type="fp4",
+                                max_steps=2, resume_from_checkpoint="latest"))
+    assert [step for step, _ in list_checkpoints(out)] == [1]  # the checkpoint is kept
 
 
 class ForgetfulEngine:
