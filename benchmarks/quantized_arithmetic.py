@@ -24,14 +24,20 @@ import torch  # noqa: E402
 DEFAULT_VARIANTS = ["full", "qlora", "qlora:gate_proj,up_proj,down_proj", "qlora:q_proj,k_proj,v_proj,o_proj"]
 
 
+def _marked(head: str, mark: str):
+    """The word after `mark` in a variant's name ("qlora@fp4+loftq": "@" -> "fp4", "+" -> "loftq"), or None."""
+    found = re.search(re.escape(mark) + r"(\w+)", head)
+    return found.group(1) if found else None
+
+
 def build_trainer(model: str, variant: str, prompts: int, out_dir: str):
     """A GRPOTrainer on `arith` for a variant: "full", "qlora", "qlora@fp4", "qlora+loftq", "qlora:<kept modules>"."""
     from grpo.config import GRPOConfig
     from grpo.trainer import GRPOTrainer
 
     head, _, skip = variant.partition(":")
-    head, _, init = head.partition("+")  # "qlora+loftq": the rounding correction on
-    strategy, _, quant = head.partition("@")  # "qlora@fp4": the 4-bit data type
+    # "qlora+loftq": the rounding correction on; "qlora@fp4": the 4-bit data type; either order
+    strategy, init, quant = re.split(r"[@+]", head)[0], _marked(head, "+"), _marked(head, "@")
     config = GRPOConfig(model_name_or_path=model, dataset_names=["arith"], output_dir=out_dir,
                         overwrite_output_dir=True, tuning_strategy=strategy, qlora_skip_modules=skip or None,
                         **({"qlora_init": init} if init else {}), **({"qlora_quant_type": quant} if quant else {}),

@@ -56,7 +56,7 @@ def grpo_run(folder: str, name: str) -> dict:
     out.update(rollout_tok_s_median=per_step("time/rollout") if total("time/rollout") else None,
                generate_tok_s_median=per_step("time/rollout_generate") if total("time/rollout_generate") else None)
     if "async" in meta.get("mode", ""):  # its wait is only what training did not hide: no generation rate
-        out["generate_tok_s"] = None
+        out["generate_tok_s"] = out["generate_tok_s_median"] = None
     out["rollout_parts"] = {key[len("time/rollout_"):]: total(key) / len(rows) for key in sorted(rows[0])
                             if key.startswith("time/rollout_")}  # wake, sleep, generate, decode, ... seconds
     out["samples_s"] = meta["samples_per_step"] / out["s_per_step"]
