@@ -15,13 +15,12 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
-from quantized_arithmetic import build_trainer  # noqa: E402  (the policy as GRPOTrainer builds it)
+from quantized_arithmetic import variant_trainers  # noqa: E402  (policies as GRPOTrainer builds them)
 
 
 def sample_and_score(trainer, prompts: int, k: int, max_new_tokens: int, seed: int) -> dict:
@@ -55,18 +54,14 @@ def main() -> None:
     parser.add_argument("--max_new_tokens", type=int, default=64)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     args = parser.parse_args()
-    os.environ.setdefault("WANDB_MODE", "disabled")
     results = []
-    for variant in args.variants:  # one trainer at a time: each owns the process group's engine
-        start = time.perf_counter()
-        with tempfile.TemporaryDirectory() as out_dir:
-            trainer = build_trainer(args.model, variant, 1, out_dir)
-            for seed in args.seeds:
-                results.append({"variant": variant, "seed": seed,
-                                **sample_and_score(trainer, args.prompts, args.k, args.max_new_tokens, seed),
-                                "seconds": round(time.perf_counter() - start, 1)})
-                print(json.dumps(results[-1]), flush=True)
-            del trainer
+    for variant, trainer, start in variant_trainers(args.model, args.variants, 1):
+        for seed in args.seeds:
+            results.append({"variant": variant, "seed": seed,
+                            **sample_and_score(trainer, args.prompts, args.k, args.max_new_tokens, seed),
+                            "seconds": round(time.perf_counter() - start, 1)})
+            print(json.dumps(results[-1]), flush=True)
+        del trainer
     print("\n| variant | seed | completions | mean reward | format | number | boxed accuracy | boxed | boxed 3+ times "
           "| at the cap | length |\n|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:

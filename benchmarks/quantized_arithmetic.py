@@ -46,10 +46,14 @@ def build_trainer(model: str, variant: str, prompts: int, out_dir: str):
     return GRPOTrainer(config)
 
 
-def policy_and_prompts(model: str, variant: str, prompts: int, out_dir: str):
-    """The policy as GRPOTrainer builds it (quantization, dtype, device) and its eval rows."""
-    trainer = build_trainer(model, variant, prompts, out_dir)
-    return trainer.engine.module, trainer.tokenizer, list(trainer.eval_set)
+def variant_trainers(model: str, variants: list[str], prompts: int):
+    """(variant, its GRPOTrainer, start time) for each variant in turn: one trainer at a time, as each owns the
+    process group's engine; the policy is built as for training (quantization, dtype, device)."""
+    os.environ.setdefault("WANDB_MODE", "disabled")
+    for variant in variants:
+        start = time.perf_counter()
+        with tempfile.TemporaryDirectory() as out_dir:
+            yield variant, build_trainer(model, variant, prompts, out_dir), start
 
 
 def score(model, tokenizer, rows) -> dict:
@@ -80,15 +84,13 @@ def main() -> None:
                         help='full, lora, qlora, "qlora+loftq", or "qlora:<modules left unquantized, comma-separated>"')
     parser.add_argument("--prompts", type=int, default=100, help="held-out arith prompts")
     args = parser.parse_args()
-    os.environ.setdefault("WANDB_MODE", "disabled")
     results = []
-    for variant in args.variants:  # one trainer at a time: each owns the process group's engine
-        start = time.perf_counter()
-        with tempfile.TemporaryDirectory() as out_dir:
-            model, tokenizer, rows = policy_and_prompts(args.model, variant, args.prompts, out_dir)
-            results.append({"variant": variant, "prompts": len(rows), **score(model, tokenizer, rows),
-                            "seconds": round(time.perf_counter() - start, 1)})
-        del model
+    for variant, trainer, start in variant_trainers(args.model, args.variants, args.prompts):
+        rows = list(trainer.eval_set)
+        results.append({"variant": variant, "prompts": len(rows), **score(trainer.engine.module, trainer.tokenizer,
+                                                                           rows),
+                        "seconds": round(time.perf_counter() - start, 1)})
+        del trainer
         print(json.dumps(results[-1]), flush=True)
     print("\n| variant | prompts | greedy accuracy | answer NLL (nats) |\n|---|---|---|---|")
     for r in results:
