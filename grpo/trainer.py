@@ -85,6 +85,13 @@ class GRPOTrainer:
             if importlib.util.find_spec("vllm") is None:
                 raise ConfigError("--use_vllm_rollout needs vLLM: pip install .[vllm] (tested with vllm 0.26.0)")
 
+        if not config.resume_from_checkpoint and list_checkpoints(config.output_dir) and \
+                not config.overwrite_output_dir:
+            raise ConfigError(f"--output_dir {config.output_dir} holds checkpoints of an earlier run; continue it with "
+                              f"--resume_from_checkpoint latest, or start over with --overwrite_output_dir")
+        if config.resume_from_checkpoint:
+            check_resume_keeps_policy(saved_config_path(config.resume_from_checkpoint, config.output_dir), config)
+
         # --- data and rewards first: their errors must come before any model loads -------------------
         if config.reward_module:
             load_reward_module(config.reward_module)
@@ -126,12 +133,6 @@ class GRPOTrainer:
                 f"needs {self.prompts_per_step} per rank x {self.world} ranks; lower the batch size or "
                 f"--gradient_accumulation_steps, or raise --train_split_ratio")
         self.total_steps = config.max_steps if config.max_steps > 0 else config.epochs * self.order.steps_per_epoch
-        if not config.resume_from_checkpoint and list_checkpoints(config.output_dir) and \
-                not config.overwrite_output_dir:
-            raise ConfigError(f"--output_dir {config.output_dir} holds checkpoints of an earlier run; continue it with "
-                              f"--resume_from_checkpoint latest, or start over with --overwrite_output_dir")
-        if config.resume_from_checkpoint:
-            check_resume_keeps_policy(saved_config_path(config.resume_from_checkpoint, config.output_dir), config)
 
         # --- models, DeepSpeed, rollout engine --------------------------------------------------------
         self.device, self.dtype = dist_utils.device(), default_dtype()
