@@ -89,8 +89,11 @@ class GRPOConfig:
         "model only).", "model")
     trust_remote_code: bool = _opt(False, "Allow model code from the model folder / hub repo.", "model")
     gradient_checkpointing: bool = _opt(False, "Recompute activations in backward to save memory.", "model")
-    save_merged_model: bool = _opt(False, "With lora/qlora, also save the base model with the adapter merged.",
-                                   "model")
+    save_merged_model: bool = _opt(
+        False, "With lora/qlora, also save the base model with the adapter merged. qlora merges into the base at its "
+               "original precision, which differs from the trained 4-bit policy by the rounding (with --qlora_init "
+               "loftq: into the rounded base); lora_adapter/ on the base quantized as in training is that policy "
+               "exactly.", "model")
 
     # --- data -------------------------------------------------------------------------------------
     dataset_config_path: str = _opt(

@@ -114,6 +114,29 @@ def test_saved_adapter_is_one_plain_lora_that_reproduces_the_policy(model_dir, t
     torch.testing.assert_close(logits_of(merged), expected, atol=1e-4, rtol=1e-4)
 
 
+def test_zero_init_qlora_saves_the_policy_as_adapter_and_merges_into_the_unrounded_base(model_dir, tmp_path):
+    """What --save_merged_model's help says: without loftq the merged model is the adapter on the original-precision
+    base (not the trained 4-bit policy), while lora_adapter/ on a base quantized as in training is that policy."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    cfg = config(model_dir, save_merged_model=True)
+    policy = trained_a_little(load_policy(cfg, model_dir, torch.float32, CPU))
+    expected = logits_of(policy)
+    saved = save_final_model(policy, load_tokenizer(model_dir), str(tmp_path), cfg, model_dir, torch.float32)
+    nf4 = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                             bnb_4bit_compute_dtype=torch.float32)
+    quantized = AutoModelForCausalLM.from_pretrained(model_dir, quantization_config=nf4, device_map={"": "cpu"})
+    keep_4bit_forward_exact(quantized)
+    torch.testing.assert_close(logits_of(PeftModel.from_pretrained(quantized, saved["lora_adapter"])), expected,
+                               atol=1e-4, rtol=1e-4)
+    merged = logits_of(AutoModelForCausalLM.from_pretrained(saved["merged_model"]))
+    unrounded = logits_of(PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir),
+                                                    saved["lora_adapter"]).merge_and_unload())
+    torch.testing.assert_close(merged, unrounded, atol=1e-4, rtol=1e-4)
+    assert (merged - expected).abs().max() > 1e-3  # the rounding of the base apart
+
+
 def test_loftq_config_errors(model_dir):
     for bad, fragment in [(dict(tuning_strategy="lora"), "loftq needs --tuning_strategy qlora"),
                           (dict(lora_adapter_path="some/adapter"), "keeps its own weights"),
