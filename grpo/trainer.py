@@ -4,7 +4,8 @@
 
 Everything that is not wiring lives elsewhere: math in algorithm.py, data in data/, rewards in rewards/,
 models in models.py, engines in rollout/ (which one: rollout/setup.py), the optimisation phase in optimize.py,
-weight sync in sync.py, checkpoints in checkpoint.py, the step's metrics in step_metrics.py.
+weight sync in sync.py, checkpoints in checkpoint.py, the step's metrics in step_metrics.py, the stop on a
+signal in graceful_stop.py.
 """
 from __future__ import annotations
 
@@ -13,7 +14,6 @@ import json
 import logging
 import math
 import os
-import signal
 import time
 from typing import Callable, Optional, Sequence
 
@@ -33,6 +33,7 @@ from .embedded import resolve_model_path
 from .errors import ConfigError, TrainingError
 from .evaluation import eval_metrics, eval_sample_rows
 from .failures import FailureReporter, phase
+from .graceful_stop import GracefulStop
 from .models import load_policy, load_reference, load_tokenizer, reference_mode, save_final_model
 from .plots import plot_training_curves
 from .reporting import RunReporter, read_metrics, setup_console_logging
@@ -153,7 +154,6 @@ class GRPOTrainer:
             if config.resume_from_checkpoint:
                 warn_changed_options(saved_config_path(config.resume_from_checkpoint, config.output_dir), config)
             config.save(os.path.join(config.output_dir, "grpo_config.json"))
-        self._stop_signal: Optional[int] = None
         self._pending_rollouts: Optional[PendingRollouts] = None  # --async_rollout: the next step's, in flight
         self._position_before_prefetch = (self.state.epoch, self.state.position)
 
@@ -177,9 +177,10 @@ class GRPOTrainer:
         logger.info(f"training {cfg.tuning_strategy} on {', '.join(cfg.dataset_names)}: {len(self.train_set)} "
                     f"prompts, {self.world} rank(s), {self.total_steps} steps of {self.prompts_per_step} prompts "
                     f"x {cfg.k_samples} samples per rank")
-        previous_handlers = self._install_signal_handlers()
+        signals = GracefulStop(before=self.failures.raise_if_peer_failed)
         metrics: dict = {}
         try:
+            signals.install()
             if self.state.step == 0 and cfg.eval_on_start and self.eval_set is not None:
                 self.evaluate(reporter)  # step 0: what training starts from
             while self.state.step < self.total_steps:
@@ -205,7 +206,7 @@ class GRPOTrainer:
                 self._log_completions(rollout.prompts, rollout.texts, rollout.rewards)
                 if cfg.eval_steps and self.state.step % cfg.eval_steps == 0:
                     self.evaluate(reporter)
-                stop = dist_utils.any_rank(self._stop_signal is not None)
+                stop = dist_utils.any_rank(signals.requested is not None)
                 if stop or (cfg.save_steps and self.state.step % cfg.save_steps == 0):
                     self._save_checkpoint()
                 if stop:
@@ -216,7 +217,7 @@ class GRPOTrainer:
                 self.evaluate(reporter)
             saved = self._save_final_model()
         finally:
-            self._restore_signal_handlers(previous_handlers)
+            signals.restore()
             reporter.close()
             self._plot()
         return {**metrics, "saved": saved}
@@ -565,23 +566,3 @@ class GRPOTrainer:
             rows = read_metrics(os.path.join(self.config.output_dir, "metrics.jsonl"))
             if rows:
                 plot_training_curves(rows, os.path.join(self.config.output_dir, "training_curves.png"))
-
-    def _install_signal_handlers(self) -> dict:
-        def request_stop(signum, _frame):
-            self.failures.raise_if_peer_failed()  # a launcher stopping us because another rank failed
-            if self._stop_signal is not None:  # a second signal: stop now
-                raise KeyboardInterrupt
-            self._stop_signal = signum
-            logger.warning(f"signal {signum}: saving a checkpoint after this step, then stopping")
-
-        previous = {}
-        try:
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                previous[sig] = signal.signal(sig, request_stop)
-        except ValueError:  # not the main thread (e.g. some notebook runners): no graceful stop
-            pass
-        return previous
-
-    def _restore_signal_handlers(self, previous: dict) -> None:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)

@@ -1,0 +1,37 @@
+"""GracefulStop: the first SIGTERM / SIGINT is recorded for the loop, a second one stops at once."""
+import os
+import signal
+
+import pytest
+
+from grpo.graceful_stop import GracefulStop
+
+
+def test_first_signal_is_recorded_second_stops_and_handlers_come_back():
+    before_calls = []
+    stop = GracefulStop(before=lambda: before_calls.append(1))
+    stop.install()
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stop.requested == signal.SIGTERM and before_calls == [1]
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+        assert before_calls == [1, 1]
+    finally:
+        stop.restore()
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_peer_failure_raised_by_before_wins_over_the_stop():
+    def peer_failed():
+        raise RuntimeError("rank 1 failed")
+
+    stop = GracefulStop(before=peer_failed)
+    stop.install()
+    try:
+        with pytest.raises(RuntimeError, match="rank 1 failed"):
+            os.kill(os.getpid(), signal.SIGTERM)
+        assert stop.requested is None
+    finally:
+        stop.restore()
