@@ -31,6 +31,18 @@ def logits_of(model, ids=IDS):
         return model(input_ids=ids).logits
 
 
+def on_fresh_nf4_base(model_dir, adapter):
+    """The saved adapter with plain peft on the base quantized as training quantizes it (nf4, double quant)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    nf4 = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                             bnb_4bit_compute_dtype=torch.float32)
+    quantized = AutoModelForCausalLM.from_pretrained(model_dir, quantization_config=nf4, device_map={"": "cpu"})
+    keep_4bit_forward_exact(quantized)
+    return PeftModel.from_pretrained(quantized, adapter)
+
+
 def trained_a_little(policy):
     for name, p in policy.named_parameters():
         if "lora_B.default" in name:
@@ -92,8 +104,7 @@ def test_kl_reference_is_the_corrected_start(model_dir):
 def test_saved_adapter_is_one_plain_lora_that_reproduces_the_policy(model_dir, tmp_path):
     import json
 
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+    from transformers import AutoModelForCausalLM
 
     cfg = config(model_dir, qlora_init="loftq", save_merged_model=True)
     policy = trained_a_little(load_policy(cfg, model_dir, torch.float32, CPU))
@@ -103,11 +114,7 @@ def test_saved_adapter_is_one_plain_lora_that_reproduces_the_policy(model_dir, t
     assert (adapter_cfg["r"], adapter_cfg["lora_alpha"]) == (8, 16)  # rank 2r, same scale alpha / r
     assert not os.path.exists(os.path.join(saved["lora_adapter"], CORRECTION_ADAPTER))
     # on a freshly quantized base, with plain peft
-    nf4 = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                             bnb_4bit_compute_dtype=torch.float32)
-    quantized = AutoModelForCausalLM.from_pretrained(model_dir, quantization_config=nf4, device_map={"": "cpu"})
-    keep_4bit_forward_exact(quantized)
-    torch.testing.assert_close(logits_of(PeftModel.from_pretrained(quantized, saved["lora_adapter"])), expected,
+    torch.testing.assert_close(logits_of(on_fresh_nf4_base(model_dir, saved["lora_adapter"])), expected,
                                atol=1e-4, rtol=1e-4)
     # merged into the rounded 16-bit base: the policy as trained
     merged = AutoModelForCausalLM.from_pretrained(saved["merged_model"])
@@ -118,17 +125,13 @@ def test_zero_init_qlora_saves_the_policy_as_adapter_and_merges_into_the_unround
     """What --save_merged_model's help says: without loftq the merged model is the adapter on the original-precision
     base (not the trained 4-bit policy), while lora_adapter/ on a base quantized as in training is that policy."""
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+    from transformers import AutoModelForCausalLM
 
     cfg = config(model_dir, save_merged_model=True)
     policy = trained_a_little(load_policy(cfg, model_dir, torch.float32, CPU))
     expected = logits_of(policy)
     saved = save_final_model(policy, load_tokenizer(model_dir), str(tmp_path), cfg, model_dir, torch.float32)
-    nf4 = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                             bnb_4bit_compute_dtype=torch.float32)
-    quantized = AutoModelForCausalLM.from_pretrained(model_dir, quantization_config=nf4, device_map={"": "cpu"})
-    keep_4bit_forward_exact(quantized)
-    torch.testing.assert_close(logits_of(PeftModel.from_pretrained(quantized, saved["lora_adapter"])), expected,
+    torch.testing.assert_close(logits_of(on_fresh_nf4_base(model_dir, saved["lora_adapter"])), expected,
                                atol=1e-4, rtol=1e-4)
     merged = logits_of(AutoModelForCausalLM.from_pretrained(saved["merged_model"]))
     unrounded = logits_of(PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir),
