@@ -240,12 +240,20 @@ def check_resume_keeps_policy(saved_path: str, config) -> None:
     keys = POLICY_OPTIONS
     if saved.get("tuning_strategy") == now["tuning_strategy"] and config.uses_lora:
         keys += LORA_POLICY_OPTIONS + (QLORA_POLICY_OPTIONS if now["tuning_strategy"] == "qlora" else ())
-    changed = [f"--{k} {saved[k]!r} -> {now[k]!r}" for k in keys if k in saved and saved[k] != now[k]]
+    changed = [f"--{k} {saved[k]!r} -> {now[k]!r}" for k in keys
+               if k in saved and _as_compared(k, saved[k]) != _as_compared(k, now[k])]
     if changed:
         raise ConfigError(
             f"--resume_from_checkpoint: the checkpoint was trained with other model options ({'; '.join(changed)}); "
             f"its weights belong to that policy. Resume with the saved values (in {saved_path}), or start a new run "
             f"with these options in another --output_dir (or --overwrite_output_dir)")
+
+
+def _as_compared(key: str, value):
+    """Module lists compare as sets of names: "q_proj, v_proj" and "v_proj,q_proj" build the same adapter."""
+    if key.endswith("_modules") and isinstance(value, str):
+        return frozenset(name.strip() for name in value.split(",") if name.strip())
+    return value
 
 
 def warn_changed_options(saved_path: str, config) -> None:

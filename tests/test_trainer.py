@@ -382,6 +382,12 @@ def test_resume_refuses_options_that_rebuild_another_policy(tmp_path):
     resume = dict(resume_from_checkpoint="latest", max_steps=10)
     check_resume_keeps_policy(path, tiny_config("model", "registry.json", str(tmp_path), tuning_strategy="qlora",
                                                 lora_dropout=0.1, **resume))  # training options may change
+    listed = tiny_config("model", "registry.json", str(tmp_path), tuning_strategy="qlora",
+                         qlora_skip_modules="down_proj,v_proj")
+    listed.save(str(tmp_path / "listed.json"))  # the same modules written another way are the same policy
+    check_resume_keeps_policy(str(tmp_path / "listed.json"), tiny_config(
+        "model", "registry.json", str(tmp_path), tuning_strategy="qlora", qlora_skip_modules=" v_proj, down_proj",
+        **resume))
     for change, named in [(dict(tuning_strategy="qlora", qlora_quant_type="fp4"), "--qlora_quant_type 'nf4' -> 'fp4'"),
                           (dict(tuning_strategy="qlora", lora_alpha=16), "--lora_alpha 8 -> 16"),
                           (dict(tuning_strategy="lora"), "--tuning_strategy 'qlora' -> 'lora'")]:
