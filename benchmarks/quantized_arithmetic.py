@@ -87,8 +87,8 @@ def main() -> None:
     results = []
     for variant, trainer, start in variant_trainers(args.model, args.variants, args.prompts):
         rows = list(trainer.eval_set)
-        results.append({"variant": variant, "prompts": len(rows), **score(trainer.engine.module, trainer.tokenizer,
-                                                                           rows),
+        accuracy = score(trainer.engine.module, trainer.tokenizer, rows)
+        results.append({"variant": variant, "prompts": len(rows), **accuracy,
                         "seconds": round(time.perf_counter() - start, 1)})
         del trainer
         print(json.dumps(results[-1]), flush=True)

@@ -232,21 +232,30 @@ def saved_config_path(resume: str, output_dir: str) -> str:
 def check_resume_keeps_policy(saved_path: str, config) -> None:
     """Refuse to resume with options that rebuild a different policy around the checkpoint's weights (before any
     model is loaded). Other changed options only get named (warn_changed_options)."""
-    try:
-        saved = read_json_object(saved_path, ConfigError, "grpo_config.json")
-    except (ConfigError, OSError):  # none saved, or unreadable: nothing to compare with
-        return
-    now = config.to_dict()
+    saved, now = _saved_options(saved_path), config.to_dict()
     keys = POLICY_OPTIONS
     if saved.get("tuning_strategy") == now["tuning_strategy"] and config.uses_lora:
         keys += LORA_POLICY_OPTIONS + (QLORA_POLICY_OPTIONS if now["tuning_strategy"] == "qlora" else ())
-    changed = [f"--{k} {saved[k]!r} -> {now[k]!r}" for k in keys
-               if k in saved and _as_compared(k, saved[k]) != _as_compared(k, now[k])]
+    changed = _changed(saved, now, keys)
     if changed:
         raise ConfigError(
             f"--resume_from_checkpoint: the checkpoint was trained with other model options ({'; '.join(changed)}); "
             f"its weights belong to that policy. Resume with the saved values (in {saved_path}), or start a new run "
             f"with these options in another --output_dir (or --overwrite_output_dir)")
+
+
+def _saved_options(saved_path: str) -> dict:
+    """The saved grpo_config.json; empty when none was saved or it cannot be read (nothing to compare with)."""
+    try:
+        return read_json_object(saved_path, ConfigError, "grpo_config.json")
+    except (ConfigError, OSError):
+        return {}
+
+
+def _changed(saved: dict, now: dict, keys) -> list[str]:
+    """'--key saved -> now' for each of `keys` that the saved options hold with another value."""
+    return [f"--{k} {saved[k]!r} -> {now[k]!r}" for k in keys
+            if k in saved and _as_compared(k, saved[k]) != _as_compared(k, now[k])]
 
 
 def _as_compared(key: str, value):
@@ -259,12 +268,8 @@ def _as_compared(key: str, value):
 def warn_changed_options(saved_path: str, config) -> None:
     """A resumed run continues with today's options: name those that differ from the run's saved ones (a flag
     given differently, or a default that changed between versions, e.g. --scale_rewards)."""
-    try:
-        saved = read_json_object(saved_path, ConfigError, "grpo_config.json")
-    except (ConfigError, OSError):  # none saved, or unreadable: nothing to compare with
-        return
     ignore = {"resume_from_checkpoint", "overwrite_output_dir", "max_steps", "epochs"}  # meant to change
-    changed = [f"--{k} {saved[k]!r} -> {v!r}" for k, v in config.to_dict().items()
-               if k in saved and k not in ignore and saved[k] != v]
+    now = config.to_dict()
+    changed = _changed(_saved_options(saved_path), now, [k for k in now if k not in ignore])
     if changed:
         logger.warning("resuming with options that differ from the run's saved grpo_config.json: " + "; ".join(changed))
