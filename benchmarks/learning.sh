@@ -93,7 +93,11 @@ ends_at_box = r".*\\boxed\{\s*-?\d+\s*\}[\s.$\\)\]]*"  # nothing after the box
 # 2: also only one box (a repeated box earns nothing: see benchmarks/completion_shapes.py)
 one_box = r"(?!.*\\boxed.*\\boxed)" + ends_at_box
 arith["reward_kwargs"]["format"]["pattern"] = ends_at_box if sys.argv[2] == "1" else one_box
-json.dump({"arith": arith}, open(sys.argv[1], "w"), indent=1)
+# written whole, then renamed: runs started side by side (PARALLEL, or several drivers) share the file
+partial = f"{sys.argv[1]}.{os.getpid()}"
+with open(partial, "w") as registry:
+    json.dump({"arith": arith}, registry, indent=1)
+os.replace(partial, sys.argv[1])
 PY
   arith_registry=(--dataset_config_path "$OUT_DIR/arith_strict_registry.json")
 fi
