@@ -3,7 +3,8 @@
     python benchmarks/learning_table.py outputs/bench/learning/*/
 
 Each run folder holds metrics.jsonl (written by the trainer) and bench.json (written by learning.sh: dataset,
-strategy, seed, learning rate, accuracy key, wall seconds, GPU).
+strategy, seed, learning rate, accuracy key, wall seconds, GPU). Below the table: qlora's final accuracy against
+lora's, per dataset, tag and seed, and as a mean over the seeds that both have.
 """
 import json
 import os
@@ -34,6 +35,30 @@ def fmt(value, spec=".3f"):
     return "-" if value is None else format(value, spec)
 
 
+def qlora_against_lora(runs: list[dict]) -> list[str]:
+    """One line per (dataset, tag, seed) where both finished: qlora's end accuracy, lora's, and their ratio."""
+    ends = {}
+    for r in runs:
+        base, _, tag = r["strategy"].partition("-")  # learning.sh appends -<TAG> to the strategy
+        if base in ("lora", "qlora") and r["acc_end"] is not None:
+            ends[(r["dataset"], tag, r["seed"], base)] = r["acc_end"]
+    lines, pairs = [], {}
+    for (dataset, tag, seed, base), q in sorted(ends.items(), key=str):
+        lora = ends.get((dataset, tag, seed, "lora"))
+        if base != "qlora" or lora is None:
+            continue
+        pairs.setdefault((dataset, tag), []).append((q, lora))
+        ratio = f"{q / lora:.2f}" if lora > 0 else "-"
+        lines.append(f"{dataset}{'-' + tag if tag else ''} seed {seed}: qlora {q:.3f}, lora {lora:.3f}, "
+                     f"qlora / lora {ratio}")
+    for (dataset, tag), both in pairs.items():
+        q, lora = (sum(v) / len(both) for v in zip(*both))
+        ratio = f"{q / lora:.2f}" if lora > 0 else "-"
+        lines.append(f"{dataset}{'-' + tag if tag else ''}, mean over {len(both)} seed(s): qlora {q:.3f}, "
+                     f"lora {lora:.3f}, qlora / lora {ratio}")
+    return lines
+
+
 def main(paths: list[str]) -> None:
     runs = [summarize(p) for p in paths if os.path.isfile(os.path.join(p, "bench.json"))]
     print("| dataset | strategy | seed | lr | held-out acc, step 0 | held-out acc, end | eval length, end | steps "
@@ -44,6 +69,10 @@ def main(paths: list[str]) -> None:
               f"**{fmt(r['acc_end'])}** | {fmt(r['len_end'], '.1f')} | {r['steps']} | "
               f"{fmt(r['reward_first'], '.2f')} -> {fmt(r['reward_last5'], '.2f')} | {r['train_s']:.0f} | "
               f"{r['wall_s']:.0f} | {r['gpu']} |")
+    comparison = qlora_against_lora(runs)
+    if comparison:
+        print()
+        print("\n".join(comparison))
 
 
 if __name__ == "__main__":
