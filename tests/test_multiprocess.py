@@ -48,13 +48,19 @@ def setup(tmp_path_factory):
     return folder, model, registry
 
 
+def launch_command(model, registry, out, port, *flags, where=("--num_gpus", "2")) -> list[str]:
+    """`deepspeed <where> train_grpo.py ...` on the tiny model and the toy data (`where`: the launcher's choice of
+    ranks, by default 2 on this machine)."""
+    return ["deepspeed", *where, "--master_port", str(port),
+            os.path.join(ROOT, "train_grpo.py"), "--model_name_or_path", model, "--dataset_config_path", registry,
+            "--dataset_names", "toy", "--output_dir", str(out), "--k_samples", "4",
+            "--per_device_train_batch_size", "2", "--rollout_max_new_tokens", "8", "--max_prompt_length", "32",
+            "--max_seq_length", "48", "--learning_rate", "1e-3", "--eval_max_prompts", "4", *flags]
+
+
 def launch(folder, model, registry, out, port, *flags, timeout=600, ranks=2):
     """`deepspeed --num_gpus 2 train_grpo.py ...` on CPU, with this checkout first on PYTHONPATH."""
-    cmd = ["deepspeed", "--num_gpus", str(ranks), "--master_port", str(port),
-           os.path.join(ROOT, "train_grpo.py"), "--model_name_or_path", model, "--dataset_config_path", registry,
-           "--dataset_names", "toy", "--output_dir", str(out), "--k_samples", "4",
-           "--per_device_train_batch_size", "2", "--rollout_max_new_tokens", "8", "--max_prompt_length", "32",
-           "--max_seq_length", "48", "--learning_rate", "1e-3", "--eval_max_prompts", "4", *flags]
+    cmd = launch_command(model, registry, out, port, *flags, where=("--num_gpus", str(ranks)))
     return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=child_env(), timeout=timeout)
 
 

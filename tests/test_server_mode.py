@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from grpo.rollout.remote import _even_bounds
 
-from .test_multiprocess import ROOT, launch, setup  # noqa: F401  (setup is the module's fixture)
+from .test_multiprocess import ROOT, launch, launch_command, setup  # noqa: F401  (setup is the module's fixture)
 from .trainer_setup import child_env, train_rows
 
 needs_launcher = pytest.mark.skipif(shutil.which("deepspeed") is None, reason="the deepspeed launcher is not on PATH")
@@ -54,6 +54,31 @@ def test_the_rollout_rank_samples_the_policy_after_every_step(setup):  # noqa: F
     ids = torch.arange(5, 45)[None]
     moved = (sequence_logprobs(model, ids) - sequence_logprobs(out / "model", ids)).abs().max().item()
     assert moved > 1e-2, moved
+
+
+@needs_launcher
+def test_the_rollout_rank_may_sit_on_another_node(setup):  # noqa: F811
+    """Two nodes of one slot each from one hostfile, each started by its own launcher as on a cluster without ssh
+    (`deepspeed --hostfile ... --no_ssh --node_rank N`): the second node's only rank (job rank 1, local rank 0)
+    generates, the first trains, and they meet at MASTER_ADDR:MASTER_PORT."""
+    folder, model, registry = setup
+    hostfile = folder / "two_nodes"
+    hostfile.write_text("node-a slots=1\nnode-b slots=1\n")
+    out = folder / "out_server_two_nodes"
+    nodes = []
+    for node in (0, 1):
+        where = ("--hostfile", str(hostfile), "--no_ssh", "--node_rank", str(node), "--master_addr", "127.0.0.1")
+        cmd = launch_command(model, registry, out, 29557, "--reward_module", str(folder / "rewards.py"), *SERVER,
+                             "--tuning_strategy", "full", "--max_steps", "2", where=where)
+        nodes.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+                                      env=child_env()))
+    logs = [node.communicate(timeout=600)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], logs[0][-3000:] + logs[1][-3000:]
+    assert "waiting for 1 rollout rank(s)" in logs[0] and "1 rank(s)" in logs[0]  # node a trained
+    assert "training " not in logs[1]  # node b only generated
+    rows = train_rows(out)
+    assert [r["step"] for r in rows] == [1, 2]
+    assert max(r["rollout/logprob_diff_max"] for r in rows) < 1e-4, rows  # the synced policy reached node b
 
 
 @needs_launcher
