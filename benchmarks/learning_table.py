@@ -36,26 +36,25 @@ def fmt(value, spec=".3f"):
 
 
 def qlora_against_lora(runs: list[dict]) -> list[str]:
-    """One line per (dataset, tag, seed) where both finished: qlora's end accuracy, lora's, and their ratio."""
+    """One line per (dataset, tag, seed) where both finished: qlora's end accuracy, lora's, and their ratio; then
+    the same for the mean over those seeds."""
     ends = {}
     for r in runs:
         base, _, tag = r["strategy"].partition("-")  # learning.sh appends -<TAG> to the strategy
         if base in ("lora", "qlora") and r["acc_end"] is not None:
-            ends[(r["dataset"], tag, r["seed"], base)] = r["acc_end"]
+            ends[(r["dataset"], f"-{tag}" if tag else "", r["seed"], base)] = r["acc_end"]
+
+    def line(label: str, q: float, lora: float) -> str:
+        return f"{label}: qlora {q:.3f}, lora {lora:.3f}, qlora / lora {f'{q / lora:.2f}' if lora > 0 else '-'}"
+
     lines, pairs = [], {}
-    for (dataset, tag, seed, base), q in sorted(ends.items(), key=str):
+    for (dataset, tag, seed, base), q in sorted(ends.items(), key=lambda item: item[0][:3]):
         lora = ends.get((dataset, tag, seed, "lora"))
-        if base != "qlora" or lora is None:
-            continue
-        pairs.setdefault((dataset, tag), []).append((q, lora))
-        ratio = f"{q / lora:.2f}" if lora > 0 else "-"
-        lines.append(f"{dataset}{'-' + tag if tag else ''} seed {seed}: qlora {q:.3f}, lora {lora:.3f}, "
-                     f"qlora / lora {ratio}")
+        if base == "qlora" and lora is not None:
+            pairs.setdefault((dataset, tag), []).append((q, lora))
+            lines.append(line(f"{dataset}{tag} seed {seed}", q, lora))
     for (dataset, tag), both in pairs.items():
-        q, lora = (sum(v) / len(both) for v in zip(*both))
-        ratio = f"{q / lora:.2f}" if lora > 0 else "-"
-        lines.append(f"{dataset}{'-' + tag if tag else ''}, mean over {len(both)} seed(s): qlora {q:.3f}, "
-                     f"lora {lora:.3f}, qlora / lora {ratio}")
+        lines.append(line(f"{dataset}{tag}, mean over {len(both)} seed(s)", *(sum(v) / len(both) for v in zip(*both))))
     return lines
 
 

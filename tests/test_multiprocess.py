@@ -10,7 +10,7 @@ import pytest
 from grpo.manifest import MANIFEST_FILE
 
 from .tiny_models import make_tiny_model_dir
-from .trainer_setup import ROOT, child_env, train_rows, write_prompt_registry
+from .trainer_setup import ROOT, child_env, deepspeed_launcher, train_rows, write_prompt_registry
 
 REWARD_MODULE = '''
 from grpo import register_reward
@@ -51,7 +51,7 @@ def setup(tmp_path_factory):
 def launch_command(model, registry, out, port, *flags, where=("--num_gpus", "2")) -> list[str]:
     """`deepspeed <where> train_grpo.py ...` on the tiny model and the toy data (`where`: the launcher's choice of
     ranks, by default 2 on this machine)."""
-    return ["deepspeed", *where, "--master_port", str(port),
+    return [*deepspeed_launcher(), *where, "--master_port", str(port),
             os.path.join(ROOT, "train_grpo.py"), "--model_name_or_path", model, "--dataset_config_path", registry,
             "--dataset_names", "toy", "--output_dir", str(out), "--k_samples", "4",
             "--per_device_train_batch_size", "2", "--rollout_max_new_tokens", "8", "--max_prompt_length", "32",

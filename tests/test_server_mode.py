@@ -72,7 +72,11 @@ def test_the_rollout_rank_may_sit_on_another_node(setup):  # noqa: F811
                              "--tuning_strategy", "full", "--max_steps", "2", where=where)
         nodes.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
                                       env=child_env()))
-    logs = [node.communicate(timeout=600)[0] for node in nodes]
+    try:
+        logs = [node.communicate(timeout=600)[0] for node in nodes]
+    finally:  # a node left waiting for its peer must not outlive the test
+        for node in nodes:
+            node.kill()
     assert [node.returncode for node in nodes] == [0, 0], logs[0][-3000:] + logs[1][-3000:]
     assert "waiting for 1 rollout rank(s)" in logs[0] and "1 rank(s)" in logs[0]  # node a trained
     assert "training " not in logs[1]  # node b only generated
