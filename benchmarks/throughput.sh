@@ -21,10 +21,16 @@
 #   VLLM_SLEEP=false bash benchmarks/throughput.sh             # vLLM stays awake in grpo and TRL
 #   SKIP_ROLLOUT=1 SKIP_TRL=1 MULTI_CASES="16:1024" MULTI_MODES="colocate2 server async" bash benchmarks/throughput.sh
 #
-# Knobs: OUT STEPS MULTI_STEPS MULTI_CASES MULTI_MODES MAX_NEW REPEATS VLLM_MEM SERVER_MEM VLLM_SLEEP TRL_MICRO TRL_IS
-# MODEL_DIR SKIP_ROLLOUT SKIP_TRL SKIP_MULTI T_MODEL T_ROLLOUT T_RUN T_TRL T_MULTI PORT
+# KV_CACHE_GIB (a number of GiB or share) sets grpo's --vllm_kv_cache_gib in every run and the engine of section 1;
+# unset, the runs keep grpo's default (auto colocated, share in server mode) and section 1's grpo engine is sized
+# as auto would size it; bare vLLM always keeps its default (what VLLM_MEM leaves after the weights)
+#
+# Knobs: OUT STEPS MULTI_STEPS MULTI_CASES MULTI_MODES MAX_NEW REPEATS VLLM_MEM SERVER_MEM VLLM_SLEEP KV_CACHE_GIB
+# TRL_MICRO TRL_IS
+# MODEL_DIR SKIP_ROLLOUT SKIP_TRL SKIP_MULTI RUN T_MODEL T_ROLLOUT T_RUN T_TRL T_MULTI PORT
 # GPU_ID=<n> puts sections 1-2 and 1-GPU runs on GPU n, so two invocations (own OUT and PORT, same MODEL_DIR) can
-# share a 2-GPU machine; sections 1-2's train_grpo.py run is left out when both SKIP_ROLLOUT and SKIP_TRL are 1
+# share a 2-GPU machine; sections 1-2's train_grpo.py run is left out when both SKIP_ROLLOUT and SKIP_TRL are 1,
+# unless RUN=1 (e.g. KV_CACHE_GIB=share SKIP_ROLLOUT=1 SKIP_TRL=1 SKIP_MULTI=1 RUN=1: that run alone)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-outputs/bench/throughput}
@@ -41,7 +47,7 @@ VLLM_SLEEP=${VLLM_SLEEP:-true}   # grpo's default; TRL's vllm_enable_sleep_mode 
 TRL_MICRO=${TRL_MICRO:-32}       # TRL completions per micro-batch (128 / TRL_MICRO accumulation steps)
 TRL_IS=${TRL_IS:-0}              # 1: TRL's vLLM importance-sampling correction (its default) on
 MODEL_DIR=${MODEL_DIR:-$OUT/llama-0.68b}
-T_MODEL=${T_MODEL:-300} T_ROLLOUT=${T_ROLLOUT:-240} T_RUN=${T_RUN:-360} T_TRL=${T_TRL:-420} T_MULTI=${T_MULTI:-480}
+T_MODEL=${T_MODEL:-300} T_ROLLOUT=${T_ROLLOUT:-360} T_RUN=${T_RUN:-360} T_TRL=${T_TRL:-420} T_MULTI=${T_MULTI:-480}
 port=${PORT:-29700}
 rm -rf "$OUT/runs" "$OUT/trl" "$OUT/rollout.jsonl" "$OUT/trl.json"  # a previous run's results (the model stays)
 mkdir -p "$OUT/runs"
@@ -82,7 +88,8 @@ train() {
     --per_device_train_batch_size "$prompts" --k_samples 8 --rollout_max_new_tokens "$new" \
     --max_prompt_length "$PROMPT_LEN" --max_seq_length $((PROMPT_LEN + new)) --max_steps "$steps" \
     --use_vllm_rollout true --vllm_gpu_memory_utilization "$VLLM_MEM" --vllm_sleep "$VLLM_SLEEP" --save_steps 0 \
-    --eval_on_start false --logging_steps 1 --output_dir "$dir" --overwrite_output_dir "$@" > "$dir.log" 2>&1
+    --eval_on_start false --logging_steps 1 --output_dir "$dir" --overwrite_output_dir \
+    ${KV_CACHE_GIB:+--vllm_kv_cache_gib "$KV_CACHE_GIB"} "$@" > "$dir.log" 2>&1
   local rc=$?
   port=$((port + 1))
   printf '{"name": "%s", "mode": "%s", "gpus": %s, "train_ranks": %s, "max_new": %s, ' \
@@ -95,17 +102,20 @@ train() {
 # 1. rollout throughput, one batch
 if [ "${SKIP_ROLLOUT:-0}" != 1 ]; then
   for engine in bare grpo; do
+    kv=()
+    [ "$engine" = grpo ] && kv=(--kv_cache_gib "${KV_CACHE_GIB:-auto}")
+    [ "${kv[1]:-}" = share ] && kv=()
     echo "== rollout: $engine (limit ${T_ROLLOUT}s)"
     bounded "$T_ROLLOUT" env ${GPU_ID:+CUDA_VISIBLE_DEVICES=$GPU_ID} \
       python benchmarks/rollout_throughput.py --engine "$engine" --model "$MODEL_DIR" \
       --prompts 16 --k 8 --prompt_len "$PROMPT_LEN" --max_new "$MAX_NEW" --repeats "$REPEATS" \
-      --vllm_mem "$VLLM_MEM" --json "$OUT/rollout.jsonl" > "$OUT/rollout_$engine.log" 2>&1
+      --vllm_mem "$VLLM_MEM" "${kv[@]}" --json "$OUT/rollout.jsonl" > "$OUT/rollout_$engine.log" 2>&1
     echo "   rc=$?"; grep -E 'tok/s' "$OUT/rollout_$engine.log"
   done
 fi
 
 # 1c + 2. a real run: its rollout phase (section 1) and its seconds per step (section 2, against TRL)
-if [ "${SKIP_ROLLOUT:-0}" != 1 ] || [ "${SKIP_TRL:-0}" != 1 ]; then
+if [ "${SKIP_ROLLOUT:-0}" != 1 ] || [ "${SKIP_TRL:-0}" != 1 ] || [ "${RUN:-0}" = 1 ]; then
   train colocate-1gpu-short "colocate" 1 1 16 "$MAX_NEW" "$STEPS" "$T_RUN"
 fi
 

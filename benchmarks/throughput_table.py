@@ -106,6 +106,13 @@ def rollout_section(folder: str) -> None:
               f"for log-probs only on the steps of --logprob_check_steps (the first step here).")
     else:
         print(f"\ntrain_grpo.py run: {status(run)}")
+    for r in rows:
+        if "paired_ratio_median" in r:
+            parts = ", ".join(f"{name} {seconds:.4f}" for name, seconds in r["parts_s_median"].items())
+            kv = f"{r['kv_cache_gib']} GiB ({r.get('kv_cache_choice')})" if r.get("kv_cache_gib") else "the memory share"
+            print(f"\nrollout phase (wake, generate, decode, level-2 sleep; KV cache: {kv}) / LLM.generate on the "
+                  f"same engine, repeats in pairs: {r['paired_ratio_median']:.3f} (median of {len(r['paired_ratios'])}"
+                  f"); median seconds by part: {parts}")
     print(f"\ngrpo / bare vLLM tokens/s: VLLMRolloutEngine.generate {ratio(wrapped.get(False), bare.get(False))} "
           f"(logprobs None), {ratio(wrapped.get(True), bare.get(True))} (logprobs 0); train run's rollout phase "
           f"{ratio(run.get('generate_tok_s'), bare.get(False))} (generate only), "

@@ -224,6 +224,11 @@ class GRPOConfig:
     vllm_gpu_memory_utilization: Optional[float] = _opt(
         None, "Fraction of GPU memory vLLM may take. Default: 0.3 colocated (training needs the rest), 0.85 on the "
               "rollout ranks of server mode (their GPUs only generate).", "rollout")
+    vllm_kv_cache_gib: Optional[str] = _opt(
+        None, "KV cache of each vLLM engine. auto: sized to one step's rollouts (tp x prompts per rank x k "
+              "sequences of --max_seq_length, plus a quarter), so sleep and wake move less memory; a number: that many "
+              "GiB; share: what --vllm_gpu_memory_utilization leaves after the weights. Default: auto colocated "
+              "(share for models it cannot size: MLA, hybrid, vision-language), share in server mode.", "rollout")
     vllm_sleep: bool = _opt(True, "Put vLLM to sleep while DeepSpeed trains: its KV cache and weights are freed, and "
                                     "every sync then sends the whole policy. false: it stays awake, and a lora / qlora "
                                     "sync sends only the adapted layers. Colocated vLLM only (rollout ranks of "
@@ -366,6 +371,10 @@ class GRPOConfig:
              "the rewards); drop one of them")
         need(self.vllm_gpu_memory_utilization is None or 0.0 < self.vllm_gpu_memory_utilization < 1.0,
              "vllm_gpu_memory_utilization", "must be in (0, 1)")
+        kv_cache = self.vllm_kv_cache  # raises on a value that is neither auto, share nor a number of GiB
+        need(not (kv_cache == "auto" and self.vllm_mode == "server"), "vllm_kv_cache_gib",
+             "auto is for colocated engines (they give the memory back to training); rollout ranks of server mode "
+             "only generate: leave it unset (share) or give a number of GiB")
         need(self.save_steps >= 0, "save_steps", "must be >= 0")
         need(self.save_total_limit >= 1, "save_total_limit", "must be >= 1")
         need(self.eval_steps >= 0, "eval_steps", "must be >= 0")
@@ -450,6 +459,23 @@ class GRPOConfig:
         if self.vllm_gpu_memory_utilization is not None:
             return self.vllm_gpu_memory_utilization
         return 0.85 if self.vllm_mode == "server" else 0.3
+
+    @property
+    def vllm_kv_cache(self) -> str | float:
+        """--vllm_kv_cache_gib as 'auto', 'share' or GiB (a float), with the default for the mode."""
+        value = self.vllm_kv_cache_gib
+        if value is None:
+            return "share" if self.vllm_mode == "server" else "auto"
+        if str(value).strip().lower() in ("auto", "share"):
+            return str(value).strip().lower()
+        try:
+            gib = float(value)
+        except ValueError:
+            gib = 0.0
+        if not 0 < gib < float("inf"):
+            raise ConfigError(f"--vllm_kv_cache_gib: got '{value}'; give auto, share or a number of GiB > 0 "
+                              "(e.g. 4)")
+        return gib
 
     @property
     def is_correction(self) -> bool:

@@ -99,11 +99,13 @@ def _build_engine(config, spec: dict, index: int, count: int, device: torch.devi
         timeout = timedelta(minutes=config.ddp_timeout_minutes)
         world_store = dist.PrefixStore("grpo_rollout_world", connect_store(timeout))  # a client of its own
         dist.init_process_group("nccl", store=world_store, rank=index, world_size=count, timeout=timeout)
+        from .setup import engine_kv_cache_bytes
         from .vllm import VLLMRolloutEngine
 
         # ranks of one tensor-parallel group share a seed: they must sample the same completions
         return VLLMRolloutEngine(model_path, tensor_parallel_size=config.vllm_tp,
                                  gpu_memory_utilization=config.vllm_memory_share,
+                                 kv_cache_bytes=engine_kv_cache_bytes(config, model_path),
                                  max_model_len=config.max_seq_length, seed=config.seed + index // config.vllm_tp,
                                  enable_sleep=False, enforce_eager=config.vllm_enforce_eager,
                                  stop_token_ids=spec["stop_token_ids"],

@@ -7,6 +7,7 @@ import torch
 
 from ..errors import ConfigError
 from .hf import HFRolloutEngine, stop_token_ids
+from .kv_cache import auto_kv_cache_bytes, kv_bytes_per_token
 
 logger = logging.getLogger("grpo")
 
@@ -42,6 +43,7 @@ def build_rollout_engine(config, model_path: str, policy, tokenizer, vision, ran
         # ranks of one tensor-parallel group share a seed: they must sample the same completions
         return VLLMRolloutEngine(model_path, tensor_parallel_size=config.vllm_tp,
                                  gpu_memory_utilization=config.vllm_memory_share,
+                                 kv_cache_bytes=engine_kv_cache_bytes(config, model_path),
                                  max_model_len=config.max_seq_length, seed=config.seed + rank // config.vllm_tp,
                                  enable_sleep=config.vllm_sleep,
                                  sleep_level=config.vllm_sleep_level, enforce_eager=config.vllm_enforce_eager,
@@ -49,6 +51,30 @@ def build_rollout_engine(config, model_path: str, policy, tokenizer, vision, ran
                                  max_images_per_prompt=config.max_images_per_prompt if vision else 0,
                                  image_token_id=vision.image_token_id if vision else None)
     return HFRolloutEngine(policy, tokenizer, suppress_token_ids=vision.placeholder_token_ids if vision else None)
+
+
+def engine_kv_cache_bytes(config, model_path: str) -> int | None:
+    """--vllm_kv_cache_gib in bytes: a number as given, auto sized to a colocated step's rollouts (kv_cache.py);
+    None leaves vLLM the --vllm_gpu_memory_utilization share."""
+    choice = config.vllm_kv_cache
+    if choice == "share":
+        return None
+    if choice != "auto":
+        return int(choice * 2**30)
+    from transformers import AutoConfig
+
+    hf_config = AutoConfig.from_pretrained(model_path, trust_remote_code=config.trust_remote_code)
+    per_token = kv_bytes_per_token(hf_config, config.vllm_tp)
+    sequences = config.vllm_tp * config.per_device_train_batch_size * config.gradient_accumulation_steps \
+        * config.k_samples
+    size = auto_kv_cache_bytes(per_token, sequences, config.max_seq_length)
+    if size is None:
+        logger.info(f"vLLM KV cache: the memory share ({type(hf_config).__name__} keeps no plain per-token K/V "
+                    "cache that --vllm_kv_cache_gib auto can size)")
+    else:
+        logger.info(f"vLLM KV cache: {size / 2**30:.2f} GiB per GPU (auto: {sequences} sequences x "
+                    f"{config.max_seq_length} tokens x {per_token / 1024:.1f} KiB per token, +25%)")
+    return size
 
 
 def check_tensor_parallel(model_path: str, config) -> None:

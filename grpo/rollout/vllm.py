@@ -52,10 +52,12 @@ class VLLMRolloutEngine:
     def __init__(self, model_path: str, *, tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.3,
                  dtype: str = "bfloat16", max_model_len: int = 2048, seed: int = 0, enable_sleep: bool = True,
                  sleep_level: int = 2, enforce_eager: bool = False, stop_token_ids: list[int] | None = None,
-                 max_images_per_prompt: int = 0, image_token_id: int | None = None):
+                 max_images_per_prompt: int = 0, image_token_id: int | None = None,
+                 kv_cache_bytes: int | None = None):
         """`max_images_per_prompt` > 0 (with the model's `image_token_id`) serves a vision-language model: prompts
         then come with their images, passed as multi_modal_data (vLLM runs the model's own image processor).
-        `sleep_level` 2 drops the weights in sleep(), so every sync must send all of them (see the module docstring)."""
+        `sleep_level` 2 drops the weights in sleep(), so every sync must send all of them (see the module docstring).
+        `kv_cache_bytes`: the KV cache's size, instead of what `gpu_memory_utilization` leaves after the weights."""
         if sleep_level not in (1, 2):
             raise ConfigError(f"sleep_level={sleep_level}: vLLM sleeps at level 1 (weights kept in CPU memory) or 2 "
                               "(weights dropped)")
@@ -84,7 +86,8 @@ class VLLMRolloutEngine:
             skip_tokenizer_init=not multimodal,
             distributed_executor_backend="external_launcher",
             # log-probs after temperature, like the trainer's log_softmax(logits / T) (vllm/v1/sample/sampler.py)
-            logprobs_mode="processed_logprobs", **multimodal)
+            logprobs_mode="processed_logprobs", **multimodal,
+            **({"kv_cache_memory_bytes": kv_cache_bytes} if kv_cache_bytes else {}))
         self._asleep: set[str] = set()  # vLLM allocation tags now released: "weights", "kv_cache"
         self.last_sleep_freed_bytes = 0
         self._sleeps = 0
