@@ -219,15 +219,16 @@ class GCTimer:
 
 def kv_bytes(args) -> int | None:
     """--kv_cache_gib in bytes; auto sizes it as a training run would for this batch (grpo/rollout/kv_cache.py)."""
-    if args.kv_cache_gib is None:
+    if args.kv_cache_gib in (None, "share"):
         return None
     if args.kv_cache_gib == "auto":
         from transformers import AutoConfig
 
         from grpo.rollout.kv_cache import auto_kv_cache_bytes, kv_bytes_per_token
 
+        longest = args.prompt_len + args.max_new
         return auto_kv_cache_bytes(kv_bytes_per_token(AutoConfig.from_pretrained(args.model)),
-                                   args.prompts * args.k, args.prompt_len + args.max_new)
+                                   args.prompts * args.k, longest, longest)
     return int(float(args.kv_cache_gib) * 2**30)
 
 
@@ -242,8 +243,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--vllm_mem", type=float, default=0.3, help="gpu_memory_utilization")
     parser.add_argument("--kv_cache_gib", default=None,
-                        help="KV cache size in GiB, or auto (sized to the batch, as train_grpo.py's default); "
-                             "default: what --vllm_mem leaves after the weights")
+                        help="KV cache size in GiB, auto (sized to the batch, as train_grpo.py's default) or share; "
+                             "default: share, what --vllm_mem leaves after the weights")
     parser.add_argument("--phase_only", action="store_true", help="grpo: only the rollout phase against LLM.generate")
     parser.add_argument("--enforce_eager", action="store_true")
     parser.add_argument("--json", required=True, help="append the rows to this JSON-lines file")
@@ -252,7 +253,8 @@ def main() -> None:
     vocab = json.load(open(os.path.join(args.model, "config.json")))["vocab_size"]
     prompts = [[rng.randrange(100, vocab) for _ in range(args.prompt_len)] for _ in range(args.prompts)]
     rows = bare_cases(args, prompts) if args.engine == "bare" else grpo_cases(args, prompts)
-    kv_gib = round(kv_bytes(args) / 2**30, 3) if args.kv_cache_gib else None
+    kv = kv_bytes(args)
+    kv_gib = round(kv / 2**30, 3) if kv else None
     with open(args.json, "a") as fh:
         for row in rows:
             row.update(prompts=args.prompts, k=args.k, prompt_len=args.prompt_len, max_new=args.max_new,

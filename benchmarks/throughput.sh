@@ -21,7 +21,8 @@
 #   VLLM_SLEEP=false bash benchmarks/throughput.sh             # vLLM stays awake in grpo and TRL
 #   SKIP_ROLLOUT=1 SKIP_TRL=1 MULTI_CASES="16:1024" MULTI_MODES="colocate2 server async" bash benchmarks/throughput.sh
 #
-# KV_CACHE_GIB (a number of GiB or share) sets grpo's --vllm_kv_cache_gib in every run and the engine of section 1;
+# KV_CACHE_GIB (a number of GiB or share; auto is refused by server mode) sets grpo's --vllm_kv_cache_gib in every
+# run and the engine of section 1;
 # unset, the runs keep grpo's default (auto colocated, share in server mode) and section 1's grpo engine is sized
 # as auto would size it; bare vLLM always keeps its default (what VLLM_MEM leaves after the weights)
 #
@@ -104,12 +105,11 @@ if [ "${SKIP_ROLLOUT:-0}" != 1 ]; then
   for engine in bare grpo; do
     kv=()
     [ "$engine" = grpo ] && kv=(--kv_cache_gib "${KV_CACHE_GIB:-auto}")
-    [ "${kv[1]:-}" = share ] && kv=()
     echo "== rollout: $engine (limit ${T_ROLLOUT}s)"
     bounded "$T_ROLLOUT" env ${GPU_ID:+CUDA_VISIBLE_DEVICES=$GPU_ID} \
       python benchmarks/rollout_throughput.py --engine "$engine" --model "$MODEL_DIR" \
       --prompts 16 --k 8 --prompt_len "$PROMPT_LEN" --max_new "$MAX_NEW" --repeats "$REPEATS" \
-      --vllm_mem "$VLLM_MEM" "${kv[@]}" --json "$OUT/rollout.jsonl" > "$OUT/rollout_$engine.log" 2>&1
+      --vllm_mem "$VLLM_MEM" ${kv[@]+"${kv[@]}"} --json "$OUT/rollout.jsonl" > "$OUT/rollout_$engine.log" 2>&1
     echo "   rc=$?"; grep -E 'tok/s' "$OUT/rollout_$engine.log"
   done
 fi

@@ -223,12 +223,15 @@ class GRPOConfig:
                                 "engines; at least 1 and fewer than the job's ranks.", "rollout")
     vllm_gpu_memory_utilization: Optional[float] = _opt(
         None, "Fraction of GPU memory vLLM may take. Default: 0.3 colocated (training needs the rest), 0.85 on the "
-              "rollout ranks of server mode (their GPUs only generate).", "rollout")
+              "rollout ranks of server mode (their GPUs only generate). When --vllm_kv_cache_gib sets the KV "
+              "cache's size, this fraction must still be free when the engine starts.", "rollout")
     vllm_kv_cache_gib: Optional[str] = _opt(
-        None, "KV cache of each vLLM engine. auto: sized to one step's rollouts (tp x prompts per rank x k "
-              "sequences of --max_seq_length, plus a quarter), so sleep and wake move less memory; a number: that many "
-              "GiB; share: what --vllm_gpu_memory_utilization leaves after the weights. Default: auto colocated "
-              "(share for models it cannot size: MLA, hybrid, vision-language), share in server mode.", "rollout")
+        None, "vLLM's KV cache per GPU. auto: sized to one step's rollouts (tp x prompts per rank x k sequences of "
+              "--max_prompt_length + --rollout_max_new_tokens tokens, plus a quarter), so sleep and wake move less "
+              "memory; the share instead where that needs more than half of what the share leaves after the "
+              "weights, or for models it cannot size (MLA, hybrid, vision-language). A number: that many GiB. share: "
+              "what --vllm_gpu_memory_utilization leaves after the weights and activations. Default: auto colocated, "
+              "share in server mode.", "rollout")
     vllm_sleep: bool = _opt(True, "Put vLLM to sleep while DeepSpeed trains: its KV cache and weights are freed, and "
                                     "every sync then sends the whole policy. false: it stays awake, and a lora / qlora "
                                     "sync sends only the adapted layers. Colocated vLLM only (rollout ranks of "
@@ -470,11 +473,11 @@ class GRPOConfig:
             return str(value).strip().lower()
         try:
             gib = float(value)
-        except ValueError:
+        except (TypeError, ValueError):
             gib = 0.0
-        if not 0 < gib < float("inf"):
-            raise ConfigError(f"--vllm_kv_cache_gib: got '{value}'; give auto, share or a number of GiB > 0 "
-                              "(e.g. 4)")
+        if not 0.001 <= gib < float("inf"):
+            raise ConfigError(f"--vllm_kv_cache_gib: got '{value}'; give auto, share or a number of GiB of at least "
+                              "0.001 (e.g. 4)")
         return gib
 
     @property

@@ -1,10 +1,13 @@
 """--vllm_kv_cache_gib: the KV cache sizing math against numbers worked by hand, and the flag's parsing."""
+import json
+import os
+
 import pytest
 from transformers import DeepseekV3Config, LlamaConfig, Qwen2VLConfig, Qwen3NextConfig
 
 from grpo.config import parse_args
 from grpo.errors import ConfigError
-from grpo.rollout.kv_cache import auto_kv_cache_bytes, kv_bytes_per_token
+from grpo.rollout.kv_cache import auto_kv_cache_bytes, checkpoint_weight_bytes, kv_bytes_per_token, within_share
 from grpo.rollout.setup import engine_kv_cache_bytes
 
 from .tiny_models import make_tiny_model_dir
@@ -32,25 +35,59 @@ def test_bytes_per_token_by_hand():
                          ids=["mla", "hybrid linear attention", "vision-language"])
 def test_caches_auto_cannot_size(config):
     assert kv_bytes_per_token(config) is None
-    assert auto_kv_cache_bytes(None, 128, 384) is None
+    assert auto_kv_cache_bytes(None, 128, 384, 384) is None
+
+
+def test_a_field_that_refuses_to_be_read_means_no_single_size():
+    class PerLayerHeadDim:  # as transformers' Gemma-4 text config, whose head_dim differs per layer
+        num_hidden_layers, num_attention_heads, num_key_value_heads, hidden_size = 2, 4, 2, 64
+
+        @property
+        def head_dim(self):
+            raise RuntimeError("head_dim differs per layer")
+
+    assert kv_bytes_per_token(PerLayerHeadDim()) is None
 
 
 def test_auto_size_by_hand():
-    # 16 prompts x 8 samples of at most 384 tokens, +25%: 61,440 tokens x 61,440 bytes = 3.515625 GiB
-    assert auto_kv_cache_bytes(61_440, 128, 384) == 61_440 * 61_440
-    assert auto_kv_cache_bytes(61_440, 128, 384) / 2**30 == 3.515625
-    # never less than one whole sequence, which vLLM checks at start-up
-    assert auto_kv_cache_bytes(100, 1, 768, margin=0.5) == 768 * 100
+    # 16 prompts x 8 samples of at most 128 + 256 tokens, +25%: 61,440 tokens x 61,440 bytes = 3.515625 GiB
+    assert auto_kv_cache_bytes(61_440, 128, 384, 384) == 61_440 * 61_440
+    assert auto_kv_cache_bytes(61_440, 128, 384, 384) / 2**30 == 3.515625
+    # never less than one max_seq_length sequence and 256 tokens of slack (vLLM's start-up check, whole blocks)
+    assert auto_kv_cache_bytes(100, 1, 128, 768) == (768 + 256) * 100
+
+
+def test_within_share_by_hand():
+    # 0.3 of 80 GiB = 24 GiB, minus 14 GiB of weights leaves 10: auto may take up to half of it, 5 GiB
+    assert within_share(5 * 2**30, 0.3, 80 * 2**30, 14 * 2**30)
+    assert not within_share(5 * 2**30 + 1, 0.3, 80 * 2**30, 14 * 2**30)
+
+
+def test_checkpoint_weight_bytes_from_headers(tmp_path):
+    model = make_tiny_model_dir(str(tmp_path / "tiny"))
+    vocab = json.load(open(os.path.join(model, "config.json")))["vocab_size"]
+    # per layer: q 64x64, k and v 64x32, o 64x64, gate and up 64x128, down 128x64, two norms of 64 = 36,992
+    # values; two layers, the final norm, untied embeddings and output layer; fp32 on disk, bf16 in the engine
+    values = 2 * 36_992 + 64 + 2 * vocab * 64
+    assert checkpoint_weight_bytes(model) == 2 * values
+    assert checkpoint_weight_bytes(model, tensor_parallel_size=2) == values
+    assert checkpoint_weight_bytes(str(tmp_path)) is None
 
 
 def test_engine_kv_cache_bytes_from_flags(tmp_path):
     model = make_tiny_model_dir(str(tmp_path / "tiny"))  # 2 layers, 2 KV heads, head_dim 64 / 4 = 16
     per_token = 2 * 2 * 2 * 16 * 2
     cfg = parse_args(["--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "3", "--k_samples", "4",
-                      "--max_seq_length", "512"])
+                      "--max_prompt_length", "128", "--rollout_max_new_tokens", "64", "--max_seq_length", "512"])
     assert cfg.vllm_kv_cache == "auto"
-    # 2 x 3 prompts x 4 samples = 24 sequences of 512 tokens, +25% = 15,360 tokens
-    assert engine_kv_cache_bytes(cfg, model) == 15_360 * per_token
+    # 2 x 3 prompts x 4 samples = 24 sequences of at most 128 + 64 tokens, +25% = 5,760 tokens
+    size = 5_760 * per_token
+    assert engine_kv_cache_bytes(cfg, model, gpu_total_bytes=2**30) == size
+    # a GPU where that is more than half of what the 0.3 share leaves after the weights: the share instead
+    weights = checkpoint_weight_bytes(model)
+    small_gpu = int((2 * size + weights) / 0.3) - 1000
+    assert engine_kv_cache_bytes(cfg, model, gpu_total_bytes=small_gpu) is None
+    assert engine_kv_cache_bytes(cfg, model, gpu_total_bytes=small_gpu + 2000) == size
     assert engine_kv_cache_bytes(parse_args(["--vllm_kv_cache_gib", "1.5"]), model) == 3 * 2**29
     assert engine_kv_cache_bytes(parse_args(["--vllm_kv_cache_gib", "share"]), model) is None
 
@@ -58,7 +95,7 @@ def test_engine_kv_cache_bytes_from_flags(tmp_path):
 def test_flag_values_and_defaults(monkeypatch):
     assert parse_args(["--vllm_kv_cache_gib", "AUTO"]).vllm_kv_cache == "auto"
     assert parse_args(["--vllm_kv_cache_gib", "4"]).vllm_kv_cache == 4.0
-    for bad in ("lots", "0", "-2", "inf"):
+    for bad in ("lots", "0", "-2", "inf", "0.0001"):
         with pytest.raises(ConfigError, match="--vllm_kv_cache_gib: got .* give auto, share or a number of GiB"):
             parse_args(["--vllm_kv_cache_gib", bad])
     monkeypatch.setenv("WORLD_SIZE", "2")
