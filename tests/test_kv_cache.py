@@ -3,6 +3,7 @@ import json
 import os
 
 import pytest
+import torch
 from transformers import DeepseekV3Config, LlamaConfig, Qwen2VLConfig, Qwen3NextConfig
 
 from grpo.config import parse_args
@@ -74,7 +75,7 @@ def test_checkpoint_weight_bytes_from_headers(tmp_path):
     assert checkpoint_weight_bytes(str(tmp_path)) is None
 
 
-def test_engine_kv_cache_bytes_from_flags(tmp_path):
+def test_engine_kv_cache_bytes_from_flags(tmp_path, monkeypatch):
     model = make_tiny_model_dir(str(tmp_path / "tiny"))  # 2 layers, 2 KV heads, head_dim 64 / 4 = 16
     per_token = 2 * 2 * 2 * 16 * 2
     cfg = parse_args(["--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "3", "--k_samples", "4",
@@ -88,6 +89,12 @@ def test_engine_kv_cache_bytes_from_flags(tmp_path):
     small_gpu = int((2 * size + weights) / 0.3) - 1000
     assert engine_kv_cache_bytes(cfg, model, gpu_total_bytes=small_gpu) is None
     assert engine_kv_cache_bytes(cfg, model, gpu_total_bytes=small_gpu + 2000) == size
+    # without gpu_total_bytes, the GPU's own total (as the trainer's engine start asks it)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (0, small_gpu))
+    assert engine_kv_cache_bytes(cfg, model) is None
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (0, 80 * 2**30))
+    assert engine_kv_cache_bytes(cfg, model) == size
     assert engine_kv_cache_bytes(parse_args(["--vllm_kv_cache_gib", "1.5"]), model) == 3 * 2**29
     assert engine_kv_cache_bytes(parse_args(["--vllm_kv_cache_gib", "share"]), model) is None
 
