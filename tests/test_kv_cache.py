@@ -1,6 +1,8 @@
 """--vllm_kv_cache_gib: the KV cache sizing math against numbers worked by hand, and the flag's parsing."""
+import glob
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -73,6 +75,27 @@ def test_checkpoint_weight_bytes_from_headers(tmp_path):
     assert checkpoint_weight_bytes(model) == 2 * values
     assert checkpoint_weight_bytes(model, tensor_parallel_size=2) == values
     assert checkpoint_weight_bytes(str(tmp_path)) is None
+    assert checkpoint_weight_bytes("no-such-org/no-such-model") is None  # a hub id that is not cached
+
+
+def test_checkpoint_weight_bytes_of_a_cached_hub_model(tmp_path, monkeypatch):
+    import huggingface_hub.constants
+
+    model = make_tiny_model_dir(str(tmp_path / "tiny"))
+    # the local cache's layout for hub id org/tiny: refs/main names the snapshot folder that holds the files
+    repo = tmp_path / "hub" / "models--org--tiny"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("0" * 40)
+    shutil.copytree(model, repo / "snapshots" / ("0" * 40))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    assert checkpoint_weight_bytes("org/tiny") == checkpoint_weight_bytes(model)
+
+
+def test_auto_keeps_the_share_when_the_weights_are_unknown(tmp_path):
+    model = make_tiny_model_dir(str(tmp_path / "tiny"))
+    for shard in glob.glob(os.path.join(model, "*.safetensors")):
+        os.remove(shard)  # config alone: nothing tells how much of the share the weights take
+    assert engine_kv_cache_bytes(parse_args([]), model, gpu_total_bytes=80 * 2**30) is None
 
 
 def test_engine_kv_cache_bytes_from_flags(tmp_path, monkeypatch):

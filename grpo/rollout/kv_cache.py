@@ -84,8 +84,9 @@ SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4
 
 def checkpoint_weight_bytes(model_path: str, tensor_parallel_size: int = 1, float_bytes: int = 2) -> int | None:
     """The bytes the checkpoint's tensors take on one GPU, floating-point ones in the engine's dtype (float_bytes),
-    packed integer ones as stored; read from the safetensors headers alone. None without safetensors files."""
-    files = sorted(glob.glob(os.path.join(model_path, "*.safetensors")))
+    packed integer ones as stored; read from the safetensors headers alone (a hub id: from its copy in the local
+    cache, which loading the policy has filled). None without safetensors files."""
+    files = sorted(glob.glob(os.path.join(local_snapshot(model_path), "*.safetensors")))
     if not files:
         return None
     total = 0
@@ -98,3 +99,15 @@ def checkpoint_weight_bytes(model_path: str, tensor_parallel_size: int = 1, floa
                 size = float_bytes if dtype.startswith(("F", "BF")) else SAFETENSORS_BYTES.get(dtype, float_bytes)
                 total += math.prod(entry["shape"]) * size
     return total // tensor_parallel_size
+
+
+def local_snapshot(model_path: str) -> str:
+    """A folder as it is; a hub id as its snapshot in the local Hugging Face cache (never downloaded here)."""
+    if os.path.isdir(model_path):
+        return model_path
+    try:
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(model_path, local_files_only=True, allow_patterns=["*.safetensors", "*.json"])
+    except Exception:  # noqa: BLE001 -- not cached, or not a hub id: the caller keeps the share
+        return model_path

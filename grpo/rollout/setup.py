@@ -77,8 +77,11 @@ def engine_kv_cache_bytes(config, model_path: str, gpu_total_bytes: int | None =
     if gpu_total_bytes is None and torch.cuda.is_available():
         gpu_total_bytes = torch.cuda.mem_get_info()[1]
     weights = checkpoint_weight_bytes(model_path, config.vllm_tp)
-    if gpu_total_bytes and weights is not None and \
-            not within_share(size, config.vllm_memory_share, gpu_total_bytes, weights):
+    if weights is None:
+        logger.info(f"vLLM KV cache: the memory share (no safetensors files found for {model_path}, so auto cannot "
+                    "tell how much of the share the weights take)")
+        return None
+    if gpu_total_bytes and not within_share(size, config.vllm_memory_share, gpu_total_bytes, weights):
         logger.info(f"vLLM KV cache: the memory share (the step's rollouts need {size / 2**30:.2f} GiB, more than "
                     f"half of what --vllm_gpu_memory_utilization {config.vllm_memory_share} leaves after "
                     f"{weights / 2**30:.2f} GiB of weights)")
