@@ -109,7 +109,8 @@ def rollout_section(folder: str) -> None:
     for r in rows:
         if "paired_ratio_median" in r:
             parts = ", ".join(f"{name} {seconds:.4f}" for name, seconds in r["parts_s_median"].items())
-            kv = f"{r['kv_cache_gib']} GiB ({r.get('kv_cache_choice')})" if r.get("kv_cache_gib") else "the memory share"
+            kv = f"{r['kv_cache_gib']} GiB ({r.get('kv_cache_choice')})" if r.get("kv_cache_gib") \
+                else "the memory share"
             print(f"\nrollout phase (wake, generate, decode, level-2 sleep; KV cache: {kv}) / LLM.generate on the "
                   f"same engine, repeats in pairs: {r['paired_ratio_median']:.3f} (median of {len(r['paired_ratios'])}"
                   f"); median seconds by part: {parts}")

@@ -10,8 +10,8 @@ from transformers import DeepseekV3Config, LlamaConfig, Qwen2VLConfig, Qwen3Next
 
 from grpo.config import parse_args
 from grpo.errors import ConfigError
-from grpo.rollout.kv_cache import auto_kv_cache_bytes, checkpoint_weight_bytes, kv_bytes_per_token, within_share
-from grpo.rollout.setup import engine_kv_cache_bytes
+from grpo.rollout.kv_cache import (auto_kv_cache_bytes, checkpoint_weight_bytes, engine_kv_cache_bytes,
+                                   kv_bytes_per_token, within_share)
 
 from .tiny_models import make_tiny_model_dir
 

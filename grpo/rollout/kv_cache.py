@@ -23,8 +23,11 @@ from __future__ import annotations
 
 import glob
 import json
+import logging
 import math
 import os
+
+logger = logging.getLogger("grpo")
 
 # config fields that mean the cache is not plain per-token K/V heads of one size
 NON_STANDARD_CACHE_FIELDS = ("kv_lora_rank", "mamba_d_state", "ssm_state_size", "linear_key_head_dim",
@@ -34,33 +37,27 @@ AUTO_MARGIN = 1.25  # vLLM's 16-token blocks and a little slack
 FLOOR_SLACK_TOKENS = 256  # above one max_seq_length sequence: whole blocks, whatever the backend's block size
 
 
-_UNREADABLE = object()
-
-
-def _field(hf_config, name: str):
-    # some configs raise on a field that differs per layer (transformers' Gemma-4 `head_dim`): not one size then
-    try:
-        return getattr(hf_config, name, None)
-    except Exception:  # noqa: BLE001 -- any refusal means the formula does not apply
-        return _UNREADABLE
-
-
 def kv_bytes_per_token(hf_config, tensor_parallel_size: int = 1, bytes_per_value: int = 2) -> int | None:
     """KV cache bytes one token takes on one GPU (module docstring), or None where the formula does not apply."""
-    if any(_field(hf_config, name) is not None for name in NON_STANDARD_CACHE_FIELDS):
+    try:
+        return _plain_kv_bytes_per_token(hf_config, tensor_parallel_size, bytes_per_value)
+    except Exception:  # noqa: BLE001 -- a config refusing a field (Gemma-4's per-layer head_dim): not one size
         return None
-    layer_types = _field(hf_config, "layer_types")
-    if layer_types is _UNREADABLE or (layer_types and not set(layer_types) <= ATTENTION_LAYER_TYPES):
+
+
+def _plain_kv_bytes_per_token(hf_config, tensor_parallel_size: int, bytes_per_value: int) -> int | None:
+    if any(getattr(hf_config, name, None) is not None for name in NON_STANDARD_CACHE_FIELDS):
         return None
-    values = {name: _field(hf_config, name) for name in
-              ("num_hidden_layers", "num_attention_heads", "hidden_size", "num_key_value_heads", "head_dim")}
-    if _UNREADABLE in values.values():
+    layer_types = getattr(hf_config, "layer_types", None)
+    if layer_types and not set(layer_types) <= ATTENTION_LAYER_TYPES:
         return None
-    layers, heads, hidden = values["num_hidden_layers"], values["num_attention_heads"], values["hidden_size"]
+    layers = getattr(hf_config, "num_hidden_layers", None)
+    heads = getattr(hf_config, "num_attention_heads", None)
+    hidden = getattr(hf_config, "hidden_size", None)
     if not (layers and heads and hidden):
         return None
-    kv_heads = values["num_key_value_heads"] or heads
-    head_dim = values["head_dim"] or hidden // heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    head_dim = getattr(hf_config, "head_dim", None) or hidden // heads
     return 2 * layers * max(1, kv_heads // tensor_parallel_size) * head_dim * bytes_per_value
 
 
@@ -78,8 +75,7 @@ def within_share(kv_bytes: int, share: float, gpu_total_bytes: int, weight_bytes
     return kv_bytes <= (share * gpu_total_bytes - weight_bytes) / 2
 
 
-SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "U32": 4, "I16": 2, "U16": 2,
-                     "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+INTEGER_BYTES = {"I64": 8, "I32": 4, "U32": 4, "I16": 2, "U16": 2, "I8": 1, "U8": 1, "BOOL": 1}  # safetensors dtypes
 
 
 def checkpoint_weight_bytes(model_path: str, tensor_parallel_size: int = 1, float_bytes: int = 2) -> int | None:
@@ -95,9 +91,7 @@ def checkpoint_weight_bytes(model_path: str, tensor_parallel_size: int = 1, floa
             header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))
         for name, entry in header.items():
             if name != "__metadata__":
-                dtype = entry["dtype"]
-                size = float_bytes if dtype.startswith(("F", "BF")) else SAFETENSORS_BYTES.get(dtype, float_bytes)
-                total += math.prod(entry["shape"]) * size
+                total += math.prod(entry["shape"]) * INTEGER_BYTES.get(entry["dtype"], float_bytes)
     return total // tensor_parallel_size
 
 
@@ -111,3 +105,42 @@ def local_snapshot(model_path: str) -> str:
         return snapshot_download(model_path, local_files_only=True, allow_patterns=["*.safetensors", "*.json"])
     except Exception:  # noqa: BLE001 -- not cached, or not a hub id: the caller keeps the share
         return model_path
+
+
+def engine_kv_cache_bytes(config, model_path: str, gpu_total_bytes: int | None = None) -> int | None:
+    """--vllm_kv_cache_gib in bytes per GPU: a number as given; auto sized to a colocated step's rollouts when that
+    stays well within the memory share (module docstring); None leaves vLLM the --vllm_gpu_memory_utilization share.
+    `gpu_total_bytes`: this GPU's memory (default: asked of CUDA)."""
+    choice = config.vllm_kv_cache
+    if choice == "share":
+        return None
+    if choice != "auto":
+        return int(choice * 2**30)
+    import torch
+    from transformers import AutoConfig
+
+    hf_config = AutoConfig.from_pretrained(model_path, trust_remote_code=config.trust_remote_code)
+    per_token = kv_bytes_per_token(hf_config, config.vllm_tp)
+    if per_token is None:
+        logger.info(f"vLLM KV cache: the memory share ({type(hf_config).__name__} keeps no plain per-token K/V "
+                    "cache that --vllm_kv_cache_gib auto can size)")
+        return None
+    sequences = config.vllm_tp * config.per_device_train_batch_size * config.gradient_accumulation_steps \
+        * config.k_samples
+    longest = min(config.max_seq_length, config.max_prompt_length + config.rollout_max_new_tokens)
+    size = auto_kv_cache_bytes(per_token, sequences, longest, config.max_seq_length)
+    if gpu_total_bytes is None and torch.cuda.is_available():
+        gpu_total_bytes = torch.cuda.mem_get_info()[1]
+    weights = checkpoint_weight_bytes(model_path, config.vllm_tp)
+    if weights is None:
+        logger.info(f"vLLM KV cache: the memory share (no safetensors files found for {model_path}, so auto cannot "
+                    "tell how much of the share the weights take)")
+        return None
+    if gpu_total_bytes and not within_share(size, config.vllm_memory_share, gpu_total_bytes, weights):
+        logger.info(f"vLLM KV cache: the memory share (the step's rollouts need {size / 2**30:.2f} GiB, more than "
+                    f"half of what --vllm_gpu_memory_utilization {config.vllm_memory_share} leaves after "
+                    f"{weights / 2**30:.2f} GiB of weights)")
+        return None
+    logger.info(f"vLLM KV cache: {size / 2**30:.2f} GiB per GPU (auto: {sequences} sequences x {longest} tokens x "
+                f"{per_token / 1024:.1f} KiB per token, +25%)")
+    return size

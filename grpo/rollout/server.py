@@ -99,7 +99,7 @@ def _build_engine(config, spec: dict, index: int, count: int, device: torch.devi
         timeout = timedelta(minutes=config.ddp_timeout_minutes)
         world_store = dist.PrefixStore("grpo_rollout_world", connect_store(timeout))  # a client of its own
         dist.init_process_group("nccl", store=world_store, rank=index, world_size=count, timeout=timeout)
-        from .setup import engine_kv_cache_bytes
+        from .kv_cache import engine_kv_cache_bytes
         from .vllm import VLLMRolloutEngine
 
         # ranks of one tensor-parallel group share a seed: they must sample the same completions

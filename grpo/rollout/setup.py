@@ -7,7 +7,7 @@ import torch
 
 from ..errors import ConfigError
 from .hf import HFRolloutEngine, stop_token_ids
-from .kv_cache import auto_kv_cache_bytes, checkpoint_weight_bytes, kv_bytes_per_token, within_share
+from .kv_cache import engine_kv_cache_bytes
 
 logger = logging.getLogger("grpo")
 
@@ -51,44 +51,6 @@ def build_rollout_engine(config, model_path: str, policy, tokenizer, vision, ran
                                  max_images_per_prompt=config.max_images_per_prompt if vision else 0,
                                  image_token_id=vision.image_token_id if vision else None)
     return HFRolloutEngine(policy, tokenizer, suppress_token_ids=vision.placeholder_token_ids if vision else None)
-
-
-def engine_kv_cache_bytes(config, model_path: str, gpu_total_bytes: int | None = None) -> int | None:
-    """--vllm_kv_cache_gib in bytes per GPU: a number as given; auto sized to a colocated step's rollouts when that
-    stays well within the memory share (kv_cache.py); None leaves vLLM the --vllm_gpu_memory_utilization share.
-    `gpu_total_bytes`: this GPU's memory (default: asked of CUDA)."""
-    choice = config.vllm_kv_cache
-    if choice == "share":
-        return None
-    if choice != "auto":
-        return int(choice * 2**30)
-    from transformers import AutoConfig
-
-    hf_config = AutoConfig.from_pretrained(model_path, trust_remote_code=config.trust_remote_code)
-    per_token = kv_bytes_per_token(hf_config, config.vllm_tp)
-    if per_token is None:
-        logger.info(f"vLLM KV cache: the memory share ({type(hf_config).__name__} keeps no plain per-token K/V "
-                    "cache that --vllm_kv_cache_gib auto can size)")
-        return None
-    sequences = config.vllm_tp * config.per_device_train_batch_size * config.gradient_accumulation_steps \
-        * config.k_samples
-    longest = min(config.max_seq_length, config.max_prompt_length + config.rollout_max_new_tokens)
-    size = auto_kv_cache_bytes(per_token, sequences, longest, config.max_seq_length)
-    if gpu_total_bytes is None and torch.cuda.is_available():
-        gpu_total_bytes = torch.cuda.mem_get_info()[1]
-    weights = checkpoint_weight_bytes(model_path, config.vllm_tp)
-    if weights is None:
-        logger.info(f"vLLM KV cache: the memory share (no safetensors files found for {model_path}, so auto cannot "
-                    "tell how much of the share the weights take)")
-        return None
-    if gpu_total_bytes and not within_share(size, config.vllm_memory_share, gpu_total_bytes, weights):
-        logger.info(f"vLLM KV cache: the memory share (the step's rollouts need {size / 2**30:.2f} GiB, more than "
-                    f"half of what --vllm_gpu_memory_utilization {config.vllm_memory_share} leaves after "
-                    f"{weights / 2**30:.2f} GiB of weights)")
-        return None
-    logger.info(f"vLLM KV cache: {size / 2**30:.2f} GiB per GPU (auto: {sequences} sequences x {longest} tokens x "
-                f"{per_token / 1024:.1f} KiB per token, +25%)")
-    return size
 
 
 def check_tensor_parallel(model_path: str, config) -> None:

@@ -86,8 +86,7 @@ class VLLMRolloutEngine:
             skip_tokenizer_init=not multimodal,
             distributed_executor_backend="external_launcher",
             # log-probs after temperature, like the trainer's log_softmax(logits / T) (vllm/v1/sample/sampler.py)
-            logprobs_mode="processed_logprobs", **multimodal,
-            **({"kv_cache_memory_bytes": kv_cache_bytes} if kv_cache_bytes else {}))
+            logprobs_mode="processed_logprobs", kv_cache_memory_bytes=kv_cache_bytes, **multimodal)
         self._asleep: set[str] = set()  # vLLM allocation tags now released: "weights", "kv_cache"
         self.last_sleep_freed_bytes = 0
         self._sleeps = 0
