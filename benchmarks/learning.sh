@@ -15,7 +15,8 @@
 #   that share a GPU keep vLLM awake with a VLLM_MEM share (default 0.08): vLLM sizes its KV cache by profiling the
 #   GPU's memory, which another run's sleep / wake would disturb. With 8 at once, or 4 at a 0.15 share, some runs
 #   failed to start or ran out of memory on an H100. A run whose vLLM start-up was disturbed that way (profiling
-#   failed, a KV cache of no blocks, or no memory left for one) is started once more.
+#   failed, a KV cache of no blocks, or no memory left for one) is started once more. Each run's launcher takes a
+#   port the OS reports free (PORT=29600: fixed ports from there instead), so several drivers can share the GPU.
 #
 # arith: SmolLM2-135M-Instruct (embedded), 16 prompts x 8 samples, 64 new tokens, 40 steps, 100 held-out prompts
 # evaluated greedily (boxed accuracy). GSM8K: train on train.jsonl, evaluate greedily on all 1,319 test.jsonl
@@ -35,7 +36,7 @@ TAG=${TAG:+-$TAG}    # appended to run names
 read -r -a EXTRA_ARGS <<< "${EXTRA:-}"  # extra train_grpo.py flags for every run
 PARALLEL=${PARALLEL:-1}
 [ "$PARALLEL" -gt 1 ] && EXTRA_ARGS+=(--vllm_sleep false --vllm_gpu_memory_utilization "${VLLM_MEM:-0.08}")
-port=${PORT:-29600}
+port=${PORT:-}  # unset: each start takes a port the OS reports free, so drivers side by side never collide
 STRICT_FORMAT=${STRICT_FORMAT:-0}
 GSM8K_DIR=${GSM8K_DIR:-../shared/data/gsm8k}
 [ -f "$GSM8K_DIR/test.jsonl" ] || GSM8K_DIR=data/gsm8k
@@ -46,15 +47,19 @@ GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
 launcher=(deepspeed)
 command -v deepspeed >/dev/null 2>&1 || launcher=(python -m deepspeed.launcher.runner)
 
+free_port() { python -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])"; }
+
 run() {  # run <name> <dataset> <strategy> <seed> <accuracy reward> <extra train_grpo.py args...>
   local name=$1 dataset=$2 strategy=$3 seed=$4 accuracy=$5; shift 5
   local lr=$LR_LORA; [ "$strategy" = full ] && lr=$LR_FULL
   local dir="$OUT_DIR/$name$TAG" start=$(date +%s)
   mkdir -p "$dir"
-  local rc try pid starved
+  local rc try pid starved master_port
   for try in 1 2; do
     : > "$dir.log"  # emptied before the watcher below reads it
-    setsid "${launcher[@]}" --num_gpus 1 --master_port $((port + 100 * (try - 1))) train_grpo.py --model_name_or_path smollm2-135m-instruct --tuning_strategy "$strategy" \
+    master_port=$(free_port)
+    [ -n "$port" ] && master_port=$((port + 100 * (try - 1)))
+    setsid "${launcher[@]}" --num_gpus 1 --master_port "$master_port" train_grpo.py --model_name_or_path smollm2-135m-instruct --tuning_strategy "$strategy" \
       --learning_rate "$lr" --learning_rate_lora "$lr" --seed "$seed" --per_device_train_batch_size 16 --k_samples 8 \
       --use_vllm_rollout true --vllm_enforce_eager true --eval_on_start true --save_steps 0 --logging_steps 5 \
       --output_dir "$dir" --overwrite_output_dir "$@" "${EXTRA_ARGS[@]}" > "$dir.log" 2>&1 &
@@ -69,8 +74,8 @@ run() {  # run <name> <dataset> <strategy> <seed> <accuracy reward> <extra train
     done
     wait "$pid"; rc=$?
     [ "$starved" = 1 ] && rc=1
-    [ "$try" = 1 ] && [ "$rc" -ne 0 ] && { [ "$starved" = 1 ] || grep -qE "Error in memory profiling|No available memory for the cache blocks" "$dir.log"; } || break
-    echo "$name$TAG: vLLM's memory profiling was disturbed by another run; starting it again"
+    [ "$try" = 1 ] && [ "$rc" -ne 0 ] && { [ "$starved" = 1 ] || grep -qE "Error in memory profiling|No available memory for the cache blocks|EADDRINUSE" "$dir.log"; } || break
+    echo "$name$TAG: disturbed by another run (vLLM's memory profiling, or its port taken); starting it again"
     sleep 15
   done
   printf '{"dataset": "%s", "strategy": "%s%s", "seed": %s, "lr": "%s", "accuracy": "%s", "wall_s": %s, "gpu": "%s", "rc": %s}\n' \
@@ -81,7 +86,7 @@ run() {  # run <name> <dataset> <strategy> <seed> <accuracy reward> <extra train
 launch() {  # launch <run args>: runs in the background, at most PARALLEL at once, each on its own port
   while [ "$(jobs -rp | wc -l)" -ge "$PARALLEL" ]; do sleep 2; done
   run "$@" &
-  port=$((port + 1))
+  [ -n "$port" ] && port=$((port + 1))
   [ "$PARALLEL" -gt 1 ] && sleep 30  # one vLLM start at a time
 }
 
