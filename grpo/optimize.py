@@ -24,6 +24,7 @@ from .batch import RolloutBatch
 from .config import GRPOConfig
 from .micro_batches import MicroBatch, form_micro_batches, micro_batch_groups
 from .scoring import completion_logprobs
+from .skipped_update import cancelled_update
 
 
 def step_micro_batches(batch: RolloutBatch, cfg: GRPOConfig, device=None) -> list[MicroBatch]:
@@ -148,19 +149,11 @@ def update(engine, micro_batches: list[MicroBatch], advantages: torch.Tensor, ol
             per_micro_batch.append((m, tokens))
         # the step's gradient is the sum over ranks; DeepSpeed averages over them
         engine.backward(loss * world, scale_wrt_gas=False)
-        saved_lrs = None
         if last and bad:
-            saved_lrs = [group["lr"] for group in engine.optimizer.param_groups]
-            # make this optimizer step a no-op for the weights (lr 0); Adam's moments still take the gradient of
-            # the micro-batches before the bad one
-            for group in engine.optimizer.param_groups:
-                group["lr"] = 0.0
-        engine.step()
-        if saved_lrs is not None and getattr(engine, "lr_scheduler", None) is None:
-            # a scheduler sets the next step's lr itself; without one (a DeepSpeed "optimizer" and no "scheduler")
-            # nothing else would undo the 0
-            for group, lr in zip(engine.optimizer.param_groups, saved_lrs):
-                group["lr"] = lr
+            with cancelled_update(engine):  # the step the boundary needs, leaving weights and moments as they were
+                engine.step()
+        else:
+            engine.step()
     metrics = combine_micro_batch_metrics(per_micro_batch)
     if not bad:
         metrics["loss"], metrics["pg_loss"] = dist_utils.all_sum([loss_total, pg_total])
