@@ -1,5 +1,4 @@
 """A step cancelled for a non-finite loss leaves no trace: neither in the weights nor in the optimizer's moments."""
-import json
 import types
 
 import torch
@@ -7,7 +6,7 @@ import torch
 from grpo import optimize
 from grpo.trainer import GRPOTrainer
 from grpo.skipped_update import base_optimizer, cancelled_update
-from .trainer_setup import even_tokens, tiny_config, trainable_weights
+from .trainer_setup import deepspeed_adamw_config, even_tokens, tiny_config, trainable_weights
 
 
 def adamw_engine(lr=0.1, scheduler=None):
@@ -67,11 +66,7 @@ def test_nan_in_the_last_micro_batch_leaves_deepspeed_moments_as_they_were(tiny_
                                                                            monkeypatch):
     """Two micro-batches a step under ZeRO-2 with a DeepSpeed AdamW: step 2's second micro-batch is non-finite after
     its first has added a gradient. The moments after step 2 are those after step 1, bit for bit."""
-    ds_path = tmp_path / "ds.json"
-    ds_path.write_text(json.dumps({
-        "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-        "gradient_clipping": "auto", "bf16": {"enabled": "auto"}, "zero_optimization": {"stage": 2},
-        "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto", "torch_adam": True}}}))
+    ds_path = deepspeed_adamw_config(tmp_path / "ds.json")
     real_loss = optimize.policy_loss
     calls: dict = {}
 

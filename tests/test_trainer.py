@@ -13,8 +13,8 @@ from grpo.errors import ConfigError, DatasetError, TrainingError
 from grpo.reporting import read_metrics
 from grpo.trainer import GRPOTrainer
 
-from .trainer_setup import (PROMPTS, add_dataset, even_tokens, tiny_config, trainable_weights,
-                            write_prompt_registry)
+from .trainer_setup import (PROMPTS, add_dataset, deepspeed_adamw_config, even_tokens, tiny_config,
+                            trainable_weights, write_prompt_registry)
 
 
 def target_token_reward(target_id):
@@ -187,11 +187,7 @@ def test_non_finite_loss_skips_then_stops(tiny_model, registry, tmp_path, monkey
 def test_skipped_step_keeps_the_learning_rate_of_a_deepspeed_optimizer(tiny_model, registry, tmp_path, monkeypatch):
     """A DeepSpeed config that brings its own "optimizer" and no "scheduler": the step with a non-finite loss is
     skipped (lr 0 for it), and the next steps train at the configured learning rate again."""
-    ds_path = tmp_path / "ds.json"
-    ds_path.write_text(json.dumps({
-        "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-        "gradient_clipping": "auto", "bf16": {"enabled": "auto"}, "zero_optimization": {"stage": 2},
-        "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto", "torch_adam": True}}}))
+    ds_path = deepspeed_adamw_config(tmp_path / "ds.json")
     real_loss = optimize.policy_loss
 
     def nan_in_second_step(*args, **kwargs):

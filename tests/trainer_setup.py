@@ -69,6 +69,16 @@ def tiny_config(model_dir: str, registry: str, output_dir: str, **overrides) -> 
     return GRPOConfig(**values)
 
 
+def deepspeed_adamw_config(path) -> str:
+    """A DeepSpeed config (ZeRO-2) that brings its own AdamW optimizer and no scheduler; returns its path."""
+    with open(path, "w") as fh:
+        json.dump({"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+                   "gradient_clipping": "auto", "bf16": {"enabled": "auto"}, "zero_optimization": {"stage": 2},
+                   "optimizer": {"type": "AdamW",
+                                 "params": {"lr": "auto", "weight_decay": "auto", "torch_adam": True}}}, fh)
+    return str(path)
+
+
 def even_tokens(completions, answers, completion_ids, **row):
     """A reward that pays the share of even token ids: it differs between the samples of almost every group, so a
     tiny random model gets non-zero advantages and its weights move (a boxed-answer reward gives it none)."""
