@@ -57,8 +57,7 @@ run() {  # run <name> <dataset> <strategy> <seed> <accuracy reward> <extra train
   local rc try pid starved master_port
   for try in 1 2; do
     : > "$dir.log"  # emptied before the watcher below reads it
-    master_port=$(free_port)
-    [ -n "$port" ] && master_port=$((port + 100 * (try - 1)))
+    if [ -n "$port" ]; then master_port=$((port + 100 * (try - 1))); else master_port=$(free_port); fi
     setsid "${launcher[@]}" --num_gpus 1 --master_port "$master_port" train_grpo.py --model_name_or_path smollm2-135m-instruct --tuning_strategy "$strategy" \
       --learning_rate "$lr" --learning_rate_lora "$lr" --seed "$seed" --per_device_train_batch_size 16 --k_samples 8 \
       --use_vllm_rollout true --vllm_enforce_eager true --eval_on_start true --save_steps 0 --logging_steps 5 \
