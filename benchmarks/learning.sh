@@ -7,7 +7,9 @@
 #   TAG=dsstrict STRICT_FORMAT=1 EXTRA="--filter_zero_std_groups true" GSM8K="" bash benchmarks/learning.sh
 #                                           # dynamic sampling + arith's format reward paid only when the answer ends
 #                                           # at the box (a registry derived from configs/dataset_config.json);
-#                                           # STRICT_FORMAT=2: and only when it holds one box
+#                                           # STRICT_FORMAT=2: and only when it holds one box;
+#                                           # STRICT_FORMAT=any: a box anywhere, repeats paid too (the
+#                                           # pattern arith shipped with before it paid one box only)
 #   TAG=dapo1box STRICT_FORMAT=2 EXTRA="--clip_epsilon_high 0.28 --filter_zero_std_groups true" GSM8K="" \
 #     SEEDS="0 1" PARALLEL=4 bash benchmarks/learning.sh   # DAPO + one box at the end: qlora's best (README)
 #   PARALLEL=4 bash benchmarks/learning.sh     # up to 4 runs at once on the one GPU (a 135M model leaves it idle);
@@ -97,8 +99,9 @@ arith = json.load(open("configs/dataset_config.json"))["arith"]
 arith["path"] = os.path.abspath(os.path.join("configs", arith["path"]))
 ends_at_box = r".*\\boxed\{\s*-?\d+\s*\}[\s.$\\)\]]*"  # nothing after the box
 # 2: also only one box (a repeated box earns nothing: see benchmarks/completion_shapes.py)
-one_box = r"(?!.*\\boxed.*\\boxed)" + ends_at_box
-arith["reward_kwargs"]["format"]["pattern"] = ends_at_box if sys.argv[2] == "1" else one_box
+no_second_box = r"(?!.*\\boxed.*\\boxed)"
+patterns = {"1": ends_at_box, "2": no_second_box + ends_at_box, "any": r".*\\boxed\{\s*-?\d+\s*\}.*"}
+arith["reward_kwargs"]["format"]["pattern"] = patterns[sys.argv[2]]
 # written whole, then renamed: runs started side by side (PARALLEL, or several drivers) share the file
 partial = f"{sys.argv[1]}.{os.getpid()}"
 with open(partial, "w") as registry:
