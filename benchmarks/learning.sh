@@ -10,8 +10,8 @@
 #                                           # STRICT_FORMAT=2: and only when it holds one box;
 #                                           # STRICT_FORMAT=any: a box anywhere, repeats paid too (the
 #                                           # pattern arith shipped with before it paid one box only)
-#   TAG=dapo1box STRICT_FORMAT=2 EXTRA="--clip_epsilon_high 0.28 --filter_zero_std_groups true" GSM8K="" \
-#     SEEDS="0 1" PARALLEL=4 bash benchmarks/learning.sh   # DAPO + one box at the end: qlora's best (README)
+#   TAG=dapo1any EXTRA="--clip_epsilon_high 0.28 --filter_zero_std_groups true" GSM8K="" \
+#     SEEDS="0 1" PARALLEL=6 bash benchmarks/learning.sh   # DAPO with arith's one-box format reward (README)
 #   PARALLEL=4 bash benchmarks/learning.sh     # up to 4 runs at once on the one GPU (a 135M model leaves it idle);
 #                                              # the table's wall / train seconds then include the sharing. Runs
 #   that share a GPU keep vLLM awake with a VLLM_MEM share (default 0.08): vLLM sizes its KV cache by profiling the

@@ -7,6 +7,9 @@ tokens. A QLoRA run can learn the format, but the numbers it boxes come from thi
     python benchmarks/quantized_arithmetic.py                                    # full, qlora, MLP / attention kept
     python benchmarks/quantized_arithmetic.py --variants qlora qlora+loftq "qlora:down_proj" --prompts 50
     python benchmarks/quantized_arithmetic.py --variants qlora qlora@fp4 qlora@fp4+loftq   # the 4-bit data type
+    python benchmarks/quantized_arithmetic.py --variants full --rounding nf4/64 nf4/32 nf4/64/nodq fp4/32
+        # the 16-bit model with every linear layer but the output rounded through bitsandbytes: data type / weights
+        # per scale / nodq: scales kept in 32 bits instead of bitsandbytes' double quantization
 """
 from __future__ import annotations
 
@@ -77,21 +80,53 @@ def score(model, tokenizer, rows) -> dict:
     return {"accuracy": right / len(rows), "answer_nll": nll / len(rows)}
 
 
+def round_linear_layers(model, rounding: str) -> float:
+    """Round every linear weight but the output layer's in place, as bitsandbytes stores it ("nf4/32": data type,
+    weights per scale, "/nodq": scales not quantized again) and back. Returns the relative error over all of them."""
+    import bitsandbytes.functional as bnbf
+
+    quant_type, blocksize, *rest = rounding.split("/")
+    error, norm = 0.0, 0.0
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and not name.endswith("lm_head"):
+            weight = module.weight.data
+            packed, state = bnbf.quantize_4bit(weight, blocksize=int(blocksize), quant_type=quant_type,
+                                               compress_statistics="nodq" not in rest)
+            rounded = bnbf.dequantize_4bit(packed, state).to(weight.dtype)
+            error += (rounded - weight).float().pow(2).sum().item()
+            norm += weight.float().pow(2).sum().item()
+            weight.copy_(rounded)
+    return (error / norm) ** 0.5
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS,
                         help='full, lora, qlora, "qlora+loftq", or "qlora:<modules left unquantized, comma-separated>"')
     parser.add_argument("--prompts", type=int, default=100, help="held-out arith prompts")
+    parser.add_argument("--rounding", nargs="*", default=[],
+                        help='with the "full" variant: also score it rounded as "<nf4|fp4>/<weights per scale>[/nodq]"')
     args = parser.parse_args()
     results = []
     for variant, trainer, start in variant_trainers(args.model, args.variants, args.prompts):
         rows = list(trainer.eval_set)
-        accuracy = score(trainer.engine.module, trainer.tokenizer, rows)
+        model = trainer.engine.module
+        accuracy = score(model, trainer.tokenizer, rows)
         results.append({"variant": variant, "prompts": len(rows), **accuracy,
                         "seconds": round(time.perf_counter() - start, 1)})
-        del trainer
         print(json.dumps(results[-1]), flush=True)
+        if variant == "full" and args.rounding:
+            original = {name: p.detach().clone() for name, p in model.named_parameters()}
+            for rounding in args.rounding:
+                relative_error = round_linear_layers(model, rounding)
+                results.append({"variant": f"full rounded {rounding}", "prompts": len(rows),
+                                **score(model, trainer.tokenizer, rows), "relative_error": round(relative_error, 4)})
+                print(json.dumps(results[-1]), flush=True)
+                with torch.no_grad():
+                    for name, p in model.named_parameters():
+                        p.copy_(original[name])
+        del trainer
     print("\n| variant | prompts | greedy accuracy | answer NLL (nats) |\n|---|---|---|---|")
     for r in results:
         print(f"| {r['variant']} | {r['prompts']} | {r['accuracy']:.2f} | {r['answer_nll']:.2f} |")

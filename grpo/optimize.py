@@ -12,6 +12,7 @@ micro-batches may change from step to step; all ranks run the same number, see m
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
 from typing import Optional
@@ -149,10 +150,8 @@ def update(engine, micro_batches: list[MicroBatch], advantages: torch.Tensor, ol
             per_micro_batch.append((m, tokens))
         # the step's gradient is the sum over ranks; DeepSpeed averages over them
         engine.backward(loss * world, scale_wrt_gas=False)
-        if last and bad:
-            with cancelled_update(engine):  # the step the boundary needs, leaving weights and moments as they were
-                engine.step()
-        else:
+        # a cancelled update still takes the step the boundary needs, leaving weights and moments as they were
+        with cancelled_update(engine) if last and bad else contextlib.nullcontext():
             engine.step()
     metrics = combine_micro_batch_metrics(per_micro_batch)
     if not bad:

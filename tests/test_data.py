@@ -406,6 +406,21 @@ def test_shipped_registry_and_arith_rows():
         assert int(row["answer"]) == {"+": int(a) + int(b), "-": int(a) - int(b), "*": int(a) * int(b)}[op]
 
 
+def test_shipped_arith_rewards_pay_one_box_only():
+    """arith's weights 1.0 boxed-right + 0.5 right number + 0.2 format, the format paid for exactly one box: a
+    repeated box is how a policy games a pattern that pays a box anywhere."""
+    from grpo.rewards import RewardRouter
+
+    routes, reward_kwargs = dataset_routes(load_dataset_registry(SHIPPED), ["arith"])
+    completions = [r"12 + 30 = \boxed{42}.",                      # right, one box: 1.0 + 0.5 + 0.2
+                   r"\boxed{42} and so \boxed{42}",                # right, two boxes: no format reward
+                   r"It is \boxed{41}, since 12 + 30 = 41 or so",  # wrong, one box with text after it: format only
+                   "12 + 30 = 42"]                                 # right number, no box: 0.5
+    result = RewardRouter(routes, reward_kwargs)(completions, ["42"] * 4, ["arith"] * 4, prompts=["p"] * 4)
+    assert result.per_function["format"] == [1.0, 0.0, 1.0, 0.0]
+    assert result.total == pytest.approx([1.7, 1.5, 0.2, 0.5])
+
+
 def test_arith_file_is_what_the_script_generates():
     spec = importlib.util.spec_from_file_location("make_arith", os.path.join(ROOT, "scripts", "make_arith_dataset.py"))
     script = importlib.util.module_from_spec(spec)
