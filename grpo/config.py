@@ -69,7 +69,8 @@ class GRPOConfig:
               "(e.g. 'model\\.layers\\.[01]\\..*').", "model")
     qlora_skip_modules: Optional[str] = _opt(
         None, "qlora: linear layers kept in 16-bit instead of 4-bit, comma-separated names or suffixes (e.g. "
-              "'v_proj,down_proj', the layers 4-bit rounding hurts most); the output layer is always kept.", "model")
+              "'gate_proj,up_proj,down_proj': on SmolLM2-135M the MLP is where 4-bit rounding costs the most, see "
+              "benchmarks/quantized_arithmetic.py); the output layer is always kept.", "model")
     qlora_quant_type: str = _opt(
         "nf4", "qlora: the 4-bit data type of the frozen base. nf4: NormalFloat, the least weight error overall. "
                "fp4: bitsandbytes' 4-bit float, with more range for a heavy-tailed layer's large weights; on "
