@@ -83,16 +83,14 @@ def score(model, tokenizer, rows) -> dict:
 def round_linear_layers(model, rounding: str) -> float:
     """Round every linear weight but the output layer's in place, as bitsandbytes stores it ("nf4/32": data type,
     weights per scale, "/nodq": scales not quantized again) and back. Returns the relative error over all of them."""
-    import bitsandbytes.functional as bnbf
+    from grpo.loftq import round_4bit
 
     quant_type, blocksize, *rest = rounding.split("/")
     error, norm = 0.0, 0.0
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Linear) and not name.endswith("lm_head"):
             weight = module.weight.data
-            packed, state = bnbf.quantize_4bit(weight, blocksize=int(blocksize), quant_type=quant_type,
-                                               compress_statistics="nodq" not in rest)
-            rounded = bnbf.dequantize_4bit(packed, state).to(weight.dtype)
+            rounded = round_4bit(weight, quant_type, int(blocksize), double_quant="nodq" not in rest)
             error += (rounded - weight).float().pow(2).sum().item()
             norm += weight.float().pow(2).sum().item()
             weight.copy_(rounded)

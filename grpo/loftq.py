@@ -112,12 +112,23 @@ def init_adapter_from_rounding_error(model, model_path: str, adapter: str = "def
 
 
 @torch.no_grad()
+def round_4bit(weight: torch.Tensor, quant_type: str, blocksize: int, double_quant: bool,
+               dtype: torch.dtype = None) -> torch.Tensor:
+    """dequantize(quantize(weight)): the weight as bitsandbytes stores it in 4 bits (quantized in `dtype`), in the
+    weight's own dtype."""
+    import bitsandbytes.functional as bnbf
+
+    q, qs = bnbf.quantize_4bit(weight.to(dtype or weight.dtype), blocksize=blocksize, quant_type=quant_type,
+                               compress_statistics=double_quant)
+    return bnbf.dequantize_4bit(q, qs).to(weight.dtype)
+
+
+@torch.no_grad()
 def round_like_training(base, trained) -> int:
     """Replace, in a full-precision copy `base` of the model, each weight that is 4-bit in `trained` (the peft
     model) by dequantize(nf4(weight)), as bitsandbytes rounded it on loading: a loftq adapter merged into that copy
     gives the policy as trained. Returns the number of weights rounded."""
     import bitsandbytes as bnb
-    import bitsandbytes.functional as bnbf
 
     live = dict(base.named_parameters())
     rounded = 0
@@ -130,9 +141,7 @@ def round_like_training(base, trained) -> int:
             raise ConfigError(f"merging the loftq adapter: the base model has no weight {name!r}")
         state = weight.quant_state
         target = live[name]
-        q, qs = bnbf.quantize_4bit(target.data.to(state.dtype), blocksize=state.blocksize, quant_type=state.quant_type,
-                                   compress_statistics=state.nested)
-        target.data.copy_(bnbf.dequantize_4bit(q, qs).to(target.dtype))
+        target.data.copy_(round_4bit(target.data, state.quant_type, state.blocksize, state.nested, state.dtype))
         rounded += 1
     return rounded
 
