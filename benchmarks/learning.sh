@@ -12,6 +12,8 @@
 #                                           # pattern arith shipped with before it paid one box only)
 #   TAG=dapo1any EXTRA="--clip_epsilon_high 0.28 --filter_zero_std_groups true" GSM8K="" \
 #     SEEDS="0 1" PARALLEL=6 bash benchmarks/learning.sh   # DAPO with arith's one-box format reward (README)
+#   MODEL=outputs/smollm2-nf4-64 ARITH=lora TAG=on-nf4 GSM8K= bash benchmarks/learning.sh   # lora on qlora's
+#                                              # rounded base (written by benchmarks/rounded_checkpoint.py)
 #   PARALLEL=4 bash benchmarks/learning.sh     # up to 4 runs at once on the one GPU (a 135M model leaves it idle);
 #                                              # the table's wall / train seconds then include the sharing. Runs
 #   that share a GPU keep vLLM awake with a VLLM_MEM share (default 0.08): vLLM sizes its KV cache by profiling the
@@ -27,6 +29,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT_DIR=${OUT_DIR:-outputs/bench/learning}
+MODEL=${MODEL:-smollm2-135m-instruct}  # the embedded default, or a local folder (benchmarks/rounded_checkpoint.py)
 ARITH=${ARITH-full lora qlora}
 GSM8K=${GSM8K-lora qlora}
 SEEDS=${SEEDS:-0}
@@ -43,7 +46,7 @@ STRICT_FORMAT=${STRICT_FORMAT:-0}
 GSM8K_DIR=${GSM8K_DIR:-../shared/data/gsm8k}
 [ -f "$GSM8K_DIR/test.jsonl" ] || GSM8K_DIR=data/gsm8k
 mkdir -p "$OUT_DIR"
-python -c "from grpo.embedded import resolve_model_path as r; r('smollm2-135m-instruct')"  # convert once, up front
+python -c "from grpo.embedded import resolve_model_path as r; import sys; r(sys.argv[1])" "$MODEL"  # convert once, up front
 export VLLM_ENABLE_V1_MULTIPROCESSING=0 TOKENIZERS_PARALLELISM=false WANDB_MODE=disabled PYTHONUNBUFFERED=1
 GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
 launcher=(deepspeed)
@@ -60,7 +63,7 @@ run() {  # run <name> <dataset> <strategy> <seed> <accuracy reward> <extra train
   for try in 1 2; do
     : > "$dir.log"  # emptied before the watcher below reads it
     if [ -n "$port" ]; then master_port=$((port + 100 * (try - 1))); else master_port=$(free_port); fi
-    setsid "${launcher[@]}" --num_gpus 1 --master_port "$master_port" train_grpo.py --model_name_or_path smollm2-135m-instruct --tuning_strategy "$strategy" \
+    setsid "${launcher[@]}" --num_gpus 1 --master_port "$master_port" train_grpo.py --model_name_or_path "$MODEL" --tuning_strategy "$strategy" \
       --learning_rate "$lr" --learning_rate_lora "$lr" --seed "$seed" --per_device_train_batch_size 16 --k_samples 8 \
       --use_vllm_rollout true --vllm_enforce_eager true --eval_on_start true --save_steps 0 --logging_steps 5 \
       --output_dir "$dir" --overwrite_output_dir "$@" "${EXTRA_ARGS[@]}" > "$dir.log" 2>&1 &

@@ -220,7 +220,7 @@ def _set_rng_state(state: dict) -> None:
 # adapter, laid onto a base rebuilt from these at resume, so a change would resume a different policy without error
 POLICY_OPTIONS = ("tuning_strategy",)
 LORA_POLICY_OPTIONS = ("lora_rank", "lora_alpha", "lora_target_modules", "lora_exclude_modules")
-QLORA_POLICY_OPTIONS = ("qlora_quant_type", "qlora_skip_modules", "qlora_init")
+QLORA_POLICY_OPTIONS = ("qlora_quant_type", "qlora_block_size", "qlora_skip_modules", "qlora_init")
 
 
 def saved_config_path(resume: str, output_dir: str) -> str:

@@ -21,6 +21,7 @@ EMBEDDED_MODEL = "smollm2-135m-instruct"
 STRATEGIES = ("qlora", "lora", "full")
 QLORA_INITS = ("zero", "loftq")
 QLORA_QUANT_TYPES = ("nf4", "fp4")
+QLORA_BLOCK_SIZES = (32, 64, 128, 256, 512, 1024, 2048, 4096)  # the ones bitsandbytes' 4-bit kernels take
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 REWARD_SCALES = ("group", "batch", "none")
 KL_ESTIMATORS = ("k1", "k2", "k3")
@@ -76,6 +77,13 @@ class GRPOConfig:
                "fp4: bitsandbytes' 4-bit float, with more range for a heavy-tailed layer's large weights; on "
                "SmolLM2-135M it keeps the base's arithmetic (see benchmarks/quantized_arithmetic.py).", "model",
         choices=QLORA_QUANT_TYPES)
+    qlora_block_size: int = _opt(
+        64, "qlora: weights per 4-bit scale in the frozen base (bitsandbytes' default is 64). 32 follows the weights "
+            "more closely for 0.125 more bits per weight; on SmolLM2-135M it keeps more of the 16-bit model's "
+            "arithmetic (see benchmarks/quantized_arithmetic.py --rounding). Other than 64, each weight is quantized "
+            "again from the checkpoint's safetensors after loading, and the saved adapter belongs to a base "
+            "quantized the same way (grpo.models.load_policy).", "model",
+        choices=QLORA_BLOCK_SIZES)
     qlora_init: str = _opt(
         "zero", "qlora: zero: the policy starts as the 4-bit model (B = 0). loftq: a frozen rank-r correction of "
                 "the 4-bit rounding error (best rank-r approximation of W - dequantize(Q), W read from the "
@@ -398,6 +406,10 @@ class GRPOConfig:
         need(self.qlora_quant_type in QLORA_QUANT_TYPES, "qlora_quant_type",
              f"got '{self.qlora_quant_type}', choose one of {', '.join(QLORA_QUANT_TYPES)}")
         need(self.qlora_quant_type == "nf4" or self.tuning_strategy == "qlora", "qlora_quant_type",
+             "needs --tuning_strategy qlora")
+        need(self.qlora_block_size in QLORA_BLOCK_SIZES, "qlora_block_size",
+             f"got {self.qlora_block_size}, choose one of {', '.join(map(str, QLORA_BLOCK_SIZES))}")
+        need(self.qlora_block_size == 64 or self.tuning_strategy == "qlora", "qlora_block_size",
              "needs --tuning_strategy qlora")
         need(self.qlora_init in QLORA_INITS, "qlora_init",
              f"got '{self.qlora_init}', choose one of {', '.join(QLORA_INITS)}")

@@ -20,13 +20,12 @@ once the model is loaded).
 """
 from __future__ import annotations
 
-import glob
-import json
 import logging
 import os
 
 import torch
 
+from .checkpoint_weights import CheckpointWeights
 from .errors import ConfigError
 from .sync import checkpoint_name, dense_weight, is_4bit
 from .vision import checkpoint_prefixes, rename
@@ -43,38 +42,15 @@ def low_rank_factors(residual: torch.Tensor, rank: int, scale: float) -> tuple[t
     return root[:, None] * vh[:rank], u[:, :rank] * root / scale
 
 
-def checkpoint_tensors(model_path: str) -> dict[str, str]:
-    """Checkpoint weight name -> the safetensors file that holds it, for a local model folder."""
-    index = os.path.join(model_path, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        with open(index) as fh:
-            weight_map = json.load(fh)["weight_map"]
-        return {name: os.path.join(model_path, file) for name, file in weight_map.items()}
-    files = sorted(glob.glob(os.path.join(model_path, "*.safetensors")))
-    if not files:
-        raise ConfigError(f"--qlora_init loftq reads the 16-bit weights from the checkpoint's .safetensors files; "
-                          f"{model_path} has none (use --qlora_init zero, or a checkpoint saved with safetensors)")
-    from safetensors import safe_open
-
-    found = {}
-    for file in files:
-        with safe_open(file, framework="pt") as fh:
-            found.update({name: file for name in fh.keys()})
-    return found
-
-
 @torch.no_grad()
 def init_adapter_from_rounding_error(model, model_path: str, adapter: str = "default") -> float:
     """Set every 4-bit LoRA layer's A, B as above. Returns the share of the rounding error's energy (squared
     Frobenius norm, summed over layers) that the adapters now cancel."""
     from peft.tuners.lora import LoraLayer
-    from safetensors import safe_open
 
-    tensors = checkpoint_tensors(model_path)
     prefixes = checkpoint_prefixes(model)
-    handles = {}
     layers, captured, total = 0, 0.0, 0.0
-    try:
+    with CheckpointWeights(model_path, "--qlora_init loftq") as checkpoint:
         for module_name, module in model.named_modules():
             if not isinstance(module, LoraLayer) or adapter not in module.lora_A:
                 continue
@@ -82,14 +58,8 @@ def init_adapter_from_rounding_error(model, model_path: str, adapter: str = "def
             if not is_4bit(base.weight):
                 continue  # a layer kept in 16 bits (--qlora_skip_modules) has no rounding error
             name = rename(checkpoint_name(module_name), prefixes) + ".weight"
-            if name not in tensors:
-                raise ConfigError(f"--qlora_init loftq: the checkpoint in {model_path} has no weight {name!r} for "
-                                  f"layer {module_name} (use --qlora_init zero)")
-            file = tensors[name]
-            if file not in handles:
-                handles[file] = safe_open(file, framework="pt")
             rounded = dense_weight(base)                     # dequantize(Q), fp32, on the layer's device
-            residual = handles[file].get_tensor(name).to(rounded.device, torch.float32) - rounded
+            residual = checkpoint.read(name, module_name).to(rounded.device, torch.float32) - rounded
             lora_a, lora_b = module.lora_A[adapter].weight, module.lora_B[adapter].weight
             rank = lora_a.shape[0]
             a, b = low_rank_factors(residual, rank, module.scaling[adapter])
@@ -100,8 +70,6 @@ def init_adapter_from_rounding_error(model, model_path: str, adapter: str = "def
             captured += energy - kept
             total += energy
             layers += 1
-    finally:
-        handles.clear()
     if layers == 0:
         raise ConfigError("--qlora_init loftq found no 4-bit layer with a LoRA adapter; it applies to "
                           "--tuning_strategy qlora with LoRA on the quantized layers")

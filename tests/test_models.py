@@ -232,30 +232,71 @@ def test_qlora_keeps_named_layers_in_full_precision(model_dir):
                     torch.float32, CPU)
 
 
-@pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
-def test_qlora_base_uses_the_chosen_4bit_type_and_syncs_it(model_dir, quant_type):
+@pytest.mark.parametrize("quant_type,block_size", [("nf4", 64), ("fp4", 64), ("nf4", 32)])
+def test_qlora_base_uses_the_chosen_4bit_type_and_syncs_it(model_dir, quant_type, block_size):
     import bitsandbytes.functional as bnbf
 
+    from grpo.loftq import round_4bit
     from grpo.sync import iter_policy_weights
 
-    policy = adapted_policy(config(model_dir, tuning_strategy="qlora", qlora_quant_type=quant_type), model_dir)
+    policy = adapted_policy(config(model_dir, tuning_strategy="qlora", qlora_quant_type=quant_type,
+                                   qlora_block_size=block_size), model_dir)
     layer = policy.base_model.model.model.layers[0].mlp.up_proj
     weight = layer.base_layer.weight
-    assert weight.quant_state.quant_type == quant_type
-    # the checkpoint's weight, rounded to this 4-bit type as bitsandbytes does it, is what the policy runs on
+    assert (weight.quant_state.quant_type, weight.quant_state.blocksize) == (quant_type, block_size)
+    # the checkpoint's weight, rounded to this 4-bit type and block as bitsandbytes does it (scales double-quantized),
+    # is what the policy runs on (the other type or block size rounds this weight elsewhere)
     from transformers import AutoModelForCausalLM
 
     dense = AutoModelForCausalLM.from_pretrained(model_dir).model.layers[0].mlp.up_proj.weight.data
-    q, state = bnbf.quantize_4bit(dense, blocksize=weight.quant_state.blocksize, quant_type=quant_type)
-    rounded = bnbf.dequantize_4bit(q, state).float()
-    torch.testing.assert_close(bnbf.dequantize_4bit(weight.data, weight.quant_state).float(), rounded,
-                               atol=2e-3, rtol=0)  # double quantization rounds the block scales once more
-    # (the other 4-bit type rounds this weight up to ~0.09 away)
+    torch.testing.assert_close(bnbf.dequantize_4bit(weight.data, weight.quant_state).float(),
+                               round_4bit(dense, quant_type, block_size, double_quant=True), atol=0, rtol=0)
     synced = dict(iter_policy_weights(policy, "qlora", dtype=torch.float32))
     scale = layer.scaling["default"]
     delta = layer.lora_B["default"].weight @ layer.lora_A["default"].weight * scale
     torch.testing.assert_close(synced["model.layers.0.mlp.up_proj.weight"],
                                bnbf.dequantize_4bit(weight.data, weight.quant_state).float() + delta)
+
+
+def test_qlora_in_blocks_of_32_follows_the_checkpoint_closer_and_its_saved_adapter_reloads(model_dir, tmp_path):
+    import bitsandbytes as bnb
+    import bitsandbytes.functional as bnbf
+    from transformers import AutoModelForCausalLM
+
+    dense = dict(AutoModelForCausalLM.from_pretrained(model_dir).named_parameters())
+
+    def rounding_error(policy):  # squared distance of every 4-bit weight from the checkpoint's
+        error = 0.0
+        for name, module in policy.named_modules():
+            if isinstance(module, bnb.nn.Linear4bit):
+                rounded = bnbf.dequantize_4bit(module.weight.data, module.weight.quant_state)
+                checkpoint = dense[name.removeprefix("base_model.model.").replace(".base_layer", "") + ".weight"]
+                error += (rounded - checkpoint).pow(2).sum().item()
+        return error
+
+    cfg = config(model_dir, tuning_strategy="qlora", qlora_block_size=32)
+    policy = adapted_policy(cfg, model_dir)
+    blocks_of_64 = load_policy(config(model_dir, tuning_strategy="qlora"), model_dir, torch.float32, CPU)
+    assert rounding_error(policy) < 0.9 * rounding_error(blocks_of_64)
+    # the adapter as saved, on a base that load_policy quantizes the same way, is the trained policy
+    ids = torch.tensor([[1, 5, 9, 13, 2]])
+    saved = save_final_model(policy, load_tokenizer(model_dir), str(tmp_path), cfg, model_dir, torch.float32)
+    reloaded = load_policy(config(model_dir, tuning_strategy="qlora", qlora_block_size=32,
+                                  lora_adapter_path=saved["lora_adapter"]), model_dir, torch.float32, CPU)
+    torch.testing.assert_close(logits_of(reloaded, ids), logits_of(policy, ids), atol=1e-5, rtol=0)
+
+
+def test_qlora_block_size_errors(model_dir):
+    with pytest.raises(ConfigError, match="qlora_block_size.*choose one of 32, 64, 128"):
+        config(model_dir, tuning_strategy="qlora", qlora_block_size=48)
+    with pytest.raises(ConfigError, match="qlora_block_size.*needs --tuning_strategy qlora"):
+        config(model_dir, tuning_strategy="lora", qlora_block_size=32)
+    cfg = config(model_dir, tuning_strategy="qlora", qlora_block_size=32)
+    with pytest.raises(ConfigError, match="no local copy of 'nobody/no-such-model'.*folder as --model_name_or_path"):
+        from grpo.qlora_blocks import requantize_4bit_base
+
+        requantize_4bit_base(load_policy(config(model_dir, tuning_strategy="qlora"), model_dir, torch.float32, CPU),
+                             "nobody/no-such-model", cfg.qlora_block_size)
 
 
 def test_qlora_quant_type_errors(model_dir):

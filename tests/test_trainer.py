@@ -385,6 +385,7 @@ def test_resume_refuses_options_that_rebuild_another_policy(tmp_path):
         "model", "registry.json", str(tmp_path), tuning_strategy="qlora", qlora_skip_modules=" v_proj, down_proj",
         **resume))
     for change, named in [(dict(tuning_strategy="qlora", qlora_quant_type="fp4"), "--qlora_quant_type 'nf4' -> 'fp4'"),
+                          (dict(tuning_strategy="qlora", qlora_block_size=32), "--qlora_block_size 64 -> 32"),
                           (dict(tuning_strategy="qlora", lora_alpha=16), "--lora_alpha 8 -> 16"),
                           (dict(tuning_strategy="lora"), "--tuning_strategy 'qlora' -> 'lora'")]:
         with pytest.raises(ConfigError, match="other model options") as info:
