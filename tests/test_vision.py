@@ -220,6 +220,24 @@ def test_qlora_keeps_the_vision_tower_unquantized(vl_model):
     assert vision_linear and all(type(m) is torch.nn.Linear and m.weight.dtype == torch.float32 for m in vision_linear)
 
 
+def test_qlora_in_blocks_of_32_reads_the_language_weights_under_their_checkpoint_names(vl_model):
+    import bitsandbytes as bnb
+    import bitsandbytes.functional as bnbf
+    from safetensors import safe_open
+
+    from grpo.loftq import round_4bit
+
+    model = policy(vl_model, "qlora", qlora_block_size=32)
+    quantized = {n: m for n, m in model.named_modules() if isinstance(m, bnb.nn.Linear4bit)}
+    assert len(quantized) == 2 * 7 and {m.weight.quant_state.blocksize for m in quantized.values()} == {32}
+    live = next(n for n in quantized if n.endswith("layers.1.self_attn.q_proj.base_layer"))
+    with safe_open(os.path.join(vl_model, "model.safetensors"), "pt") as fh:  # saved as model.layers.*
+        saved = fh.get_tensor("model.layers.1.self_attn.q_proj.weight")
+    weight = quantized[live].weight
+    torch.testing.assert_close(bnbf.dequantize_4bit(weight.data, weight.quant_state),
+                               round_4bit(saved.float(), "nf4", 32, double_quant=True), atol=0, rtol=0)
+
+
 def test_full_trains_everything_but_the_vision_tower(vl_model):
     model = policy(vl_model, "full")
     assert vision_tower_names(model) == ["model.visual"]
