@@ -14,6 +14,16 @@ import torch
 from .errors import ConfigError
 
 
+def check_checkpoint_weights(config, model_path: str) -> None:
+    """Fail before any model loads when an option that reads the checkpoint's 16-bit weights will find none in a
+    local folder (a hub id is checked once transformers has fetched it)."""
+    readers = [option for option, on in ((f"--qlora_block_size {config.qlora_block_size}",
+                                          config.tuning_strategy == "qlora" and config.qlora_block_size != 64),
+                                         ("--qlora_init loftq", config.qlora_init == "loftq")) if on]
+    if readers and os.path.isdir(model_path):
+        checkpoint_tensors(model_path, " and ".join(readers))
+
+
 def local_checkpoint_folder(model_path: str, option: str) -> str:
     """The folder holding the checkpoint's files: `model_path` itself, or a hub id's copy in the local hub cache
     (transformers put it there when it loaded the model; nothing is downloaded here)."""

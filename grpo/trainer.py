@@ -24,6 +24,7 @@ from .algorithm import group_advantages, kl_penalized_rewards
 from .batch import RolloutBatch
 from .checkpoint import (TrainerState, check_resume_keeps_policy, list_checkpoints, load_checkpoint,
                          resolve_resume_path, save_checkpoint, saved_config_path, warn_changed_options)
+from .checkpoint_weights import check_checkpoint_weights
 from .config import EMBEDDED_MODEL, GRPOConfig
 from .data import (dataset_routes, first_rows_per_source, load_dataset_registry, load_prompt_datasets,
                    render_prompts)
@@ -127,6 +128,7 @@ class GRPOTrainer(RolloutPhase):
             if len(eval_rows) else None
         if config.use_vllm_rollout and config.vllm_tp > 1:
             check_tensor_parallel(self.model_path, config)
+        check_checkpoint_weights(config, self.model_path)  # --qlora_block_size / loftq read its safetensors
         self.prompts_per_step = config.per_device_train_batch_size * config.gradient_accumulation_steps
         self.order = PromptOrder(len(self.train_set), self.prompts_per_step, config.seed, self.rank, self.world)
         if self.order.steps_per_epoch == 0:

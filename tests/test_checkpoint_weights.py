@@ -53,3 +53,22 @@ def test_a_folder_without_safetensors_is_refused(tmp_path):
     (tmp_path / "pytorch_model.bin").write_bytes(b"")
     with pytest.raises(ConfigError, match="--qlora_block_size 32 reads .* has none .*safe_serialization"):
         CheckpointWeights(str(tmp_path), "--qlora_block_size 32")
+
+
+def test_a_run_whose_checkpoint_has_no_safetensors_stops_before_any_model_loads(tiny_model, registry, tmp_path,
+                                                                                monkeypatch):
+    import grpo.trainer as trainer_module
+    from grpo.trainer import GRPOTrainer
+
+    from .trainer_setup import tiny_config
+
+    without = tmp_path / "model_as_bin"
+    shutil.copytree(tiny_model, without)
+    for file in without.glob("*.safetensors"):
+        file.unlink()
+    monkeypatch.setattr(trainer_module, "load_policy", lambda *a, **k: pytest.fail("a model was loaded"))
+    for options, named in [(dict(qlora_block_size=32), "--qlora_block_size 32 reads"),
+                           (dict(qlora_init="loftq"), "--qlora_init loftq reads")]:
+        with pytest.raises(ConfigError, match=named + " .* has none"):
+            GRPOTrainer(tiny_config(str(without), registry, str(tmp_path / "run"), tuning_strategy="qlora",
+                                    **options))
