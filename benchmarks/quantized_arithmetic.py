@@ -7,6 +7,7 @@ tokens. A QLoRA run can learn the format, but the numbers it boxes come from thi
     python benchmarks/quantized_arithmetic.py                                    # full, qlora, MLP / attention kept
     python benchmarks/quantized_arithmetic.py --variants qlora qlora+loftq "qlora:down_proj" --prompts 50
     python benchmarks/quantized_arithmetic.py --variants qlora qlora@fp4 qlora@fp4+loftq   # the 4-bit data type
+    python benchmarks/quantized_arithmetic.py --variants qlora qlora/32     # bitsandbytes' 64 weights per scale, or 32
     python benchmarks/quantized_arithmetic.py --variants full --rounding nf4/64 nf4/32 nf4/64/nodq fp4/32
         # the 16-bit model with every linear layer but the output rounded through bitsandbytes: data type / weights
         # per scale / nodq: scales kept in 32 bits instead of bitsandbytes' double quantization
@@ -34,16 +35,19 @@ def _marked(head: str, mark: str):
 
 
 def build_trainer(model: str, variant: str, prompts: int, out_dir: str):
-    """A GRPOTrainer on `arith` for a variant: "full", "qlora", "qlora@fp4", "qlora+loftq", "qlora:<kept modules>"."""
+    """A GRPOTrainer on `arith` for a variant: "full", "qlora", "qlora@fp4", "qlora+loftq", "qlora/32" (weights per
+    4-bit scale), "qlora:<kept modules>"."""
     from grpo.config import GRPOConfig
     from grpo.trainer import GRPOTrainer
 
     head, _, skip = variant.partition(":")
-    # "qlora+loftq": the rounding correction on; "qlora@fp4": the 4-bit data type; either order
-    strategy, init, quant = re.split(r"[@+]", head)[0], _marked(head, "+"), _marked(head, "@")
+    # "qlora+loftq": the rounding correction on; "qlora@fp4": the 4-bit data type; "qlora/32": the block size; any order
+    strategy, init, quant = re.split(r"[@+/]", head)[0], _marked(head, "+"), _marked(head, "@")
+    block = _marked(head, "/")
     config = GRPOConfig(model_name_or_path=model, dataset_names=["arith"], output_dir=out_dir,
                         overwrite_output_dir=True, tuning_strategy=strategy, qlora_skip_modules=skip or None,
                         **({"qlora_init": init} if init else {}), **({"qlora_quant_type": quant} if quant else {}),
+                        **({"qlora_block_size": int(block)} if block else {}),
                         eval_max_prompts=prompts, max_prompt_length=128, max_seq_length=192,
                         rollout_max_new_tokens=64, max_steps=1, save_steps=0, seed=0)
     return GRPOTrainer(config)
@@ -101,7 +105,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS,
-                        help='full, lora, qlora, "qlora+loftq", or "qlora:<modules left unquantized, comma-separated>"')
+                        help='full, lora, qlora, "qlora+loftq", "qlora@fp4", "qlora/32", or '
+                             '"qlora:<modules left unquantized, comma-separated>"')
     parser.add_argument("--prompts", type=int, default=100, help="held-out arith prompts")
     parser.add_argument("--rounding", nargs="*", default=[],
                         help='with the "full" variant: also score it rounded as "<nf4|fp4>/<weights per scale>[/nodq]"')
