@@ -9,6 +9,7 @@ what the 4-bit rounding costs from what QLoRA's training path (4-bit layers, k-b
     MODEL=outputs/smollm2-nf4-64 ARITH=lora TAG=on-nf4 GSM8K= bash benchmarks/learning.sh
 
 Rounded where bitsandbytes would round in training: on the GPU when there is one, in --dtype (bf16 as on a GPU).
+For text models: a vision-language model's vision tower, which QLoRA keeps in 16 bits, would be rounded too.
 """
 from __future__ import annotations
 

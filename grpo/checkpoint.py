@@ -252,8 +252,13 @@ def _saved_options(saved_path: str) -> dict:
         return {}
 
 
+# what a run saved before an option existed used in its place
+VALUES_BEFORE_THE_OPTION = {"qlora_block_size": 64}
+
+
 def _changed(saved: dict, now: dict, keys) -> list[str]:
     """'--key saved -> now' for each of `keys` that the saved options hold with another value."""
+    saved = {**{k: v for k, v in VALUES_BEFORE_THE_OPTION.items() if saved}, **saved}
     return [f"--{k} {saved[k]!r} -> {now[k]!r}" for k in keys
             if k in saved and _as_compared(k, saved[k]) != _as_compared(k, now[k])]
 

@@ -8,35 +8,47 @@ from __future__ import annotations
 import glob
 import json
 import os
+from typing import Optional
 
 import torch
 
+from .config import BITSANDBYTES_BLOCK_SIZE
 from .errors import ConfigError
 
 
 def check_checkpoint_weights(config, model_path: str) -> None:
     """Fail before any model loads when an option that reads the checkpoint's 16-bit weights will find none in a
     local folder (a hub id is checked once transformers has fetched it)."""
-    readers = [option for option, on in ((f"--qlora_block_size {config.qlora_block_size}",
-                                          config.tuning_strategy == "qlora" and config.qlora_block_size != 64),
-                                         ("--qlora_init loftq", config.qlora_init == "loftq")) if on]
+    readers = []
+    if config.tuning_strategy == "qlora" and config.qlora_block_size != BITSANDBYTES_BLOCK_SIZE:
+        readers.append(f"--qlora_block_size {config.qlora_block_size}")
+    if config.qlora_init == "loftq":
+        readers.append("--qlora_init loftq")
     if readers and os.path.isdir(model_path):
         checkpoint_tensors(model_path, " and ".join(readers))
 
 
-def local_checkpoint_folder(model_path: str, option: str) -> str:
-    """The folder holding the checkpoint's files: `model_path` itself, or a hub id's copy in the local hub cache
-    (transformers put it there when it loaded the model; nothing is downloaded here)."""
+def local_snapshot(model_path: str) -> Optional[str]:
+    """A folder as it is; a hub id as its snapshot folder in the local Hugging Face cache (transformers put it there
+    when it loaded the model; nothing is downloaded here); None when there is none."""
     if os.path.isdir(model_path):
         return model_path
     try:
-        from huggingface_hub import snapshot_download
+        from huggingface_hub import hf_hub_download
 
-        return snapshot_download(model_path, local_files_only=True, allow_patterns=["*.safetensors", "*.json"])
-    except Exception as error:  # not cached, or not a hub id at all
+        # one file, not snapshot_download: that refuses a snapshot with any listed file never fetched
+        return os.path.dirname(hf_hub_download(model_path, "config.json", local_files_only=True))
+    except Exception:  # noqa: BLE001 -- not cached, or not a hub id at all
+        return None
+
+
+def local_checkpoint_folder(model_path: str, option: str) -> str:
+    folder = local_snapshot(model_path)
+    if folder is None:
         raise ConfigError(f"{option} reads the 16-bit weights from the checkpoint's .safetensors files; found no "
-                          f"local copy of {model_path!r} ({type(error).__name__}). Pass the model's folder as "
-                          f"--model_name_or_path") from error
+                          f"local copy of {model_path!r} in the Hugging Face cache. Pass the model's folder as "
+                          f"--model_name_or_path")
+    return folder
 
 
 def checkpoint_tensors(model_path: str, option: str) -> dict[str, str]:
@@ -50,7 +62,7 @@ def checkpoint_tensors(model_path: str, option: str) -> dict[str, str]:
     files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
     if not files:
         raise ConfigError(f"{option} reads the 16-bit weights from the checkpoint's .safetensors files; {folder} has "
-                          f"none (convert the checkpoint with save_pretrained(safe_serialization=True))")
+                          f"none: save the model with save_pretrained (safetensors), or run without {option.split(' and ')[0].split()[0]}")
     from safetensors import safe_open
 
     found = {}
@@ -61,23 +73,34 @@ def checkpoint_tensors(model_path: str, option: str) -> dict[str, str]:
 
 
 class CheckpointWeights:
-    """`with CheckpointWeights(path, "--option") as weights: weights.read(name)`: each file opened once."""
+    """`with CheckpointWeights(path, "--option") as weights: weights.read(name, layer_name, layer)`: each file opened once."""
 
     def __init__(self, model_path: str, option: str):
         self.model_path, self.option = model_path, option
         self.files = checkpoint_tensors(model_path, option)
         self.handles = {}
 
-    def read(self, name: str, for_layer: str) -> torch.Tensor:
+    def read(self, name: str, layer_name: str, layer) -> torch.Tensor:
+        """The checkpoint's weight for a linear (or 4-bit) `layer`, as [out, in] like the layer's own weight."""
         if name not in self.files:
             raise ConfigError(f"{self.option}: the checkpoint in {self.model_path} has no weight {name!r} for layer "
-                              f"{for_layer}")
+                              f"{layer_name}; run without {self.option.split()[0]}")
         file = self.files[name]
         if file not in self.handles:
             from safetensors import safe_open
 
             self.handles[file] = safe_open(file, framework="pt")
-        return self.handles[file].get_tensor(name)
+        weight = self.handles[file].get_tensor(name)
+        from transformers.pytorch_utils import Conv1D
+
+        if issubclass(getattr(layer, "source_cls", torch.nn.Linear), Conv1D):
+            weight = weight.t()  # GPT-2-style checkpoints store [in, out]; transformers transposed it on loading
+        state = getattr(layer.weight, "quant_state", None)
+        expected = tuple(state.shape) if state is not None else tuple(layer.weight.shape)
+        if tuple(weight.shape) != expected:
+            raise ConfigError(f"{self.option}: the checkpoint's {name!r} has shape {tuple(weight.shape)}, layer "
+                              f"{layer_name} {expected}; run without {self.option.split()[0]}")
+        return weight
 
     def __enter__(self) -> "CheckpointWeights":
         return self

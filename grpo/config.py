@@ -22,6 +22,7 @@ STRATEGIES = ("qlora", "lora", "full")
 QLORA_INITS = ("zero", "loftq")
 QLORA_QUANT_TYPES = ("nf4", "fp4")
 QLORA_BLOCK_SIZES = (32, 64, 128, 256, 512, 1024, 2048, 4096)  # the ones bitsandbytes' 4-bit kernels take
+BITSANDBYTES_BLOCK_SIZE = 64  # what transformers' 4-bit loading uses
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 REWARD_SCALES = ("group", "batch", "none")
 KL_ESTIMATORS = ("k1", "k2", "k3")
@@ -78,7 +79,7 @@ class GRPOConfig:
                "SmolLM2-135M it keeps the base's arithmetic (see benchmarks/quantized_arithmetic.py).", "model",
         choices=QLORA_QUANT_TYPES)
     qlora_block_size: int = _opt(
-        64, "qlora: weights per 4-bit scale in the frozen base (bitsandbytes' default is 64). 32 follows the weights "
+        BITSANDBYTES_BLOCK_SIZE, "qlora: weights per 4-bit scale in the frozen base (bitsandbytes' default is 64). 32 follows the weights "
             "more closely for 0.125 more bits per weight; on SmolLM2-135M it keeps more of the 16-bit model's "
             "arithmetic (see benchmarks/quantized_arithmetic.py --rounding). Other than 64, each weight is quantized "
             "again from the checkpoint's safetensors after loading, and the saved adapter belongs to a base "
@@ -409,7 +410,7 @@ class GRPOConfig:
              "needs --tuning_strategy qlora")
         need(self.qlora_block_size in QLORA_BLOCK_SIZES, "qlora_block_size",
              f"got {self.qlora_block_size}, choose one of {', '.join(map(str, QLORA_BLOCK_SIZES))}")
-        need(self.qlora_block_size == 64 or self.tuning_strategy == "qlora", "qlora_block_size",
+        need(self.qlora_block_size == BITSANDBYTES_BLOCK_SIZE or self.tuning_strategy == "qlora", "qlora_block_size",
              "needs --tuning_strategy qlora")
         need(self.qlora_init in QLORA_INITS, "qlora_init",
              f"got '{self.qlora_init}', choose one of {', '.join(QLORA_INITS)}")

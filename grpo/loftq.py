@@ -59,7 +59,7 @@ def init_adapter_from_rounding_error(model, model_path: str, adapter: str = "def
                 continue  # a layer kept in 16 bits (--qlora_skip_modules) has no rounding error
             name = rename(checkpoint_name(module_name), prefixes) + ".weight"
             rounded = dense_weight(base)                     # dequantize(Q), fp32, on the layer's device
-            residual = checkpoint.read(name, module_name).to(rounded.device, torch.float32) - rounded
+            residual = checkpoint.read(name, module_name, base).to(rounded.device, torch.float32) - rounded
             lora_a, lora_b = module.lora_A[adapter].weight, module.lora_B[adapter].weight
             rank = lora_a.shape[0]
             a, b = low_rank_factors(residual, rank, module.scaling[adapter])

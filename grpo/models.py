@@ -10,9 +10,9 @@ from typing import Optional
 
 import torch
 
-from .config import GRPOConfig
+from .config import BITSANDBYTES_BLOCK_SIZE, GRPOConfig
 from .errors import ConfigError
-from .qlora_blocks import BITSANDBYTES_BLOCK_SIZE, requantize_4bit_base
+from .qlora_blocks import requantize_4bit_base
 
 logger = logging.getLogger("grpo")
 

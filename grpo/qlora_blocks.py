@@ -17,12 +17,12 @@ import logging
 import torch
 
 from .checkpoint_weights import CheckpointWeights
+from .config import BITSANDBYTES_BLOCK_SIZE
 from .sync import checkpoint_name
 from .vision import checkpoint_prefixes, rename
 
 logger = logging.getLogger(__name__)
 
-BITSANDBYTES_BLOCK_SIZE = 64  # what transformers' 4-bit loading uses
 
 
 @torch.no_grad()
@@ -39,7 +39,7 @@ def requantize_4bit_base(model, model_path: str, block_size: int) -> int:
                 continue
             loaded = module.weight
             name = rename(checkpoint_name(module_name), prefixes) + ".weight"
-            weight = checkpoint.read(name, module_name).to(loaded.quant_state.dtype)
+            weight = checkpoint.read(name, module_name, module).to(loaded.quant_state.dtype)
             # .to(device) quantizes (Params4bit._quantize) and points module.quant_state at the new state
             module.weight = bnb.nn.Params4bit(weight, requires_grad=False, blocksize=block_size,
                                               compress_statistics=loaded.compress_statistics,

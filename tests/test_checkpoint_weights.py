@@ -34,24 +34,27 @@ def test_reads_weights_from_a_folder_or_a_cached_hub_id(model_dir, tmp_path, mon
 
     expected = load_file(os.path.join(model_dir, "model.safetensors"))
     name = "model.layers.0.mlp.up_proj.weight"
+    out_features, in_features = expected[name].shape
+    layer = torch.nn.Linear(in_features, out_features)
     with CheckpointWeights(model_dir, "--option") as weights:
-        torch.testing.assert_close(weights.read(name, "layer"), expected[name], atol=0, rtol=0)
+        torch.testing.assert_close(weights.read(name, "layer", layer), expected[name], atol=0, rtol=0)
         with pytest.raises(ConfigError, match="--option: the checkpoint in .* has no weight 'no.such.weight'"):
-            weights.read("no.such.weight", "some.layer")
+            weights.read("no.such.weight", "some.layer", layer)
+        with pytest.raises(ConfigError, match=r"has shape \(\d+, \d+\), layer other \(3, 5\)"):
+            weights.read(name, "other", torch.nn.Linear(5, 3))
 
     snapshot = fake_hub_cache(str(tmp_path), "someorg/tiny", model_dir)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     assert os.path.samefile(local_checkpoint_folder("someorg/tiny", "--option"), snapshot)
     with CheckpointWeights("someorg/tiny", "--option") as weights:
-        torch.testing.assert_close(weights.read(name, "layer"), expected[name], atol=0, rtol=0)
+        torch.testing.assert_close(weights.read(name, "layer", layer), expected[name], atol=0, rtol=0)
     with pytest.raises(ConfigError, match="--option reads .* no local copy of 'someorg/other'"):
         local_checkpoint_folder("someorg/other", "--option")
 
 
 def test_a_folder_without_safetensors_is_refused(tmp_path):
     (tmp_path / "pytorch_model.bin").write_bytes(b"")
-    with pytest.raises(ConfigError, match="--qlora_block_size 32 reads .* has none .*safe_serialization"):
+    with pytest.raises(ConfigError, match="--qlora_block_size 32 reads .* has none: .* or run without --qlora_block_size"):
         CheckpointWeights(str(tmp_path), "--qlora_block_size 32")
 
 
@@ -72,3 +75,8 @@ def test_a_run_whose_checkpoint_has_no_safetensors_stops_before_any_model_loads(
         with pytest.raises(ConfigError, match=named + " .* has none"):
             GRPOTrainer(tiny_config(str(without), registry, str(tmp_path / "run"), tuning_strategy="qlora",
                                     **options))
+    # plain qlora quantizes whatever transformers loads: no safetensors needed, nothing refused
+    from grpo.checkpoint_weights import check_checkpoint_weights
+
+    check_checkpoint_weights(tiny_config(str(without), registry, str(tmp_path / "run"), tuning_strategy="qlora"),
+                             str(without))

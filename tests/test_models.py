@@ -244,6 +244,7 @@ def test_qlora_base_uses_the_chosen_4bit_type_and_syncs_it(model_dir, quant_type
     layer = policy.base_model.model.model.layers[0].mlp.up_proj
     weight = layer.base_layer.weight
     assert (weight.quant_state.quant_type, weight.quant_state.blocksize) == (quant_type, block_size)
+    assert layer.base_layer.quant_state is weight.quant_state  # what the layer's forward reads
     # the checkpoint's weight, rounded to this 4-bit type and block as bitsandbytes does it (scales double-quantized),
     # is what the policy runs on (the other type or block size rounds this weight elsewhere)
     from transformers import AutoModelForCausalLM
@@ -286,17 +287,44 @@ def test_qlora_in_blocks_of_32_follows_the_checkpoint_closer_and_its_saved_adapt
     torch.testing.assert_close(logits_of(reloaded, ids), logits_of(policy, ids), atol=1e-5, rtol=0)
 
 
+def test_qlora_in_blocks_of_32_reads_gpt2_style_weights_transposed(tmp_path):
+    """GPT-2's Conv1D layers store their weight as [in, out]; transformers turns them into [out, in] 4-bit layers."""
+    import bitsandbytes as bnb
+    import bitsandbytes.functional as bnbf
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from grpo.loftq import round_4bit
+
+    torch.manual_seed(0)
+    dense = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=64, n_head=2, vocab_size=128, n_positions=32))
+    dense.save_pretrained(str(tmp_path))
+    policy = load_policy(config(str(tmp_path), tuning_strategy="qlora", qlora_block_size=32), str(tmp_path),
+                         torch.float32, CPU)
+    layers = {n.split("h.0.")[1]: m for n, m in policy.named_modules() if isinstance(m, bnb.nn.Linear4bit)}
+    assert set(layers) == {"attn.c_attn.base_layer", "attn.c_proj.base_layer", "mlp.c_fc.base_layer",
+                           "mlp.c_proj.base_layer"}
+    for name, module in layers.items():
+        checkpoint = dense.get_submodule("transformer.h.0." + name.removesuffix(".base_layer")).weight.data
+        assert module.weight.quant_state.blocksize == 32
+        torch.testing.assert_close(bnbf.dequantize_4bit(module.weight.data, module.weight.quant_state),
+                                   round_4bit(checkpoint.t().contiguous(), "nf4", 32, double_quant=True),
+                                   atol=0, rtol=0, msg=name)
+    assert policy(input_ids=torch.tensor([[1, 2, 3]])).logits.shape == (1, 3, 128)
+
+
 def test_qlora_block_size_errors(model_dir):
     with pytest.raises(ConfigError, match="qlora_block_size.*choose one of 32, 64, 128"):
         config(model_dir, tuning_strategy="qlora", qlora_block_size=48)
     with pytest.raises(ConfigError, match="qlora_block_size.*needs --tuning_strategy qlora"):
         config(model_dir, tuning_strategy="lora", qlora_block_size=32)
-    cfg = config(model_dir, tuning_strategy="qlora", qlora_block_size=32)
-    with pytest.raises(ConfigError, match="no local copy of 'nobody/no-such-model'.*folder as --model_name_or_path"):
-        from grpo.qlora_blocks import requantize_4bit_base
+    from transformers import BitsAndBytesConfig
 
-        requantize_4bit_base(load_policy(config(model_dir, tuning_strategy="qlora"), model_dir, torch.float32, CPU),
-                             "nobody/no-such-model", cfg.qlora_block_size)
+    from grpo.models import load_base_model
+    from grpo.qlora_blocks import requantize_4bit_base
+
+    base = load_base_model(model_dir, torch.float32, CPU, False, BitsAndBytesConfig(load_in_4bit=True))
+    with pytest.raises(ConfigError, match="no local copy of 'nobody/no-such-model'.*folder as --model_name_or_path"):
+        requantize_4bit_base(base, "nobody/no-such-model", 32)
 
 
 def test_qlora_quant_type_errors(model_dir):

@@ -391,6 +391,14 @@ def test_resume_refuses_options_that_rebuild_another_policy(tmp_path):
         with pytest.raises(ConfigError, match="other model options") as info:
             check_resume_keeps_policy(path, tiny_config("model", "registry.json", str(tmp_path), **change, **resume))
         assert named in str(info.value) and "--output_dir" in str(info.value)
+    older = json.loads((tmp_path / "grpo_config.json").read_text())
+    del older["qlora_block_size"]  # saved before the option existed: its base was quantized in blocks of 64
+    (tmp_path / "older.json").write_text(json.dumps(older))
+    check_resume_keeps_policy(str(tmp_path / "older.json"), tiny_config("model", "registry.json", str(tmp_path),
+                                                                        tuning_strategy="qlora", **resume))
+    with pytest.raises(ConfigError, match="--qlora_block_size 64 -> 32"):
+        check_resume_keeps_policy(str(tmp_path / "older.json"), tiny_config(
+            "model", "registry.json", str(tmp_path), tuning_strategy="qlora", qlora_block_size=32, **resume))
     full = tiny_config("model", "registry.json", str(tmp_path), tuning_strategy="full")
     full.save(str(tmp_path / "grpo_config.json"))  # full fine-tuning has no adapter: LoRA options do not matter
     check_resume_keeps_policy(path, tiny_config("model", "registry.json", str(tmp_path), tuning_strategy="full",

@@ -27,6 +27,8 @@ import logging
 import math
 import os
 
+from ..checkpoint_weights import local_snapshot
+
 logger = logging.getLogger("grpo")
 
 # config fields that mean the cache is not plain per-token K/V heads of one size
@@ -82,7 +84,7 @@ def checkpoint_weight_bytes(model_path: str, tensor_parallel_size: int = 1, floa
     """The bytes the checkpoint's tensors take on one GPU, floating-point ones in the engine's dtype (float_bytes),
     packed integer ones as stored; read from the safetensors headers alone (a hub id: from its copy in the local
     cache, which loading the policy has filled). None without safetensors files."""
-    files = sorted(glob.glob(os.path.join(local_snapshot(model_path), "*.safetensors")))
+    files = sorted(glob.glob(os.path.join(local_snapshot(model_path) or model_path, "*.safetensors")))
     if not files:
         return None
     total = 0
@@ -93,18 +95,6 @@ def checkpoint_weight_bytes(model_path: str, tensor_parallel_size: int = 1, floa
             if name != "__metadata__":
                 total += math.prod(entry["shape"]) * INTEGER_BYTES.get(entry["dtype"], float_bytes)
     return total // tensor_parallel_size
-
-
-def local_snapshot(model_path: str) -> str:
-    """A folder as it is; a hub id as its snapshot in the local Hugging Face cache (never downloaded here)."""
-    if os.path.isdir(model_path):
-        return model_path
-    try:
-        from huggingface_hub import snapshot_download
-
-        return snapshot_download(model_path, local_files_only=True, allow_patterns=["*.safetensors", "*.json"])
-    except Exception:  # noqa: BLE001 -- not cached, or not a hub id: the caller keeps the share
-        return model_path
 
 
 def engine_kv_cache_bytes(config, model_path: str, gpu_total_bytes: int | None = None) -> int | None:
