@@ -48,7 +48,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--variants", nargs="+", default=["full", "qlora"],
-                        help='as in quantized_arithmetic.py: full, qlora, "qlora@fp4", "qlora/32", "qlora:<modules kept>"')
+                        help='as in quantized_arithmetic.py: full, qlora, "qlora@fp4", "qlora/32", '
+                             '"qlora:<modules kept>"')
     parser.add_argument("--prompts", type=int, default=16, help="training prompts (the first ones of the split)")
     parser.add_argument("--k", type=int, default=8, help="completions per prompt")
     parser.add_argument("--max_new_tokens", type=int, default=64)

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from . import distributed as dist_utils
+from .config import BITSANDBYTES_BLOCK_SIZE
 from .errors import CheckpointError, ConfigError
 from .jsonfile import read_json_object
 from .manifest import MANIFEST_FILE, has_manifest, quick_problem, verify_checkpoint, write_manifest
@@ -253,12 +254,12 @@ def _saved_options(saved_path: str) -> dict:
 
 
 # what a run saved before an option existed used in its place
-VALUES_BEFORE_THE_OPTION = {"qlora_block_size": 64}
+VALUES_BEFORE_THE_OPTION = {"qlora_block_size": BITSANDBYTES_BLOCK_SIZE}
 
 
 def _changed(saved: dict, now: dict, keys) -> list[str]:
     """'--key saved -> now' for each of `keys` that the saved options hold with another value."""
-    saved = {**{k: v for k, v in VALUES_BEFORE_THE_OPTION.items() if saved}, **saved}
+    saved = {**(VALUES_BEFORE_THE_OPTION if saved else {}), **saved}  # nothing saved: nothing to compare
     return [f"--{k} {saved[k]!r} -> {now[k]!r}" for k in keys
             if k in saved and _as_compared(k, saved[k]) != _as_compared(k, now[k])]
 

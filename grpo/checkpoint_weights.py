@@ -62,7 +62,7 @@ def checkpoint_tensors(model_path: str, option: str) -> dict[str, str]:
     files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
     if not files:
         raise ConfigError(f"{option} reads the 16-bit weights from the checkpoint's .safetensors files; {folder} has "
-                          f"none: save the model with save_pretrained (safetensors), or run without {option.split(' and ')[0].split()[0]}")
+                          f"none: save the model with save_pretrained (safetensors), or run without {option}")
     from safetensors import safe_open
 
     found = {}
@@ -73,7 +73,8 @@ def checkpoint_tensors(model_path: str, option: str) -> dict[str, str]:
 
 
 class CheckpointWeights:
-    """`with CheckpointWeights(path, "--option") as weights: weights.read(name, layer_name, layer)`: each file opened once."""
+    """`with CheckpointWeights(path, "--option") as weights: weights.read(name, layer_name, layer)`: each file is
+    opened once."""
 
     def __init__(self, model_path: str, option: str):
         self.model_path, self.option = model_path, option
@@ -84,7 +85,7 @@ class CheckpointWeights:
         """The checkpoint's weight for a linear (or 4-bit) `layer`, as [out, in] like the layer's own weight."""
         if name not in self.files:
             raise ConfigError(f"{self.option}: the checkpoint in {self.model_path} has no weight {name!r} for layer "
-                              f"{layer_name}; run without {self.option.split()[0]}")
+                              f"{layer_name}; run without {self.option}")
         file = self.files[name]
         if file not in self.handles:
             from safetensors import safe_open
@@ -99,7 +100,7 @@ class CheckpointWeights:
         expected = tuple(state.shape) if state is not None else tuple(layer.weight.shape)
         if tuple(weight.shape) != expected:
             raise ConfigError(f"{self.option}: the checkpoint's {name!r} has shape {tuple(weight.shape)}, layer "
-                              f"{layer_name} {expected}; run without {self.option.split()[0]}")
+                              f"{layer_name} {expected}; run without {self.option}")
         return weight
 
     def __enter__(self) -> "CheckpointWeights":

@@ -79,11 +79,12 @@ class GRPOConfig:
                "SmolLM2-135M it keeps the base's arithmetic (see benchmarks/quantized_arithmetic.py).", "model",
         choices=QLORA_QUANT_TYPES)
     qlora_block_size: int = _opt(
-        BITSANDBYTES_BLOCK_SIZE, "qlora: weights per 4-bit scale in the frozen base (bitsandbytes' default is 64). 32 follows the weights "
-            "more closely for 0.125 more bits per weight; on SmolLM2-135M it keeps more of the 16-bit model's "
-            "arithmetic (see benchmarks/quantized_arithmetic.py --rounding). Other than 64, each weight is quantized "
-            "again from the checkpoint's safetensors after loading, and the saved adapter belongs to a base "
-            "quantized the same way (grpo.models.load_policy).", "model",
+        BITSANDBYTES_BLOCK_SIZE,
+        "qlora: weights per 4-bit scale in the frozen base (bitsandbytes' default is 64). 32 follows the weights "
+        "more closely for 0.125 more bits per weight; on SmolLM2-135M it keeps more of the 16-bit model's "
+        "arithmetic (see benchmarks/quantized_arithmetic.py --rounding). Other than 64, each weight is quantized "
+        "again from the checkpoint's safetensors after loading, and the saved adapter belongs to a base "
+        "quantized the same way (grpo.models.load_policy).", "model",
         choices=QLORA_BLOCK_SIZES)
     qlora_init: str = _opt(
         "zero", "qlora: zero: the policy starts as the 4-bit model (B = 0). loftq: a frozen rank-r correction of "

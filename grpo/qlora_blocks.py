@@ -24,7 +24,6 @@ from .vision import checkpoint_prefixes, rename
 logger = logging.getLogger(__name__)
 
 
-
 @torch.no_grad()
 def requantize_4bit_base(model, model_path: str, block_size: int) -> int:
     """Quantize every 4-bit linear weight of a freshly loaded (not yet peft-wrapped) model again from the checkpoint,

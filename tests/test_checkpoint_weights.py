@@ -54,7 +54,8 @@ def test_reads_weights_from_a_folder_or_a_cached_hub_id(model_dir, tmp_path, mon
 
 def test_a_folder_without_safetensors_is_refused(tmp_path):
     (tmp_path / "pytorch_model.bin").write_bytes(b"")
-    with pytest.raises(ConfigError, match="--qlora_block_size 32 reads .* has none: .* or run without --qlora_block_size"):
+    with pytest.raises(ConfigError,
+                       match="--qlora_block_size 32 reads .* has none: .* or run without --qlora_block_size"):
         CheckpointWeights(str(tmp_path), "--qlora_block_size 32")
 
 
