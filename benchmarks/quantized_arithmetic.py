@@ -8,9 +8,13 @@ tokens. A QLoRA run can learn the format, but the numbers it boxes come from thi
     python benchmarks/quantized_arithmetic.py --variants qlora qlora+loftq "qlora:down_proj" --prompts 50
     python benchmarks/quantized_arithmetic.py --variants qlora qlora@fp4 qlora@fp4+loftq   # the 4-bit data type
     python benchmarks/quantized_arithmetic.py --variants qlora qlora/32     # bitsandbytes' 64 weights per scale, or 32
-    python benchmarks/quantized_arithmetic.py --variants full --rounding nf4/64 nf4/32 nf4/64/nodq fp4/32
+    python benchmarks/quantized_arithmetic.py --variants qlora/32 qlora/32=mse    # --qlora_block_scale mse
+    python benchmarks/quantized_arithmetic.py --variants full --rounding nf4/64 nf4/32 nf4/64/nodq fp4/32 nf4/32/mse
         # the 16-bit model with every linear layer but the output rounded through bitsandbytes: data type / weights
-        # per scale / nodq: scales kept in 32 bits instead of bitsandbytes' double quantization
+        # per scale / nodq: scales kept in 32 bits instead of bitsandbytes' double quantization / mse: each block's
+        # scale chosen as --qlora_block_scale mse does
+    python benchmarks/quantized_arithmetic.py --variants full --rounding nf4/32 nf4/32/mse --prompts 400 --rows train
+        # scored on 400 training prompts instead of the 100 held-out ones: less noise (nothing is trained here)
 """
 from __future__ import annotations
 
@@ -36,18 +40,20 @@ def _marked(head: str, mark: str):
 
 def build_trainer(model: str, variant: str, prompts: int, out_dir: str):
     """A GRPOTrainer on `arith` for a variant: "full", "qlora", "qlora@fp4", "qlora+loftq", "qlora/32" (weights per
-    4-bit scale), "qlora:<kept modules>"."""
+    4-bit scale), "qlora=mse" (how each scale is chosen), "qlora:<kept modules>"."""
     from grpo.config import GRPOConfig
     from grpo.trainer import GRPOTrainer
 
     head, _, skip = variant.partition(":")
-    # "qlora+loftq": the rounding correction on; "qlora@fp4": the 4-bit data type; "qlora/32": the block size; any order
-    strategy, init, quant = re.split(r"[@+/]", head)[0], _marked(head, "+"), _marked(head, "@")
-    block = _marked(head, "/")
+    # "qlora+loftq": the rounding correction on; "qlora@fp4": the 4-bit data type; "qlora/32": the block size;
+    # "qlora=mse": the block scale; any order
+    strategy, init, quant = re.split(r"[@+/=]", head)[0], _marked(head, "+"), _marked(head, "@")
+    block, scale = _marked(head, "/"), _marked(head, "=")
     config = GRPOConfig(model_name_or_path=model, dataset_names=["arith"], output_dir=out_dir,
                         overwrite_output_dir=True, tuning_strategy=strategy, qlora_skip_modules=skip or None,
                         **({"qlora_init": init} if init else {}), **({"qlora_quant_type": quant} if quant else {}),
                         **({"qlora_block_size": int(block)} if block else {}),
+                        **({"qlora_block_scale": scale} if scale else {}),
                         eval_max_prompts=prompts, max_prompt_length=128, max_seq_length=192,
                         rollout_max_new_tokens=64, max_steps=1, save_steps=0, seed=0)
     return GRPOTrainer(config)
@@ -86,15 +92,19 @@ def score(model, tokenizer, rows) -> dict:
 
 def round_linear_layers(model, rounding: str) -> float:
     """Round every linear weight but the output layer's in place, as bitsandbytes stores it ("nf4/32": data type,
-    weights per scale, "/nodq": scales not quantized again) and back. Returns the relative error over all of them."""
+    weights per scale, "/nodq": scales not quantized again, "/mse": scales as --qlora_block_scale mse chooses them)
+    and back. Returns the relative error over all of them."""
     from grpo.loftq import round_4bit
+    from grpo.qlora_blocks import codebook, mse_block_rounding
 
     quant_type, blocksize, *rest = rounding.split("/")
     error, norm = 0.0, 0.0
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Linear) and not name.endswith("lm_head"):
             weight = module.weight.data
-            rounded = round_4bit(weight, quant_type, int(blocksize), double_quant="nodq" not in rest)
+            given = mse_block_rounding(weight, codebook(quant_type), int(blocksize)).to(weight.dtype) \
+                if "mse" in rest else weight
+            rounded = round_4bit(given, quant_type, int(blocksize), double_quant="nodq" not in rest)
             error += (rounded - weight).float().pow(2).sum().item()
             norm += weight.float().pow(2).sum().item()
             weight.copy_(rounded)
@@ -107,13 +117,15 @@ def main() -> None:
     parser.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS,
                         help='full, lora, qlora, "qlora+loftq", "qlora@fp4", "qlora/32", or '
                              '"qlora:<modules left unquantized, comma-separated>"')
-    parser.add_argument("--prompts", type=int, default=100, help="held-out arith prompts")
+    parser.add_argument("--prompts", type=int, default=100, help="arith prompts scored")
+    parser.add_argument("--rows", choices=["eval", "train"], default="eval",
+                        help="score the held-out prompts (100), or the first training prompts (nothing is trained)")
     parser.add_argument("--rounding", nargs="*", default=[],
-                        help='with the "full" variant: also score it rounded as "<nf4|fp4>/<weights per scale>[/nodq]"')
+                        help='with the "full" variant: also score it rounded as "<nf4|fp4>/<weights per scale>[/nodq][/mse]"')
     args = parser.parse_args()
     results = []
     for variant, trainer, start in variant_trainers(args.model, args.variants, args.prompts):
-        rows = list(trainer.eval_set)
+        rows = list(trainer.eval_set if args.rows == "eval" else trainer.train_set)[:args.prompts]
         model = trainer.engine.module
         accuracy = score(model, trainer.tokenizer, rows)
         results.append({"variant": variant, "prompts": len(rows), **accuracy,

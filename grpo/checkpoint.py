@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from . import distributed as dist_utils
-from .config import BITSANDBYTES_BLOCK_SIZE
+from .config import BITSANDBYTES_BLOCK_SIZE, DEFAULT_BLOCK_SCALE
 from .errors import CheckpointError, ConfigError
 from .jsonfile import read_json_object
 from .manifest import MANIFEST_FILE, has_manifest, quick_problem, verify_checkpoint, write_manifest
@@ -221,7 +221,8 @@ def _set_rng_state(state: dict) -> None:
 # adapter, laid onto a base rebuilt from these at resume, so a change would resume a different policy without error
 POLICY_OPTIONS = ("tuning_strategy",)
 LORA_POLICY_OPTIONS = ("lora_rank", "lora_alpha", "lora_target_modules", "lora_exclude_modules")
-QLORA_POLICY_OPTIONS = ("qlora_quant_type", "qlora_block_size", "qlora_skip_modules", "qlora_init")
+QLORA_POLICY_OPTIONS = ("qlora_quant_type", "qlora_block_size", "qlora_block_scale", "qlora_skip_modules",
+                        "qlora_init")
 
 
 def saved_config_path(resume: str, output_dir: str) -> str:
@@ -254,7 +255,7 @@ def _saved_options(saved_path: str) -> dict:
 
 
 # what a run saved before an option existed used in its place
-VALUES_BEFORE_THE_OPTION = {"qlora_block_size": BITSANDBYTES_BLOCK_SIZE}
+VALUES_BEFORE_THE_OPTION = {"qlora_block_size": BITSANDBYTES_BLOCK_SIZE, "qlora_block_scale": DEFAULT_BLOCK_SCALE}
 
 
 def _changed(saved: dict, now: dict, keys) -> list[str]:

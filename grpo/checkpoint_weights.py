@@ -1,7 +1,7 @@
 """The 16-bit weights of a model's checkpoint, read one tensor at a time from its safetensors files.
 
-QLoRA loads the base in 4 bits; what that rounding loses is only in the checkpoint. `--qlora_block_size` quantizes
-again from it, `--qlora_init loftq` corrects towards it.
+QLoRA loads the base in 4 bits; what that rounding loses is only in the checkpoint. `--qlora_block_size` and
+`--qlora_block_scale` quantize again from it, `--qlora_init loftq` corrects towards it.
 """
 from __future__ import annotations
 
@@ -12,16 +12,13 @@ from typing import Optional
 
 import torch
 
-from .config import BITSANDBYTES_BLOCK_SIZE
 from .errors import ConfigError
 
 
 def check_checkpoint_weights(config, model_path: str) -> None:
     """Fail before any model loads when an option that reads the checkpoint's 16-bit weights will find none in a
     local folder (a hub id is checked once transformers has fetched it)."""
-    readers = []
-    if config.tuning_strategy == "qlora" and config.qlora_block_size != BITSANDBYTES_BLOCK_SIZE:
-        readers.append(f"--qlora_block_size {config.qlora_block_size}")
+    readers = list(config.qlora_requantizing_options)
     if config.qlora_init == "loftq":
         readers.append("--qlora_init loftq")
     if readers and os.path.isdir(model_path):

@@ -10,7 +10,7 @@ from typing import Optional
 
 import torch
 
-from .config import BITSANDBYTES_BLOCK_SIZE, GRPOConfig
+from .config import GRPOConfig
 from .errors import ConfigError
 from .qlora_blocks import requantize_4bit_base
 
@@ -78,8 +78,9 @@ def load_policy(config: GRPOConfig, model_path: str, dtype: torch.dtype, device:
                                           bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=dtype,
                                           llm_int8_skip_modules=skip)
     model = load_base_model(model_path, dtype, device, config.trust_remote_code, quantization)
-    if quantization is not None and config.qlora_block_size != BITSANDBYTES_BLOCK_SIZE:
-        requantize_4bit_base(model, model_path, config.qlora_block_size)
+    if quantization is not None and config.qlora_requantizing_options:
+        requantize_4bit_base(model, model_path, config.qlora_block_size, config.qlora_block_scale,
+                             " and ".join(config.qlora_requantizing_options))
     if config.qlora_skip_list:
         _check_module_names_exist(model, config.qlora_skip_list, "--qlora_skip_modules",
                                   "give a name or its last parts")

@@ -72,6 +72,8 @@ def test_a_run_whose_checkpoint_has_no_safetensors_stops_before_any_model_loads(
         file.unlink()
     monkeypatch.setattr(trainer_module, "load_policy", lambda *a, **k: pytest.fail("a model was loaded"))
     for options, named in [(dict(qlora_block_size=32), "--qlora_block_size 32 reads"),
+                           (dict(qlora_block_size=32, qlora_block_scale="mse"),
+                            "--qlora_block_size 32 and --qlora_block_scale mse reads"),
                            (dict(qlora_init="loftq"), "--qlora_init loftq reads")]:
         with pytest.raises(ConfigError, match=named + " .* has none"):
             GRPOTrainer(tiny_config(str(without), registry, str(tmp_path / "run"), tuning_strategy="qlora",

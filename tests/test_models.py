@@ -232,15 +232,18 @@ def test_qlora_keeps_named_layers_in_full_precision(model_dir):
                     torch.float32, CPU)
 
 
-@pytest.mark.parametrize("quant_type,block_size", [("nf4", 64), ("fp4", 64), ("nf4", 32)])
-def test_qlora_base_uses_the_chosen_4bit_type_and_syncs_it(model_dir, quant_type, block_size):
+@pytest.mark.parametrize("quant_type,block_size,block_scale",
+                         [("nf4", 64, "absmax"), ("fp4", 64, "absmax"), ("nf4", 32, "absmax"), ("nf4", 32, "mse"),
+                          ("fp4", 64, "mse")])
+def test_qlora_base_uses_the_chosen_4bit_type_and_syncs_it(model_dir, quant_type, block_size, block_scale):
     import bitsandbytes.functional as bnbf
 
     from grpo.loftq import round_4bit
+    from grpo.qlora_blocks import codebook, mse_block_rounding
     from grpo.sync import iter_policy_weights
 
     policy = adapted_policy(config(model_dir, tuning_strategy="qlora", qlora_quant_type=quant_type,
-                                   qlora_block_size=block_size), model_dir)
+                                   qlora_block_size=block_size, qlora_block_scale=block_scale), model_dir)
     layer = policy.base_model.model.model.layers[0].mlp.up_proj
     weight = layer.base_layer.weight
     assert (weight.quant_state.quant_type, weight.quant_state.blocksize) == (quant_type, block_size)
@@ -250,6 +253,8 @@ def test_qlora_base_uses_the_chosen_4bit_type_and_syncs_it(model_dir, quant_type
     from transformers import AutoModelForCausalLM
 
     dense = AutoModelForCausalLM.from_pretrained(model_dir).model.layers[0].mlp.up_proj.weight.data
+    if block_scale == "mse":  # each block first rounded with the scale of least error, which bitsandbytes then stores
+        dense = mse_block_rounding(dense, codebook(quant_type), block_size)
     torch.testing.assert_close(bnbf.dequantize_4bit(weight.data, weight.quant_state).float(),
                                round_4bit(dense, quant_type, block_size, double_quant=True), atol=0, rtol=0)
     synced = dict(iter_policy_weights(policy, "qlora", dtype=torch.float32))
@@ -279,6 +284,9 @@ def test_qlora_in_blocks_of_32_follows_the_checkpoint_closer_and_its_saved_adapt
     policy = adapted_policy(cfg, model_dir)
     blocks_of_64 = load_policy(config(model_dir, tuning_strategy="qlora"), model_dir, torch.float32, CPU)
     assert rounding_error(policy) < 0.9 * rounding_error(blocks_of_64)
+    searched = load_policy(config(model_dir, tuning_strategy="qlora", qlora_block_size=32, qlora_block_scale="mse"),
+                           model_dir, torch.float32, CPU)
+    assert rounding_error(searched) < 0.97 * rounding_error(policy)
     # the adapter as saved, on a base that load_policy quantizes the same way, is the trained policy
     ids = torch.tensor([[1, 5, 9, 13, 2]])
     saved = save_final_model(policy, load_tokenizer(model_dir), str(tmp_path), cfg, model_dir, torch.float32)
@@ -325,6 +333,15 @@ def test_qlora_block_size_errors(model_dir):
     base = load_base_model(model_dir, torch.float32, CPU, False, BitsAndBytesConfig(load_in_4bit=True))
     with pytest.raises(ConfigError, match="no local copy of 'nobody/no-such-model'.*folder as --model_name_or_path"):
         requantize_4bit_base(base, "nobody/no-such-model", 32)
+
+
+def test_qlora_block_scale_errors(model_dir):
+    with pytest.raises(ConfigError, match="qlora_block_scale.*choose one of absmax, mse"):
+        config(model_dir, tuning_strategy="qlora", qlora_block_scale="minmax")
+    with pytest.raises(ConfigError, match="qlora_block_scale.*needs --tuning_strategy qlora"):
+        config(model_dir, tuning_strategy="lora", qlora_block_scale="mse")
+    assert config(model_dir, tuning_strategy="qlora", qlora_block_scale="mse").qlora_requantizing_options == [
+        "--qlora_block_scale mse"]
 
 
 def test_qlora_quant_type_errors(model_dir):
