@@ -94,9 +94,10 @@ def round_4bit(weight: torch.Tensor, quant_type: str, blocksize: int, double_qua
 @torch.no_grad()
 def round_like_training(base, trained) -> int:
     """Replace, in a full-precision copy `base` of the model, each weight that is 4-bit in `trained` (the peft
-    model) by dequantize(nf4(weight)), as bitsandbytes rounded it on loading: a loftq adapter merged into that copy
-    gives the policy as trained. Returns the number of weights rounded."""
+    model) by that 4-bit weight dequantized, however it was rounded (block size, block scale): a loftq adapter merged
+    into that copy gives the policy as trained. Returns the number of weights rounded."""
     import bitsandbytes as bnb
+    import bitsandbytes.functional as bnbf
 
     live = dict(base.named_parameters())
     rounded = 0
@@ -107,9 +108,8 @@ def round_like_training(base, trained) -> int:
         name = checkpoint_name(module_name) + ".weight"
         if name not in live:
             raise ConfigError(f"merging the loftq adapter: the base model has no weight {name!r}")
-        state = weight.quant_state
         target = live[name]
-        target.data.copy_(round_4bit(target.data, state.quant_type, state.blocksize, state.nested, state.dtype))
+        target.data.copy_(bnbf.dequantize_4bit(weight.data, weight.quant_state).to(target.device, target.dtype))
         rounded += 1
     return rounded
 
