@@ -84,9 +84,9 @@ class GRPOConfig:
         BITSANDBYTES_BLOCK_SIZE,
         "qlora: weights per 4-bit scale in the frozen base (bitsandbytes' default is 64). 32 follows the weights "
         "more closely for 0.125 more bits per weight; on SmolLM2-135M it keeps more of the 16-bit model's "
-        "arithmetic (see benchmarks/quantized_arithmetic.py --rounding), most with --qlora_block_scale mse. Other than 64, each weight is quantized "
-        "again from the checkpoint's safetensors after loading, and the saved adapter belongs to a base "
-        "quantized the same way (grpo.models.load_policy).", "model",
+        "arithmetic (see benchmarks/quantized_arithmetic.py --rounding), most with --qlora_block_scale mse. "
+        "Other than 64, each weight is quantized again from the checkpoint's safetensors after loading, and the "
+        "saved adapter belongs to a base quantized the same way (grpo.models.load_policy).", "model",
         choices=QLORA_BLOCK_SIZES)
     qlora_block_scale: str = _opt(
         DEFAULT_BLOCK_SCALE,

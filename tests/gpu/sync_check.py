@@ -46,6 +46,13 @@ def build_model(path: str) -> str:
     return path
 
 
+def qlora_rounding(args) -> dict:
+    """--qlora_block_size / --qlora_block_scale, given only for qlora (other strategies refuse them)."""
+    if args.strategy != "qlora":
+        return {}
+    return {"qlora_block_size": args.qlora_block_size, "qlora_block_scale": args.qlora_block_scale}
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--strategy", choices=["full", "lora", "qlora"], required=True)
@@ -53,6 +60,8 @@ def main():
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--tp", type=int, default=1, help="vLLM tensor-parallel size (= the number of ranks)")
     parser.add_argument("--local_rank", type=int, default=0, help="set by the DeepSpeed launcher")
+    parser.add_argument("--qlora_block_size", type=int, default=64)
+    parser.add_argument("--qlora_block_scale", default="absmax")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
@@ -73,7 +82,8 @@ def main():
     dist_utils.barrier()
     path = MODEL_DIR
     cfg = GRPOConfig(model_name_or_path=path, tuning_strategy=args.strategy, lora_rank=16, lora_alpha=32,
-                     lora_dropout=0.0, deepspeed=f"zero{args.zero}", per_device_train_batch_size=1, k_samples=2)
+                     lora_dropout=0.0, deepspeed=f"zero{args.zero}", per_device_train_batch_size=1, k_samples=2,
+                     **qlora_rounding(args))
     device = dist_utils.device()
     policy = load_policy(cfg, path, torch.bfloat16, device)
     trainable = [p for p in policy.parameters() if p.requires_grad]

@@ -36,10 +36,15 @@ def run_script(script: str, out, *args: str) -> dict:
     return result
 
 
-@pytest.mark.parametrize("strategy, zero", [("full", 2), ("lora", 2), ("qlora", 2), ("full", 3)])
-def test_sync_is_exact_and_sleep_frees_memory(strategy, zero, tmp_path):
-    check_sync(run_script("sync_check.py", tmp_path / "result.json", "--strategy", strategy, "--zero", str(zero)),
-               strategy)
+QLORA_32_MSE = ("--qlora_block_size", "32", "--qlora_block_scale", "mse")  # the base quantized again after loading
+
+
+@pytest.mark.parametrize("strategy, zero, options",
+                         [("full", 2, ()), ("lora", 2, ()), ("qlora", 2, ()), ("full", 3, ()),
+                          ("qlora", 2, QLORA_32_MSE)])
+def test_sync_is_exact_and_sleep_frees_memory(strategy, zero, options, tmp_path):
+    check_sync(run_script("sync_check.py", tmp_path / "result.json", "--strategy", strategy, "--zero", str(zero),
+                          *options), strategy)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
@@ -77,10 +82,10 @@ def check_sync(result: dict, strategy: str) -> None:
     assert generated["unsynced_wake_refused"]  # its level-2 sleep dropped the weights: no rollout on garbage
 
 
-@pytest.mark.parametrize("strategy", ["full", "lora", "qlora"])
-def test_engine_samples_the_policy_from_construction_on(strategy, tmp_path):
+@pytest.mark.parametrize("strategy, options", [("full", ()), ("lora", ()), ("qlora", ()), ("qlora", QLORA_32_MSE)])
+def test_engine_samples_the_policy_from_construction_on(strategy, options, tmp_path):
     """evaluate() before train() (and eval at step 0) sees the policy training starts from."""
-    result = run_script("trainer_start_check.py", tmp_path / "result.json", "--strategy", strategy)
+    result = run_script("trainer_start_check.py", tmp_path / "result.json", "--strategy", strategy, *options)
     # SmolLM2's bf16 forwards in vLLM and in transformers differ by 0.056 on identical weights (full, measured on an
     # H100), and by 0.10 for qlora, whose engine holds dequantize(W) rounded to bf16 once more
     assert result["engine_vs_policy"] < START_MAX, result

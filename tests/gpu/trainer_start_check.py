@@ -18,9 +18,18 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import torch  # noqa: E402
 
 
+def qlora_rounding(args) -> dict:
+    """--qlora_block_size / --qlora_block_scale, given only for qlora (other strategies refuse them)."""
+    if args.strategy != "qlora":
+        return {}
+    return {"qlora_block_size": args.qlora_block_size, "qlora_block_scale": args.qlora_block_scale}
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--strategy", choices=["full", "lora", "qlora"], required=True)
+    parser.add_argument("--qlora_block_size", type=int, default=64)
+    parser.add_argument("--qlora_block_scale", default="absmax")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
@@ -33,7 +42,7 @@ def main():
     config = GRPOConfig(tuning_strategy=args.strategy, dataset_names=["arith"], use_vllm_rollout=True,
                         vllm_enforce_eager=True, lora_dropout=0.0, max_steps=1, eval_max_prompts=32,
                         rollout_max_new_tokens=64, max_prompt_length=128, max_seq_length=192, save_steps=0,
-                        output_dir=tempfile.mkdtemp(), overwrite_output_dir=True)
+                        output_dir=tempfile.mkdtemp(), overwrite_output_dir=True, **qlora_rounding(args))
     trainer = GRPOTrainer(config)
     messages = [{"role": "user", "content": "What is 17 + 25? Give only the final answer in \\boxed{}."},
                 {"role": "assistant", "content": "17 + 25 = 42, so the answer is \\boxed{42}."}]
