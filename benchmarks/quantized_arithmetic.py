@@ -94,8 +94,7 @@ def round_linear_layers(model, rounding: str) -> float:
     """Round every linear weight but the output layer's in place, as bitsandbytes stores it ("nf4/32": data type,
     weights per scale, "/nodq": scales not quantized again, "/mse": scales as --qlora_block_scale mse chooses them)
     and back. Returns the relative error over all of them."""
-    from grpo.loftq import round_4bit
-    from grpo.qlora_blocks import codebook, mse_block_rounding
+    from grpo.qlora_blocks import codebook, mse_block_rounding, round_4bit
 
     quant_type, blocksize, *rest = rounding.split("/")
     error, norm = 0.0, 0.0
@@ -115,13 +114,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS,
-                        help='full, lora, qlora, "qlora+loftq", "qlora@fp4", "qlora/32", or '
+                        help='full, lora, qlora, "qlora+loftq", "qlora@fp4", "qlora/32", "qlora=mse", or '
                              '"qlora:<modules left unquantized, comma-separated>"')
     parser.add_argument("--prompts", type=int, default=100, help="arith prompts scored")
     parser.add_argument("--rows", choices=["eval", "train"], default="eval",
                         help="score the held-out prompts (100), or the first training prompts (nothing is trained)")
     parser.add_argument("--rounding", nargs="*", default=[],
-                        help='with the "full" variant: also score it rounded as "<nf4|fp4>/<weights per scale>[/nodq][/mse]"')
+                        help='with the "full" variant: also score it rounded as '
+                             '"<nf4|fp4>/<weights per scale>[/nodq][/mse]"')
     args = parser.parse_args()
     results = []
     for variant, trainer, start in variant_trainers(args.model, args.variants, args.prompts):

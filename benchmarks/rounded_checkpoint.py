@@ -25,7 +25,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m-instruct", help="the embedded alias or a local folder")
     parser.add_argument("--rounding", default="nf4/64",
-                        help='"<nf4|fp4>/<weights per scale>[/nodq]" (nodq: scales kept in 32 bits)')
+                        help='"<nf4|fp4>/<weights per scale>[/nodq][/mse]" (nodq: scales kept in 32 bits; mse: '
+                             'scales as --qlora_block_scale mse picks them)')
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--out", required=True, help="folder for the rounded checkpoint (safetensors + tokenizer)")
     args = parser.parse_args()

@@ -461,10 +461,12 @@ class GRPOConfig:
     @property
     def qlora_requantizing_options(self) -> list[str]:
         """The options, as given, for which the 4-bit base is quantized again from the checkpoint after loading."""
-        if self.tuning_strategy != "qlora":
-            return []
-        return ([f"--qlora_block_size {self.qlora_block_size}"] * (self.qlora_block_size != BITSANDBYTES_BLOCK_SIZE)
-                + [f"--qlora_block_scale {self.qlora_block_scale}"] * (self.qlora_block_scale != DEFAULT_BLOCK_SCALE))
+        options = []
+        if self.tuning_strategy == "qlora" and self.qlora_block_size != BITSANDBYTES_BLOCK_SIZE:
+            options.append(f"--qlora_block_size {self.qlora_block_size}")
+        if self.tuning_strategy == "qlora" and self.qlora_block_scale != DEFAULT_BLOCK_SCALE:
+            options.append(f"--qlora_block_scale {self.qlora_block_scale}")
+        return options
 
     @property
     def kl_loss_coef(self) -> float:

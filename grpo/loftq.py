@@ -80,18 +80,6 @@ def init_adapter_from_rounding_error(model, model_path: str, adapter: str = "def
 
 
 @torch.no_grad()
-def round_4bit(weight: torch.Tensor, quant_type: str, blocksize: int, double_quant: bool,
-               dtype: torch.dtype = None) -> torch.Tensor:
-    """dequantize(quantize(weight)): the weight as bitsandbytes stores it in 4 bits (quantized in `dtype`), in the
-    weight's own dtype."""
-    import bitsandbytes.functional as bnbf
-
-    q, qs = bnbf.quantize_4bit(weight.to(dtype or weight.dtype), blocksize=blocksize, quant_type=quant_type,
-                               compress_statistics=double_quant)
-    return bnbf.dequantize_4bit(q, qs).to(weight.dtype)
-
-
-@torch.no_grad()
 def round_like_training(base, trained) -> int:
     """Replace, in a full-precision copy `base` of the model, each weight that is 4-bit in `trained` (the peft
     model) by that 4-bit weight dequantized, however it was rounded (block size, block scale): a loftq adapter merged

@@ -47,6 +47,18 @@ def codebook(quant_type: str) -> torch.Tensor:
 
 
 @torch.no_grad()
+def round_4bit(weight: torch.Tensor, quant_type: str, blocksize: int, double_quant: bool,
+               dtype: torch.dtype = None) -> torch.Tensor:
+    """dequantize(quantize(weight)): the weight as bitsandbytes stores it in 4 bits (quantized in `dtype`), in the
+    weight's own dtype."""
+    import bitsandbytes.functional as bnbf
+
+    q, qs = bnbf.quantize_4bit(weight.to(dtype or weight.dtype), blocksize=blocksize, quant_type=quant_type,
+                               compress_statistics=double_quant)
+    return bnbf.dequantize_4bit(q, qs).to(weight.dtype)
+
+
+@torch.no_grad()
 def mse_block_rounding(weight: torch.Tensor, codes: torch.Tensor, block_size: int,
                        fractions: torch.Tensor = SCALE_FRACTIONS) -> torch.Tensor:
     """Each block w (`block_size` consecutive weights of the flattened tensor) rounded to s * c, in fp32:

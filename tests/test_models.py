@@ -238,7 +238,7 @@ def test_qlora_keeps_named_layers_in_full_precision(model_dir):
 def test_qlora_base_uses_the_chosen_4bit_type_and_syncs_it(model_dir, quant_type, block_size, block_scale):
     import bitsandbytes.functional as bnbf
 
-    from grpo.loftq import round_4bit
+    from grpo.qlora_blocks import round_4bit
     from grpo.qlora_blocks import codebook, mse_block_rounding
     from grpo.sync import iter_policy_weights
 
@@ -301,7 +301,7 @@ def test_qlora_in_blocks_of_32_reads_gpt2_style_weights_transposed(tmp_path):
     import bitsandbytes.functional as bnbf
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from grpo.loftq import round_4bit
+    from grpo.qlora_blocks import round_4bit
 
     torch.manual_seed(0)
     dense = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=64, n_head=2, vocab_size=128, n_positions=32))

@@ -225,7 +225,7 @@ def test_qlora_in_blocks_of_32_reads_the_language_weights_under_their_checkpoint
     import bitsandbytes.functional as bnbf
     from safetensors import safe_open
 
-    from grpo.loftq import round_4bit
+    from grpo.qlora_blocks import round_4bit
 
     model = policy(vl_model, "qlora", qlora_block_size=32)
     quantized = {n: m for n, m in model.named_modules() if isinstance(m, bnb.nn.Linear4bit)}
