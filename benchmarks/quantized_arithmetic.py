@@ -3,6 +3,8 @@ nf4 QLoRA base with some modules left unquantized) completes "<a> + <b> = " gree
 
 Per variant: accuracy of the greedy number, and the mean negative log-likelihood (nats) of the right answer's
 tokens. A QLoRA run can learn the format, but the numbers it boxes come from this base (CPU or GPU; no vLLM).
+A "qlora" variant is bitsandbytes' stock base (nf4 in blocks of 64, absmax scales) unless its name says otherwise:
+"qlora/32=mse" is grpo's default qlora base.
 
     python benchmarks/quantized_arithmetic.py                                    # full, qlora, MLP / attention kept
     python benchmarks/quantized_arithmetic.py --variants qlora qlora+loftq "qlora:down_proj" --prompts 50
@@ -41,19 +43,19 @@ def _marked(head: str, mark: str):
 def build_trainer(model: str, variant: str, prompts: int, out_dir: str):
     """A GRPOTrainer on `arith` for a variant: "full", "qlora", "qlora@fp4", "qlora+loftq", "qlora/32" (weights per
     4-bit scale), "qlora=mse" (how each scale is chosen), "qlora:<kept modules>"."""
-    from grpo.config import GRPOConfig
+    from grpo.config import BITSANDBYTES_BLOCK_SCALE, BITSANDBYTES_BLOCK_SIZE, GRPOConfig
     from grpo.trainer import GRPOTrainer
 
     head, _, skip = variant.partition(":")
     # "qlora+loftq": the rounding correction on; "qlora@fp4": the 4-bit data type; "qlora/32": the block size;
-    # "qlora=mse": the block scale; any order
+    # "qlora=mse": the block scale; any order. What a name leaves out is bitsandbytes' stock choice.
     strategy, init, quant = re.split(r"[@+/=]", head)[0], _marked(head, "+"), _marked(head, "@")
     block, scale = _marked(head, "/"), _marked(head, "=")
     config = GRPOConfig(model_name_or_path=model, dataset_names=["arith"], output_dir=out_dir,
                         overwrite_output_dir=True, tuning_strategy=strategy, qlora_skip_modules=skip or None,
                         **({"qlora_init": init} if init else {}), **({"qlora_quant_type": quant} if quant else {}),
-                        **({"qlora_block_size": int(block)} if block else {}),
-                        **({"qlora_block_scale": scale} if scale else {}),
+                        **({"qlora_block_size": int(block or BITSANDBYTES_BLOCK_SIZE),
+                            "qlora_block_scale": scale or BITSANDBYTES_BLOCK_SCALE} if strategy == "qlora" else {}),
                         eval_max_prompts=prompts, max_prompt_length=128, max_seq_length=192,
                         rollout_max_new_tokens=64, max_steps=1, save_steps=0, seed=0)
     return GRPOTrainer(config)

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from . import distributed as dist_utils
-from .config import BITSANDBYTES_BLOCK_SIZE, DEFAULT_BLOCK_SCALE
+from .config import BITSANDBYTES_BLOCK_SCALE, BITSANDBYTES_BLOCK_SIZE
 from .errors import CheckpointError, ConfigError
 from .jsonfile import read_json_object
 from .manifest import MANIFEST_FILE, has_manifest, quick_problem, verify_checkpoint, write_manifest
@@ -255,7 +255,7 @@ def _saved_options(saved_path: str) -> dict:
 
 
 # what a run saved before an option existed used in its place
-VALUES_BEFORE_THE_OPTION = {"qlora_block_size": BITSANDBYTES_BLOCK_SIZE, "qlora_block_scale": DEFAULT_BLOCK_SCALE}
+VALUES_BEFORE_THE_OPTION = {"qlora_block_size": BITSANDBYTES_BLOCK_SIZE, "qlora_block_scale": BITSANDBYTES_BLOCK_SCALE}
 
 
 def _changed(saved: dict, now: dict, keys) -> list[str]:

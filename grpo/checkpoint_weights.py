@@ -1,7 +1,8 @@
-"""The 16-bit weights of a model's checkpoint, read one tensor at a time from its safetensors files.
+"""The 16-bit weights of a model's checkpoint, read one tensor at a time from its safetensors (or PyTorch .bin) files.
 
 QLoRA loads the base in 4 bits; what that rounding loses is only in the checkpoint. `--qlora_block_size` and
-`--qlora_block_scale` quantize again from it, `--qlora_init loftq` corrects towards it.
+`--qlora_block_scale` (by default blocks of 32 with searched scales) quantize again from it, `--qlora_init loftq`
+corrects towards it.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Optional
 
 import torch
 
+from .config import STOCK_4BIT_OPTIONS
 from .errors import ConfigError
 
 
@@ -23,6 +25,16 @@ def check_checkpoint_weights(config, model_path: str) -> None:
         readers.append("--qlora_init loftq")
     if readers and os.path.isdir(model_path):
         checkpoint_tensors(model_path, " and ".join(readers))
+
+
+def without(option: str) -> str:
+    """How to run without reading the checkpoint, for an error about `option` (one option or several, joined)."""
+    hints = []
+    if "--qlora_block" in option:
+        hints.append(f"pass {STOCK_4BIT_OPTIONS} for bitsandbytes' stock 4-bit base, which reads nothing")
+    if "--qlora_init loftq" in option:
+        hints.append("run without --qlora_init loftq")
+    return "; or ".join(hints) or f"run without {option}"
 
 
 def local_snapshot(model_path: str) -> Optional[str]:
@@ -42,31 +54,46 @@ def local_snapshot(model_path: str) -> Optional[str]:
 def local_checkpoint_folder(model_path: str, option: str) -> str:
     folder = local_snapshot(model_path)
     if folder is None:
-        raise ConfigError(f"{option} reads the 16-bit weights from the checkpoint's .safetensors files; found no "
-                          f"local copy of {model_path!r} in the Hugging Face cache. Pass the model's folder as "
-                          f"--model_name_or_path")
+        raise ConfigError(f"{option} reads the 16-bit weights from the checkpoint's files; found no local copy of "
+                          f"{model_path!r} in the Hugging Face cache. Pass the model's folder as "
+                          f"--model_name_or_path, or {without(option)}")
     return folder
 
 
 def checkpoint_tensors(model_path: str, option: str) -> dict[str, str]:
-    """Checkpoint weight name -> the safetensors file that holds it."""
+    """Checkpoint weight name -> the file that holds it: the safetensors files, else the PyTorch .bin ones."""
     folder = local_checkpoint_folder(model_path, option)
-    index = os.path.join(folder, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        with open(index) as fh:
-            weight_map = json.load(fh)["weight_map"]
-        return {name: os.path.join(folder, file) for name, file in weight_map.items()}
-    files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
-    if not files:
-        raise ConfigError(f"{option} reads the 16-bit weights from the checkpoint's .safetensors files; {folder} has "
-                          f"none: save the model with save_pretrained (safetensors), or run without {option}")
-    from safetensors import safe_open
+    for index_name, pattern in (("model.safetensors.index.json", "*.safetensors"),
+                                ("pytorch_model.bin.index.json", "pytorch_model*.bin")):
+        index = os.path.join(folder, index_name)
+        if os.path.isfile(index):
+            with open(index) as fh:
+                weight_map = json.load(fh)["weight_map"]
+            return {name: os.path.join(folder, file) for name, file in weight_map.items()}
+        files = sorted(glob.glob(os.path.join(folder, pattern)))
+        if files:
+            return {name: file for file in files for name in _tensor_names(file)}
+    raise ConfigError(f"{option} reads the 16-bit weights from the checkpoint's .safetensors (or pytorch_model*.bin) "
+                      f"files; {folder} has none: save the model with save_pretrained, or {without(option)}")
 
-    found = {}
-    for file in files:
+
+def _tensor_names(file: str) -> list[str]:
+    if file.endswith(".safetensors"):
+        from safetensors import safe_open
+
         with safe_open(file, framework="pt") as fh:
-            found.update({name: file for name in fh.keys()})
-    return found
+            return list(fh.keys())
+    return list(_load_bin(file))
+
+
+def _load_bin(file: str) -> dict[str, torch.Tensor]:
+    try:  # memory-mapped: a tensor is read from disk only when used
+        return torch.load(file, map_location="cpu", mmap=True, weights_only=True)
+    except RuntimeError:  # saved in torch's legacy (pre-zip) format, which cannot be mapped
+        try:
+            return torch.load(file, map_location="cpu", weights_only=True)
+        except Exception as exc:  # noqa: BLE001 -- torch raises several kinds for a damaged file
+            raise ConfigError(f"cannot read the checkpoint file {file}: {exc}") from exc
 
 
 class CheckpointWeights:
@@ -82,13 +109,8 @@ class CheckpointWeights:
         """The checkpoint's weight for a linear (or 4-bit) `layer`, as [out, in] like the layer's own weight."""
         if name not in self.files:
             raise ConfigError(f"{self.option}: the checkpoint in {self.model_path} has no weight {name!r} for layer "
-                              f"{layer_name}; run without {self.option}")
-        file = self.files[name]
-        if file not in self.handles:
-            from safetensors import safe_open
-
-            self.handles[file] = safe_open(file, framework="pt")
-        weight = self.handles[file].get_tensor(name)
+                              f"{layer_name}; {without(self.option)}")
+        weight = self._tensor(name)
         from transformers.pytorch_utils import Conv1D
 
         if issubclass(getattr(layer, "source_cls", torch.nn.Linear), Conv1D):
@@ -97,8 +119,17 @@ class CheckpointWeights:
         expected = tuple(state.shape) if state is not None else tuple(layer.weight.shape)
         if tuple(weight.shape) != expected:
             raise ConfigError(f"{self.option}: the checkpoint's {name!r} has shape {tuple(weight.shape)}, layer "
-                              f"{layer_name} {expected}; run without {self.option}")
+                              f"{layer_name} {expected}; {without(self.option)}")
         return weight
+
+    def _tensor(self, name: str) -> torch.Tensor:
+        file = self.files[name]
+        if file not in self.handles:  # the open safetensors file, or the memory-mapped .bin state dict
+            from safetensors import safe_open
+
+            self.handles[file] = safe_open(file, framework="pt") if file.endswith(".safetensors") else _load_bin(file)
+        handle = self.handles[file]
+        return handle[name] if isinstance(handle, dict) else handle.get_tensor(name)
 
     def __enter__(self) -> "CheckpointWeights":
         return self

@@ -22,9 +22,13 @@ STRATEGIES = ("qlora", "lora", "full")
 QLORA_INITS = ("zero", "loftq")
 QLORA_QUANT_TYPES = ("nf4", "fp4")
 QLORA_BLOCK_SIZES = (32, 64, 128, 256, 512, 1024, 2048, 4096)  # the ones bitsandbytes' 4-bit kernels take
-BITSANDBYTES_BLOCK_SIZE = 64  # what transformers' 4-bit loading uses
 QLORA_BLOCK_SCALES = ("absmax", "mse")
-DEFAULT_BLOCK_SCALE = "absmax"  # bitsandbytes' own: each block scaled by its largest magnitude
+# bitsandbytes' stock 4-bit base, as transformers loads it: blocks of 64, each scaled by its largest magnitude
+BITSANDBYTES_BLOCK_SIZE, BITSANDBYTES_BLOCK_SCALE = 64, "absmax"
+STOCK_4BIT_OPTIONS = f"--qlora_block_size {BITSANDBYTES_BLOCK_SIZE} --qlora_block_scale {BITSANDBYTES_BLOCK_SCALE}"
+# grpo's: the base quantized again from the checkpoint in blocks of 32 with searched scales, which keeps more of the
+# 16-bit model (README: Does it learn?)
+DEFAULT_BLOCK_SIZE, DEFAULT_BLOCK_SCALE = 32, "mse"
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 REWARD_SCALES = ("group", "batch", "none")
 KL_ESTIMATORS = ("k1", "k2", "k3")
@@ -81,21 +85,20 @@ class GRPOConfig:
                "SmolLM2-135M it keeps the base's arithmetic (see benchmarks/quantized_arithmetic.py).", "model",
         choices=QLORA_QUANT_TYPES)
     qlora_block_size: int = _opt(
-        BITSANDBYTES_BLOCK_SIZE,
-        "qlora: weights per 4-bit scale in the frozen base (bitsandbytes' default is 64). 32 follows the weights "
-        "more closely for 0.125 more bits per weight; on SmolLM2-135M it keeps more of the 16-bit model's "
-        "arithmetic (see benchmarks/quantized_arithmetic.py --rounding), most with --qlora_block_scale mse. "
-        "Other than 64, each weight is quantized again from the checkpoint's safetensors after loading, and the "
-        "saved adapter belongs to a base quantized the same way (grpo.models.load_policy).", "model",
-        choices=QLORA_BLOCK_SIZES)
+        DEFAULT_BLOCK_SIZE,
+        "qlora: weights per 4-bit scale in the frozen base. 32 follows the weights more closely than bitsandbytes' "
+        "64 for 0.125 more bits per weight; on SmolLM2-135M it keeps more of the 16-bit model's arithmetic (see "
+        "benchmarks/quantized_arithmetic.py --rounding). Other than 64 (or with --qlora_block_scale mse), each "
+        "weight is quantized again from the checkpoint's 16-bit weights after loading, and the saved adapter "
+        f"belongs to a base quantized the same way (grpo.models.load_policy). {STOCK_4BIT_OPTIONS}: bitsandbytes' "
+        "stock base, as transformers loads it.", "model", choices=QLORA_BLOCK_SIZES)
     qlora_block_scale: str = _opt(
         DEFAULT_BLOCK_SCALE,
-        "qlora: how each block's 4-bit scale is chosen. absmax: the block's largest magnitude (bitsandbytes). mse: "
-        "the scale (at most that) of least squared rounding error, a larger weight taking the largest code; on "
-        "SmolLM2-135M it cuts the weight error by a tenth, and with --qlora_block_size 32 qlora learns arith to "
-        "0.87 of lora's accuracy (README: Does it learn?). The base stays a standard bitsandbytes 4-bit model; "
-        "each weight is quantized again from the checkpoint's safetensors, and the saved adapter belongs to a "
-        "base quantized the same way, as with --qlora_block_size.", "model", choices=QLORA_BLOCK_SCALES)
+        "qlora: how each block's 4-bit scale is chosen. mse: the scale (at most the block's largest magnitude) of "
+        "least squared rounding error, a larger weight taking the largest code; on SmolLM2-135M it cuts the weight "
+        "error by a tenth, and qlora learns arith to 0.87 of lora's accuracy (README: Does it learn?). absmax: the "
+        "block's largest magnitude (bitsandbytes' own). Either way the base is a standard bitsandbytes 4-bit model.",
+        "model", choices=QLORA_BLOCK_SCALES)
     qlora_init: str = _opt(
         "zero", "qlora: zero: the policy starts as the 4-bit model (B = 0). loftq: a frozen rank-r correction of "
                 "the 4-bit rounding error (best rank-r approximation of W - dequantize(Q), W read from the "
@@ -421,7 +424,7 @@ class GRPOConfig:
              "needs --tuning_strategy qlora")
         need(self.qlora_block_size in QLORA_BLOCK_SIZES, "qlora_block_size",
              f"got {self.qlora_block_size}, choose one of {', '.join(map(str, QLORA_BLOCK_SIZES))}")
-        need(self.qlora_block_size == BITSANDBYTES_BLOCK_SIZE or self.tuning_strategy == "qlora", "qlora_block_size",
+        need(self.qlora_block_size == DEFAULT_BLOCK_SIZE or self.tuning_strategy == "qlora", "qlora_block_size",
              "needs --tuning_strategy qlora")
         need(self.qlora_block_scale in QLORA_BLOCK_SCALES, "qlora_block_scale",
              f"got '{self.qlora_block_scale}', choose one of {', '.join(QLORA_BLOCK_SCALES)}")
@@ -460,11 +463,12 @@ class GRPOConfig:
 
     @property
     def qlora_requantizing_options(self) -> list[str]:
-        """The options, as given, for which the 4-bit base is quantized again from the checkpoint after loading."""
+        """The options (given or default) for which the 4-bit base is quantized again from the checkpoint after
+        loading: those that differ from bitsandbytes' stock base."""
         options = []
         if self.tuning_strategy == "qlora" and self.qlora_block_size != BITSANDBYTES_BLOCK_SIZE:
             options.append(f"--qlora_block_size {self.qlora_block_size}")
-        if self.tuning_strategy == "qlora" and self.qlora_block_scale != DEFAULT_BLOCK_SCALE:
+        if self.tuning_strategy == "qlora" and self.qlora_block_scale != BITSANDBYTES_BLOCK_SCALE:
             options.append(f"--qlora_block_scale {self.qlora_block_scale}")
         return options
 

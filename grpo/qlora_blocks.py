@@ -26,7 +26,7 @@ import logging
 import torch
 
 from .checkpoint_weights import CheckpointWeights
-from .config import BITSANDBYTES_BLOCK_SIZE, DEFAULT_BLOCK_SCALE
+from .config import BITSANDBYTES_BLOCK_SCALE, BITSANDBYTES_BLOCK_SIZE
 from .sync import checkpoint_name
 from .vision import checkpoint_prefixes, rename
 
@@ -60,31 +60,41 @@ def round_4bit(weight: torch.Tensor, quant_type: str, blocksize: int, double_qua
 
 @torch.no_grad()
 def mse_block_rounding(weight: torch.Tensor, codes: torch.Tensor, block_size: int,
-                       fractions: torch.Tensor = SCALE_FRACTIONS) -> torch.Tensor:
+                       fractions: torch.Tensor = SCALE_FRACTIONS, chunk: int = 2 ** 22) -> torch.Tensor:
     """Each block w (`block_size` consecutive weights of the flattened tensor) rounded to s * c, in fp32:
 
         s = argmin over s = f * max|w|, f in `fractions` (all <= 1), of  sum_i (s * c(w_i / s) - w_i)^2
         c(x) = the code nearest to x clamped to [-1, 1]
 
     The largest magnitude of the result is s (the block's largest weight takes the code +-1), so bitsandbytes'
-    absmax quantization of it stores these codes and s, which absmax rounding (f = 1 only) would not."""
-    blocks = weight.detach().float().reshape(-1, block_size)
+    absmax quantization of it stores these codes and s, which absmax rounding (f = 1 only) would not. Blocks are
+    searched `chunk` weights at a time, so a large layer needs only a few of its own sizes of scratch memory."""
+    blocks = weight.detach().reshape(-1, block_size)
+    rows = max(1, chunk // block_size)
+    rounded = [_mse_rounded(blocks[i:i + rows].float(), codes.to(blocks.device), fractions)
+               for i in range(0, blocks.shape[0], rows)]
+    return torch.cat(rounded).reshape(weight.shape)
+
+
+def _mse_rounded(blocks: torch.Tensor, codes: torch.Tensor, fractions: torch.Tensor) -> torch.Tensor:
+    """mse_block_rounding of [n, block_size] fp32 blocks."""
     largest = blocks.abs().amax(1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
-    codes = codes.to(blocks.device)
     midpoints = (codes[1:] + codes[:-1]) / 2
-    best, best_error = torch.zeros_like(blocks), torch.full_like(largest, float("inf"))
+
+    def rounded(scale):  # bucketize puts |x| > 1 in the end buckets, as clamping to [-1, 1] would
+        return codes[torch.bucketize(blocks / scale, midpoints, out_int32=True)] * scale
+
+    best_scale, best_error = largest, torch.full_like(largest, float("inf"))
     for fraction in fractions.tolist():
         scale = largest * fraction
-        rounded = codes[torch.bucketize((blocks / scale).clamp(-1, 1), midpoints)] * scale
-        error = (rounded - blocks).square().sum(1, keepdim=True)
-        better = error < best_error
-        best = torch.where(better, rounded, best)
-        best_error = torch.where(better, error, best_error)
-    return best.reshape(weight.shape)
+        error = (rounded(scale) - blocks).square().sum(1, keepdim=True)
+        better = error < best_error  # ties keep the smaller scale, tried first
+        best_error, best_scale = torch.where(better, error, best_error), torch.where(better, scale, best_scale)
+    return rounded(best_scale)
 
 
 @torch.no_grad()
-def requantize_4bit_base(model, model_path: str, block_size: int, block_scale: str = DEFAULT_BLOCK_SCALE,
+def requantize_4bit_base(model, model_path: str, block_size: int, block_scale: str = BITSANDBYTES_BLOCK_SCALE,
                          options: str = "--qlora_block_size") -> int:
     """Quantize every 4-bit linear weight of a freshly loaded (not yet peft-wrapped) model again from the checkpoint,
     in blocks of `block_size`, each scaled by its largest magnitude ("absmax") or by mse_block_rounding's scale

@@ -128,7 +128,7 @@ class GRPOTrainer(RolloutPhase):
             if len(eval_rows) else None
         if config.use_vllm_rollout and config.vllm_tp > 1:
             check_tensor_parallel(self.model_path, config)
-        check_checkpoint_weights(config, self.model_path)  # --qlora_block_size / _scale, loftq read its safetensors
+        check_checkpoint_weights(config, self.model_path)  # qlora's re-quantization and loftq read its 16-bit weights
         self.prompts_per_step = config.per_device_train_batch_size * config.gradient_accumulation_steps
         self.order = PromptOrder(len(self.train_set), self.prompts_per_step, config.seed, self.rank, self.world)
         if self.order.steps_per_epoch == 0:

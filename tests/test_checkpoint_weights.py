@@ -52,34 +52,47 @@ def test_reads_weights_from_a_folder_or_a_cached_hub_id(model_dir, tmp_path, mon
         local_checkpoint_folder("someorg/other", "--option")
 
 
-def test_a_folder_without_safetensors_is_refused(tmp_path):
-    (tmp_path / "pytorch_model.bin").write_bytes(b"")
-    with pytest.raises(ConfigError,
-                       match="--qlora_block_size 32 reads .* has none: .* or run without --qlora_block_size"):
+def test_a_folder_of_pytorch_bin_files_is_read_like_safetensors(model_dir, tmp_path):
+    from safetensors.torch import load_file
+
+    expected = load_file(os.path.join(model_dir, "model.safetensors"))
+    name = "model.layers.0.mlp.up_proj.weight"
+    torch.save(expected, tmp_path / "pytorch_model.bin")
+    layer = torch.nn.Linear(expected[name].shape[1], expected[name].shape[0])
+    with CheckpointWeights(str(tmp_path), "--option") as weights:
+        torch.testing.assert_close(weights.read(name, "layer", layer), expected[name], atol=0, rtol=0)
+
+
+def test_a_folder_without_weights_is_refused_with_the_way_around(tmp_path):
+    with pytest.raises(ConfigError, match="--qlora_block_size 32 reads .* has none: .* or pass --qlora_block_size 64 "
+                                          "--qlora_block_scale absmax for bitsandbytes' stock 4-bit base"):
         CheckpointWeights(str(tmp_path), "--qlora_block_size 32")
+    (tmp_path / "pytorch_model.bin").write_bytes(b"not a checkpoint")
+    with pytest.raises(ConfigError, match="cannot read the checkpoint file .*pytorch_model.bin"):
+        CheckpointWeights(str(tmp_path), "--qlora_init loftq")
 
 
-def test_a_run_whose_checkpoint_has_no_safetensors_stops_before_any_model_loads(tiny_model, registry, tmp_path,
-                                                                                monkeypatch):
+def test_a_run_whose_checkpoint_has_no_weights_file_stops_before_any_model_loads(tiny_model, registry, tmp_path,
+                                                                                 monkeypatch):
     import grpo.trainer as trainer_module
     from grpo.trainer import GRPOTrainer
 
     from .trainer_setup import tiny_config
 
-    without = tmp_path / "model_as_bin"
+    without = tmp_path / "model_without_weights"
     shutil.copytree(tiny_model, without)
     for file in without.glob("*.safetensors"):
         file.unlink()
     monkeypatch.setattr(trainer_module, "load_policy", lambda *a, **k: pytest.fail("a model was loaded"))
-    for options, named in [(dict(qlora_block_size=32), "--qlora_block_size 32 reads"),
-                           (dict(qlora_block_size=32, qlora_block_scale="mse"),
-                            "--qlora_block_size 32 and --qlora_block_scale mse reads"),
-                           (dict(qlora_init="loftq"), "--qlora_init loftq reads")]:
+    stock = dict(qlora_block_size=64, qlora_block_scale="absmax")
+    for options, named in [(dict(), "--qlora_block_size 32 and --qlora_block_scale mse reads"),  # the defaults
+                           (dict(stock, qlora_block_size=32), "--qlora_block_size 32 reads"),
+                           (dict(stock, qlora_init="loftq"), "--qlora_init loftq reads")]:
         with pytest.raises(ConfigError, match=named + " .* has none"):
             GRPOTrainer(tiny_config(str(without), registry, str(tmp_path / "run"), tuning_strategy="qlora",
                                     **options))
-    # plain qlora quantizes whatever transformers loads: no safetensors needed, nothing refused
+    # bitsandbytes' stock base quantizes whatever transformers loads: nothing read, nothing refused
     from grpo.checkpoint_weights import check_checkpoint_weights
 
-    check_checkpoint_weights(tiny_config(str(without), registry, str(tmp_path / "run"), tuning_strategy="qlora"),
-                             str(without))
+    check_checkpoint_weights(tiny_config(str(without), registry, str(tmp_path / "run"), tuning_strategy="qlora",
+                                         **stock), str(without))

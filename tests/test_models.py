@@ -20,6 +20,9 @@ def model_dir(tmp_path_factory):
     return make_tiny_model_dir(str(tmp_path_factory.mktemp("tiny")))
 
 
+STOCK_4BIT = dict(qlora_block_size=64, qlora_block_scale="absmax")  # bitsandbytes' own base, as transformers loads it
+
+
 def config(model_dir, **kw):
     return GRPOConfig(**{"model_name_or_path": model_dir, "lora_rank": 4, "lora_alpha": 8, "lora_dropout": 0.0, **kw})
 
@@ -119,11 +122,12 @@ def test_qlora_saves_an_adapter_for_the_quantized_base_and_merges_into_full_prec
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    cfg = config(model_dir, tuning_strategy="qlora", save_merged_model=True)
+    cfg = config(model_dir, tuning_strategy="qlora", save_merged_model=True, **STOCK_4BIT)
     policy = adapted_policy(cfg, model_dir)
     expected = logits_of(policy, IDS)
     saved = save_final_model(policy, load_tokenizer(model_dir), str(tmp_path), cfg, model_dir, torch.float32)
-    # the adapter on a freshly quantized base reproduces the trained policy (nf4 quantization is deterministic)
+    # on bitsandbytes' stock base, the adapter on a base any transformers quantizes reproduces the trained policy
+    # (nf4 quantization is deterministic)
     nf4 = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                              bnb_4bit_compute_dtype=torch.float32)
     quantized = AutoModelForCausalLM.from_pretrained(model_dir, quantization_config=nf4, device_map={"": "cpu"})
@@ -280,17 +284,18 @@ def test_qlora_in_blocks_of_32_follows_the_checkpoint_closer_and_its_saved_adapt
                 error += (rounded - checkpoint).pow(2).sum().item()
         return error
 
-    cfg = config(model_dir, tuning_strategy="qlora", qlora_block_size=32)
+    cfg = config(model_dir, tuning_strategy="qlora", qlora_block_size=32, qlora_block_scale="absmax")
     policy = adapted_policy(cfg, model_dir)
-    blocks_of_64 = load_policy(config(model_dir, tuning_strategy="qlora"), model_dir, torch.float32, CPU)
+    blocks_of_64 = load_policy(config(model_dir, tuning_strategy="qlora", **STOCK_4BIT), model_dir, torch.float32, CPU)
     assert rounding_error(policy) < 0.9 * rounding_error(blocks_of_64)
-    searched = load_policy(config(model_dir, tuning_strategy="qlora", qlora_block_size=32, qlora_block_scale="mse"),
-                           model_dir, torch.float32, CPU)
+    default = config(model_dir, tuning_strategy="qlora")  # blocks of 32 with searched scales
+    assert (default.qlora_block_size, default.qlora_block_scale) == (32, "mse")
+    searched = load_policy(default, model_dir, torch.float32, CPU)
     assert rounding_error(searched) < 0.97 * rounding_error(policy)
     # the adapter as saved, on a base that load_policy quantizes the same way, is the trained policy
     ids = torch.tensor([[1, 5, 9, 13, 2]])
     saved = save_final_model(policy, load_tokenizer(model_dir), str(tmp_path), cfg, model_dir, torch.float32)
-    reloaded = load_policy(config(model_dir, tuning_strategy="qlora", qlora_block_size=32,
+    reloaded = load_policy(config(model_dir, tuning_strategy="qlora", qlora_block_size=32, qlora_block_scale="absmax",
                                   lora_adapter_path=saved["lora_adapter"]), model_dir, torch.float32, CPU)
     torch.testing.assert_close(logits_of(reloaded, ids), logits_of(policy, ids), atol=1e-5, rtol=0)
 
@@ -301,13 +306,12 @@ def test_qlora_in_blocks_of_32_reads_gpt2_style_weights_transposed(tmp_path):
     import bitsandbytes.functional as bnbf
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from grpo.qlora_blocks import round_4bit
+    from grpo.qlora_blocks import codebook, mse_block_rounding, round_4bit
 
     torch.manual_seed(0)
     dense = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=64, n_head=2, vocab_size=128, n_positions=32))
     dense.save_pretrained(str(tmp_path))
-    policy = load_policy(config(str(tmp_path), tuning_strategy="qlora", qlora_block_size=32), str(tmp_path),
-                         torch.float32, CPU)
+    policy = load_policy(config(str(tmp_path), tuning_strategy="qlora"), str(tmp_path), torch.float32, CPU)
     layers = {n.split("h.0.")[1]: m for n, m in policy.named_modules() if isinstance(m, bnb.nn.Linear4bit)}
     assert set(layers) == {"attn.c_attn.base_layer", "attn.c_proj.base_layer", "mlp.c_fc.base_layer",
                            "mlp.c_proj.base_layer"}
@@ -315,7 +319,8 @@ def test_qlora_in_blocks_of_32_reads_gpt2_style_weights_transposed(tmp_path):
         checkpoint = dense.get_submodule("transformer.h.0." + name.removesuffix(".base_layer")).weight.data
         assert module.weight.quant_state.blocksize == 32
         torch.testing.assert_close(bnbf.dequantize_4bit(module.weight.data, module.weight.quant_state),
-                                   round_4bit(checkpoint.t().contiguous(), "nf4", 32, double_quant=True),
+                                   round_4bit(mse_block_rounding(checkpoint.t().contiguous(), codebook("nf4"), 32),
+                                              "nf4", 32, double_quant=True),
                                    atol=0, rtol=0, msg=name)
     assert policy(input_ids=torch.tensor([[1, 2, 3]])).logits.shape == (1, 3, 128)
 
@@ -324,7 +329,7 @@ def test_qlora_block_size_errors(model_dir):
     with pytest.raises(ConfigError, match="qlora_block_size.*choose one of 32, 64, 128"):
         config(model_dir, tuning_strategy="qlora", qlora_block_size=48)
     with pytest.raises(ConfigError, match="qlora_block_size.*needs --tuning_strategy qlora"):
-        config(model_dir, tuning_strategy="lora", qlora_block_size=32)
+        config(model_dir, tuning_strategy="lora", qlora_block_size=64)
     from transformers import BitsAndBytesConfig
 
     from grpo.models import load_base_model
@@ -339,9 +344,13 @@ def test_qlora_block_scale_errors(model_dir):
     with pytest.raises(ConfigError, match="qlora_block_scale.*choose one of absmax, mse"):
         config(model_dir, tuning_strategy="qlora", qlora_block_scale="minmax")
     with pytest.raises(ConfigError, match="qlora_block_scale.*needs --tuning_strategy qlora"):
-        config(model_dir, tuning_strategy="lora", qlora_block_scale="mse")
-    assert config(model_dir, tuning_strategy="qlora", qlora_block_scale="mse").qlora_requantizing_options == [
+        config(model_dir, tuning_strategy="lora", qlora_block_scale="absmax")
+    # what differs from bitsandbytes' stock base is quantized again: by default, both
+    assert config(model_dir, tuning_strategy="qlora").qlora_requantizing_options == [
+        "--qlora_block_size 32", "--qlora_block_scale mse"]
+    assert config(model_dir, tuning_strategy="qlora", qlora_block_size=64).qlora_requantizing_options == [
         "--qlora_block_scale mse"]
+    assert config(model_dir, tuning_strategy="qlora", **STOCK_4BIT).qlora_requantizing_options == []
 
 
 def test_qlora_quant_type_errors(model_dir):

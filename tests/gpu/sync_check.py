@@ -47,10 +47,12 @@ def build_model(path: str) -> str:
 
 
 def qlora_rounding(args) -> dict:
-    """--qlora_block_size / --qlora_block_scale, given only for qlora (other strategies refuse them)."""
+    """--qlora_block_size / --qlora_block_scale where given (else grpo's defaults), only for qlora (other strategies
+    refuse them)."""
     if args.strategy != "qlora":
         return {}
-    return {"qlora_block_size": args.qlora_block_size, "qlora_block_scale": args.qlora_block_scale}
+    given = {"qlora_block_size": args.qlora_block_size, "qlora_block_scale": args.qlora_block_scale}
+    return {option: value for option, value in given.items() if value is not None}
 
 
 def main():
@@ -60,8 +62,8 @@ def main():
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--tp", type=int, default=1, help="vLLM tensor-parallel size (= the number of ranks)")
     parser.add_argument("--local_rank", type=int, default=0, help="set by the DeepSpeed launcher")
-    parser.add_argument("--qlora_block_size", type=int, default=64)
-    parser.add_argument("--qlora_block_scale", default="absmax")
+    parser.add_argument("--qlora_block_size", type=int)
+    parser.add_argument("--qlora_block_scale")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 

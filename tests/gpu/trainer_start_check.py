@@ -19,17 +19,19 @@ import torch  # noqa: E402
 
 
 def qlora_rounding(args) -> dict:
-    """--qlora_block_size / --qlora_block_scale, given only for qlora (other strategies refuse them)."""
+    """--qlora_block_size / --qlora_block_scale where given (else grpo's defaults), only for qlora (other strategies
+    refuse them)."""
     if args.strategy != "qlora":
         return {}
-    return {"qlora_block_size": args.qlora_block_size, "qlora_block_scale": args.qlora_block_scale}
+    given = {"qlora_block_size": args.qlora_block_size, "qlora_block_scale": args.qlora_block_scale}
+    return {option: value for option, value in given.items() if value is not None}
 
 
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--strategy", choices=["full", "lora", "qlora"], required=True)
-    parser.add_argument("--qlora_block_size", type=int, default=64)
-    parser.add_argument("--qlora_block_scale", default="absmax")
+    parser.add_argument("--qlora_block_size", type=int)
+    parser.add_argument("--qlora_block_scale")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
