@@ -102,7 +102,7 @@ class GRPOConfig:
     qlora_init: str = _opt(
         "zero", "qlora: zero: the policy starts as the 4-bit model (B = 0). loftq: a frozen rank-r correction of "
                 "the 4-bit rounding error (best rank-r approximation of W - dequantize(Q), W read from the "
-                "checkpoint's safetensors) is added, so the policy starts nearer the 16-bit model; the trained "
+                "checkpoint) is added, so the policy starts nearer the 16-bit model; the trained "
                 "adapter still starts at 0, the KL reference is the corrected start, and the saved adapter is one "
                 "rank-2r LoRA (trained + correction) for the 4-bit base.", "model",
         choices=QLORA_INITS)

@@ -21,6 +21,9 @@ def model_dir(tmp_path_factory):
     return make_tiny_model_dir(str(tmp_path_factory.mktemp("tiny")))
 
 
+STOCK_4BIT = {"qlora_block_size": 64, "qlora_block_scale": "absmax"}  # bitsandbytes' own base, as transformers loads it
+
+
 def config(model_dir, **kw):
     return GRPOConfig(**{"model_name_or_path": model_dir, "tuning_strategy": "qlora", "lora_rank": 4,
                          "lora_alpha": 8, "lora_dropout": 0.0, **kw})
@@ -101,7 +104,7 @@ def test_kl_reference_is_the_corrected_start(model_dir):
     assert not torch.allclose(logits_of(policy), start, atol=1e-3)  # trained adapter and correction back on
 
 
-@pytest.mark.parametrize("rounding", [{}, {"qlora_block_size": 32, "qlora_block_scale": "mse"}])
+@pytest.mark.parametrize("rounding", [STOCK_4BIT, {}])  # {}: the default base, blocks of 32 with searched scales
 def test_saved_adapter_is_one_plain_lora_that_reproduces_the_policy(model_dir, tmp_path, rounding):
     import json
 
@@ -114,7 +117,7 @@ def test_saved_adapter_is_one_plain_lora_that_reproduces_the_policy(model_dir, t
     adapter_cfg = json.load(open(os.path.join(saved["lora_adapter"], "adapter_config.json")))
     assert (adapter_cfg["r"], adapter_cfg["lora_alpha"]) == (8, 16)  # rank 2r, same scale alpha / r
     assert not os.path.exists(os.path.join(saved["lora_adapter"], CORRECTION_ADAPTER))
-    if not rounding:  # on a freshly quantized base, with plain peft
+    if rounding == STOCK_4BIT:  # on a base any transformers quantizes, with plain peft
         torch.testing.assert_close(logits_of(on_fresh_nf4_base(model_dir, saved["lora_adapter"])), expected,
                                    atol=1e-4, rtol=1e-4)
     # merged into the 16-bit base rounded as in training (whatever the block size and scale): the policy as trained
@@ -128,7 +131,7 @@ def test_zero_init_qlora_saves_the_policy_as_adapter_and_merges_into_the_unround
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    cfg = config(model_dir, save_merged_model=True)
+    cfg = config(model_dir, save_merged_model=True, **STOCK_4BIT)  # so that plain transformers rebuilds its base
     policy = trained_a_little(load_policy(cfg, model_dir, torch.float32, CPU))
     expected = logits_of(policy)
     saved = save_final_model(policy, load_tokenizer(model_dir), str(tmp_path), cfg, model_dir, torch.float32)

@@ -385,9 +385,9 @@ def test_resume_refuses_options_that_rebuild_another_policy(tmp_path):
         "model", "registry.json", str(tmp_path), tuning_strategy="qlora", qlora_skip_modules=" v_proj, down_proj",
         **resume))
     for change, named in [(dict(tuning_strategy="qlora", qlora_quant_type="fp4"), "--qlora_quant_type 'nf4' -> 'fp4'"),
-                          (dict(tuning_strategy="qlora", qlora_block_size=32), "--qlora_block_size 64 -> 32"),
-                          (dict(tuning_strategy="qlora", qlora_block_scale="mse"),
-                           "--qlora_block_scale 'absmax' -> 'mse'"),
+                          (dict(tuning_strategy="qlora", qlora_block_size=64), "--qlora_block_size 32 -> 64"),
+                          (dict(tuning_strategy="qlora", qlora_block_scale="absmax"),
+                           "--qlora_block_scale 'mse' -> 'absmax'"),
                           (dict(tuning_strategy="qlora", lora_alpha=16), "--lora_alpha 8 -> 16"),
                           (dict(tuning_strategy="lora"), "--tuning_strategy 'qlora' -> 'lora'")]:
         with pytest.raises(ConfigError, match="other model options") as info:
@@ -396,8 +396,12 @@ def test_resume_refuses_options_that_rebuild_another_policy(tmp_path):
     older = json.loads((tmp_path / "grpo_config.json").read_text())
     del older["qlora_block_size"], older["qlora_block_scale"]  # saved before the options: bitsandbytes' rounding
     (tmp_path / "older.json").write_text(json.dumps(older))
-    check_resume_keeps_policy(str(tmp_path / "older.json"), tiny_config("model", "registry.json", str(tmp_path),
-                                                                        tuning_strategy="qlora", **resume))
+    with pytest.raises(ConfigError, match="--qlora_block_size 64 -> 32; --qlora_block_scale 'absmax' -> 'mse'"):
+        check_resume_keeps_policy(str(tmp_path / "older.json"), tiny_config("model", "registry.json", str(tmp_path),
+                                                                            tuning_strategy="qlora", **resume))
+    check_resume_keeps_policy(str(tmp_path / "older.json"), tiny_config(
+        "model", "registry.json", str(tmp_path), tuning_strategy="qlora", qlora_block_size=64,
+        qlora_block_scale="absmax", **resume))
     with pytest.raises(ConfigError, match="--qlora_block_size 64 -> 32"):
         check_resume_keeps_policy(str(tmp_path / "older.json"), tiny_config(
             "model", "registry.json", str(tmp_path), tuning_strategy="qlora", qlora_block_size=32, **resume))

@@ -220,14 +220,15 @@ def test_qlora_keeps_the_vision_tower_unquantized(vl_model):
     assert vision_linear and all(type(m) is torch.nn.Linear and m.weight.dtype == torch.float32 for m in vision_linear)
 
 
-def test_qlora_in_blocks_of_32_reads_the_language_weights_under_their_checkpoint_names(vl_model):
+def test_qlora_default_base_reads_the_language_weights_under_their_checkpoint_names(vl_model):
+    """The default base (blocks of 32, searched scales) is quantized again from the checkpoint's weights."""
     import bitsandbytes as bnb
     import bitsandbytes.functional as bnbf
     from safetensors import safe_open
 
-    from grpo.qlora_blocks import round_4bit
+    from grpo.qlora_blocks import codebook, mse_block_rounding, round_4bit
 
-    model = policy(vl_model, "qlora", qlora_block_size=32)
+    model = policy(vl_model, "qlora")
     quantized = {n: m for n, m in model.named_modules() if isinstance(m, bnb.nn.Linear4bit)}
     assert len(quantized) == 2 * 7 and {m.weight.quant_state.blocksize for m in quantized.values()} == {32}
     live = next(n for n in quantized if n.endswith("layers.1.self_attn.q_proj.base_layer"))
@@ -235,7 +236,8 @@ def test_qlora_in_blocks_of_32_reads_the_language_weights_under_their_checkpoint
         saved = fh.get_tensor("model.layers.1.self_attn.q_proj.weight")
     weight = quantized[live].weight
     torch.testing.assert_close(bnbf.dequantize_4bit(weight.data, weight.quant_state),
-                               round_4bit(saved.float(), "nf4", 32, double_quant=True), atol=0, rtol=0)
+                               round_4bit(mse_block_rounding(saved.float(), codebook("nf4"), 32), "nf4", 32,
+                                          double_quant=True), atol=0, rtol=0)
 
 
 def test_full_trains_everything_but_the_vision_tower(vl_model):
