@@ -1,4 +1,5 @@
-"""--qlora_block_size / --qlora_block_scale: how QLoRA's frozen 4-bit base is rounded.
+"""--qlora_block_size / --qlora_block_scale: how QLoRA's frozen 4-bit base is rounded. The defaults, 32 and mse, keep
+more of the 16-bit model than bitsandbytes' stock base (64 and absmax, which transformers loads and this leaves as is).
 
 --qlora_block_size: one scale per `block_size` weights instead of bitsandbytes' 64.
 
@@ -81,8 +82,16 @@ def _mse_rounded(blocks: torch.Tensor, codes: torch.Tensor, fractions: torch.Ten
     largest = blocks.abs().amax(1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
     midpoints = (codes[1:] + codes[:-1]) / 2
 
-    def rounded(scale):  # bucketize puts |x| > 1 in the end buckets, as clamping to [-1, 1] would
-        return codes[torch.bucketize(blocks / scale, midpoints, out_int32=True)] * scale
+    def rounded(scale):
+        # the nearest code's index = how many midpoints lie below x (|x| > 1 lands on an end code, as clamping to
+        # [-1, 1] would); on a CPU, 15 comparisons run 3x faster than torch.bucketize's search
+        x = blocks / scale
+        if x.is_cuda:
+            return codes[torch.bucketize(x, midpoints, out_int32=True)] * scale
+        index = torch.zeros_like(x, dtype=torch.uint8)
+        for midpoint in midpoints.tolist():
+            index += x > midpoint
+        return codes[index.long()] * scale
 
     best_scale, best_error = largest, torch.full_like(largest, float("inf"))
     for fraction in fractions.tolist():

@@ -63,3 +63,21 @@ def test_bitsandbytes_stores_the_searched_rounding_exactly_and_it_beats_absmax(q
     absmax = round_4bit(weight, quant_type, block_size, double_quant=False)
     assert (per_block(searched) <= per_block(absmax) + 1e-9).all()
     assert per_block(searched).sum() < 0.97 * per_block(absmax).sum()
+
+
+def test_the_search_is_the_brute_force_one_in_any_chunks():
+    """Every block's rounding at every scale by the nearest code (argmin over the 16), the least error kept."""
+    torch.manual_seed(1)
+    weight = torch.distributions.StudentT(3.0).sample((12, 64)) * 0.02
+    codes = codebook("nf4")
+    blocks = weight.reshape(-1, 32)
+    best, best_error = None, torch.full((blocks.shape[0], 1), float("inf"))
+    for fraction in SCALE_FRACTIONS.tolist():
+        scale = blocks.abs().amax(1, keepdim=True) * fraction
+        nearest = codes[((blocks / scale).clamp(-1, 1).unsqueeze(-1) - codes).abs().argmin(-1)] * scale
+        error = (nearest - blocks).square().sum(1, keepdim=True)
+        best = nearest if best is None else torch.where(error < best_error, nearest, best)
+        best_error = torch.minimum(error, best_error)
+    expected = best.reshape(weight.shape)
+    torch.testing.assert_close(mse_block_rounding(weight, codes, 32), expected, atol=0, rtol=0)
+    torch.testing.assert_close(mse_block_rounding(weight, codes, 32, chunk=96), expected, atol=0, rtol=0)
