@@ -69,7 +69,7 @@ def mse_block_rounding(weight: torch.Tensor, codes: torch.Tensor, block_size: in
 
     The largest magnitude of the result is s (the block's largest weight takes the code +-1), so bitsandbytes'
     absmax quantization of it stores these codes and s, which absmax rounding (f = 1 only) would not. Blocks are
-    searched `chunk` weights at a time, so a large layer needs only a few of its own sizes of scratch memory."""
+    searched `chunk` weights at a time: the scratch memory is a few times `chunk` weights, whatever the layer's size."""
     blocks = weight.detach().reshape(-1, block_size)
     rows = max(1, chunk // block_size)
     rounded = [_mse_rounded(blocks[i:i + rows].float(), codes.to(blocks.device), fractions)
