@@ -12,7 +12,7 @@ import torch
 
 from .config import GRPOConfig
 from .errors import ConfigError
-from .qlora_blocks import requantize_4bit_base
+from .qlora_blocks import requantize_4bit_base, warn_if_another_base, write_base_options
 
 logger = logging.getLogger("grpo")
 
@@ -148,6 +148,7 @@ def _attach_lora(model, config: GRPOConfig, language_linears: Optional[list[str]
             saved = json.load(fh)
         logger.info(f"continuing the adapter in {config.lora_adapter_path} (r={saved.get('r')}, "
                     f"alpha={saved.get('lora_alpha')})")
+        warn_if_another_base(config.lora_adapter_path, config)
         return PeftModel.from_pretrained(model, config.lora_adapter_path, is_trainable=True)
     targets = lora_target_modules(config.lora_target_modules)
     if targets == "all-linear" and language_linears is not None and config.freeze_vision_tower:
@@ -239,6 +240,8 @@ def save_final_model(model, tokenizer, output_dir: str, config: GRPOConfig, mode
         model.save_pretrained(path, state_dict=state_dict, safe_serialization=True)
     tokenizer.save_pretrained(path)
     _copy_processor_files(model_path, path)
+    if config.tuning_strategy == "qlora":
+        write_base_options(path, config)
     saved["lora_adapter"] = path
     if config.save_merged_model:
         from peft import PeftModel

@@ -22,7 +22,9 @@ blocks of 32) it cuts the relative weight error from 0.089 to 0.079 (benchmarks/
 """
 from __future__ import annotations
 
+import json
 import logging
+import os
 
 import torch
 
@@ -131,3 +133,30 @@ def requantize_4bit_base(model, model_path: str, block_size: int, block_scale: s
     logger.info(f"qlora: {layers} 4-bit weights quantized in blocks of {block_size} (bitsandbytes' default: "
                 f"{BITSANDBYTES_BLOCK_SIZE}), each scaled by {SCALE_NAMES[block_scale]}")
     return layers
+
+
+# beside a saved qlora adapter: how its 4-bit base was rounded, so that a run continuing it can say when its own differs
+BASE_FILE = "qlora_base.json"
+BASE_OPTIONS = ("qlora_quant_type", "qlora_block_size", "qlora_block_scale")
+
+
+def write_base_options(adapter_dir: str, config) -> None:
+    with open(os.path.join(adapter_dir, BASE_FILE), "w") as fh:
+        json.dump({option: getattr(config, option) for option in BASE_OPTIONS}, fh, indent=1)
+
+
+def warn_if_another_base(adapter_dir: str, config) -> None:
+    """A continued adapter on a base rounded otherwise than the one it was trained on starts as another policy:
+    allowed (moving to a better base can be the point), but said."""
+    path = os.path.join(adapter_dir, BASE_FILE)
+    if config.tuning_strategy != "qlora" or not os.path.isfile(path):
+        return
+    with open(path) as fh:
+        trained_on = json.load(fh)
+    changed = [f"--{option} {trained_on[option]} -> {getattr(config, option)}" for option in BASE_OPTIONS
+               if option in trained_on and trained_on[option] != getattr(config, option)]
+    if changed:
+        given = " ".join(f"--{option} {trained_on[option]}" for option in BASE_OPTIONS if option in trained_on)
+        logger.warning(f"--lora_adapter_path: the adapter in {adapter_dir} was trained on a 4-bit base rounded "
+                       f"otherwise ({'; '.join(changed)}), so it starts as another policy; pass {given} to continue "
+                       f"on its own base")

@@ -300,6 +300,24 @@ def test_qlora_in_blocks_of_32_follows_the_checkpoint_closer_and_its_saved_adapt
     torch.testing.assert_close(logits_of(reloaded, ids), logits_of(policy, ids), atol=1e-5, rtol=0)
 
 
+def test_a_continued_qlora_adapter_on_another_base_is_named(model_dir, tmp_path, caplog):
+    import logging
+
+    cfg = config(model_dir, tuning_strategy="qlora", **STOCK_4BIT)
+    saved = save_final_model(adapted_policy(cfg, model_dir), load_tokenizer(model_dir), str(tmp_path), cfg, model_dir,
+                             torch.float32)
+    with open(os.path.join(saved["lora_adapter"], "qlora_base.json")) as fh:
+        assert json.load(fh) == {"qlora_quant_type": "nf4", "qlora_block_size": 64, "qlora_block_scale": "absmax"}
+    with caplog.at_level(logging.WARNING, logger="grpo"):
+        load_policy(config(model_dir, tuning_strategy="qlora", lora_adapter_path=saved["lora_adapter"], **STOCK_4BIT),
+                    model_dir, torch.float32, CPU)
+        assert "rounded otherwise" not in caplog.text
+        load_policy(config(model_dir, tuning_strategy="qlora", lora_adapter_path=saved["lora_adapter"]), model_dir,
+                    torch.float32, CPU)  # the defaults: blocks of 32, searched scales
+    assert ("rounded otherwise (--qlora_block_size 64 -> 32; --qlora_block_scale absmax -> mse)" in caplog.text
+            and "pass --qlora_quant_type nf4 --qlora_block_size 64 --qlora_block_scale absmax" in caplog.text)
+
+
 def test_qlora_in_blocks_of_32_reads_gpt2_style_weights_transposed(tmp_path):
     """GPT-2's Conv1D layers store their weight as [in, out]; transformers turns them into [out, in] 4-bit layers."""
     import bitsandbytes as bnb
