@@ -6,7 +6,8 @@ Per variant: the mean of each reward function, the share of completions that box
 times, that hit the token cap, and the mean length. GRPO first reinforces whichever reward the base already earns
 most often; a base that boxes from the start is pulled to the format reward before the number reward.
 
-    python benchmarks/base_rewards.py                                  # full vs qlora (nf4), 16 prompts x 8
+    python benchmarks/base_rewards.py                   # full vs qlora (bitsandbytes' stock nf4 base), 16 prompts x 8
+    python benchmarks/base_rewards.py --variants full qlora/32=mse     # qlora's default base (quantized_arithmetic.py)
     python benchmarks/base_rewards.py --variants full qlora qlora@fp4 --prompts 32 --seeds 0 1
 """
 from __future__ import annotations

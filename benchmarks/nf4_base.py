@@ -1,6 +1,8 @@
 """Write a model's 4-bit-rounded weights (nf4, or fp4 as --qlora_quant_type fp4 uses) as a plain bf16 checkpoint:
-LoRA on it sees exactly the base QLoRA sees, so a difference between `lora` on this folder and `qlora` on the
-original lies in the QLoRA training path, and none between them puts it in the 4-bit rounding of the base.
+LoRA on it sees exactly the base QLoRA sees on bitsandbytes' stock rounding (--qlora_block_size 64
+--qlora_block_scale absmax; benchmarks/rounded_checkpoint.py --rounding nf4/32/mse writes qlora's default), so a
+difference between `lora` on this folder and `qlora` on the original lies in the QLoRA training path, and none
+between them puts it in the 4-bit rounding of the base.
 
     python benchmarks/nf4_base.py --model smollm2-135m-instruct --out /tmp/nf4_base
     python benchmarks/nf4_base.py --quant_type fp4 --out /tmp/fp4_base

@@ -2,11 +2,11 @@
 with searched scales (--qlora_block_size 32 --qlora_block_scale mse), against bitsandbytes' stock base.
 
 1. A real model (default: the embedded SmolLM2-135M-Instruct): load_policy's seconds with the stock base and with
-   the default one, on the GPU when there is one.
+   the default one, on the GPU when there is one, after one untimed load (start-up, the page cache).
 2. A large model's shapes, with random weights (no checkpoint needed): seconds to search the scales and quantize
-   every linear weight of one decoder layer, times the number of layers.
+   every linear weight of one decoder layer, times the number of layers. Reading the checkpoint again is not in it.
 
-    python benchmarks/requantize_cost.py                       # SmolLM2-135M, then Llama-3-8B's shapes
+    python benchmarks/requantize_cost.py                       # SmolLM2-135M, then Llama-3-8B's shapes (GPU)
     python benchmarks/requantize_cost.py --model <folder> --shapes none
 """
 from __future__ import annotations
@@ -39,8 +39,9 @@ def load_seconds(model: str, device: torch.device, dtype: torch.dtype) -> dict:
 
     path = resolve_model_path(model)
     seconds = {}
-    for name, options in [("stock (64, absmax)", dict(qlora_block_size=64, qlora_block_scale="absmax")),
-                          ("default (32, mse)", {})]:
+    stock = dict(qlora_block_size=64, qlora_block_scale="absmax")
+    load_policy(GRPOConfig(model_name_or_path=path, tuning_strategy="qlora", **stock), path, dtype, device)  # warm-up
+    for name, options in [("stock (64, absmax)", stock), ("default (32, mse)", {})]:
         config = GRPOConfig(model_name_or_path=path, tuning_strategy="qlora", **options)
         start = synchronized(device)
         policy = load_policy(config, path, dtype, device)
@@ -73,7 +74,8 @@ def layer_seconds(shapes, device: torch.device, dtype: torch.dtype) -> tuple[flo
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m-instruct")
-    parser.add_argument("--shapes", default="llama3-8b", choices=[*SHAPES, "none"])
+    parser.add_argument("--shapes", default=None, choices=[*SHAPES, "none"],
+                        help="default: llama3-8b on a GPU, none on a CPU (there it would take many minutes)")
     args = parser.parse_args()
     os.environ.setdefault("WANDB_MODE", "disabled")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -82,10 +84,11 @@ def main():
     if args.model != "none":
         for name, seconds in load_seconds(args.model, device, dtype).items():
             print(f"{args.model}: load_policy, qlora base {name}: {seconds:.1f} s on {where}")
-    if args.shapes != "none":
-        shapes, layers = SHAPES[args.shapes]
+    shapes_name = args.shapes or ("llama3-8b" if device.type == "cuda" else "none")
+    if shapes_name != "none":
+        shapes, layers = SHAPES[shapes_name]
         stock, searched = layer_seconds(shapes, device, dtype)
-        print(f"{args.shapes} shapes, random weights, {layers} layers on {where}: stock quantization "
+        print(f"{shapes_name} shapes, random weights, {layers} layers on {where}: stock quantization "
               f"{stock * layers:.2f} s, blocks of 32 with searched scales {searched * layers:.2f} s "
               f"({searched * 1000:.0f} ms a layer)")
 

@@ -1,5 +1,6 @@
 """Write a copy of a model whose linear weights (all but the output layer) are rounded through bitsandbytes' 4-bit
-format and back, in 16 bits: the base QLoRA trains on, as an ordinary checkpoint.
+format and back, in 16 bits: the base QLoRA trains on, as an ordinary checkpoint (--rounding nf4/32/mse: qlora's
+default base; nf4/64: bitsandbytes' stock one, --qlora_block_size 64 --qlora_block_scale absmax).
 
 LoRA on this copy sees the same base weights as QLoRA on the original (bitsandbytes dequantizes the 4-bit weight to
 exactly these values before each matmul), but trains through the ordinary 16-bit path. Comparing the two separates

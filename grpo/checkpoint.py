@@ -240,10 +240,13 @@ def check_resume_keeps_policy(saved_path: str, config) -> None:
         keys += LORA_POLICY_OPTIONS + (QLORA_POLICY_OPTIONS if now["tuning_strategy"] == "qlora" else ())
     changed = _changed(saved, now, keys)
     if changed:
+        as_saved = {**VALUES_BEFORE_THE_OPTION, **saved}
+        flags = " ".join(f"--{key} {as_saved[key]}" for key in keys if key in as_saved and
+                         as_compared(key, as_saved[key]) != as_compared(key, now[key]))
         raise ConfigError(
             f"--resume_from_checkpoint: the checkpoint was trained with other model options ({'; '.join(changed)}); "
-            f"its weights belong to that policy. Resume with the saved values (in {saved_path}), or start a new run "
-            f"with these options in another --output_dir (or --overwrite_output_dir)")
+            f"its weights belong to that policy. Resume with the saved values ({flags}; see {saved_path}), or start "
+            f"a new run with these options in another --output_dir (or --overwrite_output_dir)")
 
 
 def _saved_options(saved_path: str) -> dict:
@@ -262,10 +265,10 @@ def _changed(saved: dict, now: dict, keys) -> list[str]:
     """'--key saved -> now' for each of `keys` that the saved options hold with another value."""
     saved = {**(VALUES_BEFORE_THE_OPTION if saved else {}), **saved}  # nothing saved: nothing to compare
     return [f"--{k} {saved[k]!r} -> {now[k]!r}" for k in keys
-            if k in saved and _as_compared(k, saved[k]) != _as_compared(k, now[k])]
+            if k in saved and as_compared(k, saved[k]) != as_compared(k, now[k])]
 
 
-def _as_compared(key: str, value):
+def as_compared(key: str, value):
     """Module lists compare as sets of names: "q_proj, v_proj" and "v_proj,q_proj" build the same adapter."""
     if key.endswith("_modules") and isinstance(value, str):
         return frozenset(name.strip() for name in value.split(",") if name.strip())
@@ -276,7 +279,9 @@ def warn_changed_options(saved_path: str, config) -> None:
     """A resumed run continues with today's options: name those that differ from the run's saved ones (a flag
     given differently, or a default that changed between versions, e.g. --scale_rewards)."""
     ignore = {"resume_from_checkpoint", "overwrite_output_dir", "max_steps", "epochs"}  # meant to change
-    now = config.to_dict()
-    changed = _changed(_saved_options(saved_path), now, [k for k in now if k not in ignore])
+    now, saved = config.to_dict(), _saved_options(saved_path)
+    if "qlora" not in (now["tuning_strategy"], saved.get("tuning_strategy")):  # qlora's options shape nothing else
+        ignore |= {key for key in now if key.startswith("qlora_")}
+    changed = _changed(saved, now, [k for k in now if k not in ignore])
     if changed:
         logger.warning("resuming with options that differ from the run's saved grpo_config.json: " + "; ".join(changed))

@@ -6,7 +6,6 @@ corrects towards it.
 """
 from __future__ import annotations
 
-import glob
 import json
 import os
 from typing import Optional
@@ -27,14 +26,15 @@ def check_checkpoint_weights(config, model_path: str) -> None:
         checkpoint_tensors(model_path, " and ".join(readers))
 
 
-def without(option: str) -> str:
-    """How to run without reading the checkpoint, for an error about `option` (one option or several, joined)."""
-    hints = []
+def how_to_skip_reading(option: str) -> str:
+    """What to pass so that nothing reads the checkpoint, for an error about `option` (one option or several,
+    joined by " and ")."""
+    steps = []
     if "--qlora_block" in option:
-        hints.append(f"pass {STOCK_4BIT_OPTIONS} for bitsandbytes' stock 4-bit base, which reads nothing")
+        steps.append(f"pass {STOCK_4BIT_OPTIONS} for bitsandbytes' stock 4-bit base")
     if "--qlora_init loftq" in option:
-        hints.append("run without --qlora_init loftq")
-    return "; or ".join(hints) or f"run without {option}"
+        steps.append("run without --qlora_init loftq")
+    return " and ".join(steps) or f"run without {option}"
 
 
 def local_snapshot(model_path: str) -> Optional[str]:
@@ -56,25 +56,47 @@ def local_checkpoint_folder(model_path: str, option: str) -> str:
     if folder is None:
         raise ConfigError(f"{option} reads the 16-bit weights from the checkpoint's files; found no local copy of "
                           f"{model_path!r} in the Hugging Face cache. Pass the model's folder as "
-                          f"--model_name_or_path, or {without(option)}")
+                          f"--model_name_or_path, or {how_to_skip_reading(option)}")
     return folder
+
+
+# what transformers loads a checkpoint from, in its order of preference: an index of shards, or one file
+CHECKPOINT_FILES = (("model.safetensors.index.json", "model.safetensors"),
+                    ("pytorch_model.bin.index.json", "pytorch_model.bin"))
 
 
 def checkpoint_tensors(model_path: str, option: str) -> dict[str, str]:
     """Checkpoint weight name -> the file that holds it: the safetensors files, else the PyTorch .bin ones."""
     folder = local_checkpoint_folder(model_path, option)
-    for index_name, pattern in (("model.safetensors.index.json", "*.safetensors"),
-                                ("pytorch_model.bin.index.json", "pytorch_model*.bin")):
+    _refuse_quantized(folder, option)
+    for index_name, single in CHECKPOINT_FILES:
         index = os.path.join(folder, index_name)
         if os.path.isfile(index):
             with open(index) as fh:
                 weight_map = json.load(fh)["weight_map"]
             return {name: os.path.join(folder, file) for name, file in weight_map.items()}
-        files = sorted(glob.glob(os.path.join(folder, pattern)))
-        if files:
-            return {name: file for file in files for name in _tensor_names(file)}
-    raise ConfigError(f"{option} reads the 16-bit weights from the checkpoint's .safetensors (or pytorch_model*.bin) "
-                      f"files; {folder} has none: save the model with save_pretrained, or {without(option)}")
+        if os.path.isfile(os.path.join(folder, single)):
+            file = os.path.join(folder, single)
+            return {name: file for name in _tensor_names(file)}
+    raise ConfigError(f"{option} reads the 16-bit weights from the checkpoint's model.safetensors (or "
+                      f"pytorch_model.bin) files; {folder} has none: save the model with save_pretrained, or "
+                      f"{how_to_skip_reading(option)}")
+
+
+def _refuse_quantized(folder: str, option: str) -> None:
+    """A checkpoint saved already quantized (e.g. a *-bnb-4bit repository) holds no 16-bit weights to read."""
+    config_file = os.path.join(folder, "config.json")
+    if not os.path.isfile(config_file):
+        return
+    try:
+        with open(config_file) as fh:
+            quantization = json.load(fh).get("quantization_config")
+    except (OSError, ValueError):
+        return  # transformers says what is wrong with it when it loads the model
+    if quantization:
+        method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else "?"
+        raise ConfigError(f"{option} reads the checkpoint's 16-bit weights, but {folder} is saved already quantized "
+                          f"({method}); use the 16-bit model it was made from, or {how_to_skip_reading(option)}")
 
 
 def _tensor_names(file: str) -> list[str]:
@@ -89,11 +111,11 @@ def _tensor_names(file: str) -> list[str]:
 def _load_bin(file: str) -> dict[str, torch.Tensor]:
     try:  # memory-mapped: a tensor is read from disk only when used
         return torch.load(file, map_location="cpu", mmap=True, weights_only=True)
-    except RuntimeError:  # saved in torch's legacy (pre-zip) format, which cannot be mapped
-        try:
+    except Exception as mapped_error:  # noqa: BLE001 -- torch raises several kinds for an unreadable file
+        try:  # torch's legacy (pre-zip) format cannot be mapped: read whole
             return torch.load(file, map_location="cpu", weights_only=True)
-        except Exception as exc:  # noqa: BLE001 -- torch raises several kinds for a damaged file
-            raise ConfigError(f"cannot read the checkpoint file {file}: {exc}") from exc
+        except Exception:  # noqa: BLE001
+            raise ConfigError(f"cannot read the checkpoint file {file}: {mapped_error}") from mapped_error
 
 
 class CheckpointWeights:
@@ -109,7 +131,7 @@ class CheckpointWeights:
         """The checkpoint's weight for a linear (or 4-bit) `layer`, as [out, in] like the layer's own weight."""
         if name not in self.files:
             raise ConfigError(f"{self.option}: the checkpoint in {self.model_path} has no weight {name!r} for layer "
-                              f"{layer_name}; {without(self.option)}")
+                              f"{layer_name}; {how_to_skip_reading(self.option)}")
         weight = self._tensor(name)
         from transformers.pytorch_utils import Conv1D
 
@@ -119,7 +141,7 @@ class CheckpointWeights:
         expected = tuple(state.shape) if state is not None else tuple(layer.weight.shape)
         if tuple(weight.shape) != expected:
             raise ConfigError(f"{self.option}: the checkpoint's {name!r} has shape {tuple(weight.shape)}, layer "
-                              f"{layer_name} {expected}; {without(self.option)}")
+                              f"{layer_name} {expected}; {how_to_skip_reading(self.option)}")
         return weight
 
     def _tensor(self, name: str) -> torch.Tensor:

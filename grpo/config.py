@@ -97,7 +97,8 @@ class GRPOConfig:
         "qlora: how each block's 4-bit scale is chosen. mse: the scale (at most the block's largest magnitude) of "
         "least squared rounding error, a larger weight taking the largest code; on SmolLM2-135M it cuts the weight "
         "error by a tenth, and qlora learns arith to 0.87 of lora's accuracy (README: Does it learn?). absmax: the "
-        "block's largest magnitude (bitsandbytes' own). Either way the base is a standard bitsandbytes 4-bit model.",
+        "block's largest magnitude (bitsandbytes' own). Either way the base is a standard bitsandbytes 4-bit model; "
+        "mse (with any block size) quantizes each weight again from the checkpoint's 16-bit weights after loading.",
         "model", choices=QLORA_BLOCK_SCALES)
     qlora_init: str = _opt(
         "zero", "qlora: zero: the policy starts as the 4-bit model (B = 0). loftq: a frozen rank-r correction of "
@@ -424,12 +425,11 @@ class GRPOConfig:
              "needs --tuning_strategy qlora")
         need(self.qlora_block_size in QLORA_BLOCK_SIZES, "qlora_block_size",
              f"got {self.qlora_block_size}, choose one of {', '.join(map(str, QLORA_BLOCK_SIZES))}")
-        need(self.qlora_block_size == DEFAULT_BLOCK_SIZE or self.tuning_strategy == "qlora", "qlora_block_size",
-             "needs --tuning_strategy qlora")
+        # the stock values pass too: a lora or full run's config saved before the defaults changed holds them
+        need(self.qlora_block_size in (DEFAULT_BLOCK_SIZE, BITSANDBYTES_BLOCK_SIZE) or self.tuning_strategy == "qlora",
+             "qlora_block_size", "needs --tuning_strategy qlora")
         need(self.qlora_block_scale in QLORA_BLOCK_SCALES, "qlora_block_scale",
              f"got '{self.qlora_block_scale}', choose one of {', '.join(QLORA_BLOCK_SCALES)}")
-        need(self.qlora_block_scale == DEFAULT_BLOCK_SCALE or self.tuning_strategy == "qlora", "qlora_block_scale",
-             "needs --tuning_strategy qlora")
         need(self.qlora_init in QLORA_INITS, "qlora_init",
              f"got '{self.qlora_init}', choose one of {', '.join(QLORA_INITS)}")
         if self.qlora_init == "loftq":

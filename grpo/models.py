@@ -12,7 +12,8 @@ import torch
 
 from .config import GRPOConfig
 from .errors import ConfigError
-from .qlora_blocks import requantize_4bit_base, warn_if_another_base, write_base_options
+from .qlora_base_record import warn_if_another_base, write_base_options
+from .qlora_blocks import requantize_4bit_base
 
 logger = logging.getLogger("grpo")
 

@@ -22,14 +22,12 @@ blocks of 32) it cuts the relative weight error from 0.089 to 0.079 (benchmarks/
 """
 from __future__ import annotations
 
-import json
 import logging
-import os
 
 import torch
 
 from .checkpoint_weights import CheckpointWeights
-from .config import BITSANDBYTES_BLOCK_SCALE, BITSANDBYTES_BLOCK_SIZE
+from .config import BITSANDBYTES_BLOCK_SIZE
 from .sync import checkpoint_name
 from .vision import checkpoint_prefixes, rename
 
@@ -72,11 +70,14 @@ def mse_block_rounding(weight: torch.Tensor, codes: torch.Tensor, block_size: in
     The largest magnitude of the result is s (the block's largest weight takes the code +-1), so bitsandbytes'
     absmax quantization of it stores these codes and s, which absmax rounding (f = 1 only) would not. Blocks are
     searched `chunk` weights at a time: the scratch memory is a few times `chunk` weights, whatever the layer's size."""
-    blocks = weight.detach().reshape(-1, block_size)
+    flat = weight.detach().reshape(-1)
+    # a short last block, as bitsandbytes allows, padded with zeros: they take the code 0 exactly (every 4-bit type
+    # has it) and leave the block's largest magnitude as it is, so its search is unchanged
+    blocks = torch.nn.functional.pad(flat, (0, -flat.numel() % block_size)).reshape(-1, block_size)
     rows = max(1, chunk // block_size)
     rounded = [_mse_rounded(blocks[i:i + rows].float(), codes.to(blocks.device), fractions)
                for i in range(0, blocks.shape[0], rows)]
-    return torch.cat(rounded).reshape(weight.shape)
+    return torch.cat(rounded).reshape(-1)[:flat.numel()].reshape(weight.shape)
 
 
 def _mse_rounded(blocks: torch.Tensor, codes: torch.Tensor, fractions: torch.Tensor) -> torch.Tensor:
@@ -105,8 +106,7 @@ def _mse_rounded(blocks: torch.Tensor, codes: torch.Tensor, fractions: torch.Ten
 
 
 @torch.no_grad()
-def requantize_4bit_base(model, model_path: str, block_size: int, block_scale: str = BITSANDBYTES_BLOCK_SCALE,
-                         options: str = "--qlora_block_size") -> int:
+def requantize_4bit_base(model, model_path: str, block_size: int, block_scale: str, options: str) -> int:
     """Quantize every 4-bit linear weight of a freshly loaded (not yet peft-wrapped) model again from the checkpoint,
     in blocks of `block_size`, each scaled by its largest magnitude ("absmax") or by mse_block_rounding's scale
     ("mse"). `options`: the options asking for it, for errors. Returns the number of weights quantized."""
@@ -134,29 +134,3 @@ def requantize_4bit_base(model, model_path: str, block_size: int, block_scale: s
                 f"{BITSANDBYTES_BLOCK_SIZE}), each scaled by {SCALE_NAMES[block_scale]}")
     return layers
 
-
-# beside a saved qlora adapter: how its 4-bit base was rounded, so that a run continuing it can say when its own differs
-BASE_FILE = "qlora_base.json"
-BASE_OPTIONS = ("qlora_quant_type", "qlora_block_size", "qlora_block_scale")
-
-
-def write_base_options(adapter_dir: str, config) -> None:
-    with open(os.path.join(adapter_dir, BASE_FILE), "w") as fh:
-        json.dump({option: getattr(config, option) for option in BASE_OPTIONS}, fh, indent=1)
-
-
-def warn_if_another_base(adapter_dir: str, config) -> None:
-    """A continued adapter on a base rounded otherwise than the one it was trained on starts as another policy:
-    allowed (moving to a better base can be the point), but said."""
-    path = os.path.join(adapter_dir, BASE_FILE)
-    if config.tuning_strategy != "qlora" or not os.path.isfile(path):
-        return
-    with open(path) as fh:
-        trained_on = json.load(fh)
-    changed = [f"--{option} {trained_on[option]} -> {getattr(config, option)}" for option in BASE_OPTIONS
-               if option in trained_on and trained_on[option] != getattr(config, option)]
-    if changed:
-        given = " ".join(f"--{option} {trained_on[option]}" for option in BASE_OPTIONS if option in trained_on)
-        logger.warning(f"--lora_adapter_path: the adapter in {adapter_dir} was trained on a 4-bit base rounded "
-                       f"otherwise ({'; '.join(changed)}), so it starts as another policy; pass {given} to continue "
-                       f"on its own base")

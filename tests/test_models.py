@@ -307,15 +307,32 @@ def test_a_continued_qlora_adapter_on_another_base_is_named(model_dir, tmp_path,
     saved = save_final_model(adapted_policy(cfg, model_dir), load_tokenizer(model_dir), str(tmp_path), cfg, model_dir,
                              torch.float32)
     with open(os.path.join(saved["lora_adapter"], "qlora_base.json")) as fh:
-        assert json.load(fh) == {"qlora_quant_type": "nf4", "qlora_block_size": 64, "qlora_block_scale": "absmax"}
-    with caplog.at_level(logging.WARNING, logger="grpo"):
+        assert json.load(fh) == {"qlora_quant_type": "nf4", "qlora_block_size": 64, "qlora_block_scale": "absmax",
+                                 "qlora_skip_modules": None}
+    logger = logging.getLogger("grpo")  # once a trainer has set up logging, it does not propagate to caplog's root
+    logger.addHandler(caplog.handler)
+    try:
         load_policy(config(model_dir, tuning_strategy="qlora", lora_adapter_path=saved["lora_adapter"], **STOCK_4BIT),
                     model_dir, torch.float32, CPU)
         assert "rounded otherwise" not in caplog.text
         load_policy(config(model_dir, tuning_strategy="qlora", lora_adapter_path=saved["lora_adapter"]), model_dir,
                     torch.float32, CPU)  # the defaults: blocks of 32, searched scales
-    assert ("rounded otherwise (--qlora_block_size 64 -> 32; --qlora_block_scale absmax -> mse)" in caplog.text
-            and "pass --qlora_quant_type nf4 --qlora_block_size 64 --qlora_block_scale absmax" in caplog.text)
+        expected = ("rounded otherwise (--qlora_block_size 64 -> 32; --qlora_block_scale absmax -> mse), so it starts "
+                    "as another policy; to continue on its own base, pass --qlora_block_size 64 --qlora_block_scale "
+                    "absmax")
+        assert expected in caplog.text
+        # saved before adapters carried the record: read from the run's grpo_config.json above it, which lacks the
+        # options of later versions (the stock base was all there was)
+        caplog.clear()
+        os.remove(os.path.join(saved["lora_adapter"], "qlora_base.json"))
+        older = {k: v for k, v in cfg.to_dict().items() if k not in ("qlora_block_size", "qlora_block_scale")}
+        with open(tmp_path / "grpo_config.json", "w") as fh:
+            json.dump(older, fh)
+        load_policy(config(model_dir, tuning_strategy="qlora", lora_adapter_path=saved["lora_adapter"]), model_dir,
+                    torch.float32, CPU)
+        assert expected in caplog.text
+    finally:
+        logger.removeHandler(caplog.handler)
 
 
 def test_qlora_in_blocks_of_32_reads_gpt2_style_weights_transposed(tmp_path):
@@ -347,7 +364,9 @@ def test_qlora_block_size_errors(model_dir):
     with pytest.raises(ConfigError, match="qlora_block_size.*choose one of 32, 64, 128"):
         config(model_dir, tuning_strategy="qlora", qlora_block_size=48)
     with pytest.raises(ConfigError, match="qlora_block_size.*needs --tuning_strategy qlora"):
-        config(model_dir, tuning_strategy="lora", qlora_block_size=64)
+        config(model_dir, tuning_strategy="lora", qlora_block_size=128)
+    # a lora run's options saved before qlora's defaults changed (--config grpo_config.json) still load
+    assert config(model_dir, tuning_strategy="lora", **STOCK_4BIT).qlora_requantizing_options == []
     from transformers import BitsAndBytesConfig
 
     from grpo.models import load_base_model
@@ -355,14 +374,12 @@ def test_qlora_block_size_errors(model_dir):
 
     base = load_base_model(model_dir, torch.float32, CPU, False, BitsAndBytesConfig(load_in_4bit=True))
     with pytest.raises(ConfigError, match="no local copy of 'nobody/no-such-model'.*folder as --model_name_or_path"):
-        requantize_4bit_base(base, "nobody/no-such-model", 32)
+        requantize_4bit_base(base, "nobody/no-such-model", 32, "absmax", "--qlora_block_size 32")
 
 
 def test_qlora_block_scale_errors(model_dir):
     with pytest.raises(ConfigError, match="qlora_block_scale.*choose one of absmax, mse"):
         config(model_dir, tuning_strategy="qlora", qlora_block_scale="minmax")
-    with pytest.raises(ConfigError, match="qlora_block_scale.*needs --tuning_strategy qlora"):
-        config(model_dir, tuning_strategy="lora", qlora_block_scale="absmax")
     # what differs from bitsandbytes' stock base is quantized again: by default, both
     assert config(model_dir, tuning_strategy="qlora").qlora_requantizing_options == [
         "--qlora_block_size 32", "--qlora_block_scale mse"]

@@ -353,7 +353,9 @@ def test_out_of_memory_names_phase_sizes_and_knobs(tiny_model, registry, tmp_pat
 def test_resume_names_options_that_changed(tmp_path, caplog):
     from grpo.checkpoint import warn_changed_options
 
-    saved = tiny_config("model", "registry.json", str(tmp_path), scale_rewards="group", max_steps=2)
+    # a lora run saved before qlora's defaults changed: its qlora options were bitsandbytes' stock ones
+    saved = tiny_config("model", "registry.json", str(tmp_path), scale_rewards="group", max_steps=2,
+                        qlora_block_size=64, qlora_block_scale="absmax")
     saved.save(str(tmp_path / "grpo_config.json"))
     now = tiny_config("model", "registry.json", str(tmp_path), max_steps=10, resume_from_checkpoint="latest")
     logger = logging.getLogger("grpo")  # it does not propagate to the root logger, where caplog listens
@@ -363,6 +365,7 @@ def test_resume_names_options_that_changed(tmp_path, caplog):
     finally:
         logger.removeHandler(caplog.handler)
     assert "--scale_rewards 'group' -> 'batch'" in caplog.text
+    assert "qlora_block" not in caplog.text  # qlora's options shape nothing in a lora run
     assert "max_steps" not in caplog.text and "resume_from_checkpoint" not in caplog.text  # changes that are meant
     assert not (tmp_path / "missing.json").exists()
     warn_changed_options(str(tmp_path / "missing.json"), now)  # nothing saved to compare with: no error
@@ -396,7 +399,9 @@ def test_resume_refuses_options_that_rebuild_another_policy(tmp_path):
     older = json.loads((tmp_path / "grpo_config.json").read_text())
     del older["qlora_block_size"], older["qlora_block_scale"]  # saved before the options: bitsandbytes' rounding
     (tmp_path / "older.json").write_text(json.dumps(older))
-    with pytest.raises(ConfigError, match="--qlora_block_size 64 -> 32; --qlora_block_scale 'absmax' -> 'mse'"):
+    with pytest.raises(ConfigError, match="--qlora_block_size 64 -> 32; --qlora_block_scale 'absmax' -> 'mse'.*"
+                                          "Resume with the saved values \\(--qlora_block_size 64 --qlora_block_scale "
+                                          "absmax; see .*older.json\\)"):
         check_resume_keeps_policy(str(tmp_path / "older.json"), tiny_config("model", "registry.json", str(tmp_path),
                                                                             tuning_strategy="qlora", **resume))
     check_resume_keeps_policy(str(tmp_path / "older.json"), tiny_config(

@@ -36,8 +36,8 @@ def run_script(script: str, out, *args: str) -> dict:
     return result
 
 
-# qlora's base by default: quantized again after loading, in blocks of 32 with searched scales; this is bitsandbytes'
-# stock base, as transformers loads it
+# qlora with no options: its default base, quantized again after loading in blocks of 32 with searched scales.
+# STOCK_4BIT: bitsandbytes' stock base, as transformers loads it.
 STOCK_4BIT = ("--qlora_block_size", "64", "--qlora_block_scale", "absmax")
 
 
