@@ -238,13 +238,12 @@ def check_resume_keeps_policy(saved_path: str, config) -> None:
     keys = POLICY_OPTIONS
     if saved.get("tuning_strategy") == now["tuning_strategy"] and config.uses_lora:
         keys += LORA_POLICY_OPTIONS + (QLORA_POLICY_OPTIONS if now["tuning_strategy"] == "qlora" else ())
-    changed = _changed(saved, now, keys)
+    as_saved, changed = _changed_keys(saved, now, keys)
     if changed:
-        as_saved = {**VALUES_BEFORE_THE_OPTION, **saved}
-        flags = " ".join(f"--{key} {as_saved[key]}" for key in keys if key in as_saved and
-                         as_compared(key, as_saved[key]) != as_compared(key, now[key]))
+        flags = " ".join(f"--{key} {as_saved[key]}" for key in changed)
         raise ConfigError(
-            f"--resume_from_checkpoint: the checkpoint was trained with other model options ({'; '.join(changed)}); "
+            f"--resume_from_checkpoint: the checkpoint was trained with other model options "
+            f"({_described(as_saved, now, changed)}); "
             f"its weights belong to that policy. Resume with the saved values ({flags}; see {saved_path}), or start "
             f"a new run with these options in another --output_dir (or --overwrite_output_dir)")
 
@@ -261,11 +260,15 @@ def _saved_options(saved_path: str) -> dict:
 VALUES_BEFORE_THE_OPTION = {"qlora_block_size": BITSANDBYTES_BLOCK_SIZE, "qlora_block_scale": BITSANDBYTES_BLOCK_SCALE}
 
 
-def _changed(saved: dict, now: dict, keys) -> list[str]:
-    """'--key saved -> now' for each of `keys` that the saved options hold with another value."""
+def _changed_keys(saved: dict, now: dict, keys) -> tuple[dict, list[str]]:
+    """(the saved options, with the values of their time for options they predate; those of `keys` they hold with
+    another value)."""
     saved = {**(VALUES_BEFORE_THE_OPTION if saved else {}), **saved}  # nothing saved: nothing to compare
-    return [f"--{k} {saved[k]!r} -> {now[k]!r}" for k in keys
-            if k in saved and as_compared(k, saved[k]) != as_compared(k, now[k])]
+    return saved, [k for k in keys if k in saved and as_compared(k, saved[k]) != as_compared(k, now[k])]
+
+
+def _described(saved: dict, now: dict, changed: list[str]) -> str:
+    return "; ".join(f"--{k} {saved[k]!r} -> {now[k]!r}" for k in changed)
 
 
 def as_compared(key: str, value):
@@ -282,6 +285,7 @@ def warn_changed_options(saved_path: str, config) -> None:
     now, saved = config.to_dict(), _saved_options(saved_path)
     if "qlora" not in (now["tuning_strategy"], saved.get("tuning_strategy")):  # qlora's options shape nothing else
         ignore |= {key for key in now if key.startswith("qlora_")}
-    changed = _changed(saved, now, [k for k in now if k not in ignore])
+    as_saved, changed = _changed_keys(saved, now, [k for k in now if k not in ignore])
     if changed:
-        logger.warning("resuming with options that differ from the run's saved grpo_config.json: " + "; ".join(changed))
+        logger.warning("resuming with options that differ from the run's saved grpo_config.json: "
+                       + _described(as_saved, now, changed))

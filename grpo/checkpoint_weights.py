@@ -100,12 +100,16 @@ def _refuse_quantized(folder: str, option: str) -> None:
 
 
 def _tensor_names(file: str) -> list[str]:
+    return list(_open(file).keys())
+
+
+def _open(file: str):
+    """The open safetensors file, or the .bin state dict: either has keys(); a tensor is read from it only when used."""
     if file.endswith(".safetensors"):
         from safetensors import safe_open
 
-        with safe_open(file, framework="pt") as fh:
-            return list(fh.keys())
-    return list(_load_bin(file))
+        return safe_open(file, framework="pt")
+    return _load_bin(file)
 
 
 def _load_bin(file: str) -> dict[str, torch.Tensor]:
@@ -146,10 +150,8 @@ class CheckpointWeights:
 
     def _tensor(self, name: str) -> torch.Tensor:
         file = self.files[name]
-        if file not in self.handles:  # the open safetensors file, or the memory-mapped .bin state dict
-            from safetensors import safe_open
-
-            self.handles[file] = safe_open(file, framework="pt") if file.endswith(".safetensors") else _load_bin(file)
+        if file not in self.handles:
+            self.handles[file] = _open(file)
         handle = self.handles[file]
         return handle[name] if isinstance(handle, dict) else handle.get_tensor(name)
 

@@ -22,6 +22,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 import torch  # noqa: E402
+from qlora_rounding_args import add_qlora_rounding_args, qlora_rounding  # noqa: E402  (beside this script)
 
 MODEL_DIR = os.environ.get("GRPO_GPU_MODEL", "/tmp/grpo_gpu_model")
 LEARNING_RATES = {"full": 1e-4, "lora": 5e-3, "qlora": 5e-3}  # large enough that each step visibly moves log-probs
@@ -46,15 +47,6 @@ def build_model(path: str) -> str:
     return path
 
 
-def qlora_rounding(args) -> dict:
-    """--qlora_block_size / --qlora_block_scale where given (else grpo's defaults), only for qlora (other strategies
-    refuse them)."""
-    if args.strategy != "qlora":
-        return {}
-    given = {"qlora_block_size": args.qlora_block_size, "qlora_block_scale": args.qlora_block_scale}
-    return {option: value for option, value in given.items() if value is not None}
-
-
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--strategy", choices=["full", "lora", "qlora"], required=True)
@@ -62,8 +54,7 @@ def main():
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--tp", type=int, default=1, help="vLLM tensor-parallel size (= the number of ranks)")
     parser.add_argument("--local_rank", type=int, default=0, help="set by the DeepSpeed launcher")
-    parser.add_argument("--qlora_block_size", type=int)
-    parser.add_argument("--qlora_block_scale")
+    add_qlora_rounding_args(parser)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 

@@ -16,22 +16,13 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 import torch  # noqa: E402
-
-
-def qlora_rounding(args) -> dict:
-    """--qlora_block_size / --qlora_block_scale where given (else grpo's defaults), only for qlora (other strategies
-    refuse them)."""
-    if args.strategy != "qlora":
-        return {}
-    given = {"qlora_block_size": args.qlora_block_size, "qlora_block_scale": args.qlora_block_scale}
-    return {option: value for option, value in given.items() if value is not None}
+from qlora_rounding_args import add_qlora_rounding_args, qlora_rounding  # noqa: E402  (beside this script)
 
 
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--strategy", choices=["full", "lora", "qlora"], required=True)
-    parser.add_argument("--qlora_block_size", type=int)
-    parser.add_argument("--qlora_block_scale")
+    add_qlora_rounding_args(parser)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
