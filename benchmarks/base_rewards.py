@@ -1,4 +1,5 @@
-"""Which rewards a base earns before any training step: on `arith`'s training prompts, the policy grpo would train
+"""Which rewards a base earns before any training step: on a dataset's training prompts (`arith` unless --dataset names
+another registry entry), the policy grpo would train
 (full precision, or a 4-bit QLoRA base) samples k completions per prompt as step 1 does (temperature 1, HF engine),
 and the dataset's own reward functions score them.
 
@@ -9,6 +10,8 @@ most often; a base that boxes from the start is pulled to the format reward befo
     python benchmarks/base_rewards.py                   # full vs qlora (bitsandbytes' stock nf4 base), 16 prompts x 8
     python benchmarks/base_rewards.py --variants full qlora/32=mse     # qlora's default base (quantized_arithmetic.py)
     python benchmarks/base_rewards.py --variants full qlora qlora@fp4 --prompts 32 --seeds 0 1
+    python benchmarks/base_rewards.py --dataset gsm8k --max_new_tokens 256 --max_prompt_length 256 \
+        --variants full qlora/32=mse qlora                # GSM8K (data/gsm8k/train.jsonl, as the registry says)
 """
 from __future__ import annotations
 
@@ -54,23 +57,29 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=16, help="training prompts (the first ones of the split)")
     parser.add_argument("--k", type=int, default=8, help="completions per prompt")
     parser.add_argument("--max_new_tokens", type=int, default=64)
+    parser.add_argument("--max_prompt_length", type=int, default=128)
+    parser.add_argument("--dataset", default="arith", help="a name in --dataset_config_path")
+    parser.add_argument("--dataset_config_path", default=None, help="default: the shipped configs/dataset_config.json")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     args = parser.parse_args()
+    data = dict(dataset_names=[args.dataset], max_prompt_length=args.max_prompt_length,
+                max_seq_length=args.max_prompt_length + args.max_new_tokens, rollout_max_new_tokens=args.max_new_tokens,
+                **({"dataset_config_path": args.dataset_config_path} if args.dataset_config_path else {}))
     results = []
-    for variant, trainer, start in variant_trainers(args.model, args.variants, 1):
+    for variant, trainer, start in variant_trainers(args.model, args.variants, 1, **data):
         for seed in args.seeds:
             results.append({"variant": variant, "seed": seed,
                             **sample_and_score(trainer, args.prompts, args.k, args.max_new_tokens, seed),
                             "seconds": round(time.perf_counter() - start, 1)})
             print(json.dumps(results[-1]), flush=True)
         del trainer
-    print("\n| variant | seed | completions | mean reward | format | number | boxed accuracy | boxed | boxed 3+ times "
-          "| at the cap | length |\n|---|---|---|---|---|---|---|---|---|---|---|")
+    rewards = [k for k in results[0] if k.startswith("r_")]  # the dataset's own reward functions
+    print(f"\n| variant | seed | completions | mean reward | {' | '.join(k[2:] for k in rewards)} | boxed | "
+          f"boxed 3+ times | at the cap | length |\n|{'---|' * (len(rewards) + 8)}")
     for r in results:
         print(f"| {r['variant']} | {r['seed']} | {r['completions']} | {r['reward']:.3f} | "
-              f"{r.get('r_format', float('nan')):.3f} | {r.get('r_number_accuracy', float('nan')):.3f} | "
-              f"{r.get('r_boxed_accuracy', float('nan')):.3f} | {r['boxed']:.2f} | {r['boxed_3plus']:.2f} | "
-              f"{r['capped']:.2f} | {r['length']:.1f} |")
+              + "".join(f"{r.get(k, float('nan')):.3f} | " for k in rewards)
+              + f"{r['boxed']:.2f} | {r['boxed_3plus']:.2f} | {r['capped']:.2f} | {r['length']:.1f} |")
 
 
 if __name__ == "__main__":

@@ -40,9 +40,10 @@ def _marked(head: str, mark: str):
     return found.group(1) if found else None
 
 
-def build_trainer(model: str, variant: str, prompts: int, out_dir: str):
+def build_trainer(model: str, variant: str, prompts: int, out_dir: str, **overrides):
     """A GRPOTrainer on `arith` for a variant: "full", "qlora", "qlora@fp4", "qlora+loftq", "qlora/32" (weights per
-    4-bit scale), "qlora=mse" (how each scale is chosen), "qlora:<kept modules>"."""
+    4-bit scale), "qlora=mse" (how each scale is chosen), "qlora:<kept modules>". `overrides`: other GRPOConfig
+    fields (another dataset, its lengths)."""
     from grpo.config import BITSANDBYTES_BLOCK_SCALE, BITSANDBYTES_BLOCK_SIZE, GRPOConfig
     from grpo.trainer import GRPOTrainer
 
@@ -51,24 +52,25 @@ def build_trainer(model: str, variant: str, prompts: int, out_dir: str):
     # "qlora=mse": the block scale; any order. What a name leaves out is bitsandbytes' stock choice.
     strategy, init, quant = re.split(r"[@+/=]", head)[0], _marked(head, "+"), _marked(head, "@")
     block, scale = _marked(head, "/"), _marked(head, "=")
-    config = GRPOConfig(model_name_or_path=model, dataset_names=["arith"], output_dir=out_dir,
+    settings = {"dataset_names": ["arith"], "max_prompt_length": 128, "max_seq_length": 192,
+                "rollout_max_new_tokens": 64, **overrides}
+    config = GRPOConfig(model_name_or_path=model, output_dir=out_dir,
                         overwrite_output_dir=True, tuning_strategy=strategy, qlora_skip_modules=skip or None,
                         **({"qlora_init": init} if init else {}), **({"qlora_quant_type": quant} if quant else {}),
                         **({"qlora_block_size": int(block or BITSANDBYTES_BLOCK_SIZE),
                             "qlora_block_scale": scale or BITSANDBYTES_BLOCK_SCALE} if strategy == "qlora" else {}),
-                        eval_max_prompts=prompts, max_prompt_length=128, max_seq_length=192,
-                        rollout_max_new_tokens=64, max_steps=1, save_steps=0, seed=0)
+                        eval_max_prompts=prompts, max_steps=1, save_steps=0, seed=0, **settings)
     return GRPOTrainer(config)
 
 
-def variant_trainers(model: str, variants: list[str], prompts: int):
+def variant_trainers(model: str, variants: list[str], prompts: int, **overrides):
     """(variant, its GRPOTrainer, start time) for each variant in turn: one trainer at a time, as each owns the
     process group's engine; the policy is built as for training (quantization, dtype, device)."""
     os.environ.setdefault("WANDB_MODE", "disabled")
     for variant in variants:
         start = time.perf_counter()
         with tempfile.TemporaryDirectory() as out_dir:
-            yield variant, build_trainer(model, variant, prompts, out_dir), start
+            yield variant, build_trainer(model, variant, prompts, out_dir, **overrides), start
 
 
 def score(model, tokenizer, rows) -> dict:
