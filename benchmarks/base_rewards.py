@@ -10,7 +10,7 @@ most often; a base that boxes from the start is pulled to the format reward befo
     python benchmarks/base_rewards.py                   # full vs qlora (bitsandbytes' stock nf4 base), 16 prompts x 8
     python benchmarks/base_rewards.py --variants full qlora/32=mse     # qlora's default base (quantized_arithmetic.py)
     python benchmarks/base_rewards.py --variants full qlora qlora@fp4 --prompts 32 --seeds 0 1
-    python benchmarks/base_rewards.py --dataset gsm8k --max_new_tokens 256 --max_prompt_length 256 \
+    python benchmarks/base_rewards.py --dataset gsm8k --max_new_tokens 256 --max_prompt_length 272 \
         --variants full qlora/32=mse qlora                # GSM8K (data/gsm8k/train.jsonl, as the registry says)
 """
 from __future__ import annotations

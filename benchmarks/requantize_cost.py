@@ -33,15 +33,17 @@ def synchronized(device: torch.device) -> float:
 
 
 def load_seconds(model: str, device: torch.device, dtype: torch.dtype) -> dict:
-    from grpo.config import GRPOConfig
+    from grpo.config import (BITSANDBYTES_BLOCK_SCALE, BITSANDBYTES_BLOCK_SIZE, DEFAULT_BLOCK_SCALE,
+                             DEFAULT_BLOCK_SIZE, GRPOConfig)
     from grpo.embedded import resolve_model_path
     from grpo.models import load_policy
 
     path = resolve_model_path(model)
     seconds = {}
-    stock = dict(qlora_block_size=64, qlora_block_scale="absmax")
+    stock = dict(qlora_block_size=BITSANDBYTES_BLOCK_SIZE, qlora_block_scale=BITSANDBYTES_BLOCK_SCALE)
     load_policy(GRPOConfig(model_name_or_path=path, tuning_strategy="qlora", **stock), path, dtype, device)  # warm-up
-    for name, options in [("stock (64, absmax)", stock), ("default (32, mse)", {})]:
+    for name, options in [(f"stock ({BITSANDBYTES_BLOCK_SIZE}, {BITSANDBYTES_BLOCK_SCALE})", stock),
+                          (f"default ({DEFAULT_BLOCK_SIZE}, {DEFAULT_BLOCK_SCALE})", {})]:
         config = GRPOConfig(model_name_or_path=path, tuning_strategy="qlora", **options)
         start = synchronized(device)
         policy = load_policy(config, path, dtype, device)
