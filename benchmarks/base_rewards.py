@@ -28,7 +28,7 @@ from quantized_arithmetic import variant_trainers  # noqa: E402  (policies as GR
 
 
 def sample_and_score(trainer, prompts: int, k: int, max_new_tokens: int, seed: int) -> dict:
-    from grpo.rollout.base import SamplingSettings
+    from grpo.rollout.engine import SamplingSettings
 
     torch.manual_seed(seed)
     rows = [trainer.train_set[i] for i in range(prompts)]

@@ -46,7 +46,7 @@ STRICT_FORMAT=${STRICT_FORMAT:-0}
 GSM8K_DIR=${GSM8K_DIR:-../shared/data/gsm8k}
 [ -f "$GSM8K_DIR/test.jsonl" ] || GSM8K_DIR=data/gsm8k
 mkdir -p "$OUT_DIR"
-python -c "from grpo.embedded import resolve_model_path as r; import sys; r(sys.argv[1])" "$MODEL"  # convert once, up front
+python -c "from grpo.model.embedded import resolve_model_path as r; import sys; r(sys.argv[1])" "$MODEL"  # convert once, up front
 export VLLM_ENABLE_V1_MULTIPROCESSING=0 TOKENIZERS_PARALLELISM=false WANDB_MODE=disabled PYTHONUNBUFFERED=1
 GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
 launcher=(deepspeed)

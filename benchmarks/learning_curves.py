@@ -10,7 +10,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from grpo.reporting import read_metrics  # noqa: E402
+from grpo.train.reporting import read_metrics  # noqa: E402
 
 COLUMNS = [("reward/mean", "reward"), ("completion/length_mean", "len"), ("completion/truncated_frac", "trunc"),
            ("entropy", "entropy"), ("rollout/logprob_diff_mean", "lp_diff"), ("grad_norm", "gnorm"),

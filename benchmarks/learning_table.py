@@ -11,7 +11,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from grpo.reporting import read_metrics  # noqa: E402
+from grpo.train.reporting import read_metrics  # noqa: E402
 
 
 def summarize(run_dir: str) -> dict:

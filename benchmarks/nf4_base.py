@@ -23,8 +23,8 @@ def main():
     args = parser.parse_args()
     from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
-    from grpo.embedded import resolve_model_path
-    from grpo.sync import iter_policy_weights
+    from grpo.model.embedded import resolve_model_path
+    from grpo.model.weight_sync import iter_policy_weights
 
     path = resolve_model_path(args.model)
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -44,8 +44,8 @@ def build_trainer(model: str, variant: str, prompts: int, out_dir: str, **overri
     """A GRPOTrainer on `arith` for a variant: "full", "qlora", "qlora@fp4", "qlora+loftq", "qlora/32" (weights per
     4-bit scale), "qlora=mse" (how each scale is chosen), "qlora:<kept modules>". `overrides`: other GRPOConfig
     fields (another dataset, its lengths)."""
-    from grpo.config import BITSANDBYTES_BLOCK_SCALE, BITSANDBYTES_BLOCK_SIZE, GRPOConfig
-    from grpo.trainer import GRPOTrainer
+    from grpo.config.options import BITSANDBYTES_BLOCK_SCALE, BITSANDBYTES_BLOCK_SIZE, GRPOConfig
+    from grpo.train.trainer import GRPOTrainer
 
     head, _, skip = variant.partition(":")
     # "qlora+loftq": the rounding correction on; "qlora@fp4": the 4-bit data type; "qlora/32": the block size;
@@ -98,7 +98,7 @@ def round_linear_layers(model, rounding: str) -> float:
     """Round every linear weight but the output layer's in place, as bitsandbytes stores it ("nf4/32": data type,
     weights per scale, "/nodq": scales not quantized again, "/mse": scales as --qlora_block_scale mse chooses them)
     and back. Returns the relative error over all of them."""
-    from grpo.qlora_blocks import codebook, mse_block_rounding, round_4bit
+    from grpo.model.qlora_rounding import codebook, mse_block_rounding, round_4bit
 
     quant_type, blocksize, *rest = rounding.split("/")
     error, norm = 0.0, 0.0

@@ -30,7 +30,7 @@ def main() -> None:
         return
     from transformers import AutoTokenizer, GenerationConfig
 
-    from grpo.embedded import resolve_model_path
+    from grpo.model.embedded import resolve_model_path
     from train_memory import SHAPES, random_model
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path("smollm2-135m-instruct"))

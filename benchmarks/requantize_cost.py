@@ -33,10 +33,10 @@ def synchronized(device: torch.device) -> float:
 
 
 def load_seconds(model: str, device: torch.device, dtype: torch.dtype) -> dict:
-    from grpo.config import (BITSANDBYTES_BLOCK_SCALE, BITSANDBYTES_BLOCK_SIZE, DEFAULT_BLOCK_SCALE,
+    from grpo.config.options import (BITSANDBYTES_BLOCK_SCALE, BITSANDBYTES_BLOCK_SIZE, DEFAULT_BLOCK_SCALE,
                              DEFAULT_BLOCK_SIZE, GRPOConfig)
-    from grpo.embedded import resolve_model_path
-    from grpo.models import load_policy
+    from grpo.model.embedded import resolve_model_path
+    from grpo.model.loading import load_policy
 
     path = resolve_model_path(model)
     seconds = {}
@@ -56,7 +56,7 @@ def layer_seconds(shapes, device: torch.device, dtype: torch.dtype) -> tuple[flo
     """(stock quantization, search + quantization) seconds for one layer's weights, after one warm-up layer."""
     import bitsandbytes.functional as bnbf
 
-    from grpo.qlora_blocks import codebook, mse_block_rounding
+    from grpo.model.qlora_rounding import codebook, mse_block_rounding
 
     weights = [torch.randn(shape, device=device, dtype=dtype) * 0.02 for shape in shapes]
     codes = codebook("nf4")

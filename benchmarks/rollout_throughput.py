@@ -110,8 +110,8 @@ def grpo_cases(args, prompts) -> list[dict]:
     for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
                        "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}.items():
         os.environ.setdefault(key, value)
-    from grpo import distributed as dist_utils
-    from grpo.rollout.base import SamplingSettings
+    from grpo.runtime import distributed as dist_utils
+    from grpo.rollout.engine import SamplingSettings
     from grpo.rollout.vllm import VLLMRolloutEngine
 
     dist_utils.init_distributed()  # the engine joins this world (external_launcher)
@@ -150,7 +150,7 @@ def phase_cases(args, engine, prompts, requests) -> list[dict]:
     from safetensors.torch import load_file
     from transformers import AutoTokenizer
 
-    from grpo.rollout.base import SamplingSettings
+    from grpo.rollout.engine import SamplingSettings
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     weights = {}

@@ -35,7 +35,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from benchmarks.quantized_arithmetic import round_linear_layers
-    from grpo.embedded import resolve_model_path
+    from grpo.model.embedded import resolve_model_path
 
     path = resolve_model_path(args.model)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype))

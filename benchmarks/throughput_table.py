@@ -14,7 +14,7 @@ import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from grpo.reporting import read_metrics  # noqa: E402
+from grpo.train.reporting import read_metrics  # noqa: E402
 
 
 def read_json(path: str, default=None):

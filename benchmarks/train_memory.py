@@ -54,8 +54,8 @@ def build_model(shape: str, strategy: str, gradient_checkpointing: bool):
 
 
 def make_step(vocab: int, prompts: int, k: int, prompt_len: int, max_new: int, seed: int = 0):
-    from grpo.batch import build_rollout_batch
-    from grpo.rollout.base import Completion
+    from grpo.train.step_data import build_rollout_batch
+    from grpo.rollout.engine import Completion
 
     g = torch.Generator().manual_seed(seed)
     prompt_ids = [torch.randint(10, vocab, (prompt_len,), generator=g).tolist() for _ in range(prompts)]
@@ -69,8 +69,8 @@ def make_step(vocab: int, prompts: int, k: int, prompt_len: int, max_new: int, s
 
 
 def micro_batches(batch, mode: str, cfg, rows: int):
-    from grpo.micro_batches import MicroBatch
-    from grpo.optimize import step_micro_batches
+    from grpo.train.micro_batches import MicroBatch
+    from grpo.train.update import step_micro_batches
 
     if mode == "before":  # fixed rows, padded to the step's widths, as before
         n = len(batch.input_ids)
@@ -82,13 +82,13 @@ def micro_batches(batch, mode: str, cfg, rows: int):
 def run(shape: str, strategy: str, mode: str, args) -> dict:
     import deepspeed
 
-    from grpo import distributed as dist_utils
-    from grpo.config import GRPOConfig
-    from grpo.models import attention_without_shape_plans
-    from grpo.optimize import step_normaliser, update
+    from grpo.runtime import distributed as dist_utils
+    from grpo.config.options import GRPOConfig
+    from grpo.model.loading import attention_without_shape_plans
+    from grpo.train.update import step_normaliser, update
 
     dist_utils.init_distributed()
-    # before: the code before token budgets, cuDNN attention allowed; after: as grpo.models.load_policy sets it
+    # before: the code before token budgets, cuDNN attention allowed; after: as grpo.model.loading.load_policy sets it
     torch.backends.cuda.enable_cudnn_sdp(True)
     if mode not in ("before", "after-cudnn"):
         attention_without_shape_plans(torch.device("cuda"))

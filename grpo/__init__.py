@@ -3,8 +3,8 @@
 Heavy parts (torch, DeepSpeed, transformers) load on first use, so `import grpo` and the CLI's
 error paths stay fast.
 """
-from .config import GRPOConfig, parse_args
-from .errors import ConfigError, DatasetError, GRPOError, RewardError, TrainingError
+from grpo.config.options import GRPOConfig, parse_args
+from grpo.errors import ConfigError, DatasetError, GRPOError, RewardError, TrainingError
 
 __all__ = [
     "GRPOConfig", "GRPOTrainer", "parse_args", "register_reward", "load_dataset_registry", "serve_rollouts",
@@ -13,10 +13,10 @@ __all__ = [
 __version__ = "0.1.0"
 
 _LAZY = {
-    "GRPOTrainer": ("grpo.trainer", "GRPOTrainer"),
+    "GRPOTrainer": ("grpo.train.trainer", "GRPOTrainer"),
     "register_reward": ("grpo.rewards", "register_reward"),
     "load_dataset_registry": ("grpo.data", "load_dataset_registry"),
-    "serve_rollouts": ("grpo.rollout.server", "serve_rollouts"),
+    "serve_rollouts": ("grpo.rollout.serve", "serve_rollouts"),
 }
 
 

@@ -8,7 +8,7 @@ import sys
 from dataclasses import MISSING, fields
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from grpo.config import FLAG_GROUPS, GRPOConfig  # noqa: E402
+from grpo.config.options import FLAG_GROUPS, GRPOConfig  # noqa: E402
 
 TITLES = {"model": "Model and tuning strategy", "data": "Data and rewards", "training": "Optimisation",
           "grpo": "GRPO algorithm", "rollout": "Rollout engine", "logging": "Eval, checkpoints, logging",

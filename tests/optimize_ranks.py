@@ -8,10 +8,10 @@ import sys
 
 import torch
 
-from grpo import distributed as dist_utils
+from grpo.runtime import distributed as dist_utils
 from grpo.algorithm import AGGREGATIONS
-from grpo.micro_batches import cut_rows
-from grpo.optimize import step_micro_batches, step_normaliser, update
+from grpo.train.micro_batches import cut_rows
+from grpo.train.update import step_micro_batches, step_normaliser, update
 from tests.optimize_setup import make_engine, make_step, old_and_ref, step_config
 
 

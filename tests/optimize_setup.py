@@ -1,14 +1,14 @@
-"""One fixed GRPO step (tiny model, 8 completions of uneven length) run through grpo.optimize.update under
+"""One fixed GRPO step (tiny model, 8 completions of uneven length) run through grpo.train.update.update under
 DeepSpeed with plain SGD, so that updated weights show the gradient itself; and the same step as one batch in plain
 torch, the reference. Used in-process by tests/test_optimize.py and by the 2-rank script tests/optimize_ranks.py."""
 import torch
 
 from grpo.algorithm import policy_loss
-from grpo.batch import build_rollout_batch
-from grpo.config import GRPOConfig
-from grpo.micro_batches import form_micro_batches
-from grpo.rollout.base import Completion
-from grpo.scoring import completion_logprobs
+from grpo.train.step_data import build_rollout_batch
+from grpo.config.options import GRPOConfig
+from grpo.train.micro_batches import form_micro_batches
+from grpo.rollout.engine import Completion
+from grpo.train.logprobs import completion_logprobs
 
 LR = 0.5
 PROMPT_LENGTHS = (3, 7, 5, 2)
@@ -57,7 +57,7 @@ def make_engine(model, zero_stage: int = 2):
 
 def run_split(engine, batch, advantages, old, ref, cfg, groups, count=None, normaliser=None):
     """One update of `engine` over the micro-batches `groups` (row indices); returns the UpdateResult."""
-    from grpo.optimize import step_normaliser, update
+    from grpo.train.update import step_normaliser, update
 
     micro_batches = form_micro_batches(batch, groups, count=count)
     normaliser = step_normaliser(batch, cfg) if normaliser is None else normaliser

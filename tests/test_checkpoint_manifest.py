@@ -6,11 +6,11 @@ import shutil
 import pytest
 import torch
 
-from grpo.checkpoint import list_checkpoints, rotate_checkpoints
-from grpo.config import GRPOConfig
+from grpo.checkpoint.store import list_checkpoints, rotate_checkpoints
+from grpo.config.options import GRPOConfig
 from grpo.errors import CheckpointError, ConfigError, TrainingError
-from grpo.manifest import MANIFEST_FILE, quick_problem, verify_checkpoint, write_manifest
-from grpo.trainer import GRPOTrainer
+from grpo.checkpoint.manifest import MANIFEST_FILE, quick_problem, verify_checkpoint, write_manifest
+from grpo.train.trainer import GRPOTrainer
 
 from .trainer_setup import even_tokens, tiny_config, trainable_weights
 
@@ -200,7 +200,7 @@ def test_a_failing_reward_names_step_and_phase(tiny_model, registry, tmp_path):
 
 
 def test_an_unexpected_error_becomes_a_training_error(tiny_model, registry, tmp_path, monkeypatch):
-    import grpo.optimize as optimize_module
+    import grpo.train.update as optimize_module
 
     def broken(*args, **kwargs):
         raise ZeroDivisionError("division by zero in a custom loss")

@@ -7,7 +7,7 @@ import shutil
 import pytest
 import torch
 
-from grpo.checkpoint_weights import CheckpointWeights, local_checkpoint_folder
+from grpo.model.base_weights import CheckpointWeights, local_checkpoint_folder
 from grpo.errors import ConfigError
 
 from .tiny_models import make_tiny_model_dir
@@ -119,8 +119,8 @@ def test_a_checkpoint_saved_quantized_is_refused(model_dir, tmp_path):
 
 def test_a_run_whose_checkpoint_has_no_weights_file_stops_before_any_model_loads(tiny_model, registry, tmp_path,
                                                                                  monkeypatch):
-    import grpo.trainer as trainer_module
-    from grpo.trainer import GRPOTrainer
+    import grpo.train.trainer as trainer_module
+    from grpo.train.trainer import GRPOTrainer
 
     from .trainer_setup import tiny_config
 
@@ -137,7 +137,7 @@ def test_a_run_whose_checkpoint_has_no_weights_file_stops_before_any_model_loads
             GRPOTrainer(tiny_config(str(without), registry, str(tmp_path / "run"), tuning_strategy="qlora",
                                     **options))
     # bitsandbytes' stock base quantizes whatever transformers loads: nothing read, nothing refused
-    from grpo.checkpoint_weights import check_checkpoint_weights
+    from grpo.model.base_weights import check_checkpoint_weights
 
     check_checkpoint_weights(tiny_config(str(without), registry, str(tmp_path / "run"), tuning_strategy="qlora",
                                          **stock), str(without))

@@ -68,7 +68,7 @@ def test_vllm_tp_must_divide_world_size():
 
 
 def test_config_file_supplies_values_and_flags_win(tmp_path):
-    from grpo.config import parse_args
+    from grpo.config.options import parse_args
 
     path = tmp_path / "run.json"
     path.write_text(json.dumps({"k_samples": 6, "temperature": 0.7, "dataset_names": ["gsm8k"]}))
@@ -88,7 +88,7 @@ def test_config_file_errors(tmp_path):
 
 
 def test_dataset_names_accept_commas_and_spaces():
-    from grpo.config import parse_args
+    from grpo.config.options import parse_args
 
     assert parse_args(["--dataset_names", "arith,gsm8k", "extra"]).dataset_names == ["arith", "gsm8k", "extra"]
     config = parse_args(["--dataset_names", "gsm8k", "--eval_dataset_names", "gsm8k_test,arith_test", "x"])
@@ -155,7 +155,7 @@ def test_reward_module_registers_a_reward(tmp_path):
 def test_readme_documents_every_flag():
     from dataclasses import fields
 
-    from grpo.config import GRPOConfig
+    from grpo.config.options import GRPOConfig
 
     readme = open(os.path.join(ROOT, "README.md")).read()
     missing = [f.name for f in fields(GRPOConfig) if f"`--{f.name}`" not in readme]
@@ -172,7 +172,7 @@ def test_readme_documents_every_flag():
     (["--reward_model", "a/rm", "b/rm"], "--reward_model: two folders are named rm"),
 ])
 def test_objective_flags_are_validated(args, message):
-    from grpo.config import parse_args
+    from grpo.config.options import parse_args
     from grpo.errors import ConfigError
 
     with pytest.raises(ConfigError, match=message):
@@ -180,7 +180,7 @@ def test_objective_flags_are_validated(args, message):
 
 
 def test_objective_flags_parse():
-    from grpo.config import parse_args
+    from grpo.config.options import parse_args
 
     cfg = parse_args(["--importance_sampling_level", "sequence", "--clip_epsilon_low", "3e-4", "--clip_epsilon_high",
                       "4e-4", "--clip_ratio_c", "3", "--kl_estimator", "k1", "--use_kl_penalty", "--kl_in_reward",

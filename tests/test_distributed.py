@@ -8,7 +8,7 @@ from .trainer_setup import ROOT, child_env
 # its own process: DeepSpeed keeps the groups it saw, so a test process that ended its group could not start another
 SCRIPT = """
 import torch.distributed as dist
-from grpo import distributed
+from grpo.runtime import distributed
 distributed.init_distributed()
 assert dist.is_initialized() and distributed.all_sum([1.5]) == [1.5]
 distributed.shutdown()

@@ -2,9 +2,9 @@
 import pytest
 import torch
 
-from grpo.dynamic_sampling import RolloutRound, dynamic_rollouts, informative_groups, select_groups
+from grpo.rollout.dynamic_sampling import RolloutRound, dynamic_rollouts, informative_groups, select_groups
 from grpo.rewards import RewardResult
-from grpo.rollout.base import Completion
+from grpo.rollout.engine import Completion
 
 
 def test_informative_groups_by_hand():

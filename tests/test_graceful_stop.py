@@ -4,7 +4,7 @@ import signal
 
 import pytest
 
-from grpo.graceful_stop import GracefulStop
+from grpo.runtime.signals import GracefulStop
 
 
 def test_first_signal_is_recorded_second_stops_and_handlers_come_back():

@@ -4,11 +4,11 @@ import copy
 import pytest
 import torch
 
-from grpo.batch import build_rollout_batch
-from grpo.models import load_tokenizer
-from grpo.rollout.base import SamplingSettings
+from grpo.train.step_data import build_rollout_batch
+from grpo.model.loading import load_tokenizer
+from grpo.rollout.engine import SamplingSettings
 from grpo.rollout.hf import HFRolloutEngine
-from grpo.scoring import completion_logprobs
+from grpo.train.logprobs import completion_logprobs
 
 from .tiny_models import make_tiny_model_dir
 

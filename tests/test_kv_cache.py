@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import DeepseekV3Config, LlamaConfig, Qwen2VLConfig, Qwen3NextConfig
 
-from grpo.config import parse_args
+from grpo.config.options import parse_args
 from grpo.errors import ConfigError
 from grpo.rollout.kv_cache import (auto_kv_cache_bytes, checkpoint_weight_bytes, engine_kv_cache_bytes,
                                    kv_bytes_per_token, within_share)

@@ -4,11 +4,11 @@ import os
 import pytest
 import torch
 
-from grpo.config import GRPOConfig
+from grpo.config.options import GRPOConfig
 from grpo.errors import ConfigError
-from grpo.loftq import CORRECTION_ADAPTER, low_rank_factors
-from grpo.models import keep_4bit_forward_exact, load_policy, load_tokenizer, reference_mode, save_final_model
-from grpo.sync import iter_policy_weights
+from grpo.model.loftq import CORRECTION_ADAPTER, low_rank_factors
+from grpo.model.loading import keep_4bit_forward_exact, load_policy, load_tokenizer, reference_mode, save_final_model
+from grpo.model.weight_sync import iter_policy_weights
 
 from .tiny_models import make_tiny_model_dir
 

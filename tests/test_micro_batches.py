@@ -4,8 +4,8 @@ import torch
 
 from grpo.algorithm import (aggregate, aggregation_normaliser, aggregation_numerator, hidden_token_logprobs,
                             token_entropy, token_logprobs)
-from grpo.micro_batches import cut_rows, form_micro_batches, pack_by_token_budget
-from grpo.scoring import completion_logprobs, pack_rows
+from grpo.train.micro_batches import cut_rows, form_micro_batches, pack_by_token_budget
+from grpo.train.logprobs import completion_logprobs, pack_rows
 
 from .optimize_setup import make_step
 from .tiny_models import make_tiny_model_dir

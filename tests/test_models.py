@@ -5,9 +5,9 @@ import os
 import pytest
 import torch
 
-from grpo.config import EMBEDDED_MODEL, GRPOConfig
+from grpo.config.options import EMBEDDED_MODEL, GRPOConfig
 from grpo.errors import ConfigError
-from grpo.models import (attention_without_shape_plans, keep_4bit_forward_exact, load_policy, load_reference,
+from grpo.model.loading import (attention_without_shape_plans, keep_4bit_forward_exact, load_policy, load_reference,
                          load_tokenizer, reference_mode, save_final_model)
 
 from .tiny_models import make_tiny_model_dir
@@ -190,7 +190,7 @@ def test_full_model_saves_in_hf_format(model_dir, tmp_path):
 def test_embedded_model_resolves_and_generates():
     from transformers import AutoModelForCausalLM
 
-    from grpo.embedded import resolve_model_path
+    from grpo.model.embedded import resolve_model_path
 
     path = resolve_model_path(EMBEDDED_MODEL)  # converted once into the cache, then reused
     assert resolve_model_path(EMBEDDED_MODEL) == path and resolve_model_path("/some/folder") == "/some/folder"
@@ -208,7 +208,7 @@ def test_embedded_model_resolves_and_generates():
 def test_embedded_model_errors_say_how_to_fix(monkeypatch, tmp_path):
     import importlib.util
 
-    from grpo import embedded
+    from grpo.model import embedded
 
     monkeypatch.setenv("GRPO_SMOLLM2_GGUF", str(tmp_path / "missing.gguf"))
     with pytest.raises(ConfigError, match="GRPO_SMOLLM2_GGUF"):
@@ -242,9 +242,9 @@ def test_qlora_keeps_named_layers_in_full_precision(model_dir):
 def test_qlora_base_uses_the_chosen_4bit_type_and_syncs_it(model_dir, quant_type, block_size, block_scale):
     import bitsandbytes.functional as bnbf
 
-    from grpo.qlora_blocks import round_4bit
-    from grpo.qlora_blocks import codebook, mse_block_rounding
-    from grpo.sync import iter_policy_weights
+    from grpo.model.qlora_rounding import round_4bit
+    from grpo.model.qlora_rounding import codebook, mse_block_rounding
+    from grpo.model.weight_sync import iter_policy_weights
 
     policy = adapted_policy(config(model_dir, tuning_strategy="qlora", qlora_quant_type=quant_type,
                                    qlora_block_size=block_size, qlora_block_scale=block_scale), model_dir)
@@ -341,7 +341,7 @@ def test_qlora_in_blocks_of_32_reads_gpt2_style_weights_transposed(tmp_path):
     import bitsandbytes.functional as bnbf
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from grpo.qlora_blocks import codebook, mse_block_rounding, round_4bit
+    from grpo.model.qlora_rounding import codebook, mse_block_rounding, round_4bit
 
     torch.manual_seed(0)
     dense = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=64, n_head=2, vocab_size=128, n_positions=32))
@@ -369,8 +369,8 @@ def test_qlora_block_size_errors(model_dir):
     assert config(model_dir, tuning_strategy="lora", **STOCK_4BIT).qlora_requantizing_options == []
     from transformers import BitsAndBytesConfig
 
-    from grpo.models import load_base_model
-    from grpo.qlora_blocks import requantize_4bit_base
+    from grpo.model.loading import load_base_model
+    from grpo.model.qlora_rounding import requantize_4bit_base
 
     base = load_base_model(model_dir, torch.float32, CPU, False, BitsAndBytesConfig(load_in_4bit=True))
     with pytest.raises(ConfigError, match="no local copy of 'nobody/no-such-model'.*folder as --model_name_or_path"):

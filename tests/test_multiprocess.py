@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from grpo.manifest import MANIFEST_FILE
+from grpo.checkpoint.manifest import MANIFEST_FILE
 
 from .tiny_models import make_tiny_model_dir
 from .trainer_setup import ROOT, child_env, deepspeed_launcher, train_rows, write_prompt_registry

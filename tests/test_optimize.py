@@ -6,9 +6,9 @@ import subprocess
 import pytest
 import torch
 
-from grpo import distributed as dist_utils
+from grpo.runtime import distributed as dist_utils
 from grpo.algorithm import AGGREGATIONS
-from grpo.micro_batches import micro_batch_groups
+from grpo.train.micro_batches import micro_batch_groups
 
 from .optimize_setup import make_engine, make_step, old_and_ref, reference_update, run_split, step_config
 from .tiny_models import make_tiny_model_dir
@@ -67,7 +67,7 @@ def test_any_split_gives_the_one_batch_update(aggregation, model_dir, reference)
 
 
 def test_micro_batch_metrics_combine_token_weighted():
-    from grpo.optimize import combine_micro_batch_metrics
+    from grpo.train.update import combine_micro_batch_metrics
 
     combined = combine_micro_batch_metrics([({"kl": 0.1, "ratio_max": 1.2, "entropy_loss": -0.01}, 10),
                                             ({"kl": 0.4, "ratio_max": 1.5, "entropy_loss": -0.02}, 30)])

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from grpo.qlora_blocks import SCALE_FRACTIONS, codebook, mse_block_rounding
+from grpo.model.qlora_rounding import SCALE_FRACTIONS, codebook, mse_block_rounding
 
 NF4_BELOW_ONE = 0.7229568362236023  # nf4's second-largest code
 
@@ -43,7 +43,7 @@ def test_a_block_already_on_the_codes_keeps_its_largest_magnitude_as_scale():
 def test_bitsandbytes_stores_the_searched_rounding_exactly_and_it_beats_absmax(quant_type, block_size):
     import bitsandbytes.functional as bnbf
 
-    from grpo.qlora_blocks import round_4bit
+    from grpo.model.qlora_rounding import round_4bit
 
     torch.manual_seed(0)
     weight = torch.distributions.StudentT(3.0).sample((96, 128)) * 0.02  # heavy-tailed, like trained weights

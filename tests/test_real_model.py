@@ -4,9 +4,9 @@ import os
 import pytest
 import torch
 
-from grpo.config import GRPOConfig
-from grpo.reporting import read_metrics
-from grpo.trainer import GRPOTrainer
+from grpo.config.options import GRPOConfig
+from grpo.train.reporting import read_metrics
+from grpo.train.trainer import GRPOTrainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -5,10 +5,10 @@ import importlib.util
 import pytest
 import torch
 
-from grpo.config import GRPOConfig
+from grpo.config.options import GRPOConfig
 from grpo.errors import ConfigError
-from grpo.models import load_policy
-from grpo.sync import checkpoint_name, iter_policy_weights, sync_weights
+from grpo.model.loading import load_policy
+from grpo.model.weight_sync import checkpoint_name, iter_policy_weights, sync_weights
 
 from .tiny_models import make_tiny_model_dir
 
@@ -308,7 +308,7 @@ def test_vllm_engine_without_vllm_says_how_to_install():
 def test_zero3_gathers_the_same_tensors(model_dir, strategy):
     import deepspeed
 
-    from grpo import distributed as dist_utils
+    from grpo.runtime import distributed as dist_utils
 
     dist_utils.init_distributed()
     policy = trained_policy(model_dir, strategy)

@@ -7,11 +7,11 @@ import signal
 import pytest
 import torch
 
-from grpo import optimize
-from grpo.checkpoint import list_checkpoints
+from grpo.train import update as optimize
+from grpo.checkpoint.store import list_checkpoints
 from grpo.errors import ConfigError, DatasetError, TrainingError
-from grpo.reporting import read_metrics
-from grpo.trainer import GRPOTrainer
+from grpo.train.reporting import read_metrics
+from grpo.train.trainer import GRPOTrainer
 
 from .trainer_setup import (PROMPTS, add_dataset, deepspeed_adamw_config, even_tokens, tiny_config,
                             trainable_weights, write_prompt_registry)
@@ -286,7 +286,7 @@ def eval_config(tiny_model, registry, output_dir, **overrides):
 
 
 def test_eval_dataset_and_overlong_prompts(tiny_model, eval_registry, tmp_path, monkeypatch):
-    import grpo.trainer as trainer_module
+    import grpo.train.trainer as trainer_module
 
     # without --filter_overlong_prompts an overlong prompt stops the run, before any model loads
     with monkeypatch.context() as patched:
@@ -331,7 +331,7 @@ def test_held_out_split_and_eval_dataset_are_reported_apart(tiny_model, eval_reg
 
 
 def test_out_of_memory_names_phase_sizes_and_knobs(tiny_model, registry, tmp_path, monkeypatch):
-    import grpo.trainer as trainer_module
+    import grpo.train.trainer as trainer_module
 
     def out_of_memory(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB. GPU 0 has a total capacity "
@@ -351,7 +351,7 @@ def test_out_of_memory_names_phase_sizes_and_knobs(tiny_model, registry, tmp_pat
 
 
 def test_resume_names_options_that_changed(tmp_path, caplog):
-    from grpo.checkpoint import warn_changed_options
+    from grpo.checkpoint.store import warn_changed_options
 
     # a lora run saved before qlora's defaults changed: its qlora options were bitsandbytes' stock ones
     saved = tiny_config("model", "registry.json", str(tmp_path), scale_rewards="group", max_steps=2,
@@ -372,7 +372,7 @@ def test_resume_names_options_that_changed(tmp_path, caplog):
 
 
 def test_resume_refuses_options_that_rebuild_another_policy(tmp_path):
-    from grpo.checkpoint import check_resume_keeps_policy, saved_config_path
+    from grpo.checkpoint.store import check_resume_keeps_policy, saved_config_path
 
     saved = tiny_config("model", "registry.json", str(tmp_path), tuning_strategy="qlora", qlora_quant_type="nf4")
     saved.save(str(tmp_path / "grpo_config.json"))
@@ -421,7 +421,7 @@ def test_resume_refuses_options_that_rebuild_another_policy(tmp_path):
 
 
 def test_a_resume_with_another_4bit_type_stops_before_any_model_loads(tiny_model, registry, tmp_path, monkeypatch):
-    import grpo.trainer as trainer_module
+    import grpo.train.trainer as trainer_module
 
     out = str(tmp_path / "run")
     GRPOTrainer(tiny_config(tiny_model, registry, out, tuning_strategy="qlora", max_steps=1, save_steps=1)).train()
@@ -455,7 +455,7 @@ class ForgetfulEngine:
 
 
 def test_an_engine_left_without_weights_gets_the_policy_before_it_wakes(tiny_model, registry, tmp_path, monkeypatch):
-    import grpo.trainer as trainer_module
+    import grpo.train.trainer as trainer_module
 
     trainer = GRPOTrainer(tiny_config(tiny_model, registry, str(tmp_path)))
     engine = trainer.rollout_engine = ForgetfulEngine(trainer.rollout_engine)

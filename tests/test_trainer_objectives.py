@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from grpo.trainer import GRPOTrainer
+from grpo.train.trainer import GRPOTrainer
 
 from .test_trainer import pick_target
 from .tiny_models import make_tiny_reward_model_dir
@@ -116,7 +116,7 @@ def test_policy_and_reference_logprobs_are_taken_without_a_graph(tiny_model, reg
 def test_later_updates_of_a_rollout_reuse_the_first_updates_logprobs(tiny_model, registry, tmp_path, monkeypatch):
     """num_iterations 2: no separate scoring pass; the first update's own (detached) log-probs are the old policy's,
     so its ratio is exactly 1, and the second update reads them back."""
-    import grpo.trainer as trainer_module
+    import grpo.train.trainer as trainer_module
 
     config = tiny_config(tiny_model, registry, str(tmp_path), num_iterations=2, eval_on_start=False,
                          lora_dropout=0.0)
@@ -150,7 +150,7 @@ def test_later_updates_of_a_rollout_reuse_the_first_updates_logprobs(tiny_model,
 
 def simulate_second_rank(monkeypatch, rewards: list[float]) -> list[float]:
     """all_sum as two ranks would return it, the other holding `rewards`; returns the step means it computed."""
-    from grpo import distributed as dist_utils
+    from grpo.runtime import distributed as dist_utils
 
     other = torch.tensor(rewards, dtype=torch.float64)
     means = []
@@ -182,7 +182,7 @@ def test_batch_scaled_advantages_use_every_ranks_rewards(monkeypatch, tmp_path):
 def test_the_logged_reward_std_is_the_whole_steps(monkeypatch):
     """The same two ranks as above: reward/std is sqrt(29.5 / 7) on this rank too, not the std of its own [3, 5, 3, 5]
     (1.1547) averaged with the other rank's."""
-    from grpo.step_metrics import step_std
+    from grpo.train.metrics import step_std
 
     simulate_second_rank(monkeypatch, [0.0, 1.0, 0.0, 1.0])
     assert step_std(torch.tensor([3.0, 5.0, 3.0, 5.0])) == pytest.approx(math.sqrt(29.5 / 7))

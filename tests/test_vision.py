@@ -9,20 +9,20 @@ import pytest
 import torch
 from PIL import Image
 
-from grpo.batch import build_rollout_batch
-from grpo.config import GRPOConfig
+from grpo.train.step_data import build_rollout_batch
+from grpo.config.options import GRPOConfig
 from grpo.data import load_prompt_datasets
 from grpo.errors import ConfigError, DatasetError
-from grpo.images import IMAGE_MARKER
-from grpo.models import load_policy, load_tokenizer
-from grpo.reporting import read_metrics
-from grpo.rollout.base import SamplingSettings
+from grpo.data.images import IMAGE_MARKER
+from grpo.model.loading import load_policy, load_tokenizer
+from grpo.train.reporting import read_metrics
+from grpo.rollout.engine import SamplingSettings
 from grpo.rollout.hf import HFRolloutEngine
 from grpo.rollout.vllm import collapse_image_tokens
-from grpo.scoring import completion_logprobs
-from grpo.sync import iter_policy_weights
-from grpo.trainer import GRPOTrainer
-from grpo.vision import VisionProcessor, language_linear_names, vision_tower_names
+from grpo.train.logprobs import completion_logprobs
+from grpo.model.weight_sync import iter_policy_weights
+from grpo.train.trainer import GRPOTrainer
+from grpo.model.vision import VisionProcessor, language_linear_names, vision_tower_names
 
 from .test_cli import assert_clean_failure, run_cli
 from .tiny_vl_models import make_tiny_vl_model_dir
@@ -226,7 +226,7 @@ def test_qlora_default_base_reads_the_language_weights_under_their_checkpoint_na
     import bitsandbytes.functional as bnbf
     from safetensors import safe_open
 
-    from grpo.qlora_blocks import codebook, mse_block_rounding, round_4bit
+    from grpo.model.qlora_rounding import codebook, mse_block_rounding, round_4bit
 
     model = policy(vl_model, "qlora")
     quantized = {n: m for n, m in model.named_modules() if isinstance(m, bnb.nn.Linear4bit)}
@@ -260,7 +260,7 @@ def test_a_fresh_adapter_scores_like_the_base_model(vl_model, strategy):
     refs = [{"bytes": png(COLORS["red"]), "path": None}]
     _, ids = processor.render([{"role": "user", "content": IMAGE_MARKER + "What color is the image ?"}], refs, "t")
     text = [tokenizer.convert_tokens_to_ids(w) for w in ["red", "circle", "is", "the", "shape", "."]]
-    from grpo.rollout.base import Completion
+    from grpo.rollout.engine import Completion
 
     batch = build_rollout_batch([ids], [Completion(0, text, [0.0] * len(text), "length")], tokenizer.pad_token_id,
                                 images=[processor.prompt_images(refs)])

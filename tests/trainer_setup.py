@@ -4,8 +4,8 @@ import os
 import shutil
 import sys
 
-from grpo.config import GRPOConfig
-from grpo.reporting import read_metrics
+from grpo.config.options import GRPOConfig
+from grpo.train.reporting import read_metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAUNCHER_VARS = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}

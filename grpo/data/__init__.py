@@ -7,10 +7,10 @@ Every check here runs before any model loads, and every error names the dataset,
   loading.py   named datasets -> (train, eval) rows
   render.py    rows -> prompt text and token ids, within --max_prompt_length
 """
-from .loading import load_prompt_datasets
-from .registry import EXTRACTORS, DatasetSpec, dataset_routes, load_dataset_registry
-from .render import render_prompts
-from .rows import ROW_FEATURES, build_messages, extract_answer, first_rows_per_source
+from grpo.data.loading import load_prompt_datasets
+from grpo.data.registry import EXTRACTORS, DatasetSpec, dataset_routes, load_dataset_registry
+from grpo.data.render import render_prompts
+from grpo.data.rows import ROW_FEATURES, build_messages, extract_answer, first_rows_per_source
 
 __all__ = ["DatasetSpec", "EXTRACTORS", "ROW_FEATURES", "build_messages", "dataset_routes", "extract_answer",
            "first_rows_per_source", "load_dataset_registry", "load_prompt_datasets", "render_prompts"]

@@ -8,8 +8,8 @@ import tempfile
 
 import datasets
 
-from ..errors import DatasetError
-from .registry import DatasetSpec
+from grpo.errors import DatasetError
+from grpo.data.registry import DatasetSpec
 
 FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 GSM8K_SOURCE = ("GSM8K comes from https://github.com/openai/grade-school-math: download its file "

@@ -6,11 +6,11 @@ from typing import Sequence
 
 import datasets
 
-from .. import images as image_utils
-from ..errors import DatasetError
-from .files import load_raw, quiet_progress
-from .registry import load_dataset_registry, lookup
-from .rows import split_rows, standardize
+from grpo.data import images as image_utils
+from grpo.errors import DatasetError
+from grpo.data.files import load_raw, quiet_progress
+from grpo.data.registry import load_dataset_registry, lookup
+from grpo.data.rows import split_rows, standardize
 
 
 def load_prompt_datasets(registry_path: str, names: Sequence[str], train_split_ratio: float, seed: int,

@@ -8,8 +8,8 @@ import re
 from dataclasses import dataclass, field, fields
 from typing import Optional, Sequence
 
-from ..errors import DatasetError
-from ..jsonfile import read_json_object
+from grpo.errors import DatasetError
+from grpo.config.json_file import read_json_object
 
 EXTRACTORS = ("none", "gsm8k", "boxed", "regex:<pattern>")
 

@@ -6,8 +6,8 @@ from collections import Counter
 
 import datasets
 
-from ..errors import DatasetError
-from .files import quiet_progress
+from grpo.errors import DatasetError
+from grpo.data.files import quiet_progress
 
 logger = logging.getLogger("grpo")
 

@@ -6,10 +6,10 @@ from typing import Optional
 
 import datasets
 
-from .. import images as image_utils
-from ..errors import DatasetError
-from ..rewards import last_boxed
-from .registry import EXTRACTORS, DatasetSpec
+from grpo.data import images as image_utils
+from grpo.errors import DatasetError
+from grpo.rewards import last_boxed
+from grpo.data.registry import EXTRACTORS, DatasetSpec
 
 # One schema for every dataset, so that datasets of different origins concatenate.
 ROW_FEATURES = datasets.Features({

@@ -4,8 +4,8 @@ from __future__ import annotations
 import re
 from typing import Optional
 
-from ..errors import RewardError
-from .registry import register_reward
+from grpo.errors import RewardError
+from grpo.rewards.registry import register_reward
 
 
 DEFAULT_FORMAT_PATTERN = r"<think>.*?</think>\s*.*\S.*"  # a think block, then a non-empty answer

@@ -6,7 +6,7 @@ import numbers
 import re
 from typing import Optional
 
-from .registry import register_reward
+from grpo.rewards.registry import register_reward
 
 
 # --------------------------------------------------------------------------------------- number parsing

@@ -8,7 +8,7 @@ import re
 import sys
 from typing import Callable
 
-from ..errors import RewardError
+from grpo.errors import RewardError
 
 RewardFn = Callable[..., list]
 _REGISTRY: dict[str, RewardFn] = {}

@@ -13,9 +13,9 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..config import reward_model_name
-from ..errors import ConfigError
-from .registry import register_reward
+from grpo.config.options import reward_model_name
+from grpo.errors import ConfigError
+from grpo.rewards.registry import register_reward
 
 logger = logging.getLogger("grpo")
 

@@ -6,8 +6,8 @@ import numbers
 from dataclasses import dataclass
 from typing import Callable, Mapping, NamedTuple, Optional, Sequence
 
-from ..errors import RewardError
-from .registry import RewardFn, get_reward
+from grpo.errors import RewardError
+from grpo.rewards.registry import RewardFn, get_reward
 
 
 # ---------------------------------------------------------------------------------------------- routing

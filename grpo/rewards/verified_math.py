@@ -10,8 +10,8 @@ from __future__ import annotations
 import importlib.util
 import threading
 
-from ..errors import RewardError
-from .registry import register_reward
+from grpo.errors import RewardError
+from grpo.rewards.registry import register_reward
 
 INSTALL_HINT = "pip install math-verify (or pip install .[math]; tested with math-verify 0.9.0)"
 

@@ -11,9 +11,9 @@ import re
 import string
 from typing import Optional
 
-from ..errors import RewardError
-from .math import last_boxed
-from .registry import register_reward
+from grpo.errors import RewardError
+from grpo.rewards.math import last_boxed
+from grpo.rewards.registry import register_reward
 
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL | re.IGNORECASE)
 _ARTICLES = re.compile(r"\b(a|an|the)\b")

@@ -5,7 +5,7 @@ from typing import Iterable, Optional
 
 import torch
 
-from .base import Completion, SamplingSettings
+from grpo.rollout.engine import Completion, SamplingSettings
 
 
 def stop_token_ids(model, tokenizer) -> list[int]:
@@ -50,7 +50,7 @@ class HFRolloutEngine:
                  images: Optional[list] = None) -> list[Completion]:
         """n completions per prompt, prompt by prompt, each cut after its first stop token.
 
-        `images`: per prompt, its grpo.vision.PromptImages (processed pixels) or None.
+        `images`: per prompt, its grpo.model.vision.PromptImages (processed pixels) or None.
         """
         if not sampling.greedy and sampling.temperature <= 0:
             raise ValueError(f"temperature must be > 0 when sampling (got {sampling.temperature}); "
@@ -95,7 +95,7 @@ class HFRolloutEngine:
         else:
             kwargs.update(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p, top_k=0)
         if images:  # each prompt's pixels once; generate repeats them for its num_return_sequences
-            from ..vision import image_token_types, model_image_inputs
+            from grpo.model.vision import image_token_types, model_image_inputs
 
             token_id = next(p.image_token_id for p in images if p is not None)
             kwargs.update(model_image_inputs(images, range(len(prompts)), device),
@@ -143,7 +143,7 @@ class HFRolloutEngine:
         grpo/vision.py; tied weights appear under each of their names), built on the first sync and kept: a sync
         arrives in many calls."""
         if self._by_checkpoint_name is None:
-            from ..vision import checkpoint_prefixes, rename
+            from grpo.model.vision import checkpoint_prefixes, rename
 
             prefixes = checkpoint_prefixes(self.model)
             self._by_checkpoint_name = {rename(name, prefixes): p

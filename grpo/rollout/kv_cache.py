@@ -27,7 +27,7 @@ import logging
 import math
 import os
 
-from ..checkpoint_weights import local_snapshot
+from grpo.model.base_weights import local_snapshot
 
 logger = logging.getLogger("grpo")
 

@@ -12,10 +12,10 @@ from typing import Iterable, Optional
 
 import torch
 
-from .. import distributed as dist_utils
-from ..errors import TrainingError
-from .base import Completion, SamplingSettings
-from .bridge import BridgeClosed, RolloutBridge, connect_store, layout
+from grpo.runtime import distributed as dist_utils
+from grpo.errors import TrainingError
+from grpo.rollout.engine import Completion, SamplingSettings
+from grpo.rollout.bridge import BridgeClosed, RolloutBridge, connect_store, layout
 
 
 STOP_WAIT = timedelta(seconds=60)

@@ -28,8 +28,8 @@ from typing import Iterable
 
 import torch
 
-from ..errors import ConfigError
-from .base import Completion, SamplingSettings
+from grpo.errors import ConfigError
+from grpo.rollout.engine import Completion, SamplingSettings
 
 logger = logging.getLogger("grpo")
 INSTALL_HINT = "--use_vllm_rollout needs vLLM: pip install .[vllm] (tested with vllm 0.26.0)"
@@ -70,7 +70,7 @@ class VLLMRolloutEngine:
         self.stop_token_ids = list(stop_token_ids or [])
         self.enable_sleep = enable_sleep
         self.sleep_level = sleep_level
-        # read by grpo.sync.sync_weights: a level-2 sleep leaves nothing of the previous weights to build on
+        # read by grpo.model.weight_sync.sync_weights: a level-2 sleep leaves nothing of the previous weights to build on
         self.needs_every_weight = enable_sleep and sleep_level == 2
         self.weights_dropped = False  # a level-2 sleep dropped them and no load_weights has run since
         self.image_token_id = image_token_id
@@ -97,7 +97,7 @@ class VLLMRolloutEngine:
                  images: list | None = None) -> list[Completion]:
         """n completions per prompt, prompt by prompt, with their sampling log-probs and finish reasons.
 
-        `images`: per prompt, a grpo.vision.PromptImages (its PIL images are what vLLM gets) or None.
+        `images`: per prompt, a grpo.model.vision.PromptImages (its PIL images are what vLLM gets) or None.
         """
         too_long = [len(p) for p in prompt_token_ids if len(p) >= self.max_model_len]
         if too_long:
@@ -154,7 +154,7 @@ class VLLMRolloutEngine:
     # ----------------------------------------------------------------------------------------- weights
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], complete: bool = True) -> None:
         """Overwrite the engine's weights with these (HF checkpoint names), then drop its cached prefixes.
-        `complete`: these tensors finish a load of every weight (grpo.sync.sync_weights passes False for all chunks
+        `complete`: these tensors finish a load of every weight (grpo.model.weight_sync.sync_weights passes False for all chunks
         but the last), so after a level-2 sleep the engine may wake again only once a whole sync has landed."""
         if "weights" in self._asleep:
             self.llm.wake_up(tags=["weights"])  # parked weights come back before they are partly overwritten
@@ -190,7 +190,7 @@ class VLLMRolloutEngine:
         before the next rollout; weights a level-2 sleep dropped must have been synced since."""
         if self.weights_dropped:
             raise RuntimeError("vLLM's weights were dropped by its level-2 sleep and no sync has loaded them since: "
-                               "call grpo.sync.sync_weights(engine, ...) after sleep() and before generating")
+                               "call grpo.model.weight_sync.sync_weights(engine, ...) after sleep() and before generating")
         if self._asleep:
             self.llm.wake_up(tags=sorted(self._asleep, key=["weights", "kv_cache"].index))
             self._asleep = set()

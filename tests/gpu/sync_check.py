@@ -60,14 +60,14 @@ def main():
 
     import deepspeed
 
-    from grpo import distributed as dist_utils
+    from grpo.runtime import distributed as dist_utils
     from grpo.algorithm import token_logprobs
-    from grpo.config import GRPOConfig
-    from grpo.ds_config import load_deepspeed_config
-    from grpo.models import load_policy
-    from grpo.rollout.base import SamplingSettings
+    from grpo.config.options import GRPOConfig
+    from grpo.runtime.deepspeed_config import load_deepspeed_config
+    from grpo.model.loading import load_policy
+    from grpo.rollout.engine import SamplingSettings
     from grpo.rollout.vllm import VLLMRolloutEngine
-    from grpo.sync import sync_weights
+    from grpo.model.weight_sync import sync_weights
 
     dist_utils.init_distributed()
     if dist_utils.rank() == 0:  # one writer; the other rank waits for the finished folder

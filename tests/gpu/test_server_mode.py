@@ -57,7 +57,7 @@ def test_the_rollout_rank_samples_the_policy_after_every_step(strategy, tmp_path
     gaps = [round(r["rollout/logprob_diff_mean"], 4) for r in rows]
     assert all(g < SYNCED_MAX for g in gaps), f"engine vs trainer log-prob gap per step: {gaps}"
     if strategy == "full":  # an engine left on the starting weights would be clearly further off
-        from grpo.embedded import resolve_model_path
+        from grpo.model.embedded import resolve_model_path
 
         moved = mean_logprob_change(resolve_model_path("smollm2-135m-instruct"), str(tmp_path / "out" / "model"))
         print({"stale_engine_gap": moved})

@@ -29,8 +29,8 @@ def main():
     from transformers import AutoModelForCausalLM
 
     from grpo.algorithm import token_logprobs
-    from grpo.config import GRPOConfig
-    from grpo.trainer import GRPOTrainer
+    from grpo.config.options import GRPOConfig
+    from grpo.train.trainer import GRPOTrainer
 
     config = GRPOConfig(tuning_strategy=args.strategy, dataset_names=["arith"], use_vllm_rollout=True,
                         vllm_enforce_eager=True, lora_dropout=0.0, max_steps=1, eval_max_prompts=32,

@@ -78,17 +78,17 @@ def main():
 
     import deepspeed
 
-    from grpo import distributed as dist_utils
-    from grpo.batch import build_rollout_batch
-    from grpo.config import GRPOConfig
-    from grpo.ds_config import load_deepspeed_config
-    from grpo.images import IMAGE_MARKER
-    from grpo.models import load_policy, load_tokenizer
-    from grpo.rollout.base import Completion, SamplingSettings
+    from grpo.runtime import distributed as dist_utils
+    from grpo.train.step_data import build_rollout_batch
+    from grpo.config.options import GRPOConfig
+    from grpo.runtime.deepspeed_config import load_deepspeed_config
+    from grpo.data.images import IMAGE_MARKER
+    from grpo.model.loading import load_policy, load_tokenizer
+    from grpo.rollout.engine import Completion, SamplingSettings
     from grpo.rollout.vllm import VLLMRolloutEngine
-    from grpo.scoring import completion_logprobs
-    from grpo.sync import sync_weights
-    from grpo.vision import VisionProcessor
+    from grpo.train.logprobs import completion_logprobs
+    from grpo.model.weight_sync import sync_weights
+    from grpo.model.vision import VisionProcessor
 
     dist_utils.init_distributed()
     path = build_model(MODEL_DIR)

@@ -1,0 +1,291 @@
+"""Checkpoints: DeepSpeed engine state + trainer state, written atomically, the newest K kept.
+
+Layout of one checkpoint folder (`output_dir/checkpoint-<step>`):
+    engine/            DeepSpeed's files (module, optimizer, scheduler), per rank
+    trainer_state.json step, epoch, data position, metrics needed to continue
+    rng_rank<R>.pt     python / numpy / torch RNG states of each rank
+    manifest.json      size and checksum of every file above (all ranks'), written last; see manifest.py
+A checkpoint is first written to `checkpoint-<step>.tmp` and renamed when every rank is done, so a crash mid-save
+never leaves a folder that looks complete. All ranks must see the same output_dir (one node, or a shared disk).
+Resuming verifies the manifest first: a damaged checkpoint stops the run naming the file (or, with 'latest', is
+skipped for the newest intact one). Rotation never removes the newest intact checkpoint.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import re
+import shutil
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+import numpy as np
+import torch
+
+from grpo.runtime import distributed as dist_utils
+from grpo.config.options import BITSANDBYTES_BLOCK_SCALE, BITSANDBYTES_BLOCK_SIZE
+from grpo.errors import CheckpointError, ConfigError
+from grpo.config.json_file import read_json_object
+from grpo.checkpoint.manifest import MANIFEST_FILE, has_manifest, quick_problem, verify_checkpoint, write_manifest
+
+logger = logging.getLogger("grpo")
+
+ENGINE_TAG = "engine"
+STATE_FILE = "trainer_state.json"
+_CKPT_RE = re.compile(r"^checkpoint-(\d+)$")
+
+
+@dataclass
+class TrainerState:
+    step: int = 0                # optimizer steps (rollout batches) completed
+    epoch: int = 0               # current pass over the training prompts
+    position: int = 0            # prompts of this epoch already consumed (per rank)
+    consecutive_bad_steps: int = 0
+    last_checkpoint: Optional[str] = None
+    last_good_checkpoint: Optional[str] = None  # newest one saved outside a streak of non-finite steps
+    best_eval_reward: Optional[float] = None
+    extra: dict = field(default_factory=dict)
+
+
+def list_checkpoints(output_dir: str) -> list[tuple[int, str]]:
+    """Complete (renamed) checkpoints in output_dir as (step, path), oldest first; intact or not."""
+    if not os.path.isdir(output_dir):
+        return []
+    found = []
+    for name in os.listdir(output_dir):
+        m = _CKPT_RE.match(name)
+        path = os.path.join(output_dir, name)
+        if m and (os.path.isfile(os.path.join(path, STATE_FILE)) or os.path.isfile(os.path.join(path, MANIFEST_FILE))):
+            found.append((int(m.group(1)), path))
+    return sorted(found)
+
+
+def resolve_resume_path(resume: str, output_dir: str) -> str:
+    """The verified checkpoint to resume from. Collective: every rank gets the same answer before any loads.
+
+    'latest' -> the newest intact checkpoint in output_dir (damaged newer ones are skipped with a warning);
+    a path must be a checkpoint folder, and intact: a damaged one raises CheckpointError naming the file and the
+    checkpoint to use instead. Checkpoints without a manifest (older versions) load unverified.
+    """
+    if resume == "latest":
+        found = list_checkpoints(output_dir)
+        if not found:
+            raise ConfigError(f"--resume_from_checkpoint latest: no checkpoint-* folder with {STATE_FILE} "
+                              f"in {output_dir}")
+        skipped = []
+        for _, path in reversed(found):
+            problem = verify_checkpoint(path)
+            if problem is None:
+                for bad, why in skipped:
+                    logger.warning(f"checkpoint {bad} is damaged ({why}); skipped. Resuming from the newest intact "
+                                   f"checkpoint, {path}; {bad} is replaced when its step is saved again")
+                _note_unverified(path)
+                return path
+            skipped.append((path, problem))
+        bad, why = skipped[0]
+        raise CheckpointError(f"--resume_from_checkpoint latest: every checkpoint in {output_dir} is damaged; the "
+                              f"newest, {bad}: {why}. Start again with --overwrite_output_dir "
+                              f"(or give a folder of your own with --resume_from_checkpoint)")
+    resume = resume.rstrip("/")
+    if not os.path.isfile(os.path.join(resume, STATE_FILE)) and not has_manifest(resume):
+        raise ConfigError(f"--resume_from_checkpoint: {resume} is not a checkpoint folder (no {STATE_FILE}); "
+                          f"give a checkpoint-<step> folder or 'latest'")
+    problem = verify_checkpoint(resume)
+    if problem is not None:
+        raise CheckpointError(f"--resume_from_checkpoint: checkpoint {resume} is damaged: {problem}. "
+                              + _intact_advice(resume))
+    _note_unverified(resume)
+    return resume
+
+
+def _intact_advice(damaged: str) -> str:
+    """Names the newest intact checkpoint beside `damaged` (collective: verifies them in turn)."""
+    folder = os.path.dirname(os.path.abspath(damaged))
+    for _, path in reversed(list_checkpoints(folder)):
+        if os.path.abspath(path) != os.path.abspath(damaged) and verify_checkpoint(path) is None:
+            return f"The newest intact checkpoint is {path}: resume with --resume_from_checkpoint {path}"
+    return (f"No intact checkpoint is left in {folder}: start again with --overwrite_output_dir "
+            f"(the damaged checkpoint is not deleted)")
+
+
+def _note_unverified(path: str) -> None:
+    if not has_manifest(path):
+        logger.warning(f"checkpoint {path} has no {MANIFEST_FILE} (saved by an older version): loading it unverified")
+
+
+def save_checkpoint(engine, state: TrainerState, output_dir: str, keep: int, frozen_excluded: bool) -> str:
+    """Write checkpoint-<step> atomically on every rank; returns its path. Collective: all ranks call it.
+
+    Rotation keeps the newest `keep` checkpoints and, besides them, the last good one.
+    """
+    final = os.path.join(output_dir, f"checkpoint-{state.step}")
+    state.last_checkpoint = final
+    if state.consecutive_bad_steps == 0:
+        state.last_good_checkpoint = final
+    tmp = final + ".tmp"
+    if dist_utils.is_main():
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp, exist_ok=True)
+    dist_utils.barrier()
+    # frozen base weights (lora/qlora) are not saved: they are reloaded from the model path on resume
+    engine.save_checkpoint(tmp, tag=ENGINE_TAG, exclude_frozen_parameters=frozen_excluded)
+    torch.save(_rng_state(), os.path.join(tmp, f"rng_rank{dist_utils.rank()}.pt"))
+    dist_utils.barrier()
+    if dist_utils.is_main():
+        with open(os.path.join(tmp, STATE_FILE), "w") as fh:
+            json.dump(asdict(state), fh, indent=2)
+    write_manifest(tmp)  # last: sizes and checksums of every rank's files
+    if dist_utils.is_main():
+        if os.path.isdir(final):
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        rotate_checkpoints(output_dir, keep, protect=state.last_good_checkpoint)
+    dist_utils.barrier()
+    return final
+
+
+def load_checkpoint(engine, path: str, frozen_excluded: bool) -> TrainerState:
+    """Restore engine (weights, optimizer, scheduler), trainer state and this rank's RNG.
+
+    Call it on a path from resolve_resume_path (verified); a file that still fails to load (e.g. a checkpoint
+    without a manifest) raises CheckpointError naming the checkpoint.
+    """
+    try:
+        load_path, _ = engine.load_checkpoint(path, tag=ENGINE_TAG, load_module_strict=not frozen_excluded,
+                                              load_optimizer_states=True, load_lr_scheduler_states=True)
+        if load_path is None:
+            raise CheckpointError(f"--resume_from_checkpoint: DeepSpeed found no engine state in "
+                                  f"{path}/{ENGINE_TAG}")
+        with open(os.path.join(path, STATE_FILE)) as fh:
+            state = TrainerState(**json.load(fh))
+        rng_file = os.path.join(path, f"rng_rank{dist_utils.rank()}.pt")
+        if os.path.isfile(rng_file):
+            _set_rng_state(torch.load(rng_file, weights_only=False))
+    except CheckpointError:
+        raise
+    except Exception as exc:  # torch.load / DeepSpeed / JSON errors do not name the checkpoint
+        raise CheckpointError(f"--resume_from_checkpoint: checkpoint {path} could not be loaded "
+                              f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
+                              f"{_intact_hint(path)}") from exc
+    return state
+
+
+def _intact_hint(path: str) -> str:
+    """Not collective (a load error may hit one rank only): points at the other checkpoints by name."""
+    others = [p for _, p in list_checkpoints(os.path.dirname(os.path.abspath(path)))
+              if os.path.abspath(p) != os.path.abspath(path)]
+    if others:
+        return f"resume from an earlier checkpoint instead, e.g. --resume_from_checkpoint {others[-1]}"
+    return "no other checkpoint is in that folder: start again with --overwrite_output_dir"
+
+
+def rotate_checkpoints(output_dir: str, keep: int, protect: Optional[str] = None) -> list[str]:
+    """Remove checkpoints older than the newest `keep` intact ones; returns the removed paths.
+
+    Intact here means the manifest's files are all present with their sizes (no hashing; legacy checkpoints
+    count as intact). Damaged checkpoints newer than the kept ones stay (never delete the last intact one for a
+    damaged one), and so does `protect` (the last good checkpoint before a streak of non-finite steps).
+    """
+    found = list_checkpoints(output_dir)
+    intact = [(step, path) for step, path in found if quick_problem(path) is None]
+    kept = intact[-keep:]
+    if not kept:
+        return []
+    oldest_kept = kept[0][0]
+    removed = []
+    for step, path in found:
+        if step < oldest_kept and (protect is None or os.path.abspath(path) != os.path.abspath(protect)):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
+def _rng_state() -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+# options that decide which tensors a checkpoint holds and what they mean: lora / qlora checkpoints hold only the
+# adapter, laid onto a base rebuilt from these at resume, so a change would resume a different policy without error
+POLICY_OPTIONS = ("tuning_strategy",)
+LORA_POLICY_OPTIONS = ("lora_rank", "lora_alpha", "lora_target_modules", "lora_exclude_modules")
+QLORA_POLICY_OPTIONS = ("qlora_quant_type", "qlora_block_size", "qlora_block_scale", "qlora_skip_modules",
+                        "qlora_init")
+
+
+def saved_config_path(resume: str, output_dir: str) -> str:
+    """The grpo_config.json of the run that wrote the checkpoint: beside its checkpoint-* folders."""
+    folder = output_dir if resume == "latest" else os.path.dirname(os.path.normpath(resume))
+    return os.path.join(folder, "grpo_config.json")
+
+
+def check_resume_keeps_policy(saved_path: str, config) -> None:
+    """Refuse to resume with options that rebuild a different policy around the checkpoint's weights (before any
+    model is loaded). Other changed options only get named (warn_changed_options)."""
+    saved, now = _saved_options(saved_path), config.to_dict()
+    keys = POLICY_OPTIONS
+    if saved.get("tuning_strategy") == now["tuning_strategy"] and config.uses_lora:
+        keys += LORA_POLICY_OPTIONS + (QLORA_POLICY_OPTIONS if now["tuning_strategy"] == "qlora" else ())
+    as_saved, changed = _changed_keys(saved, now, keys)
+    if changed:
+        flags = " ".join(f"--{key} {as_saved[key]}" for key in changed)
+        raise ConfigError(
+            f"--resume_from_checkpoint: the checkpoint was trained with other model options "
+            f"({_described(as_saved, now, changed)}); "
+            f"its weights belong to that policy. Resume with the saved values ({flags}; see {saved_path}), or start "
+            f"a new run with these options in another --output_dir (or --overwrite_output_dir)")
+
+
+def _saved_options(saved_path: str) -> dict:
+    """The saved grpo_config.json; empty when none was saved or it cannot be read (nothing to compare with)."""
+    try:
+        return read_json_object(saved_path, ConfigError, "grpo_config.json")
+    except (ConfigError, OSError):
+        return {}
+
+
+# what a run saved before an option existed used in its place
+VALUES_BEFORE_THE_OPTION = {"qlora_block_size": BITSANDBYTES_BLOCK_SIZE, "qlora_block_scale": BITSANDBYTES_BLOCK_SCALE}
+
+
+def _changed_keys(saved: dict, now: dict, keys) -> tuple[dict, list[str]]:
+    """(the saved options, with the values of their time for options they predate; those of `keys` they hold with
+    another value)."""
+    saved = {**(VALUES_BEFORE_THE_OPTION if saved else {}), **saved}  # nothing saved: nothing to compare
+    return saved, [k for k in keys if k in saved and as_compared(k, saved[k]) != as_compared(k, now[k])]
+
+
+def _described(saved: dict, now: dict, changed: list[str]) -> str:
+    return "; ".join(f"--{k} {saved[k]!r} -> {now[k]!r}" for k in changed)
+
+
+def as_compared(key: str, value):
+    """Module lists compare as sets of names: "q_proj, v_proj" and "v_proj,q_proj" build the same adapter."""
+    if key.endswith("_modules") and isinstance(value, str):
+        return frozenset(name.strip() for name in value.split(",") if name.strip())
+    return value
+
+
+def warn_changed_options(saved_path: str, config) -> None:
+    """A resumed run continues with today's options: name those that differ from the run's saved ones (a flag
+    given differently, or a default that changed between versions, e.g. --scale_rewards)."""
+    ignore = {"resume_from_checkpoint", "overwrite_output_dir", "max_steps", "epochs"}  # meant to change
+    now, saved = config.to_dict(), _saved_options(saved_path)
+    if "qlora" not in (now["tuning_strategy"], saved.get("tuning_strategy")):  # qlora's options shape nothing else
+        ignore |= {key for key in now if key.startswith("qlora_")}
+    as_saved, changed = _changed_keys(saved, now, [k for k in now if k not in ignore])
+    if changed:
+        logger.warning("resuming with options that differ from the run's saved grpo_config.json: "
+                       + _described(as_saved, now, changed))

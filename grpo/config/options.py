@@ -1,0 +1,592 @@
+"""GRPOConfig: the one source of every option. CLI flags of train_grpo.py are generated from it.
+
+Each field's ``metadata["help"]`` is its one-line help; ``FLAG_GROUPS`` maps each field to the section it is
+listed under (README, --help). Invalid values and combinations raise ConfigError naming the flag, at construction.
+"""
+from __future__ import annotations
+
+import difflib
+import json
+import os
+import re
+import sys
+from dataclasses import dataclass, field, fields
+from typing import Optional
+
+from grpo.errors import ConfigError
+from grpo.config.json_file import read_json_object
+from grpo.runtime.roles import job_world_size
+
+EMBEDDED_MODEL = "smollm2-135m-instruct"
+STRATEGIES = ("qlora", "lora", "full")
+QLORA_INITS = ("zero", "loftq")
+QLORA_QUANT_TYPES = ("nf4", "fp4")
+QLORA_BLOCK_SIZES = (32, 64, 128, 256, 512, 1024, 2048, 4096)  # the ones bitsandbytes' 4-bit kernels take
+QLORA_BLOCK_SCALES = ("absmax", "mse")
+# bitsandbytes' stock 4-bit base, as transformers loads it: blocks of 64, each scaled by its largest magnitude
+BITSANDBYTES_BLOCK_SIZE, BITSANDBYTES_BLOCK_SCALE = 64, "absmax"
+STOCK_4BIT_OPTIONS = f"--qlora_block_size {BITSANDBYTES_BLOCK_SIZE} --qlora_block_scale {BITSANDBYTES_BLOCK_SCALE}"
+# grpo's: the base quantized again from the checkpoint in blocks of 32 with searched scales, which keeps more of the
+# 16-bit model (README: Does it learn?)
+DEFAULT_BLOCK_SIZE, DEFAULT_BLOCK_SCALE = 32, "mse"
+AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+REWARD_SCALES = ("group", "batch", "none")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+VLLM_MODES = ("colocate", "server")
+SCHEDULERS = ("constant", "linear", "cosine")
+DEFAULT_SPLIT_RATIO = 0.95
+# a --lora_exclude_modules value with any of these is a regex; '.' is not one: module names are dotted paths
+REGEX_CHARS = set("*+?[]()|^$\\{}")
+
+
+_groups_in_order: list[str] = []  # one entry per field, in definition order (fields() keeps that order)
+
+
+def _opt(default, help, group, **kw):
+    _groups_in_order.append(group)
+    # metadata is passed to argparse.add_argument by HfArgumentParser: keep only its keywords there.
+    return field(default=default, metadata={"help": help, **kw})
+
+
+def _list(default, help, group):
+    _groups_in_order.append(group)
+    return field(default_factory=lambda: list(default), metadata={"help": help})
+
+
+def reward_model_name(path: str) -> str:
+    """The reward name a --reward_model folder registers under: its folder name."""
+    return os.path.basename(os.path.normpath(path))
+
+
+@dataclass
+class GRPOConfig:
+    # --- model and tuning strategy ---------------------------------------------------------------
+    model_name_or_path: str = _opt(
+        EMBEDDED_MODEL, f"HF model folder or hub id; '{EMBEDDED_MODEL}' is the embedded offline model.", "model")
+    tuning_strategy: str = _opt("lora", "What is trained: qlora (4-bit base + LoRA), lora, or full.", "model",
+                                choices=STRATEGIES)
+    lora_rank: int = _opt(16, "LoRA rank r (lora/qlora).", "model")
+    lora_alpha: int = _opt(32, "LoRA alpha; the update is scaled by alpha / r.", "model")
+    lora_dropout: float = _opt(0.05, "Dropout on the LoRA input.", "model")
+    lora_target_modules: str = _opt(
+        "all-linear", "Comma-separated module names to adapt, or 'all-linear'.", "model")
+    lora_exclude_modules: Optional[str] = _opt(
+        None, "Modules LoRA must not adapt, on top of --lora_target_modules: comma-separated names (a full name or "
+              "its last parts, e.g. 'mlp.down_proj'), or a regex over full names when it has regex characters "
+              "(e.g. 'model\\.layers\\.[01]\\..*').", "model")
+    qlora_skip_modules: Optional[str] = _opt(
+        None, "qlora: linear layers kept in 16-bit instead of 4-bit, comma-separated names or suffixes (e.g. "
+              "'gate_proj,up_proj,down_proj': on SmolLM2-135M the MLP is where 4-bit rounding costs the most, see "
+              "benchmarks/quantized_arithmetic.py); the output layer is always kept.", "model")
+    qlora_quant_type: str = _opt(
+        "nf4", "qlora: the 4-bit data type of the frozen base. nf4: NormalFloat, the least weight error overall. "
+               "fp4: bitsandbytes' 4-bit float, with more range for a heavy-tailed layer's large weights; on "
+               "SmolLM2-135M it keeps the base's arithmetic (see benchmarks/quantized_arithmetic.py).", "model",
+        choices=QLORA_QUANT_TYPES)
+    qlora_block_size: int = _opt(
+        DEFAULT_BLOCK_SIZE,
+        "qlora: weights per 4-bit scale in the frozen base. 32 follows the weights more closely than bitsandbytes' "
+        "64 for 0.125 more bits per weight; on SmolLM2-135M it keeps more of the 16-bit model's arithmetic (see "
+        "benchmarks/quantized_arithmetic.py --rounding). Other than 64 (or with --qlora_block_scale mse), each "
+        "weight is quantized again from the checkpoint's 16-bit weights after loading, and the saved adapter "
+        f"belongs to a base quantized the same way (grpo.model.loading.load_policy). {STOCK_4BIT_OPTIONS}: bitsandbytes' "
+        "stock base, as transformers loads it.", "model", choices=QLORA_BLOCK_SIZES)
+    qlora_block_scale: str = _opt(
+        DEFAULT_BLOCK_SCALE,
+        "qlora: how each block's 4-bit scale is chosen. mse: the scale (at most the block's largest magnitude) of "
+        "least squared rounding error, a larger weight taking the largest code; on SmolLM2-135M it cuts the weight "
+        "error by a tenth, and qlora learns arith to 0.87 of lora's accuracy (README: Does it learn?). absmax: the "
+        "block's largest magnitude (bitsandbytes' own). Either way the base is a standard bitsandbytes 4-bit model; "
+        "mse (with any block size) quantizes each weight again from the checkpoint's 16-bit weights after loading.",
+        "model", choices=QLORA_BLOCK_SCALES)
+    qlora_init: str = _opt(
+        "zero", "qlora: zero: the policy starts as the 4-bit model (B = 0). loftq: a frozen rank-r correction of "
+                "the 4-bit rounding error (best rank-r approximation of W - dequantize(Q), W read from the "
+                "checkpoint) is added, so the policy starts nearer the 16-bit model; the trained "
+                "adapter still starts at 0, the KL reference is the corrected start, and the saved adapter is one "
+                "rank-2r LoRA (trained + correction) for the 4-bit base.", "model",
+        choices=QLORA_INITS)
+    lora_adapter_path: Optional[str] = _opt(
+        None, "Continue training from a saved LoRA adapter folder (rank/alpha read from its config).", "model")
+    freeze_vision_tower: bool = _opt(
+        True, "Vision-language models: keep the vision encoder frozen (LoRA 'all-linear' then adapts the language "
+        "model only).", "model")
+    trust_remote_code: bool = _opt(False, "Allow model code from the model folder / hub repo.", "model")
+    gradient_checkpointing: bool = _opt(False, "Recompute activations in backward to save memory.", "model")
+    save_merged_model: bool = _opt(
+        False, "With lora/qlora, also save the base model with the adapter merged. qlora merges into the base at its "
+               "original precision, which differs from the trained 4-bit policy by the rounding (with --qlora_init "
+               "loftq: into the rounded base); lora_adapter/ on the base quantized as in training is that policy "
+               "exactly.", "model")
+
+    # --- data -------------------------------------------------------------------------------------
+    dataset_config_path: str = _opt(
+        "configs/dataset_config.json", "The dataset registry (JSON) that --dataset_names refer to.", "data")
+    dataset_names: list[str] = _list(["arith"], "Registered dataset names to mix (space or comma separated).",
+                                     "data")
+    eval_dataset_names: list[str] = _list(
+        [], "Registered datasets used only for evaluation, each with its own rewards (space or comma separated).",
+        "data")
+    train_split_ratio: Optional[float] = _opt(
+        None, "Fraction of each training dataset's rows used for training, the rest held out for eval (default: "
+              f"{DEFAULT_SPLIT_RATIO}, or 1.0 (no split) with --eval_dataset_names).", "data")
+    max_prompt_length: int = _opt(
+        256, "Longest prompt in tokens (chat template included); longer is an error unless filtered.", "data")
+    filter_overlong_prompts: bool = _opt(
+        False, "Drop prompts longer than --max_prompt_length (one line per dataset says how many) instead of "
+               "stopping with an error.", "data")
+    max_seq_length: int = _opt(768, "Longest prompt + completion in tokens.", "data")
+    max_images_per_prompt: int = _opt(
+        1, "Most images one prompt may hold (rows with more are an error; vLLM's limit_mm_per_prompt).", "data")
+    reward_module: Optional[str] = _opt(
+        None, "Python file whose @register_reward functions become usable in the dataset config.", "data")
+    reward_model: list[str] = _list(
+        [], "Sequence-classification model folder(s) (space or comma separated) used as rewards: each is registered "
+            "under its folder's name for the dataset config's \"rewards\" (score = its single logit).", "data")
+
+    # --- optimisation -----------------------------------------------------------------------------
+    output_dir: str = _opt("outputs/grpo", "Where checkpoints, logs, plots and the final model go.", "training")
+    overwrite_output_dir: bool = _opt(
+        False, "Start afresh in an output_dir that holds checkpoints (they are deleted as new ones are saved).",
+        "training")
+    resume_from_checkpoint: Optional[str] = _opt(
+        None, "Checkpoint folder to continue from, or 'latest' for the newest in output_dir.", "training")
+    epochs: int = _opt(1, "Passes over the training prompts (ignored when --max_steps > 0).", "training")
+    max_steps: int = _opt(-1, "Optimizer steps to run; -1 means run --epochs.", "training")
+    per_device_train_batch_size: int = _opt(
+        2, "Prompts per rank per step (times --gradient_accumulation_steps); each yields --k_samples completions. "
+           "With --max_tokens_per_micro_batch 0 it is also the micro-batch (this x k_samples rows).", "training")
+    gradient_accumulation_steps: int = _opt(
+        1, "Multiplies the prompts per rank per step (this x --per_device_train_batch_size); how they are split "
+           "into micro-batches is --max_tokens_per_micro_batch's job.", "training")
+    max_tokens_per_micro_batch: int = _opt(
+        16384, "Token budget (prompt + completion, padding included) of one micro-batch per rank: a step's "
+               "completions are packed longest first into as many micro-batches as needed. 0: micro-batches of "
+               "--per_device_train_batch_size x --k_samples rows. The step's loss and gradient do not depend on "
+               "the split.", "training")
+    logprob_chunk_tokens: int = _opt(
+        1024, "Completion tokens whose logits exist at once: log-probs are computed from hidden states through "
+              "the output layer in chunks of this size (never a full [N, T, vocab] logits tensor). 0: the "
+              "model's full logits (as models with logit soft-capping and vision-language models always do).",
+        "training")
+    padding_free: bool = _opt(
+        False, "Pack each micro-batch's sequences into one row with per-sequence position ids (no padding "
+               "computed); for decoder models whose attention honours packed position ids (transformers' "
+               "Llama/Qwen/Mistral families, SDPA or flash attention). Needs --logprob_chunk_tokens > 0.",
+        "training")
+    learning_rate: float = _opt(1e-6, "Learning rate for full fine-tuning.", "training")
+    learning_rate_lora: float = _opt(2e-5, "Learning rate for lora and qlora.", "training")
+    weight_decay: float = _opt(0.0, "AdamW weight decay.", "training")
+    warmup_ratio: float = _opt(0.0, "Fraction of steps with linear learning-rate warmup.", "training")
+    lr_scheduler_type: str = _opt("constant", "Schedule after warmup: constant, linear or cosine.", "training",
+                                  choices=SCHEDULERS)
+    max_grad_norm: float = _opt(1.0, "Gradient clipping norm (0 disables).", "training")
+    seed: int = _opt(42, "Seed for data order, splits, sampling and initialisation.", "training")
+
+    # --- GRPO -------------------------------------------------------------------------------------
+    k_samples: int = _opt(8, "Completions per prompt (the group size G); at least 2.", "grpo")
+    rollout_max_new_tokens: int = _opt(256, "Longest completion in tokens.", "grpo")
+    temperature: float = _opt(1.0, "Sampling temperature of rollouts (log-probs use the same temperature).",
+                              "grpo")
+    top_p: float = _opt(1.0, "Nucleus sampling of rollouts.", "grpo")
+    use_kl_penalty: bool = _opt(False, "Add beta * KL(policy || reference) to the loss (or, with --kl_in_reward, "
+                                       "subtract it from the reward).", "grpo")
+    kl_beta: float = _opt(0.04, "KL coefficient beta, used with --use_kl_penalty.", "grpo")
+    kl_estimator: str = _opt("k3", "Per-token KL estimator in the loss: k1 (lp - ref), k2 (0.5 (lp - ref)^2) or k3 "
+                                   "(low_var_kl).", "grpo", choices=KL_ESTIMATORS)
+    kl_in_reward: bool = _opt(
+        False, "With --use_kl_penalty: subtract beta * sum_t (lp - ref) (k1 over the completion) from each reward "
+               "before advantages, instead of adding KL to the loss.", "grpo")
+    entropy_coef: float = _opt(0.0, "Entropy bonus: the loss gets -entropy_coef x the aggregated token entropy "
+                                    "(with gradient; 0 = off).", "grpo")
+    clip_epsilon_low: float = _opt(0.2, "PPO clip: ratio is kept above 1 - eps_low.", "grpo")
+    clip_epsilon_high: Optional[float] = _opt(
+        None, "PPO clip: ratio is kept below 1 + eps_high (default: eps_low; DAPO uses 0.28).", "grpo")
+    importance_sampling_level: str = _opt(
+        "token", "PPO ratio per token, or per sequence (GSPO: exp of the mean token log-ratio, clipped with the same "
+                 "eps; GSPO uses tiny ranges such as 3e-4 / 4e-4).", "grpo", choices=IMPORTANCE_SAMPLING_LEVELS)
+    clip_ratio_c: Optional[float] = _opt(
+        None, "Dual-clip PPO: for A < 0 the token loss is capped at -A x clip_ratio_c (> 1; verl uses 3). "
+              "Default off.", "grpo")
+    loss_aggregation: str = _opt("token_mean", "How token losses become one number: " + ", ".join(AGGREGATIONS),
+                                 "grpo", choices=AGGREGATIONS)
+    scale_rewards: str = _opt("batch", "Advantage scaling: (r - group mean) divided by the std of the step's whole "
+                              "batch (batch), of the group (group, the original GRPO), or not divided (none, "
+                              "Dr. GRPO).", "grpo", choices=REWARD_SCALES)
+    num_iterations: int = _opt(1, "Optimizer updates per rollout batch (mu); >1 reuses stored old log-probs.",
+                               "grpo")
+    mask_truncated_completions: bool = _opt(
+        False, "Exclude completions that hit --rollout_max_new_tokens from the loss.", "grpo")
+    rollout_is_correction: Optional[bool] = _opt(
+        None, "Weight the loss by min(exp(trainer_old - rollout logprob), cap) (truncated IS). Default: on with "
+              "--async_rollout (its rollouts come from the policy one step behind), off otherwise.", "grpo",
+        nargs="?", const=True)  # a bare flag still means true
+    rollout_is_cap: float = _opt(2.0, "Cap of the truncated importance-sampling weight.", "grpo")
+    filter_zero_std_groups: bool = _opt(
+        False, "Dynamic sampling (DAPO): drop groups whose rewards are all equal and draw more prompts until the "
+               "step has its prompts; each draw consumes data (epochs pass faster).", "grpo")
+    max_generation_rounds: int = _opt(
+        3, "With --filter_zero_std_groups, most rollout rounds per step; after them the step is topped up with "
+           "uniform groups (advantage 0).", "grpo")
+
+    # --- rollout engine ---------------------------------------------------------------------------
+    use_vllm_rollout: bool = _opt(False, "Generate rollouts with colocated vLLM (GPU, pip install .[vllm]).",
+                                  "rollout")
+    vllm_tp: int = _opt(1, "Tensor-parallel size of each vLLM engine; must divide the number of ranks (in server "
+                           "mode: --rollout_gpus).", "rollout")
+    vllm_mode: str = _opt(
+        "colocate", "colocate: every rank trains and generates (the engine sleeps while DeepSpeed trains). server: "
+                    "the last --rollout_gpus ranks of the job only generate, the others only train; completions and "
+                    "the updated policy travel between them after every step. Rollout ranks run vLLM with "
+                    "--use_vllm_rollout, the HF engine otherwise.", "rollout")
+    async_rollout: bool = _opt(
+        False, "With --vllm_mode server: the rollout ranks generate the next step's rollouts while this step trains "
+               "(one step off policy, corrected by the truncated IS weights; rollout/staleness is logged).",
+        "rollout")
+    rollout_gpus: int = _opt(0, "With --vllm_mode server: how many of the job's ranks (the last ones) run rollout "
+                                "engines; at least 1 and fewer than the job's ranks.", "rollout")
+    vllm_gpu_memory_utilization: Optional[float] = _opt(
+        None, "Fraction of GPU memory vLLM may take. Default: 0.3 colocated (training needs the rest), 0.85 on the "
+              "rollout ranks of server mode (their GPUs only generate). When --vllm_kv_cache_gib sets the KV "
+              "cache's size, this fraction must still be free when the engine starts.", "rollout")
+    vllm_kv_cache_gib: Optional[str] = _opt(
+        None, "vLLM's KV cache per GPU. auto: sized to one step's rollouts (tp x prompts per rank x k sequences of "
+              "--max_prompt_length + --rollout_max_new_tokens tokens, plus a quarter), so sleep and wake move less "
+              "memory; the share instead where that needs more than half of what the share leaves after the "
+              "weights, or for models it cannot size (MLA, hybrid, vision-language). A number: that many GiB. share: "
+              "what --vllm_gpu_memory_utilization leaves after the weights and activations. Default: auto colocated, "
+              "share in server mode.", "rollout")
+    vllm_sleep: bool = _opt(True, "Put vLLM to sleep while DeepSpeed trains: its KV cache and weights are freed, and "
+                                    "every sync then sends the whole policy. false: it stays awake, and a lora / qlora "
+                                    "sync sends only the adapted layers. Colocated vLLM only (rollout ranks of "
+                                    "server mode never sleep).", "rollout")
+    vllm_sleep_level: int = _opt(
+        2, "With --vllm_sleep: 2 drops the weights, and every sync sends the whole policy (a copy on the GPU); 1 "
+           "parks them in pinned CPU memory and copies them back at each wake. Use 1 for a model whose vLLM "
+           "implementation derives parameters after loading (MLA attention, e.g. DeepSeek-V2/V3), which a sync "
+           "cannot rewrite.", "rollout", choices=(1, 2))
+    logprob_check_steps: int = _opt(
+        10, "Ask the rollout engine for its sampling log-probs every N steps, for the rollout/logprob_diff metric "
+            "(always with --rollout_is_correction); vLLM generates faster without them.", "rollout")
+    vllm_enforce_eager: bool = _opt(False, "Run vLLM without CUDA graphs / torch.compile (starts faster).",
+                                    "rollout")
+
+    # --- eval, checkpoints, logging -------------------------------------------------------------
+    eval_steps: int = _opt(0, "Evaluate on the held-out split every N steps (0: only at the end).", "logging")
+    eval_on_start: bool = _opt(True, "Evaluate before the first step (logged as step 0) when there is an eval set.",
+                               "logging")
+    eval_max_prompts: int = _opt(64, "Prompts of each eval dataset (and held-out split) per evaluation; -1: all.",
+                                 "logging")
+    eval_greedy: bool = _opt(True, "Greedy decoding in eval (else sampled with --temperature).", "logging")
+    save_steps: int = _opt(50, "Save a checkpoint every N steps (0 disables).", "logging")
+    save_total_limit: int = _opt(2, "Checkpoints kept in output_dir (oldest removed first).", "logging")
+    logging_steps: int = _opt(1, "Print a metrics line every N steps (metrics.jsonl gets every step).", "logging")
+    log_to_file: bool = _opt(True, "Also write the console log to output_dir/train.log.", "logging")
+    use_wandb: bool = _opt(False, "Log metrics to Weights & Biases (WANDB_MODE=offline works).", "logging")
+    wandb_project: str = _opt("grpo", "W&B project name.", "logging")
+    wandb_run_name: Optional[str] = _opt(None, "W&B run name (default: output_dir's name).", "logging")
+
+    # --- distributed ------------------------------------------------------------------------------
+    deepspeed: str = _opt("configs/zero2.json",
+                          "DeepSpeed config file, or 'zero2' / 'zero3' for the shipped ones.", "distributed")
+    local_rank: int = _opt(-1, "Set by the deepspeed launcher; leave alone.", "distributed")
+    ddp_timeout_minutes: float = _opt(
+        30.0, "How long a collective waits for a rank that never arrives before the run stops with an error "
+        "(the process-group timeout).", "distributed")
+
+    def __post_init__(self):
+        self.dataset_names = _names(self.dataset_names)
+        self.eval_dataset_names = _names(self.eval_dataset_names)
+        self.reward_model = _names(self.reward_model)
+        if self.clip_epsilon_high is None:
+            self.clip_epsilon_high = self.clip_epsilon_low
+        self.validate()
+
+    # ------------------------------------------------------------------------------------------------
+    def validate(self) -> None:
+        def need(cond: bool, flag: str, msg: str):
+            if not cond:
+                raise ConfigError(f"--{flag}: {msg}")
+
+        need(self.tuning_strategy in STRATEGIES, "tuning_strategy",
+             f"got '{self.tuning_strategy}', choose one of {', '.join(STRATEGIES)}")
+        need(self.loss_aggregation in AGGREGATIONS, "loss_aggregation",
+             f"got '{self.loss_aggregation}', choose one of {', '.join(AGGREGATIONS)}")
+        need(self.scale_rewards in REWARD_SCALES, "scale_rewards",
+             f"got '{self.scale_rewards}', choose one of {', '.join(REWARD_SCALES)}")
+        need(self.lr_scheduler_type in SCHEDULERS, "lr_scheduler_type",
+             f"got '{self.lr_scheduler_type}', choose one of {', '.join(SCHEDULERS)}")
+        need(self.k_samples >= 2, "k_samples",
+             f"must be at least 2 (got {self.k_samples}): group-relative advantages need a group to compare with")
+        if self.tuning_strategy in ("lora", "qlora") and not self.lora_adapter_path:
+            need(self.lora_rank > 0, "lora_rank", f"must be > 0 with --tuning_strategy {self.tuning_strategy}")
+            need(self.lora_alpha > 0, "lora_alpha", "must be > 0")
+        need(0.0 <= self.lora_dropout < 1.0, "lora_dropout", "must be in [0, 1)")
+        need(self.lora_adapter_path is None or self.tuning_strategy != "full", "lora_adapter_path",
+             "needs --tuning_strategy lora or qlora (an adapter cannot be continued with full fine-tuning)")
+        need(bool(self.dataset_names), "dataset_names", "give at least one registered dataset name")
+        need(self.train_split_ratio is None or 0.0 < self.train_split_ratio <= 1.0, "train_split_ratio",
+             "must be in (0, 1]")
+        twice = sorted({n for n in self.eval_dataset_names if self.eval_dataset_names.count(n) > 1})
+        need(not twice, "eval_dataset_names", f"{', '.join(twice)} listed more than once; name each dataset once")
+        both = [n for n in self.eval_dataset_names if n in self.dataset_names]
+        need(not both, "eval_dataset_names",
+             f"{', '.join(both)} is also in --dataset_names, so the model would be evaluated on rows it trains on; "
+             f"register the held-out file as its own entry (as gsm8k_test is for gsm8k), or drop it here and hold "
+             f"out part of it with --train_split_ratio")
+        need(self.max_prompt_length > 0, "max_prompt_length", "must be > 0")
+        need(self.max_images_per_prompt >= 1, "max_images_per_prompt", "must be >= 1")
+        need(self.rollout_max_new_tokens > 0, "rollout_max_new_tokens", "must be > 0")
+        need(self.max_seq_length >= self.max_prompt_length + self.rollout_max_new_tokens, "max_seq_length",
+             f"must be >= --max_prompt_length + --rollout_max_new_tokens "
+             f"({self.max_prompt_length} + {self.rollout_max_new_tokens}); got {self.max_seq_length}")
+        need(self.epochs >= 1, "epochs", "must be >= 1")
+        need(self.max_steps == -1 or self.max_steps > 0, "max_steps", "must be -1 (use --epochs) or > 0")
+        need(self.per_device_train_batch_size >= 1, "per_device_train_batch_size", "must be >= 1")
+        need(self.gradient_accumulation_steps >= 1, "gradient_accumulation_steps", "must be >= 1")
+        need(self.max_tokens_per_micro_batch >= 0, "max_tokens_per_micro_batch",
+             f"must be >= 0 (0: micro-batches of --per_device_train_batch_size prompts); got "
+             f"{self.max_tokens_per_micro_batch}")
+        need(self.logprob_chunk_tokens >= 0, "logprob_chunk_tokens",
+             f"must be >= 0 (0: full logits); got {self.logprob_chunk_tokens}")
+        need(not self.padding_free or self.logprob_chunk_tokens > 0, "padding_free",
+             "needs --logprob_chunk_tokens > 0 (packed rows go through the hidden-state path)")
+        need(self.learning_rate > 0, "learning_rate", "must be > 0")
+        need(self.learning_rate_lora > 0, "learning_rate_lora", "must be > 0")
+        need(0.0 <= self.warmup_ratio < 1.0, "warmup_ratio", "must be in [0, 1)")
+        need(self.max_grad_norm >= 0, "max_grad_norm", "must be >= 0 (0 disables clipping)")
+        need(self.temperature > 0, "temperature", "must be > 0 (use --eval_greedy for greedy eval)")
+        need(0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]")
+        need(self.kl_beta >= 0, "kl_beta", "must be >= 0")
+        need(0.0 < self.clip_epsilon_low < 1.0, "clip_epsilon_low", "must be in (0, 1)")
+        need(self.clip_epsilon_high > 0, "clip_epsilon_high", "must be > 0")
+        need(self.num_iterations >= 1, "num_iterations", "must be >= 1")
+        need(self.kl_estimator in KL_ESTIMATORS, "kl_estimator",
+             f"got '{self.kl_estimator}', choose one of {', '.join(KL_ESTIMATORS)}")
+        need(not self.kl_in_reward or (self.use_kl_penalty and self.kl_beta > 0), "kl_in_reward",
+             "needs --use_kl_penalty and --kl_beta > 0: it moves that penalty from the loss into the reward")
+        need(self.entropy_coef >= 0, "entropy_coef", f"must be >= 0 (a bonus on entropy), got {self.entropy_coef}")
+        need(self.importance_sampling_level in IMPORTANCE_SAMPLING_LEVELS, "importance_sampling_level",
+             f"got '{self.importance_sampling_level}', choose one of {', '.join(IMPORTANCE_SAMPLING_LEVELS)}")
+        need(self.clip_ratio_c is None or self.clip_ratio_c > 1.0, "clip_ratio_c",
+             f"must be > 1 (the cap -A x c must lie above the clipped loss), got {self.clip_ratio_c}")
+        need(self.max_generation_rounds >= 1, "max_generation_rounds", "must be >= 1")
+        names = [reward_model_name(p) for p in self.reward_model]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        need(not twice, "reward_model", f"two folders are named {', '.join(twice)}; reward models are registered "
+                                        f"by folder name, so give each a distinct name")
+        need(self.rollout_is_cap >= 1.0, "rollout_is_cap", "must be >= 1")
+        need(self.vllm_tp >= 1, "vllm_tp", "must be >= 1")
+        need(self.logprob_check_steps >= 1, "logprob_check_steps", "must be >= 1")
+        world = job_world_size()
+        need(self.vllm_mode in VLLM_MODES, "vllm_mode",
+             f"got '{self.vllm_mode}', choose one of {', '.join(VLLM_MODES)}")
+        if self.vllm_mode == "server":
+            need(1 <= self.rollout_gpus < world, "rollout_gpus",
+                 f"server mode needs at least 1 rollout rank and at least 1 training rank: got {self.rollout_gpus} of "
+                 f"the job's {world} ranks (start more with `deepspeed --num_gpus N`, or use --vllm_mode colocate)")
+            need(self.rollout_gpus % self.vllm_tp == 0, "vllm_tp",
+                 f"must divide --rollout_gpus {self.rollout_gpus}; got {self.vllm_tp}")
+        else:
+            need(self.rollout_gpus == 0, "rollout_gpus", "is for --vllm_mode server (colocate: every rank generates)")
+            need(not self.async_rollout, "async_rollout",
+                 "needs --vllm_mode server (colocated engines share the GPU with training, so nothing overlaps)")
+            need(world % self.vllm_tp == 0, "vllm_tp",
+                 f"must divide the number of ranks (WORLD_SIZE={world}); got {self.vllm_tp}")
+        need(not (self.async_rollout and self.filter_zero_std_groups), "async_rollout",
+             "and --filter_zero_std_groups do not combine yet (dynamic sampling decides on more rounds after seeing "
+             "the rewards); drop one of them")
+        need(self.vllm_gpu_memory_utilization is None or 0.0 < self.vllm_gpu_memory_utilization < 1.0,
+             "vllm_gpu_memory_utilization", "must be in (0, 1)")
+        kv_cache = self.vllm_kv_cache  # raises on a value that is neither auto, share nor a number of GiB
+        need(not (kv_cache == "auto" and self.vllm_mode == "server"), "vllm_kv_cache_gib",
+             "auto is for colocated engines (they give the memory back to training); rollout ranks of server mode "
+             "only generate: leave it unset (share) or give a number of GiB")
+        need(self.save_steps >= 0, "save_steps", "must be >= 0")
+        need(self.save_total_limit >= 1, "save_total_limit", "must be >= 1")
+        need(self.eval_steps >= 0, "eval_steps", "must be >= 0")
+        need(self.logging_steps >= 1, "logging_steps", "must be >= 1")
+        need(self.ddp_timeout_minutes > 0, "ddp_timeout_minutes",
+             f"must be > 0 (minutes; got {self.ddp_timeout_minutes}); raise it when one step (a long rollout, "
+             f"a large checkpoint save) can keep some ranks waiting longer than that")
+        need(self.eval_max_prompts == -1 or self.eval_max_prompts >= 1, "eval_max_prompts",
+             f"must be >= 1, or -1 for all prompts; got {self.eval_max_prompts}")
+        need(self.qlora_skip_modules is None or self.tuning_strategy == "qlora", "qlora_skip_modules",
+             "needs --tuning_strategy qlora")
+        need(self.qlora_skip_modules is None or bool(self.qlora_skip_list), "qlora_skip_modules",
+             "give comma-separated module names, e.g. v_proj,down_proj")
+        if self.lora_exclude_modules is not None:
+            self._validate_lora_exclude(need)
+        need(self.vllm_sleep_level in (1, 2), "vllm_sleep_level", f"got {self.vllm_sleep_level}, choose 1 or 2")
+        need(self.qlora_quant_type in QLORA_QUANT_TYPES, "qlora_quant_type",
+             f"got '{self.qlora_quant_type}', choose one of {', '.join(QLORA_QUANT_TYPES)}")
+        need(self.qlora_quant_type == "nf4" or self.tuning_strategy == "qlora", "qlora_quant_type",
+             "needs --tuning_strategy qlora")
+        need(self.qlora_block_size in QLORA_BLOCK_SIZES, "qlora_block_size",
+             f"got {self.qlora_block_size}, choose one of {', '.join(map(str, QLORA_BLOCK_SIZES))}")
+        # the stock values pass too: a lora or full run's config saved before the defaults changed holds them
+        need(self.qlora_block_size in (DEFAULT_BLOCK_SIZE, BITSANDBYTES_BLOCK_SIZE) or self.tuning_strategy == "qlora",
+             "qlora_block_size", "needs --tuning_strategy qlora")
+        need(self.qlora_block_scale in QLORA_BLOCK_SCALES, "qlora_block_scale",
+             f"got '{self.qlora_block_scale}', choose one of {', '.join(QLORA_BLOCK_SCALES)}")
+        need(self.qlora_init in QLORA_INITS, "qlora_init",
+             f"got '{self.qlora_init}', choose one of {', '.join(QLORA_INITS)}")
+        if self.qlora_init == "loftq":
+            need(self.tuning_strategy == "qlora", "qlora_init", "loftq needs --tuning_strategy qlora")
+            need(not self.lora_adapter_path, "qlora_init",
+                 "loftq sets a new adapter; a continued one (--lora_adapter_path) keeps its own weights: drop one")
+
+    def _validate_lora_exclude(self, need) -> None:
+        need(self.tuning_strategy in ("lora", "qlora"), "lora_exclude_modules",
+             "needs --tuning_strategy lora or qlora")
+        need(not self.lora_adapter_path, "lora_exclude_modules",
+             "does not apply with --lora_adapter_path (the continued adapter's own config decides what it adapts)")
+        need(bool(self.lora_exclude_modules.strip().strip(",")), "lora_exclude_modules",
+             "give module names (comma-separated) or a regex")
+        if isinstance(self.lora_exclude, str):
+            try:
+                re.compile(self.lora_exclude)
+            except re.error as exc:
+                need(False, "lora_exclude_modules", f"'{self.lora_exclude}' is read as a regex (it has regex "
+                                                    f"characters) but does not compile: {exc}")
+
+    # ------------------------------------------------------------------------------------------------
+    @property
+    def kl_coef(self) -> float:
+        """The beta actually applied (0 when the KL penalty is off)."""
+        return self.kl_beta if self.use_kl_penalty else 0.0
+
+    @property
+    def qlora_skip_list(self) -> list[str]:
+        return [m.strip() for m in (self.qlora_skip_modules or "").split(",") if m.strip()]
+
+    @property
+    def qlora_requantizing_options(self) -> list[str]:
+        """The options (given or default) for which the 4-bit base is quantized again from the checkpoint after
+        loading: those that differ from bitsandbytes' stock base."""
+        options = []
+        if self.tuning_strategy == "qlora" and self.qlora_block_size != BITSANDBYTES_BLOCK_SIZE:
+            options.append(f"--qlora_block_size {self.qlora_block_size}")
+        if self.tuning_strategy == "qlora" and self.qlora_block_scale != BITSANDBYTES_BLOCK_SCALE:
+            options.append(f"--qlora_block_scale {self.qlora_block_scale}")
+        return options
+
+    @property
+    def kl_loss_coef(self) -> float:
+        """The beta of the loss's KL term (0 when the penalty is off or goes into the reward)."""
+        return 0.0 if self.kl_in_reward else self.kl_coef
+
+    @property
+    def effective_train_split_ratio(self) -> float:
+        """--train_split_ratio as given; unset, no split when eval datasets are named, else the default."""
+        if self.train_split_ratio is not None:
+            return self.train_split_ratio
+        return 1.0 if self.eval_dataset_names else DEFAULT_SPLIT_RATIO
+
+    @property
+    def lora_exclude(self):
+        """--lora_exclude_modules as peft's LoraConfig(exclude_modules=...) takes it: a regex string (matched
+        against full module names) when the value has regex characters, else a list of names; None when unset."""
+        value = (self.lora_exclude_modules or "").strip()
+        if not value:
+            return None
+        if set(value) & REGEX_CHARS:
+            return value
+        return [m.strip() for m in value.split(",") if m.strip()]
+
+    @property
+    def uses_lora(self) -> bool:
+        return self.tuning_strategy in ("lora", "qlora")
+
+    @property
+    def vllm_memory_share(self) -> float:
+        """--vllm_gpu_memory_utilization as given, or the default for the mode."""
+        if self.vllm_gpu_memory_utilization is not None:
+            return self.vllm_gpu_memory_utilization
+        return 0.85 if self.vllm_mode == "server" else 0.3
+
+    @property
+    def vllm_kv_cache(self) -> str | float:
+        """--vllm_kv_cache_gib as 'auto', 'share' or GiB (a float), with the default for the mode."""
+        value = self.vllm_kv_cache_gib
+        if value is None:
+            return "share" if self.vllm_mode == "server" else "auto"
+        if str(value).strip().lower() in ("auto", "share"):
+            return str(value).strip().lower()
+        try:
+            gib = float(value)
+        except (TypeError, ValueError):
+            gib = 0.0
+        if not 0.001 <= gib < float("inf"):
+            raise ConfigError(f"--vllm_kv_cache_gib: got '{value}'; give auto, share or a number of GiB of at least "
+                              "0.001 (e.g. 4)")
+        return gib
+
+    @property
+    def is_correction(self) -> bool:
+        """--rollout_is_correction as given, or on by default exactly when the rollouts are a step behind."""
+        return self.async_rollout if self.rollout_is_correction is None else self.rollout_is_correction
+
+    @property
+    def effective_learning_rate(self) -> float:
+        return self.learning_rate_lora if self.uses_lora else self.learning_rate
+
+    def to_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def save(self, path: str) -> None:
+        with open(path, "w") as fh:
+            json.dump(self.to_dict(), fh, indent=2)
+
+
+def _names(value) -> list[str]:
+    """Dataset names given space and/or comma separated (a plain string is one argument)."""
+    parts = [value] if isinstance(value, str) else list(value)
+    return [n.strip() for part in parts for n in part.split(",") if n.strip()]
+
+
+FLAG_GROUPS: dict[str, str] = {f.name: g for f, g in zip(fields(GRPOConfig), _groups_in_order)}
+
+
+def parse_args(argv: Optional[list[str]] = None) -> GRPOConfig:
+    """Parse CLI flags (and an optional ``--config file.json`` whose values act as defaults)."""
+    from transformers import HfArgumentParser
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = HfArgumentParser(GRPOConfig, description="GRPO fine-tuning with verifiable rewards.")
+    parser.add_argument("--config", default=None, help="JSON file of flag values; command-line flags win.")
+    config_path = _pop_config_flag(argv)
+    if config_path:
+        parser.set_defaults(**_read_config_json(config_path, {f.name for f in fields(GRPOConfig)}))
+    # the extra --config argument (already consumed above) comes back as a second, unused namespace
+    *parsed, unknown = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
+    if unknown:
+        flags = [f"--{f.name}" for f in fields(GRPOConfig)]
+        hints = [f"{u} (did you mean {close[0]}?)" if (close := difflib.get_close_matches(u.split("=")[0], flags, 1))
+                 else u for u in unknown if u.startswith("-")]
+        parser.error(f"unrecognized arguments: {' '.join(hints or unknown)}")  # exits with status 2
+    return parsed[0]
+
+
+def _pop_config_flag(argv: list[str]) -> Optional[str]:
+    for i, arg in enumerate(argv):
+        if arg == "--config":
+            if i + 1 >= len(argv):
+                raise ConfigError("--config: give a JSON file path")
+            path = argv[i + 1]
+            del argv[i:i + 2]
+            return path
+        if arg.startswith("--config="):
+            del argv[i]
+            return arg.split("=", 1)[1]
+    return None
+
+
+def _read_config_json(path: str, known: set[str]) -> dict:
+    values = read_json_object(path, ConfigError, "--config")
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ConfigError(f"--config: {path} has unknown option(s) {', '.join(unknown)}; "
+                          f"see `python train_grpo.py --help` for the valid names")
+    return values

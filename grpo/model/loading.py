@@ -1,0 +1,276 @@
+"""Tuning strategies (full / lora / qlora), the reference policy, tokenizer loading and final model saving."""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import re
+from typing import Optional
+
+import torch
+
+from grpo.config.options import GRPOConfig
+from grpo.errors import ConfigError
+from grpo.model.qlora_base_record import warn_if_another_base, write_base_options
+from grpo.model.qlora_rounding import requantize_4bit_base
+
+logger = logging.getLogger("grpo")
+
+
+def load_tokenizer(model_path: str, trust_remote_code: bool = False):
+    """Tokenizer with a pad token (EOS when it has none) and left padding (for batched generation)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"
+    return tokenizer
+
+
+def load_base_model(model_path: str, dtype: torch.dtype, device: torch.device, trust_remote_code: bool,
+               quantization_config=None):
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    from grpo.model.vision import is_vision_language
+
+    kwargs = dict(dtype=dtype, trust_remote_code=trust_remote_code)
+    if quantization_config is not None:
+        kwargs.update(quantization_config=quantization_config, device_map={"": device})
+    auto = AutoModelForImageTextToText if is_vision_language(model_path, trust_remote_code) else AutoModelForCausalLM
+    model = auto.from_pretrained(model_path, **kwargs)
+    return model if quantization_config is not None else model.to(device)
+
+
+def lora_target_modules(value: str):
+    """--lora_target_modules as peft wants it: "all-linear" or a list of module names."""
+    return "all-linear" if value.strip() == "all-linear" else [m.strip() for m in value.split(",") if m.strip()]
+
+
+def attention_without_shape_plans(device: torch.device) -> None:
+    """Leave PyTorch's cuDNN backend out of scaled-dot-product attention, process-wide, when training on CUDA.
+
+    Training micro-batches change shape all the time (token budgets over sampled lengths), and cuDNN attention
+    builds an execution plan for every new shape; flash and memory-efficient attention need none.
+    """
+    if device.type == "cuda" and torch.backends.cuda.cudnn_sdp_enabled():
+        torch.backends.cuda.enable_cudnn_sdp(False)
+        logger.info("attention: flash / memory-efficient SDPA kernels (cuDNN attention left out: it builds a plan "
+                    "for every new batch shape)")
+
+
+def load_policy(config: GRPOConfig, model_path: str, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+    """The trainable policy: the full model, or the base with a (new or continued) LoRA adapter."""
+    from grpo.model import vision
+
+    attention_without_shape_plans(device)
+    is_vl = vision.is_vision_language(model_path, config.trust_remote_code)
+    quantization = None
+    if config.tuning_strategy == "qlora":
+        from transformers import BitsAndBytesConfig
+
+        # a vision-language model keeps its vision tower (and output layer) unquantized; a list replaces
+        # transformers' default skips, so it names the output layer again
+        skip = vision.quantization_skip_modules(model_path) if is_vl else None
+        if config.qlora_skip_list:
+            skip = (skip or ["lm_head"]) + config.qlora_skip_list
+        quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=config.qlora_quant_type,
+                                          bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=dtype,
+                                          llm_int8_skip_modules=skip)
+    model = load_base_model(model_path, dtype, device, config.trust_remote_code, quantization)
+    if quantization is not None and config.qlora_requantizing_options:
+        requantize_4bit_base(model, model_path, config.qlora_block_size, config.qlora_block_scale,
+                             " and ".join(config.qlora_requantizing_options))
+    if config.qlora_skip_list:
+        _check_module_names_exist(model, config.qlora_skip_list, "--qlora_skip_modules",
+                                  "give a name or its last parts")
+    if is_vl and config.freeze_vision_tower:
+        vision.freeze_vision_tower(model)
+    if config.tuning_strategy == "qlora":
+        from peft import prepare_model_for_kbit_training
+
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=config.gradient_checkpointing,
+                                                gradient_checkpointing_kwargs={"use_reentrant": False})
+        keep_4bit_forward_exact(model)
+    elif config.gradient_checkpointing:
+        _enable_checkpointing(model)
+    if is_vl and config.freeze_vision_tower:
+        vision.freeze_vision_tower(model)  # prepare_model_for_kbit_training may have unfrozen it
+    if config.uses_lora:
+        model = _attach_lora(model, config, vision.language_linear_names(model) if is_vl else None)
+        if config.qlora_init == "loftq":
+            from grpo.model.loftq import add_rounding_correction
+
+            add_rounding_correction(model, model_path)
+        if config.gradient_checkpointing:
+            model.enable_input_require_grads()  # checkpointed blocks need an input that requires grad
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    logger.info(f"{config.tuning_strategy}: {trainable:,} trainable of {total:,} parameters "
+                f"({100 * trainable / max(total, 1):.2f}%)")
+    return model
+
+
+def keep_4bit_forward_exact(model) -> int:
+    """Make every 4-bit linear compute `x @ dequantize_4bit(W).T` in the compute dtype, in every mode.
+
+    On CPUs with avx512_bf16, bitsandbytes (>= 0.48) repacks a Linear4bit's weight the first time it runs in eval
+    mode without grad (HF generate, log-prob scoring) and from then on multiplies in bf16 with bf16 block scales,
+    in training too. The policy would then change under the trainer (max |logit diff| 0.026 on the tiny test model)
+    and the repacked weight no longer dequantizes to the trained one. Returns the number of layers switched.
+    """
+    switched = 0
+    for module in model.modules():
+        if getattr(module, "support_avx512bf16_for_cpu", False):
+            module.support_avx512bf16_for_cpu = False
+            switched += 1
+    return switched
+
+
+def _enable_checkpointing(model) -> None:
+    """Recompute activations in backward; non-reentrant, so frozen inputs (peft) still get gradients through."""
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.23 renamed it
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def _attach_lora(model, config: GRPOConfig, language_linears: Optional[list[str]] = None):
+    """A new or continued adapter. For a vision-language model, "all-linear" with a frozen vision tower means the
+    language model's linear layers (`language_linears`); named modules are matched as peft does, anywhere."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    if config.lora_adapter_path:
+        adapter_config = os.path.join(config.lora_adapter_path, "adapter_config.json")
+        if not os.path.isfile(adapter_config):
+            raise ConfigError(f"--lora_adapter_path: no adapter_config.json in {config.lora_adapter_path}")
+        with open(adapter_config) as fh:
+            saved = json.load(fh)
+        logger.info(f"continuing the adapter in {config.lora_adapter_path} (r={saved.get('r')}, "
+                    f"alpha={saved.get('lora_alpha')})")
+        warn_if_another_base(config.lora_adapter_path, config)
+        return PeftModel.from_pretrained(model, config.lora_adapter_path, is_trainable=True)
+    targets = lora_target_modules(config.lora_target_modules)
+    if targets == "all-linear" and language_linears is not None and config.freeze_vision_tower:
+        targets = language_linears
+    exclude = config.lora_exclude
+    if exclude is not None:
+        _check_module_names_exist(model, exclude, f"--lora_exclude_modules {config.lora_exclude_modules}",
+                                  "a regex must match a whole name")
+    lora = LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
+                      target_modules=targets, exclude_modules=exclude, task_type="CAUSAL_LM")
+    try:
+        return get_peft_model(model, lora)
+    except ValueError as exc:  # e.g. target modules not found, or every one of them excluded
+        flags = f"--lora_target_modules {config.lora_target_modules}" + \
+            (f" with --lora_exclude_modules {config.lora_exclude_modules}" if exclude is not None else "")
+        raise ConfigError(f"{flags}: {exc}") from exc
+
+
+def _check_module_names_exist(model, names, flag: str, hint: str) -> None:
+    """Names (or one regex, as a str) that match no module are typos: the flag would silently change nothing
+    (peft only warns about an unmatched exclude; bitsandbytes quantizes an unmatched skip after all)."""
+    modules = [n for n, _ in model.named_modules() if n]
+    if isinstance(names, str):
+        missing = [] if any(re.fullmatch(names, n) for n in modules) else [names]
+    else:
+        missing = [k for k in names if not any(n == k or n.endswith("." + k) for n in modules)]
+    if missing:
+        example = next((n for n in modules if n.endswith("proj")), modules[-1])
+        raise ConfigError(f"{flag}: {', '.join(repr(m) for m in missing)} matches no module of the model (names "
+                          f"look like '{example}'; {hint})")
+
+
+def load_reference(config: GRPOConfig, model_path: str, dtype: torch.dtype,
+                   device: torch.device) -> Optional[torch.nn.Module]:
+    """A frozen copy of the base model for full fine-tuning with the KL term; otherwise None.
+
+    LoRA / QLoRA need no copy: the reference is the policy with its adapter disabled (see reference_mode).
+    """
+    if config.tuning_strategy != "full" or config.kl_coef <= 0:
+        return None
+    reference = load_base_model(model_path, dtype, device, config.trust_remote_code)
+    reference.eval()
+    reference.requires_grad_(False)
+    return reference
+
+
+@contextlib.contextmanager
+def reference_mode(model):
+    """Within the block, a peft model computes as its reference, the policy training started from: its adapter off
+    (= the base model), or with --qlora_init loftq only the frozen correction on (see grpo/loftq.py); other models
+    are unchanged."""
+    from grpo.model.loftq import CORRECTION_ADAPTER, freeze_correction
+
+    if CORRECTION_ADAPTER in getattr(model, "peft_config", {}):
+        active = list(model.base_model.active_adapters)
+        model.base_model.set_adapter(CORRECTION_ADAPTER)
+        try:
+            yield model
+        finally:
+            model.base_model.set_adapter(active)  # the trained adapter trainable again ...
+            freeze_correction(model)              # ... and the correction not
+    elif hasattr(model, "disable_adapter") and hasattr(model, "peft_config"):
+        with model.disable_adapter():
+            yield model
+    else:
+        yield model
+
+
+def save_final_model(model, tokenizer, output_dir: str, config: GRPOConfig, model_path: str, dtype: torch.dtype,
+                     state_dict: Optional[dict] = None) -> dict[str, str]:
+    """Save in HF format: output_dir/model (full) or output_dir/lora_adapter (+ merged_model on request).
+
+    `state_dict` supplies gathered parameters when DeepSpeed ZeRO-3 holds them partitioned.
+    """
+    saved = {}
+    if not config.uses_lora:
+        path = os.path.join(output_dir, "model")
+        model.save_pretrained(path, state_dict=state_dict, safe_serialization=True)
+        tokenizer.save_pretrained(path)
+        _copy_processor_files(model_path, path)
+        return {"model": path}
+    path = os.path.join(output_dir, "lora_adapter")
+    model.peft_config["default"].base_model_name_or_path = model_path
+    from grpo.model.loftq import CORRECTION_ADAPTER, save_combined_adapter
+
+    if CORRECTION_ADAPTER in model.peft_config:  # one plain adapter: trained + rounding correction
+        save_combined_adapter(model, path, state_dict)
+    else:
+        model.save_pretrained(path, state_dict=state_dict, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    _copy_processor_files(model_path, path)
+    if config.tuning_strategy == "qlora":
+        write_base_options(path, config)
+    saved["lora_adapter"] = path
+    if config.save_merged_model:
+        from peft import PeftModel
+
+        # merge into the full-precision base (for qlora too): the training model itself is never merged
+        base = load_base_model(model_path, dtype, torch.device("cpu"), config.trust_remote_code)
+        if config.qlora_init == "loftq":  # its adapter holds the 4-bit rounding error: merge into the rounded base
+            from grpo.model.loftq import round_like_training
+
+            round_like_training(base, model)
+        merged = PeftModel.from_pretrained(base, path).merge_and_unload()
+        merged_path = os.path.join(output_dir, "merged_model")
+        merged.save_pretrained(merged_path, safe_serialization=True)
+        tokenizer.save_pretrained(merged_path)
+        _copy_processor_files(model_path, merged_path)
+        saved["merged_model"] = merged_path
+    return saved
+
+
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "chat_template.json", "chat_template.jinja",
+                   "video_preprocessor_config.json")
+
+
+def _copy_processor_files(model_path: str, out: str) -> None:
+    """A vision-language model's processor files go with the saved weights (no-op for text models)."""
+    import shutil
+
+    for name in PROCESSOR_FILES:
+        source = os.path.join(model_path, name)
+        if os.path.isfile(source) and not os.path.exists(os.path.join(out, name)):
+            shutil.copy(source, os.path.join(out, name))

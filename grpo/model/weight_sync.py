@@ -1,0 +1,224 @@
+"""Weight sync: the policy being trained, as HF-checkpoint (name, tensor) pairs for a rollout engine.
+
+Streamed one module at a time, so memory stays bounded by the largest layer, never the whole model:
+  full   the parameters as trained (ZeRO-3: gathered one module at a time)
+  lora   only what the adapter changes, merged on the fly in fp32 (the training model is never merged/unmerged):
+           weight  W + (alpha / r) * B @ A          (transposed for fan_in_fan_out layers such as GPT-2's Conv1D)
+           bias    b + (alpha / r) * b_B            (only with peft's lora_bias=True)
+         plus the trained copies of modules_to_save
+  qlora  dequantize_4bit(W) + (alpha / r) * B @ A, and on the first sync every other 4-bit linear dequantized too:
+         the engine loads the unquantized checkpoint, and must sample from exactly the quantized policy being trained
+An engine that drops its weights while it sleeps (`needs_every_weight`, vLLM's level-2 sleep) gets the whole policy
+after every step instead: lora / qlora then also send their frozen tensors (embeddings, norms, layers without an
+adapter, 4-bit ones dequantized), which costs a copy on the GPU instead of two trips through CPU memory.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+from grpo.errors import ConfigError
+from grpo.model.vision import checkpoint_prefixes, rename
+
+PEFT_PREFIX = "base_model.model."
+STRATEGIES = ("full", "lora", "qlora")
+
+
+@dataclass
+class SyncStats:
+    """What one sync moved: wall time, bytes handed to the engine, number of tensors."""
+    seconds: float
+    bytes: int
+    tensors: int
+
+
+def checkpoint_name(module_name: str) -> str:
+    """peft's module path -> the name the base checkpoint (and vLLM's load_weights) uses."""
+    name = module_name[len(PEFT_PREFIX):] if module_name.startswith(PEFT_PREFIX) else module_name
+    return name.replace(".base_layer", "")
+
+
+def iter_policy_weights(model, strategy: str, *, dtype: torch.dtype = torch.bfloat16, zero3: bool = False,
+                        first_sync: bool = True, everything: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (checkpoint name, tensor in `dtype`) for what the rollout engine must load after an optimizer step.
+
+    `model` is the module being trained (DeepSpeed's `engine.module`): a plain HF model for "full", a peft model
+    for "lora" / "qlora". With `zero3=True` its parameters are partitioned and each module's are gathered in turn.
+    `everything`: every tensor of the policy, not only what changed (for an engine that dropped its weights).
+    """
+    if strategy == "full":
+        named = _iter_full(model, dtype, zero3)
+    elif strategy in ("lora", "qlora"):
+        named = _iter_adapter(model, dtype, zero3, dequantize_frozen=everything or (first_sync and strategy == "qlora"),
+                              everything=everything)
+    else:
+        raise ConfigError(f"--tuning_strategy {strategy!r}: weight sync knows {', '.join(STRATEGIES)}")
+    prefixes = checkpoint_prefixes(model)  # peft forwards .config to the base model
+    for name, tensor in named:  # vision-language models: the checkpoint's layout (see grpo/vision.py)
+        yield rename(name, prefixes), tensor
+
+
+def sync_weights(engine, model, strategy: str, *, zero3: bool = False, first_sync: bool = False,
+                 dtype: torch.dtype = torch.bfloat16, chunk_bytes: int = 256 * 2**20) -> SyncStats:
+    """Stream the policy's weights into `engine.load_weights`, at most ~chunk_bytes per call (plus one tensor).
+    All of them when the engine says it `needs_every_weight`, else what changed since the last sync."""
+    start = time.perf_counter()
+    total, count, chunk, chunk_size = 0, 0, [], 0
+    everything = getattr(engine, "needs_every_weight", False)
+    partial = {"complete": False} if everything else {}  # the engine may wake only once the last chunk is in
+    for name, tensor in iter_policy_weights(model, strategy, dtype=dtype, zero3=zero3, first_sync=first_sync,
+                                            everything=everything):
+        size = tensor.numel() * tensor.element_size()
+        if chunk and chunk_size + size > chunk_bytes:
+            engine.load_weights(chunk, **partial)
+            chunk, chunk_size = [], 0
+        chunk.append((name, tensor))
+        chunk_size += size
+        total += size
+        count += 1
+    if chunk:
+        engine.load_weights(chunk)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()  # the engine copies asynchronously; the time must include the copies
+    return SyncStats(seconds=time.perf_counter() - start, bytes=total, tensors=count)
+
+
+# ------------------------------------------------------------------------------------------------------ helpers
+def _gathered(params: list, zero3: bool):
+    """ZeRO-3: the full tensors of `params` for the duration of the block (read-only); otherwise nothing."""
+    if not zero3 or not params:
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
+
+
+def _owned(tensor: torch.Tensor, dtype: torch.dtype, zero3: bool) -> torch.Tensor:
+    """`tensor` in `dtype`; copied under ZeRO-3, where the gathered storage is freed when the block ends."""
+    out = tensor.detach().to(dtype)
+    return out.clone() if zero3 and out.data_ptr() == tensor.data_ptr() else out
+
+
+def _module_tensors(prefix: str, named_params, dtype: torch.dtype, zero3: bool, seen: set[int]):
+    """Yield (prefix.name, tensor in `dtype`) for the parameters not yet in `seen`, gathered together under ZeRO-3.
+    `seen` holds the ids already sent: tied weights (embed_tokens / lm_head) are one parameter, sent once."""
+    params = [(n, p) for n, p in named_params if id(p) not in seen]
+    seen.update(id(p) for _, p in params)
+    with _gathered([p for _, p in params], zero3):
+        for pname, param in params:
+            yield (f"{prefix}.{pname}" if prefix else pname), _owned(param.data, dtype, zero3)
+
+
+def is_4bit(weight) -> bool:
+    return weight is not None and weight.__class__.__name__ == "Params4bit"
+
+
+def dense_weight(layer) -> torch.Tensor:
+    """The layer's weight as a new dense fp32 tensor (4-bit weights dequantized with their quant_state)."""
+    weight = layer.weight
+    if is_4bit(weight):
+        import bitsandbytes.functional as bnbf
+
+        if getattr(weight.quant_state, "packing_format_for_cpu", False):
+            raise ConfigError("a 4-bit layer was repacked by bitsandbytes' bf16 CPU inference path, so its weight no "
+                              "longer dequantizes to the trained policy; load the policy with "
+                              "grpo.model.loading.load_policy (or call grpo.model.loading.keep_4bit_forward_exact on it first)")
+
+        return bnbf.dequantize_4bit(weight.data, weight.quant_state).float()
+    return weight.data.to(torch.float32, copy=True)  # a copy: the merge below adds into it
+
+
+# ----------------------------------------------------------------------------------------------------- strategies
+def _iter_full(model, dtype, zero3):
+    seen = set()  # tied weights (embed_tokens / lm_head) are one parameter: sent once, under its first name
+    for module_name, module in model.named_modules():
+        yield from _module_tensors(checkpoint_name(module_name), module.named_parameters(recurse=False), dtype,
+                                   zero3, seen)
+
+
+def _active_adapters(module) -> list[str]:
+    active = getattr(module, "active_adapters", None) or getattr(module, "active_adapter", "default")
+    return [active] if isinstance(active, str) else list(active)
+
+
+def _lora_adapters(module) -> list[str]:
+    """The active, unmerged adapters of a LoRA layer; a clear error for layer kinds the merge below cannot do."""
+    active = _active_adapters(module)
+    if any(a in getattr(module, "lora_embedding_A", {}) for a in active):
+        raise ConfigError("weight sync merges LoRA on linear layers only; drop embedding layers from "
+                          "--lora_target_modules")
+    adapters = [a for a in active if a in module.lora_A and a not in getattr(module, "merged_adapters", [])]
+    for a in adapters:
+        if a in getattr(module, "lora_variant", {}) or getattr(module, "use_dora", {}).get(a, False):
+            raise ConfigError("weight sync merges plain LoRA (W + s * B @ A); DoRA and other LoRA variants are "
+                              "not supported: train without use_dora")
+        if not isinstance(module.lora_A[a], torch.nn.Linear):
+            raise ConfigError(f"weight sync merges LoRA on linear layers only, not {type(module.lora_A[a]).__name__}"
+                              "; drop those layers from --lora_target_modules")
+    return adapters
+
+
+def _lora_merged(module, adapters: list[str], zero3: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """fp32 weight (and bias when lora_bias) of a LoRA layer with its adapters folded in, as peft's merge does."""
+    base = module.get_base_layer()
+    parts = [base.weight] + ([base.bias] if getattr(base, "bias", None) is not None else [])
+    for a in adapters:
+        parts += [module.lora_A[a].weight, *module.lora_B[a].parameters()]
+    with _gathered(parts, zero3), torch.no_grad():  # a copy for the engine: no autograd graph
+        weight = dense_weight(base)                                          # [out, in] ([in, out] if fan_in_fan_out)
+        bias = base.bias.data.to(torch.float32, copy=True) if getattr(base, "bias", None) is not None else None
+        for a in adapters:
+            scale = module.scaling[a]                                         # alpha / r (rank/alpha patterns incl.)
+            delta = (module.lora_B[a].weight.float() @ module.lora_A[a].weight.float()) * scale   # [out, r] @ [r, in]
+            weight += delta.T if getattr(module, "fan_in_fan_out", False) else delta
+            if getattr(module, "lora_bias", {}).get(a, False):
+                if bias is None:
+                    raise ConfigError("lora_bias=True needs a base layer with a bias; train without lora_bias")
+                bias += module.lora_B[a].bias.float() * scale
+    return weight, bias  # new tensors: they outlive a ZeRO-3 gather
+
+
+def _iter_adapter(model, dtype, zero3, dequantize_frozen: bool, everything: bool = False):
+    from peft.tuners.lora import LoraLayer
+    from peft.utils.other import AuxiliaryTrainingWrapper, ModulesToSaveWrapper
+
+    wrapped_prefixes: list[str] = []  # submodules of a wrapper are handled with the wrapper
+    seen: set[int] = set()  # with `everything`: tied weights (embed_tokens / lm_head) sent once
+    for module_name, module in model.named_modules():
+        if any(module_name.startswith(p) for p in wrapped_prefixes):
+            continue
+        name = checkpoint_name(module_name)
+        if isinstance(module, ModulesToSaveWrapper):
+            wrapped_prefixes.append(module_name + ".")
+            active = [a for a in _active_adapters(module) if a in module.modules_to_save]
+            if not active and not everything:
+                continue
+            # what the wrapper's forward runs: the active adapter's trained copy, else the original module
+            trained = module.modules_to_save[active[0]] if active else module.original_module
+            yield from _module_tensors(name, trained.named_parameters(), dtype, zero3, seen)
+        elif isinstance(module, AuxiliaryTrainingWrapper):
+            raise ConfigError(f"weight sync cannot send {type(module).__name__} ({name}); "
+                              "train without trainable_token_indices")
+        elif isinstance(module, LoraLayer):
+            wrapped_prefixes.append(module_name + ".")
+            adapters = _lora_adapters(module)
+            if not (adapters or everything or (dequantize_frozen and is_4bit(module.get_base_layer().weight))):
+                continue  # unchanged since the checkpoint the engine loaded
+            seen.update(id(p) for p in module.get_base_layer().parameters())
+            weight, bias = _lora_merged(module, adapters, zero3)
+            yield f"{name}.weight", weight.to(dtype)
+            if bias is not None and (everything or any(getattr(module, "lora_bias", {}).get(a, False)
+                                                       for a in adapters)):
+                yield f"{name}.bias", bias.to(dtype)
+        elif dequantize_frozen and is_4bit(getattr(module, "weight", None)):
+            seen.update(id(p) for p in module.parameters(recurse=False))
+            yield f"{name}.weight", dense_weight(module).to(dtype)
+            if everything and getattr(module, "bias", None) is not None:
+                with _gathered([module.bias], zero3):
+                    yield f"{name}.bias", _owned(module.bias.data, dtype, zero3)
+        elif everything:  # a frozen module's own tensors (embeddings, norms, heads), as the checkpoint has them
+            yield from _module_tensors(name, module.named_parameters(recurse=False), dtype, zero3, seen)

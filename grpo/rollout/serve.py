@@ -1,0 +1,121 @@
+"""A rollout rank's life in --vllm_mode server: build an engine, then answer training rank 0 until it says stop.
+
+Messages (see bridge.py): ("start", spec) once, then ("generate", (prompt ids, sampling, images)),
+("weights", layout) followed by the tensors over the weight group, and ("stop", None). Every message gets a reply:
+{"ok": ...} or {"error": text}; after an error the rank only waits for the stop, so that training rank 0 can print
+the error before the launcher ends the job.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import traceback
+from datetime import timedelta
+
+import torch
+
+from grpo.runtime import distributed as dist_utils
+from grpo.errors import GRPOError
+from grpo.runtime.roles import job_rank, rollout_index, rollout_ranks_of
+from grpo.runtime.distributed import seed_everything
+from grpo.rollout.bridge import BridgeClosed, RolloutBridge, connect_store
+
+logger = logging.getLogger("grpo")
+
+
+def serve_rollouts(config) -> int:
+    """Run this rollout rank until training rank 0 stops it; the process's exit code."""
+    from grpo.train.reporting import setup_console_logging
+
+    setup_console_logging(is_main=False)
+    count = rollout_ranks_of(config)
+    index, rank = rollout_index(count), job_rank()  # (vLLM's launcher variables overwrite RANK later)
+    timeout = timedelta(minutes=config.ddp_timeout_minutes)
+    device = dist_utils.device()  # the launcher's LOCAL_RANK: its own GPU
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    store = connect_store(timeout)
+    bridge = RolloutBridge(store, index + 1, count + 1, device, timeout)
+    try:
+        return _serve(bridge, config, index, count, device, rank)
+    except BridgeClosed as exc:  # training rank 0 is gone (it stopped, or failed and said so itself)
+        logger.error(f"rollout rank {index}: the training ranks stopped without a word ({exc})")
+        return 1
+
+
+def _serve(bridge: RolloutBridge, config, index: int, count: int, device: torch.device, rank: int) -> int:
+    """Answer messages until the stop; the exit code."""
+    engine, failure = None, None  # failure: the first error's text, repeated to every later message
+    while True:
+        (kind, payload), number = bridge.receive(index)
+        if kind == "stop":
+            bridge.reply(index, number, {"ok": True})
+            bridge.close()
+            return 1 if failure else 0
+        if failure:  # only the stop is awaited now
+            for _ in bridge.receive_weights(payload) if kind == "weights" else ():
+                pass  # (the sender's broadcast must not be left waiting)
+            bridge.reply(index, number, {"error": failure})
+            continue
+        try:
+            if kind == "start":
+                engine = _build_engine(config, payload, index, count, device, rank)
+                answer = True
+            elif kind == "generate":
+                prompts, sampling, images = payload
+                answer = engine.generate(prompts, sampling, **({"images": images} if images else {})) \
+                    if prompts or getattr(engine, "collective_generate", False) else []
+            elif kind == "weights":
+                tensors = bridge.receive_weights(payload)
+                try:
+                    engine.load_weights(tensors)
+                finally:  # take every tensor the sender broadcasts, even after a failure: it must not wait
+                    for _ in tensors:
+                        pass
+                answer = True
+            else:
+                raise RuntimeError(f"unknown message {kind!r}")
+            bridge.reply(index, number, {"ok": answer})
+        except BridgeClosed:
+            raise
+        except Exception as exc:  # reported to training rank 0, which stops the job with it
+            text = str(exc) if isinstance(exc, GRPOError) else f"{type(exc).__name__}: {exc}"
+            failure = f"rollout rank {index} (job rank {rank}) failed in {kind}: {text}"
+            logger.error(f"rollout rank {index} failed in {kind}:\n{traceback.format_exc()}")
+            bridge.reply(index, number, {"error": failure})
+
+
+def _build_engine(config, spec: dict, index: int, count: int, device: torch.device, rank: int):
+    """vLLM in a world of the rollout ranks (its tensor-parallel groups), or the HF engine on its own model copy."""
+    from grpo.model.embedded import resolve_model_path
+
+    model_path = resolve_model_path(config.model_name_or_path)  # this node's copy (the embedded one is converted here)
+    seed_everything(config.seed + rank)
+    if config.use_vllm_rollout:
+        import torch.distributed as dist
+
+        # vLLM's external launcher takes the process group it finds, and its rank layout from these variables
+        os.environ.update(RANK=str(index), WORLD_SIZE=str(count))
+        timeout = timedelta(minutes=config.ddp_timeout_minutes)
+        world_store = dist.PrefixStore("grpo_rollout_world", connect_store(timeout))  # a client of its own
+        dist.init_process_group("nccl", store=world_store, rank=index, world_size=count, timeout=timeout)
+        from grpo.rollout.kv_cache import engine_kv_cache_bytes
+        from grpo.rollout.vllm import VLLMRolloutEngine
+
+        # ranks of one tensor-parallel group share a seed: they must sample the same completions
+        return VLLMRolloutEngine(model_path, tensor_parallel_size=config.vllm_tp,
+                                 gpu_memory_utilization=config.vllm_memory_share,
+                                 kv_cache_bytes=engine_kv_cache_bytes(config, model_path),
+                                 max_model_len=config.max_seq_length, seed=config.seed + index // config.vllm_tp,
+                                 enable_sleep=False, enforce_eager=config.vllm_enforce_eager,
+                                 stop_token_ids=spec["stop_token_ids"],
+                                 max_images_per_prompt=spec["max_images_per_prompt"],
+                                 image_token_id=spec["image_token_id"])
+    from grpo.model.loading import load_base_model, load_tokenizer
+    from grpo.rollout.hf import HFRolloutEngine
+
+    # the trainer's dtype, which is what its weight sync sends (see GRPOTrainer._sync_rollout_weights)
+    model = load_base_model(model_path, getattr(torch, spec["dtype"]), device, config.trust_remote_code)
+    model.requires_grad_(False)
+    return HFRolloutEngine(model, load_tokenizer(model_path, config.trust_remote_code),
+                           suppress_token_ids=spec["suppress_token_ids"], owns_model=True)

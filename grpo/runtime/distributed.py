@@ -1,0 +1,132 @@
+"""Process-group setup and small collective helpers.
+
+DeepSpeed is the only training path, also for a single process started without a launcher (a notebook):
+the environment variables a launcher would set get defaults here, so both share one code path.
+"""
+from __future__ import annotations
+
+import os
+import random
+import socket
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(timeout_minutes: float = 30.0) -> None:
+    """Start the process group (nccl on GPU, gloo on CPU) once; fill launcher variables when absent.
+
+    `timeout_minutes` bounds how long a collective waits for a rank that never arrives (--ddp_timeout_minutes).
+    """
+    if dist.is_available() and dist.is_initialized():
+        return
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    import deepspeed
+
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank())
+    deepspeed.init_distributed(dist_backend=backend, timeout=timedelta(minutes=timeout_minutes))
+
+
+def shutdown() -> None:
+    """End the process group once every rank is done: a rank that exits while a peer still holds a connection
+    (rank 0 writing the final model) can abort in the communication library's teardown."""
+    if dist.is_available() and dist.is_initialized():
+        barrier()
+        dist.destroy_process_group()
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def is_main() -> bool:
+    return rank() == 0
+
+
+def device() -> torch.device:
+    return torch.device("cuda", local_rank()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def barrier() -> None:
+    if world_size() > 1:
+        dist.barrier()
+
+
+def _reduce(values: torch.Tensor, op) -> torch.Tensor:
+    if world_size() > 1:
+        # gloo reduces CPU tensors, nccl GPU tensors
+        values = values.to(device())
+        dist.all_reduce(values, op=op)
+    return values.cpu()
+
+
+def all_sum(values: list[float]) -> list[float]:
+    """Element-wise sum of a list of floats over ranks (float64 so counts stay exact)."""
+    return _reduce(torch.tensor(values, dtype=torch.float64), dist.ReduceOp.SUM).tolist()
+
+
+def all_max(values: list[float]) -> list[float]:
+    return _reduce(torch.tensor(values, dtype=torch.float64), dist.ReduceOp.MAX).tolist()
+
+
+def any_rank(flag: bool) -> bool:
+    """True when the flag is set on any rank (all ranks must call it together)."""
+    return all_max([1.0 if flag else 0.0])[0] > 0
+
+
+def gather_objects(obj) -> list:
+    """Every rank's `obj`, in rank order, on every rank."""
+    if world_size() == 1:
+        return [obj]
+    out = [None] * world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def broadcast_object(obj):
+    """Rank 0's `obj` on every rank."""
+    if world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def scatter_objects(per_rank: list | None):
+    """Rank 0 holds one object per rank (`per_rank`, None elsewhere); each rank gets its own."""
+    if world_size() == 1:
+        return per_rank[0]
+    out = [None]
+    dist.scatter_object_list(out, per_rank if is_main() else None, src=0)
+    return out[0]
+
+
+# ---------------------------------------------------------------------------------------------------- seeding
+def seed_everything(seed: int) -> None:
+    """One seed for every random number generator a rank uses."""
+    import numpy as np
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)

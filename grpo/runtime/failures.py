@@ -1,0 +1,246 @@
+"""Failures in the training loop: one message naming step, phase and rank; the traceback in train.log.
+
+Each phase method of the trainer is decorated with `@phase("rewards")`. An exception raised there becomes a
+`StepFailure` (a TrainingError) whose message names the step and the phase: `step 2 (rewards): ...`.
+
+With several ranks, the rank that fails first (the "primary" failure) writes `output_dir/failures/rank<R>.json`
+(rank, step, phase, error, traceback) and then tears down its process group, so the other ranks, blocked in a
+collective, fail at once (gloo) or at --ddp_timeout_minutes (NCCL) instead of hanging. A rank whose own error
+looks like such a broken collective reads the records and reports the failing rank's error instead of its own:
+every rank ends with the same line, `rank 1 failed at step 2 (rewards): ...`. A rank that died without a record
+(killed, out of host memory) is found by its pid file (`failures/rank<R>.pid`, same host only).
+"""
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import shutil
+import socket
+import time
+import traceback
+from typing import Optional
+
+from grpo.runtime import distributed as dist_utils
+from grpo.errors import GRPOError, TrainingError
+
+logger = logging.getLogger("grpo")
+FAILURES_DIR = "failures"
+PEER_WAIT_S = 10.0  # how long a rank with a broken collective waits for the failing rank's record
+
+
+class StepFailure(TrainingError):
+    """A failure already reported (message names step, phase and, with several ranks, the rank)."""
+
+
+def phase(name: str, after_step: bool = False, passes: tuple = ()):
+    """Decorate a trainer method: its exceptions become a StepFailure naming the step and this phase.
+
+    The decorated object needs `self.failures` (a FailureReporter) and `self.state.step` (steps completed);
+    phases run after the step counter moved on (eval, save) pass after_step=True. Exceptions of the `passes`
+    types (deliberate stops whose message says it all) go through unchanged.
+    """
+    def wrap(method):
+        @functools.wraps(method)
+        def run(self, *args, **kwargs):
+            try:
+                return method(self, *args, **kwargs)
+            except Exception as exc:
+                if isinstance(exc, (StepFailure, *passes)) or getattr(self, "failures", None) is None:
+                    raise
+                step = self.state.step + (0 if after_step else 1)
+                if _is_out_of_memory(exc):
+                    sizes = self.memory_sizes() if hasattr(self, "memory_sizes") else {}
+                    exc_ = OutOfMemory(out_of_memory_message(name, sizes, self.state.last_checkpoint, exc))
+                    _log_traceback_to_file(f"step {step} ({name}): out of memory", exc)  # the allocator's detail
+                    raise self.failures.report(exc_, step, name) from exc
+                raise self.failures.report(exc, step, name) from exc
+        return run
+    return wrap
+
+
+class OutOfMemory(TrainingError):
+    """The GPU ran out of memory; the message names the sizes involved and the flags that help."""
+
+
+# what helps, per phase: the flags worth trying first
+_OOM_KNOBS = {
+    "rollout": ["--vllm_gpu_memory_utilization (lower leaves more for training, higher more KV cache for vLLM)",
+                "fewer --per_device_train_batch_size prompts or --k_samples", "--rollout_max_new_tokens"],
+    "log-probs": ["--max_tokens_per_micro_batch (lower)", "--logprob_chunk_tokens (lower)",
+                  "--vllm_gpu_memory_utilization (lower, with --vllm_sleep)"],
+    "optimize": ["--max_tokens_per_micro_batch (lower)", "--gradient_checkpointing",
+                 "--logprob_chunk_tokens (lower)", "--vllm_gpu_memory_utilization (lower, with --vllm_sleep)",
+                 "--deepspeed zero3 (several GPUs) or --tuning_strategy lora / qlora"],
+}
+
+
+def _is_out_of_memory(exc: BaseException) -> bool:
+    import torch
+
+    kinds = tuple(k for k in (getattr(torch, "OutOfMemoryError", None),
+                              getattr(getattr(torch, "cuda", None), "OutOfMemoryError", None)) if k is not None)
+    return isinstance(exc, kinds) or (isinstance(exc, RuntimeError) and "CUDA out of memory" in str(exc))
+
+
+def out_of_memory_message(phase_name: str, sizes: dict, last_checkpoint: Optional[str], exc: BaseException) -> str:
+    """One paragraph: what ran out, with which sizes, what to change, and where to resume from."""
+    first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    detail = first_line.split(". ")[0] if first_line else "CUDA out of memory"
+    knobs = _OOM_KNOBS.get(phase_name, _OOM_KNOBS["optimize"])
+    size_text = ", ".join(f"{key} {value}" for key, value in sizes.items()) or "sizes unknown"
+    resume = (f"the last checkpoint is {last_checkpoint} (continue with --resume_from_checkpoint latest)"
+              if last_checkpoint else "no checkpoint was saved yet")
+    return (f"out of GPU memory ({detail}) with {size_text}. What helps: {'; '.join(knobs)}. Then {resume}.")
+
+
+class FailureReporter:
+    """Turns an exception into one clear message and tells the other ranks about it. Collective to create."""
+
+    def __init__(self, output_dir: str, rank: int, world: int):
+        self.rank, self.world = rank, world
+        self.output_dir = output_dir
+        self.folder = os.path.join(output_dir, FAILURES_DIR)
+        if world > 1:
+            if rank == 0:  # records of an earlier run in this output_dir are stale
+                shutil.rmtree(self.folder, ignore_errors=True)
+                os.makedirs(self.folder, exist_ok=True)
+            dist_utils.barrier()
+            _write_json(os.path.join(self.folder, f"rank{rank}.pid"), {"pid": os.getpid(),
+                                                                       "host": socket.gethostname()})
+
+    # ------------------------------------------------------------------------------------------------
+    def report(self, exc: Exception, step: int, phase_name: str) -> StepFailure:
+        """The StepFailure to raise for `exc`; writes this rank's record and breaks the collectives (primary)."""
+        _log_traceback_to_file(f"rank {self.rank}, step {step} ({phase_name}) failed", exc)
+        if self.world > 1:
+            peer = self._peer_failure(wait=_looks_like_broken_collective(exc))
+            if peer is not None:  # another rank failed first; our error is the consequence
+                self._write_record(step, phase_name, exc, primary=False)
+                # said at once: the launcher may stop this rank before its caller prints anything
+                logger.error(f"rank {self.rank} stopped: {peer}")
+                return StepFailure(peer)
+        message = self._message(step, phase_name, exc)
+        if self.world > 1:
+            self._write_record(step, phase_name, exc, primary=True, message=message)
+            self._break_collectives()
+        return StepFailure(message)
+
+    def raise_if_peer_failed(self) -> None:
+        """Raise the failing rank's StepFailure when another rank failed or died (e.g. on the launcher's SIGTERM)."""
+        if self.world > 1:
+            peer = self._peer_failure(wait=False)
+            if peer is not None:
+                raise StepFailure(peer)
+
+    # ------------------------------------------------------------------------------------------------
+    def _message(self, step: int, phase_name: str, exc: Exception) -> str:
+        where = f"step {step} ({phase_name})"
+        if self.world > 1:
+            where = f"rank {self.rank} failed at {where}"
+        if isinstance(exc, GRPOError):
+            return f"{where}: {exc}"
+        log = os.path.join(self.output_dir, "train.log") if self.rank == 0 else \
+            os.path.join(self.folder, f"rank{self.rank}.json")
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        return f"{where}: {type(exc).__name__}: {first_line} (traceback in {log})"
+
+    def _write_record(self, step, phase_name, exc, primary: bool, message: Optional[str] = None) -> None:
+        os.makedirs(self.folder, exist_ok=True)
+        _write_json(os.path.join(self.folder, f"rank{self.rank}.json"), {
+            "rank": self.rank, "step": step, "phase": phase_name, "primary": primary, "time": time.time(),
+            "error": f"{type(exc).__name__}: {exc}", "message": message,
+            "traceback": "".join(traceback.format_exception(exc))})
+
+    def _records(self) -> list[dict]:
+        out = []
+        for r in range(self.world):
+            path = os.path.join(self.folder, f"rank{r}.json")
+            if r != self.rank and os.path.isfile(path):
+                try:
+                    with open(path) as fh:
+                        out.append(json.load(fh))
+                except (OSError, ValueError):  # being written right now
+                    continue
+        return out
+
+    def _peer_failure(self, wait: bool) -> Optional[str]:
+        """The first primary failure of another rank, or a rank that died without one; with `wait`, poll a while."""
+        deadline = time.monotonic() + (PEER_WAIT_S if wait else 0.0)
+        while True:
+            primary = sorted((r for r in self._records() if r.get("primary")), key=lambda r: r["time"])
+            if primary:
+                first = primary[0]
+                if self.rank == 0 and first.get("traceback"):
+                    _log_file_only(f"rank {first['rank']} traceback:\n{first['traceback']}")
+                return first["message"]
+            dead = self._dead_peer()  # a failing rank writes its record before it exits: no record means killed
+            if dead or time.monotonic() >= deadline:
+                return dead
+            time.sleep(0.2)
+
+    def _dead_peer(self) -> Optional[str]:
+        """A rank on this host whose process is gone without a record: killed (signal, out of memory)."""
+        host = socket.gethostname()
+        for r in range(self.world):
+            path = os.path.join(self.folder, f"rank{r}.pid")
+            if r == self.rank or not os.path.isfile(path):
+                continue
+            try:
+                with open(path) as fh:
+                    info = json.load(fh)
+            except (OSError, ValueError):
+                continue
+            if info.get("host") == host and not _alive(info["pid"]):
+                return (f"rank {r} (pid {info['pid']}) died without reporting an error: it was killed by a signal "
+                        f"or ran out of host memory (look for the OOM killer in `dmesg`)")
+        return None
+
+    def _break_collectives(self) -> None:
+        """Tear down this rank's process group so that ranks waiting in a collective for it fail now."""
+        import torch.distributed as dist
+
+        try:
+            if dist.is_available() and dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception as exc:  # tearing down is best effort: the error being reported matters more
+            logger.debug(f"destroying the process group failed: {exc}")
+
+
+def _looks_like_broken_collective(exc: BaseException) -> bool:
+    """Errors a rank sees when a peer vanished: not our own, typed errors; communication / timeout ones."""
+    if isinstance(exc, GRPOError):
+        return False
+    text = f"{type(exc).__name__} {exc}".lower()
+    return isinstance(exc, (RuntimeError, ConnectionError, TimeoutError)) and any(
+        word in text for word in ("gloo", "nccl", "connection", "closed", "timeout", "timed out", "peer", "socket",
+                                  "broken pipe", "process group", "distbackend", "aborted"))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _write_json(path: str, value: dict) -> None:
+    with open(path + ".tmp", "w") as fh:
+        json.dump(value, fh, indent=1)
+    os.replace(path + ".tmp", path)
+
+
+def _log_file_only(text: str) -> None:
+    """Write to train.log (the logger's file handler) without printing on the console."""
+    record = logger.makeRecord(logger.name, logging.ERROR, __file__, 0, text, None, None)
+    for handler in logger.handlers:
+        if isinstance(handler, logging.FileHandler):
+            handler.handle(record)
+
+
+def _log_traceback_to_file(headline: str, exc: BaseException) -> None:
+    _log_file_only(headline + ":\n" + "".join(traceback.format_exception(exc)).rstrip())

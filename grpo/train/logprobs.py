@@ -1,0 +1,132 @@
+"""Trainer-side log-probs of rollout completions (policy, old policy or reference).
+
+Two ways through the model:
+- hidden states (default where possible): the decoder yields final hidden states, the output layer is applied
+  `chunk_tokens` completion positions at a time (`algorithm.hidden_token_logprobs`), so no [N, T, V] logits tensor
+  exists, neither in the forward nor in the backward. Optionally padding-free: a micro-batch's sequences are packed
+  into one row with per-sequence position ids, which transformers turns into a block-diagonal causal mask (SDPA,
+  eager) or varlen flash attention.
+- logits (fallback): the model's own forward with `logits_to_keep`, for models whose output layer is not a plain
+  function of the last hidden state (logit soft-capping or scaling), vision-language models, and chunk_tokens=0.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from grpo.algorithm import hidden_token_logprobs, token_entropy, token_logprobs
+from grpo.train.step_data import RolloutBatch, position_ids_for
+
+# config attributes of models whose logits are not head(hidden): they take the logits path
+_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
+
+
+def completion_logits(model, batch: RolloutBatch) -> torch.Tensor:
+    """Logits that predict each completion token  # [N, T, V]."""
+    width = batch.completion_width
+    kwargs = dict(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
+    image_inputs = batch.image_inputs(batch.input_ids.device)
+    if image_inputs:
+        from grpo.model.vision import image_token_types
+
+        kwargs.update(image_inputs, **image_token_types(model, batch.input_ids, batch.images_token_id))  # the model derives its (multimodal rope) positions from the attention mask
+    else:
+        kwargs["position_ids"] = position_ids_for(batch.attention_mask)
+    try:
+        # only the last T+1 positions: the prompt's logits are never materialised
+        logits = model(**kwargs, logits_to_keep=width + 1).logits
+    except TypeError:  # models without logits_to_keep
+        logits = model(**kwargs).logits
+    return logits[:, -(width + 1):-1, :]
+
+
+def decoder_and_head(model):
+    """(decoder, output layer) of a causal LM, seen through DeepSpeed and peft wrappers; None where logits are not
+    head(last hidden state) or the parts cannot be found."""
+    module = getattr(model, "module", model)                       # DeepSpeed engine -> model
+    base = module.get_base_model() if hasattr(module, "get_base_model") else module   # peft -> transformers model
+    config = getattr(base, "config", None)
+    if config is None or any(getattr(config, name, None) not in (None, 1.0) for name in _LOGIT_TRANSFORMS):
+        return None
+    if getattr(config, "vision_config", None) is not None:
+        return None
+    get_decoder, get_head = getattr(base, "get_decoder", None), getattr(base, "get_output_embeddings", None)
+    try:
+        decoder, head = (get_decoder() if get_decoder else None), (get_head() if get_head else None)
+    except (AttributeError, NotImplementedError):
+        return None
+    if decoder is None or head is None or decoder is base:
+        return None
+    return decoder, head
+
+
+def _padded_hidden(decoder, batch: RolloutBatch) -> torch.Tensor:
+    """Hidden states that predict each real completion token, in row order  # [M, H]."""
+    width = batch.completion_width
+    hidden = decoder(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                     position_ids=position_ids_for(batch.attention_mask), use_cache=False).last_hidden_state
+    predicting = hidden[:, -(width + 1):-1, :]                                       # [N, T, H]
+    real = batch.attention_mask[:, -width:].bool()                                   # [N, T]
+    return predicting[real]                                                          # [M, H]
+
+
+def pack_rows(batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The rows' real tokens (prompt + completion, no padding) laid end to end in one row.
+
+    Returns input_ids [1, L], position_ids [1, L] (0, 1, ... restarting at every sequence), and for every real
+    completion token, in row order, the packed position whose hidden state predicts it [M].
+    """
+    width = batch.completion_width
+    mask = batch.attention_mask.bool()                                               # [N, P+T]
+    lengths = mask.sum(1)                                                            # [N]
+    prompt_lengths = mask[:, :-width].sum(1)                                         # [N]
+    ids = batch.input_ids[mask].unsqueeze(0)                                         # [1, L] (row-major order)
+    starts = torch.cumsum(lengths, 0) - lengths                                      # [N]
+    positions = torch.arange(ids.shape[1], device=ids.device) - torch.repeat_interleave(starts, lengths)
+    completion_lengths = lengths - prompt_lengths                                    # [N]
+    row_of = torch.repeat_interleave(torch.arange(len(lengths), device=ids.device), completion_lengths)  # [M]
+    offset_in_completion = torch.arange(len(row_of), device=ids.device) - \
+        torch.repeat_interleave(torch.cumsum(completion_lengths, 0) - completion_lengths, completion_lengths)
+    predicting = starts[row_of] + prompt_lengths[row_of] - 1 + offset_in_completion  # [M]
+    return ids, positions.unsqueeze(0), predicting
+
+
+def _packed_hidden(decoder, batch: RolloutBatch) -> torch.Tensor:
+    ids, positions, predicting = pack_rows(batch)
+    hidden = decoder(input_ids=ids, position_ids=positions, use_cache=False).last_hidden_state  # [1, L, H]
+    return hidden[0, predicting]                                                                  # [M, H]
+
+
+def completion_logprobs(model, batch: RolloutBatch, temperature: float, with_entropy: bool = False,
+                        chunk_tokens: int = 1024, packed: bool = False, entropy_grad: bool = False
+                        ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """log pi(token) under softmax(logits / temperature)  # [N, T]; optionally token entropy  # [N, T], with
+    gradient when `entropy_grad` (an entropy bonus in the loss).
+
+    Positions past a row's completion hold 0. `chunk_tokens` > 0 takes the hidden-state path where the model
+    allows it (output layer applied per chunk of completion tokens); `packed` also drops the padding.
+    """
+    real = batch.attention_mask[:, -batch.completion_width:].bool()                           # [N, T]
+    # (rows without any completion token take the logits path: its graph reaches every trained parameter)
+    chunked = chunk_tokens > 0 and not batch.images and bool(real.any())
+    parts = decoder_and_head(model) if chunked else None
+    if parts is None:
+        logits = completion_logits(model, batch)
+        logprobs = token_logprobs(logits, batch.completion_ids, temperature=temperature)
+        entropy = None
+        if with_entropy:
+            entropy = token_entropy(logits if entropy_grad else logits.detach(), temperature=temperature,
+                                    with_grad=entropy_grad)
+        keep = real.to(logprobs.dtype)
+        return logprobs * keep, (entropy * keep if entropy is not None else None)
+    decoder, head = parts
+    hidden = _packed_hidden(decoder, batch) if packed else _padded_hidden(decoder, batch)     # [M, H]
+    flat, flat_entropy = hidden_token_logprobs(hidden, head, batch.completion_ids[real], temperature,
+                                               chunk_tokens=chunk_tokens, with_entropy=with_entropy,
+                                               entropy_grad=entropy_grad)                             # [M]
+    logprobs = torch.zeros(real.shape, dtype=flat.dtype, device=flat.device).masked_scatter(real, flat)  # [N, T]
+    entropy = None
+    if with_entropy:
+        entropy = torch.zeros(real.shape, dtype=flat.dtype, device=flat.device).masked_scatter(real, flat_entropy)
+    return logprobs, entropy

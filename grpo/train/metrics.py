@@ -1,0 +1,91 @@
+"""What a step logs (rewards, advantages, lengths and timings, over every rank) and what an evaluation logs (one
+sample row per eval prompt; metrics in total and per dataset)."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from grpo.runtime import distributed as dist_utils
+from grpo.algorithm import reward_std
+from grpo.rollout.dynamic_sampling import ZERO_STD
+
+
+def step_metrics(batch, drawn, rewards: torch.Tensor, advantages: torch.Tensor, train_metrics: dict, times: dict,
+                 k_samples: int, kl_in_reward: bool) -> dict:
+    """This rank's metrics of the step (all ranks call it: reward/std is reduced over them).
+
+    Reward metrics are over every completion drawn this step (`drawn`: all rounds of dynamic sampling), before any KL
+    penalty; the rest over the rows trained on (`rewards`: what the advantages came from)."""
+    raw = drawn.rewards                                                          # [rounds x N]
+    grouped = raw.view(-1, k_samples)
+    lengths = batch.attention_mask[:, -batch.completion_width:].sum(1).float()  # [N] completion tokens
+    reward_metrics = {f"rewards/{name}": value for name, value in drawn.result.means().items()}
+    if kl_in_reward:
+        reward_metrics["reward/kl_penalized_mean"] = rewards.mean().item()
+    return {
+        "reward/mean": raw.mean().item(),
+        "reward/std": step_std(raw),  # over every rank's completions (the same on each rank)
+        "reward/zero_std_group_frac": (grouped.std(dim=1) < ZERO_STD).float().mean().item(),
+        "advantage/abs_mean": advantages.abs().mean().item(),
+        "completion/length_mean": lengths.mean().item(),
+        "completion/length_max": lengths.max().item(),
+        "completion/truncated_frac": batch.truncated.float().mean().item(),
+        **reward_metrics, **train_metrics,
+        **{f"time/{k_}": v for k_, v in times.items() if not k_.startswith("_")},
+        "throughput/rollout_tokens_per_s": times["_rollout_tokens"] / max(times["rollout"], 1e-9),
+    }
+
+
+def step_std(values: torch.Tensor) -> float:
+    """The std of every rank's values together (all ranks call it): two reductions, the mean, then the squared
+    deviations about it, which keeps the std exact for values far from 0."""
+    r = values.double()
+    total, count = dist_utils.all_sum([r.sum().item(), float(r.numel())])
+    squared = dist_utils.all_sum([((r - total / max(count, 1.0)) ** 2).sum().item()])[0]
+    return reward_std(squared, count)
+
+
+def mean_over_ranks(local: dict) -> dict:
+    """Average each metric over the ranks that have it (max for *_max keys)."""
+    parts = dist_utils.gather_objects(local)
+    out = {}
+    for key in sorted({k for p in parts for k in p}):
+        values = [p[key] for p in parts if key in p and p[key] is not None and not math.isnan(p[key])]
+        if values:
+            out[key] = max(values) if key.endswith("_max") else sum(values) / len(values)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------- eval
+# Eval bookkeeping: one sample row per eval prompt, and metrics in total (eval/...) and per dataset
+# (eval/<dataset>/...), so that held-out splits and eval-only datasets are reported apart.
+def eval_sample_rows(rows: list[dict], texts: list[str], completions: list, result) -> list[dict]:
+    """One row per prompt: its dataset, prompt, completion, answer, total and per-function rewards, length."""
+    return [{"data_source": row["data_source"], "prompt": row["prompt_text"], "completion": text,
+             "answer": row["answer"], "reward": result.total[i], "length": len(completion.token_ids),
+             **{f"rewards/{name}": values[i] for name, values in result.per_function.items()}}
+            for i, (row, text, completion) in enumerate(zip(rows, texts, completions))]
+
+
+def eval_metrics(samples: list[dict]) -> dict[str, float]:
+    """Mean reward, mean of each reward function (over the rows it scored) and mean completion length, over all
+    samples and per data_source; eval/<dataset>/prompts counts each dataset's samples."""
+    metrics = _summary(samples, "eval/")
+    for source in sorted({s["data_source"] for s in samples}):
+        rows = [s for s in samples if s["data_source"] == source]
+        metrics.update(_summary(rows, f"eval/{source}/"))
+        metrics[f"eval/{source}/prompts"] = float(len(rows))
+    return metrics
+
+
+def _summary(samples: list[dict], prefix: str) -> dict[str, float]:
+    out = {f"{prefix}reward/mean": float(np.mean([s["reward"] for s in samples]))}
+    # a reward function scores only its own datasets' rows: the others hold None
+    for key in sorted({k for s in samples for k in s if k.startswith("rewards/")}):
+        values = [s[key] for s in samples if s.get(key) is not None]
+        if values:
+            out[f"{prefix}{key}"] = float(np.mean(values))
+    out[f"{prefix}completion/length_mean"] = float(np.mean([s["length"] for s in samples]))
+    return out

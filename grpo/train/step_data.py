@@ -1,0 +1,105 @@
+"""Rollout tensors: prompts left-padded to a common width P, completions right-padded to width T.
+
+    input_ids        # [N, P+T]  prompt | completion, N = prompts x k_samples
+    attention_mask   # [N, P+T]
+    completion_mask  # [N, T]    1 on completion tokens that enter the loss
+    prompt_index     # [N]      which prompt of the step each row completes
+    images           # per prompt: its processed images (vision-language models) or None; shared by its k rows
+Every completion starts at column P, so one forward with `logits_to_keep=T+1` yields exactly the logits
+that predict the completion tokens, and the prompt never enters the (large) logits tensor.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Optional
+
+import torch
+
+from grpo.rollout.engine import Completion
+
+
+@dataclass
+class RolloutBatch:
+    # each field's columns, for cutting micro-batches: "sequence" [N, P+T], "completion" [N, T], "row" [N],
+    # "shared" (not cut by rows)
+    input_ids: torch.Tensor = field(metadata={"columns": "sequence"})          # [N, P+T] long
+    attention_mask: torch.Tensor = field(metadata={"columns": "sequence"})     # [N, P+T] long
+    completion_ids: torch.Tensor = field(metadata={"columns": "completion"})   # [N, T] long
+    completion_mask: torch.Tensor = field(metadata={"columns": "completion"})  # [N, T] float
+    # [N, T] float, from the rollout engine; None when not asked for
+    rollout_logprobs: Optional[torch.Tensor] = field(metadata={"columns": "completion"})
+    truncated: torch.Tensor = field(metadata={"columns": "row"})               # [N] bool, hit the length limit
+    prompt_index: Optional[torch.Tensor] = field(default=None, metadata={"columns": "row"})  # [N] long
+    # [prompts] of grpo.model.vision.PromptImages or None, not sliced with the rows
+    images: Optional[list] = field(default=None, metadata={"columns": "shared"})
+
+    @property
+    def completion_id_lists(self) -> list[list[int]]:
+        """Each completion's token ids without padding (the ids the rollout engine returned)."""
+        lengths = self.attention_mask[:, -self.completion_width:].sum(1).tolist()
+        return [row[:n] for row, n in zip(self.completion_ids.tolist(), lengths)]
+
+    @property
+    def completion_width(self) -> int:
+        return self.completion_ids.shape[1]
+
+    def rows(self, start: int, end: int) -> "RolloutBatch":
+        return RolloutBatch(**{f.name: _apply(getattr(self, f.name), lambda t: t[start:end]) for f in fields(self)})
+
+    def to(self, device) -> "RolloutBatch":
+        return RolloutBatch(**{f.name: _apply(getattr(self, f.name), lambda t: t.to(device)) for f in fields(self)})
+
+    @property
+    def images_token_id(self) -> Optional[int]:
+        return next((p.image_token_id for p in self.images or [] if p is not None), None)
+
+    def image_inputs(self, device=None) -> dict:
+        """pixel_values / image_grid_thw of these rows' prompts ({} for text prompts)."""
+        if not self.images or self.prompt_index is None:
+            return {}
+        from grpo.model.vision import model_image_inputs
+
+        return model_image_inputs(self.images, self.prompt_index.tolist(), device)
+
+
+def _apply(value, fn):
+    return fn(value) if isinstance(value, torch.Tensor) else value
+
+
+def build_rollout_batch(prompt_ids: list[list[int]], completions: list[Completion], pad_id: int,
+                        mask_truncated: bool = False, images: Optional[list] = None) -> RolloutBatch:
+    """Pad prompts (left) and completions (right) into one batch; completion i belongs to its prompt_index."""
+    prompt_width = max(len(prompt_ids[c.prompt_index]) for c in completions)
+    comp_width = max(1, max(len(c.token_ids) for c in completions))
+    n = len(completions)
+    input_ids = torch.full((n, prompt_width + comp_width), pad_id, dtype=torch.long)
+    attention = torch.zeros((n, prompt_width + comp_width), dtype=torch.long)
+    comp_ids = torch.full((n, comp_width), pad_id, dtype=torch.long)
+    comp_mask = torch.zeros((n, comp_width), dtype=torch.float32)
+    # the engine's log-probs, when it returned them for every token (see SamplingSettings.logprobs)
+    with_logprobs = all(len(c.logprobs) == len(c.token_ids) for c in completions)
+    rollout_lp = torch.zeros((n, comp_width), dtype=torch.float32) if with_logprobs else None
+    truncated = torch.zeros(n, dtype=torch.bool)
+    for i, c in enumerate(completions):
+        p = prompt_ids[c.prompt_index]
+        input_ids[i, prompt_width - len(p):prompt_width] = torch.tensor(p)
+        attention[i, prompt_width - len(p):prompt_width] = 1
+        t = len(c.token_ids)
+        if t:
+            input_ids[i, prompt_width:prompt_width + t] = torch.tensor(c.token_ids)
+            attention[i, prompt_width:prompt_width + t] = 1
+            comp_ids[i, :t] = torch.tensor(c.token_ids)
+            if rollout_lp is not None:
+                rollout_lp[i, :t] = torch.tensor(c.logprobs, dtype=torch.float32)
+        truncated[i] = c.finish_reason == "length"
+        if not (mask_truncated and truncated[i]):
+            comp_mask[i, :t] = 1.0
+    prompt_index = torch.tensor([c.prompt_index for c in completions], dtype=torch.long)
+    has_images = images is not None and any(p is not None for p in images)
+    return RolloutBatch(input_ids, attention, comp_ids, comp_mask, rollout_lp, truncated, prompt_index,
+                        images if has_images else None)
+
+
+def position_ids_for(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions that skip left padding, so a padded prompt sees the same positions as an unpadded one."""
+    return (attention_mask.cumsum(-1) - 1).clamp(min=0)

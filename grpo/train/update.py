@@ -1,0 +1,256 @@
+"""The optimisation phase of a step: micro-batches through the model, the loss, one DeepSpeed update.
+
+The step's loss is one aggregate over all its completions on all ranks (`algorithm.aggregate`): every micro-batch
+contributes  S_mb / D_step  (its numerator over the step's denominator), so the micro-batch losses sum to the step
+loss whatever the split. DeepSpeed's own scaling is undone: no division by gradient_accumulation_steps
+(`scale_wrt_gas=False`), and a factor world_size against its data-parallel mean of gradients. Hence
+
+    grad = sum over ranks and micro-batches of  d(S_mb / D_step)/dtheta  = d(step loss)/dtheta
+
+and the optimizer steps once, at the boundary this module sets on the last micro-batch (so the number of
+micro-batches may change from step to step; all ranks run the same number, see micro_batches.py).
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from grpo.runtime import distributed as dist_utils
+from grpo.algorithm import aggregation_normaliser, masked_mean, policy_loss
+from grpo.train.step_data import RolloutBatch
+from grpo.config.options import GRPOConfig
+from grpo.train.micro_batches import MicroBatch, form_micro_batches, micro_batch_groups
+from grpo.train.logprobs import completion_logprobs
+
+
+def step_micro_batches(batch: RolloutBatch, cfg: GRPOConfig, device=None) -> list[MicroBatch]:
+    """This rank's micro-batches of the step, as many as the rank with the most has (collective)."""
+    groups = micro_batch_groups(batch, cfg.max_tokens_per_micro_batch,
+                                cfg.per_device_train_batch_size * cfg.k_samples)
+    count = int(dist_utils.all_max([float(len(groups))])[0])
+    return form_micro_batches(batch, groups, count, device)
+
+
+def step_normaliser(batch: RolloutBatch, cfg: GRPOConfig) -> float:
+    """The denominator D of the step's loss aggregate: this rank's completions plus every other rank's (collective)."""
+    local = aggregation_normaliser(batch.completion_mask, cfg.loss_aggregation, cfg.rollout_max_new_tokens)
+    return dist_utils.all_sum([local])[0]
+
+
+def score(model, mb: MicroBatch, cfg: GRPOConfig, with_entropy: bool = False, entropy_grad: bool = False):
+    """Log-probs (and entropy) of a micro-batch's completions under `model`, the way the config asks for.
+
+    Under ZeRO-3 the model's own forward (full logits) is used: every call of the output layer gathers its
+    partitioned weight in a collective, so ranks must call it equally often, which chunking per rank would break.
+    """
+    zero3 = getattr(model, "zero_optimization_stage", lambda: 0)() == 3
+    return completion_logprobs(model, mb.batch, cfg.temperature, with_entropy=with_entropy,
+                               chunk_tokens=0 if zero3 else cfg.logprob_chunk_tokens,
+                               packed=cfg.padding_free and not zero3, entropy_grad=entropy_grad)
+
+
+def has_dropout(model) -> bool:
+    """Whether the model in training mode drops anything (e.g. --lora_dropout): its log-probs then differ from those
+    of the policy the rollout engine samples from, which never drops."""
+    return model.training and any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules())
+
+
+def without_dropout(engine, mb: MicroBatch, cfg: GRPOConfig) -> torch.Tensor:
+    """The micro-batch's log-probs with dropout off (no graph): the sampled policy, for the engine's mismatch."""
+    was_training = engine.module.training
+    engine.module.eval()
+    try:
+        with torch.no_grad():
+            logprobs, _ = score(engine, mb, cfg)
+    finally:
+        engine.module.train(was_training)
+    return logprobs.float()
+
+
+@dataclass
+class UpdateResult:
+    metrics: dict = field(default_factory=dict)   # per-step values (combine_micro_batch_metrics; loss summed)
+    bad: bool = False                               # some micro-batch had a non-finite loss: the update was cancelled
+
+
+def update(engine, micro_batches: list[MicroBatch], advantages: torch.Tensor, old_logprobs, ref_logprobs,
+           normaliser: float, cfg: GRPOConfig, first_pass: bool = True,
+           keep_old: Optional[torch.Tensor] = None, mismatch_key: str = "rollout/logprob_diff",
+           sampled_logprobs: Optional[torch.Tensor] = None, keep_sampled: Optional[torch.Tensor] = None
+           ) -> UpdateResult:
+    """One optimizer step over the micro-batches. old_logprobs / ref_logprobs: step-wide [N, T] or None (old: this
+    pass's own log-probs, detached). `keep_old` [N, T] receives the old log-probs used, for the next passes.
+    The engine's side is compared (mismatch metric, IS weights) with the old policy as the engine samples it, with
+    dropout off: taken in the first pass (kept in `keep_sampled`), read from `sampled_logprobs` in later ones.
+    The first pass logs the rollout engine's log-prob gap to the trainer as `mismatch_key`_mean / _max."""
+    device = next(iter(engine.module.parameters())).device
+    world = getattr(engine, "dp_world_size", dist_utils.world_size())
+    per_micro_batch: list[tuple[dict, float]] = []  # (policy_loss metrics, completion tokens)
+    loss_total = pg_total = 0.0
+    rollout_per_micro_batch: list[tuple[dict, float]] = []  # engine mismatch and IS weights, first pass only
+    bad = False
+    dropout = has_dropout(engine.module)
+    for index, mb in enumerate(micro_batches):
+        last = index == len(micro_batches) - 1
+        engine.set_gradient_accumulation_boundary(last)
+        b = mb.batch
+        # the dropout-free pass first: no graph is held while it runs (alike on every rank: ZeRO-3 collectives)
+        clean = without_dropout(engine, mb, cfg) \
+            if first_pass and dropout and b.rollout_logprobs is not None and sampled_logprobs is None else None
+        logprobs, entropy = score(engine, mb, cfg, with_entropy=True, entropy_grad=cfg.entropy_coef != 0)
+        logprobs = logprobs.float()                                                   # [n, t]
+        old = mb.gather(old_logprobs).to(device) if old_logprobs is not None else logprobs.detach()
+        if keep_old is not None:
+            mb.scatter(old, into=keep_old)
+        ref = mb.gather(ref_logprobs).to(device) if ref_logprobs is not None else None
+        if sampled_logprobs is not None:
+            sampled_policy = mb.gather(sampled_logprobs).to(device)
+        else:
+            sampled_policy = clean if clean is not None else old
+        if keep_sampled is not None:
+            mb.scatter(sampled_policy, into=keep_sampled)
+        tokens = b.completion_mask.sum().item()  # one host sync per micro-batch, reused below
+        rollout_metrics: dict = {}
+        if first_pass and not mb.empty and tokens > 0 and b.rollout_logprobs is not None:
+            diff = (sampled_policy - b.rollout_logprobs).abs() * b.completion_mask
+            rollout_metrics[f"{mismatch_key}_mean"] = diff.sum().item() / tokens
+            rollout_metrics[f"{mismatch_key}_max"] = diff.max().item()
+        is_weights = None
+        if cfg.is_correction:  # (the rollout always asks for log-probs then)
+            # truncated importance sampling: the rollout engine sampled from a slightly different policy
+            raw = torch.exp(sampled_policy - b.rollout_logprobs)
+            is_weights = raw.clamp(max=cfg.rollout_is_cap)
+            if first_pass and not mb.empty and tokens > 0:
+                rollout_metrics["rollout/is_weight_mean"] = masked_mean(is_weights, b.completion_mask).item()
+                rollout_metrics["rollout/is_capped_frac"] = masked_mean((raw > cfg.rollout_is_cap).float(),
+                                                                        b.completion_mask).item()
+        if rollout_metrics:
+            rollout_per_micro_batch.append((rollout_metrics, tokens))
+        loss, m = policy_loss(logprobs, old, mb.gather(advantages).to(device), b.completion_mask, ref_logprobs=ref,
+                              beta=cfg.kl_loss_coef, eps_low=cfg.clip_epsilon_low, eps_high=cfg.clip_epsilon_high,
+                              aggregation=cfg.loss_aggregation, max_completion_length=cfg.rollout_max_new_tokens,
+                              is_weights=is_weights, importance_sampling_level=cfg.importance_sampling_level,
+                              clip_ratio_c=cfg.clip_ratio_c, kl_estimator=cfg.kl_estimator, entropy=entropy,
+                              entropy_coef=cfg.entropy_coef, normaliser=normaliser)
+        if dist_utils.any_rank(not torch.isfinite(loss).item()):
+            bad = True
+        if bad or not loss.requires_grad:
+            # keep every rank's backward (and ZeRO's gradient hooks) in step with a zero loss
+            loss = sum((p.sum() * 0.0 for p in engine.module.parameters() if p.requires_grad),
+                       torch.zeros((), device=device))
+        elif not mb.empty:
+            loss_total += loss.item()
+            pg_total += m.pop("pg_loss")
+            m["entropy"] = masked_mean(entropy.detach(), b.completion_mask).item()
+            per_micro_batch.append((m, tokens))
+        # the step's gradient is the sum over ranks; DeepSpeed averages over them
+        engine.backward(loss * world, scale_wrt_gas=False)
+        # a cancelled update still takes the step the boundary needs, leaving weights and moments as they were
+        with cancelled_update(engine) if last and bad else contextlib.nullcontext():
+            engine.step()
+    metrics = combine_micro_batch_metrics(per_micro_batch)
+    if not bad:
+        metrics["loss"], metrics["pg_loss"] = dist_utils.all_sum([loss_total, pg_total])
+    metrics.update(combine_micro_batch_metrics(rollout_per_micro_batch))
+    return UpdateResult(metrics, bad)
+
+
+def combine_micro_batch_metrics(per_micro_batch: list[tuple[dict, float]]) -> dict:
+    """This rank's step values of policy_loss's per-micro-batch metrics, given each micro-batch's token count n_mb:
+
+        per-token means (clip_frac*, ratio_mean, kl, entropy, ...):  sum_mb n_mb * x_mb / sum_mb n_mb
+        maxima (ratio_max, *_max):                                    max_mb x_mb
+        entropy_loss (a share of the step's loss, like loss):         sum_mb x_mb
+    """
+    tokens = sum(n for _, n in per_micro_batch)
+    out: dict = {}
+    for metrics, n in per_micro_batch:
+        weight = n / tokens if tokens else 1.0 / len(per_micro_batch)
+        for key, value in metrics.items():
+            if key.endswith("_max"):
+                out[key] = max(out.get(key, value), value)
+            elif key == "entropy_loss":
+                out[key] = out.get(key, 0.0) + value
+            else:
+                out[key] = out.get(key, 0.0) + value * weight
+    return out
+
+
+def lr_schedule(optimizer, config: GRPOConfig, total_updates: int):
+    """Linear warmup over warmup_ratio of the updates, then constant / linear decay / cosine decay."""
+    warmup = math.ceil(config.warmup_ratio * total_updates)
+
+    def factor(update: int) -> float:
+        if update < warmup:
+            return (update + 1) / (warmup + 1)
+        progress = (update - warmup) / max(1, total_updates - warmup)
+        if config.lr_scheduler_type == "linear":
+            return max(0.0, 1.0 - progress)
+        if config.lr_scheduler_type == "cosine":
+            return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
+        return 1.0
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+# ---------------------------------------------------------------------------------------------------- cancelled updates
+# Cancelling an update whose loss went non-finite on some micro-batch, without leaving a trace in the optimizer.
+#
+# By the time a non-finite loss shows, the micro-batches before it have already added their gradients, and the engine
+# must still take its step at the accumulation boundary (ZeRO's buffers and hooks expect it). The step is taken with
+# learning rate 0, so the weights stay; AdamW's update  p -= lr * (m_hat / (sqrt(v_hat) + eps) + wd * p)  is then 0.
+# But the moments would still move,  m = b1 * m + (1 - b1) * g_partial,  v = b2 * v + (1 - b2) * g_partial^2,  and the
+# step count with them (its bias correction), so every later step would feel a partial gradient of a step that
+# never happened. The optimizer's state is therefore copied (to host memory: a bad step is rare, a second copy of the
+# moments on the GPU may not fit) before that step and put back after it.
+def base_optimizer(optimizer) -> torch.optim.Optimizer:
+    """The torch optimizer holding the moments: DeepSpeed's ZeRO / bf16 wrappers keep it as `.optimizer`."""
+    for _ in range(8):
+        inner = getattr(optimizer, "optimizer", None)
+        if inner is None or inner is optimizer:
+            break
+        optimizer = inner
+    return optimizer
+
+
+def _host_copy(value):
+    return value.detach().to("cpu", copy=True) if torch.is_tensor(value) else value
+
+
+@contextmanager
+def cancelled_update(engine):
+    """Inside: `engine.step()` changes neither the weights nor the optimizer's state (moments, step counts); the
+    learning-rate scheduler still advances, as it would for a step that trained."""
+    base = base_optimizer(engine.optimizer)
+    saved_state = {param: {key: _host_copy(value) for key, value in state.items()}
+                   for param, state in base.state.items()}
+    saved_group_steps = [group.get("step") for group in base.param_groups]  # optimizers that count per group
+    saved_lrs = [group["lr"] for group in engine.optimizer.param_groups]
+    for group in engine.optimizer.param_groups:
+        group["lr"] = 0.0
+    try:
+        yield
+    finally:
+        for param in list(base.state):
+            if param not in saved_state:  # the state was created by this step: back to the optimizer's lazy start
+                del base.state[param]
+        for param, state in saved_state.items():
+            live = base.state[param]
+            for key, value in state.items():
+                if torch.is_tensor(value) and torch.is_tensor(live.get(key)):
+                    live[key].copy_(value)
+                else:
+                    live[key] = value
+        for group, step in zip(base.param_groups, saved_group_steps):
+            if step is not None:
+                group["step"] = step
+        if getattr(engine, "lr_scheduler", None) is None:
+            # a scheduler sets the next step's lr itself; without one (a DeepSpeed "optimizer" and no "scheduler")
+            # nothing else would undo the 0
+            for group, lr in zip(engine.optimizer.param_groups, saved_lrs):
+                group["lr"] = lr
