@@ -23,18 +23,21 @@ TEMPERATURE=${TEMPERATURE:-1.0}
 LORA_RANK=${LORA_RANK:-16}
 LORA_ALPHA=${LORA_ALPHA:-32}
 SEED=${SEED:-42}
+LR_GIVEN=${LR:-}
 if [ "$GPUS" -gt 0 ]; then
   MAX_STEPS=${MAX_STEPS:-200}; BATCH=${BATCH:-8}; MAX_NEW_TOKENS=${MAX_NEW_TOKENS:-256}
-  LR_LORA=${LR_LORA:-3e-4}; EVAL_STEPS=${EVAL_STEPS:-25}; SAVE_STEPS=${SAVE_STEPS:-50}
+  LR=${LR:-3e-4}; EVAL_STEPS=${EVAL_STEPS:-25}; SAVE_STEPS=${SAVE_STEPS:-50}
   USE_VLLM=${USE_VLLM:-$(${PYTHON:-python3} -c 'import vllm' >/dev/null 2>&1 && echo true || echo false)}
 else
   # sized to finish in about 10 minutes on a 2-core CPU; 14 steps of 4 prompts with batch-std advantages learn the
   # answer format at 6e-4 (eval format 0.97 at step 14), not yet at 3e-4 (0.00)
   MAX_STEPS=${MAX_STEPS:-14}; BATCH=${BATCH:-4}; MAX_NEW_TOKENS=${MAX_NEW_TOKENS:-40}
-  LR_LORA=${LR_LORA:-6e-4}; EVAL_STEPS=${EVAL_STEPS:-0}; SAVE_STEPS=${SAVE_STEPS:-7}
+  LR=${LR:-6e-4}; EVAL_STEPS=${EVAL_STEPS:-0}; SAVE_STEPS=${SAVE_STEPS:-7}
   USE_VLLM=false
 fi
 
+[ "$STRATEGY" = full ] && [ -z "$LR_GIVEN" ] && LR=1e-6  # the defaults above are lora / qlora rates
+ENGINE=hf; [ "$USE_VLLM" = true ] && ENGINE=vllm
 PYTHON=${PYTHON:-python3}
 if ! $PYTHON -c 'import grpo, deepspeed, peft' >/dev/null 2>&1; then
   echo "installing grpo and its dependencies (scripts/install.sh)..." >&2
@@ -48,8 +51,8 @@ args=(
   --deepspeed "$DEEPSPEED_CONFIG" --max_steps "$MAX_STEPS" --per_device_train_batch_size "$BATCH"
   --k_samples "$K_SAMPLES" --temperature "$TEMPERATURE" --rollout_max_new_tokens "$MAX_NEW_TOKENS"
   --max_prompt_length 200 --max_seq_length $((200 + MAX_NEW_TOKENS))
-  --learning_rate_lora "$LR_LORA" --eval_steps "$EVAL_STEPS" --save_steps "$SAVE_STEPS" --seed "$SEED"
-  --eval_max_prompts 32 --use_vllm_rollout "$USE_VLLM"
+  --learning_rate "$LR" --eval_steps "$EVAL_STEPS" --save_steps "$SAVE_STEPS" --seed "$SEED"
+  --eval_max_prompts 32 --rollout_engine "$ENGINE"
 )
 
 export TOKENIZERS_PARALLELISM=false

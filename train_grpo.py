@@ -13,13 +13,13 @@ def main(argv=None) -> int:
 
     try:
         config = parse_args(argv)
-        from grpo.roles import rollout_index, rollout_ranks_of
+        from grpo.runtime.roles import rollout_index, rollout_ranks_of
 
-        if rollout_index(rollout_ranks_of(config)) is not None:  # --vllm_mode server: this rank only generates
-            from grpo.rollout.server import serve_rollouts
+        if rollout_index(rollout_ranks_of(config)) is not None:  # --rollout_mode server: this rank only generates
+            from grpo.rollout.serve import serve_rollouts
 
             return serve_rollouts(config)
-        from grpo.trainer import GRPOTrainer
+        from grpo.train.trainer import GRPOTrainer
 
         trainer = GRPOTrainer(config)
         try:
@@ -35,7 +35,7 @@ def main(argv=None) -> int:
 if __name__ == "__main__":
     code = main()
     if code == 0:  # the process owns its group: end it on every rank together (a failed run has ended it already)
-        from grpo import distributed
+        from grpo.runtime import distributed
 
         distributed.shutdown()
     sys.exit(code)

@@ -35,7 +35,7 @@ GSM8K=${GSM8K-lora qlora}
 SEEDS=${SEEDS:-0}
 STEPS=${STEPS:-40}
 GSM8K_STEPS=${GSM8K_STEPS:-60}
-LR_LORA=${LR_LORA:-3e-4}
+LR=${LR:-3e-4}
 LR_FULL=${LR_FULL:-3e-5}
 TAG=${TAG:+-$TAG}    # appended to run names
 read -r -a EXTRA_ARGS <<< "${EXTRA:-}"  # extra train_grpo.py flags for every run
@@ -56,7 +56,7 @@ free_port() { python -c "import socket; s = socket.socket(); s.bind(('127.0.0.1'
 
 run() {  # run <name> <dataset> <strategy> <seed> <accuracy reward> <extra train_grpo.py args...>
   local name=$1 dataset=$2 strategy=$3 seed=$4 accuracy=$5; shift 5
-  local lr=$LR_LORA; [ "$strategy" = full ] && lr=$LR_FULL
+  local lr=$LR; [ "$strategy" = full ] && lr=$LR_FULL
   local dir="$OUT_DIR/$name$TAG" start=$(date +%s)
   mkdir -p "$dir"
   local rc try pid starved master_port
@@ -64,8 +64,8 @@ run() {  # run <name> <dataset> <strategy> <seed> <accuracy reward> <extra train
     : > "$dir.log"  # emptied before the watcher below reads it
     if [ -n "$port" ]; then master_port=$((port + 100 * (try - 1))); else master_port=$(free_port); fi
     setsid "${launcher[@]}" --num_gpus 1 --master_port "$master_port" train_grpo.py --model_name_or_path "$MODEL" --tuning_strategy "$strategy" \
-      --learning_rate "$lr" --learning_rate_lora "$lr" --seed "$seed" --per_device_train_batch_size 16 --k_samples 8 \
-      --use_vllm_rollout true --vllm_enforce_eager true --eval_on_start true --save_steps 0 --logging_steps 5 \
+      --learning_rate "$lr" --seed "$seed" --per_device_train_batch_size 16 --k_samples 8 \
+      --rollout_engine vllm --vllm_enforce_eager true --eval_on_start true --save_steps 0 --logging_steps 5 \
       --output_dir "$dir" --overwrite_output_dir "$@" "${EXTRA_ARGS[@]}" > "$dir.log" 2>&1 &
     pid=$! starved=0
     # runs sharing a GPU: vLLM sizes its KV cache by profiling the GPU's memory. A neighbour freeing or taking memory

@@ -85,10 +85,10 @@ train() {
   [ "$gpus" = 1 ] && [ -n "${GPU_ID:-}" ] && where=(--include "localhost:$GPU_ID")
   bounded "$limit" env VLLM_ENABLE_V1_MULTIPROCESSING=0 "${launcher[@]}" "${where[@]}" --master_port "$port" \
     train_grpo.py --model_name_or_path "$MODEL_DIR" --tuning_strategy lora --lora_rank 16 --lora_alpha 32 \
-    --lora_target_modules all-linear --learning_rate_lora 1e-5 --dataset_names arith --train_split_ratio 1.0 \
+    --lora_target_modules all-linear --learning_rate 1e-5 --dataset_names arith --train_split_ratio 1.0 \
     --per_device_train_batch_size "$prompts" --k_samples 8 --rollout_max_new_tokens "$new" \
     --max_prompt_length "$PROMPT_LEN" --max_seq_length $((PROMPT_LEN + new)) --max_steps "$steps" \
-    --use_vllm_rollout true --vllm_gpu_memory_utilization "$VLLM_MEM" --vllm_sleep "$VLLM_SLEEP" --save_steps 0 \
+    --rollout_engine vllm --vllm_gpu_memory_utilization "$VLLM_MEM" --vllm_sleep "$VLLM_SLEEP" --save_steps 0 \
     --eval_on_start false --logging_steps 1 --output_dir "$dir" --overwrite_output_dir \
     ${KV_CACHE_GIB:+--vllm_kv_cache_gib "$KV_CACHE_GIB"} "$@" > "$dir.log" 2>&1
   local rc=$?
@@ -137,7 +137,7 @@ if [ "${SKIP_MULTI:-0}" != 1 ] && [ "$GPUS" -ge 2 ]; then
   for case in $MULTI_CASES; do
     p=${case%%:*} new=${case##*:}
     [ $((p % 2)) = 0 ] || { echo "MULTI_CASES: $case has an odd prompt count; 2-GPU colocate halves it"; exit 1; }
-    server=(--vllm_mode server --rollout_gpus 1 --vllm_gpu_memory_utilization "$SERVER_MEM")
+    server=(--rollout_mode server --rollout_gpus 1 --vllm_gpu_memory_utilization "$SERVER_MEM")
     for m in $MULTI_MODES; do
       case $m in
         colocate1) train "p$p-n$new-colocate1" "colocate" 1 1 "$p" "$new" "$MULTI_STEPS" "$T_MULTI" ;;

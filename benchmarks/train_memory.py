@@ -85,6 +85,7 @@ def run(shape: str, strategy: str, mode: str, args) -> dict:
     from grpo.runtime import distributed as dist_utils
     from grpo.config.options import GRPOConfig
     from grpo.model.loading import attention_without_shape_plans
+    from grpo.train.step_data import StepData
     from grpo.train.update import step_normaliser, update
 
     dist_utils.init_distributed()
@@ -115,7 +116,7 @@ def run(shape: str, strategy: str, mode: str, args) -> dict:
             torch.cuda.synchronize()
             start = time.perf_counter()
             mbs = micro_batches(batch, mode, cfg, args.rows)
-            update(engine, mbs, advantages, None, None, step_normaliser(batch, cfg), cfg)
+            update(engine, StepData(batch, mbs, advantages, normaliser=step_normaliser(batch, cfg)), cfg)
             torch.cuda.synchronize()
             if step:
                 times.append(time.perf_counter() - start)

@@ -3,7 +3,7 @@
 Heavy parts (torch, DeepSpeed, transformers) load on first use, so `import grpo` and the CLI's
 error paths stay fast.
 """
-from grpo.config.options import GRPOConfig, parse_args
+from grpo.config import GRPOConfig, parse_args
 from grpo.errors import ConfigError, DatasetError, GRPOError, RewardError, TrainingError
 
 __all__ = [

@@ -6,14 +6,13 @@ Bad arguments raise ValueError with a message that says what to pass instead.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 ADVANTAGE_SCALES = ("group", "batch", "none")
-AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
-KL_ESTIMATORS = ("k1", "k2", "k3")
-IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+from grpo.config.choices import AGGREGATIONS, IMPORTANCE_SAMPLING_LEVELS, KL_ESTIMATORS
 KL_CLAMP = 10.0  # bound on the k3 log-ratio before exp and on k3 itself
 
 
@@ -220,8 +219,11 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, aggregation: str = "t
     return aggregation_numerator(per_token, mask, aggregation) / max(float(normaliser), 1.0)
 
 
-def _check_loss_inputs(logprobs, old_logprobs, advantages, mask, ref_logprobs, is_weights, entropy, eps_low,
-                       eps_high, beta, importance_sampling_level, clip_ratio_c, kl_estimator, entropy_coef):
+def _check_loss_inputs(logprobs, old_logprobs, advantages, mask, ref_logprobs, is_weights, entropy,
+                       settings: LossSettings):
+    eps_low, eps_high, beta = settings.eps_low, settings.upper_eps, settings.beta
+    importance_sampling_level, clip_ratio_c = settings.importance_sampling_level, settings.clip_ratio_c
+    kl_estimator, entropy_coef = settings.kl_estimator, settings.entropy_coef
     if logprobs.dim() != 2:
         raise ValueError(f"logprobs must be [N, T], got shape {tuple(logprobs.shape)}")
     named = {"old_logprobs": old_logprobs, "mask": mask, "ref_logprobs": ref_logprobs, "is_weights": is_weights,
@@ -268,13 +270,27 @@ def importance_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: t
                      f"(use one of {', '.join(IMPORTANCE_SAMPLING_LEVELS)})")
 
 
+@dataclass(frozen=True)
+class LossSettings:
+    """The loss's scalar settings (policy_loss documents each)."""
+    eps_low: float = 0.2                          # PPO clip: ratio kept above 1 - eps_low
+    eps_high: Optional[float] = None              # ... and below 1 + eps_high (None: eps_low; DAPO 0.28)
+    beta: float = 0.0                             # KL coefficient (0: KL logged, not in the loss)
+    kl_estimator: str = "k3"                      # one of KL_ESTIMATORS
+    aggregation: str = "token_mean"               # one of AGGREGATIONS
+    max_completion_length: Optional[int] = None   # the constant of seq_mean_token_sum_norm
+    importance_sampling_level: str = "token"      # token (PPO) or sequence (GSPO)
+    clip_ratio_c: Optional[float] = None          # dual-clip bound (> 1), None = off
+    entropy_coef: float = 0.0                     # entropy bonus
+
+    @property
+    def upper_eps(self) -> float:
+        return self.eps_low if self.eps_high is None else self.eps_high
+
+
 def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-                ref_logprobs: Optional[torch.Tensor] = None, beta: float = 0.0, eps_low: float = 0.2,
-                eps_high: Optional[float] = None, aggregation: str = "token_mean",
-                max_completion_length: Optional[int] = None,
-                is_weights: Optional[torch.Tensor] = None, importance_sampling_level: str = "token",
-                clip_ratio_c: Optional[float] = None, kl_estimator: str = "k3",
-                entropy: Optional[torch.Tensor] = None, entropy_coef: float = 0.0,
+                settings: LossSettings = LossSettings(), *, ref_logprobs: Optional[torch.Tensor] = None,
+                is_weights: Optional[torch.Tensor] = None, entropy: Optional[torch.Tensor] = None,
                 normaliser: Optional[float] = None) -> tuple[torch.Tensor, dict]:
     """PPO-clipped GRPO surrogate with an optional KL penalty and entropy bonus, masked and aggregated over the rows.
 
@@ -290,9 +306,10 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     `is_weights` is the truncated importance-sampling correction for rollout/trainer mismatch. `entropy` [N, T] is
     the policy's token entropy, with gradient when entropy_coef != 0 (a positive coef rewards higher entropy).
     logprobs / old_logprobs / ref_logprobs / mask / is_weights / entropy: [N, T]; advantages: [N], broadcast over
-    tokens. Gradients flow only through `logprobs` (and `entropy`). Called per micro-batch, the loss aggregates those
-    rows only, unless `normaliser` is the optimizer step's denominator D (`aggregation_normaliser` summed over all
-    micro-batches and ranks): then the micro-batch losses sum to the loss of the whole step, however it was split.
+    tokens; `settings`: the scalar ones (LossSettings). Gradients flow only through `logprobs` (and `entropy`).
+    Called per micro-batch, the loss aggregates those rows only, unless `normaliser` is the optimizer step's
+    denominator D (`aggregation_normaliser` summed over all micro-batches and ranks): then the micro-batch losses
+    sum to the loss of the whole step, however it was split.
 
     Returns (loss, metrics); metrics are python floats over masked tokens: clip_frac_low (A < 0 and
     ratio < 1 - eps_low), clip_frac_high (A > 0 and ratio > 1 + eps_high), clip_frac (their sum), clip_frac_dual
@@ -300,13 +317,14 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     ref_logprobs is given, else 0.0), pg_loss (pg_t alone, aggregated alike) and, with entropy_coef, entropy_loss
     (-entropy_coef * H aggregated alike).
     """
-    eps_high = eps_low if eps_high is None else eps_high
-    _check_loss_inputs(logprobs, old_logprobs, advantages, mask, ref_logprobs, is_weights, entropy, eps_low,
-                       eps_high, beta, importance_sampling_level, clip_ratio_c, kl_estimator, entropy_coef)
+    _check_loss_inputs(logprobs, old_logprobs, advantages, mask, ref_logprobs, is_weights, entropy, settings)
+    eps_low, eps_high, beta = settings.eps_low, settings.upper_eps, settings.beta
+    aggregation, max_completion_length = settings.aggregation, settings.max_completion_length
+    clip_ratio_c, entropy_coef = settings.clip_ratio_c, settings.entropy_coef
     adv = advantages.detach().to(logprobs.dtype).unsqueeze(1)             # [N, 1]
     mask = mask.to(logprobs.dtype)                                         # [N, T]
 
-    ratio = importance_ratio(logprobs, old_logprobs, mask, importance_sampling_level)  # [N, T]
+    ratio = importance_ratio(logprobs, old_logprobs, mask, settings.importance_sampling_level)  # [N, T]
     unclipped = ratio * adv                                                # [N, T]
     clipped = ratio.clamp(1.0 - eps_low, 1.0 + eps_high) * adv             # [N, T]
     pg_per_token = -torch.min(unclipped, clipped)                          # [N, T]
@@ -320,7 +338,7 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     per_token = pg_per_token
     kl = None
     if ref_logprobs is not None:
-        kl = kl_estimate(logprobs, ref_logprobs.detach(), kl_estimator)    # [N, T]
+        kl = kl_estimate(logprobs, ref_logprobs.detach(), settings.kl_estimator)    # [N, T]
         if beta > 0:
             per_token = per_token + beta * kl
     if entropy_coef != 0.0:

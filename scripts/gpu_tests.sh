@@ -20,12 +20,12 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
 fi
 common=(--model_name_or_path smollm2-135m-instruct --dataset_names arith --tuning_strategy lora
         --per_device_train_batch_size 16 --k_samples 8 --rollout_max_new_tokens 64 --max_prompt_length 128
-        --max_seq_length 192 --learning_rate_lora 3e-4 --save_steps 0 --eval_max_prompts 64 --seed 0
+        --max_seq_length 192 --learning_rate 3e-4 --save_steps 0 --eval_max_prompts 64 --seed 0
         --vllm_enforce_eager true --logging_steps 1)
 launcher=(deepspeed)
 command -v deepspeed >/dev/null 2>&1 || launcher=(python -m deepspeed.launcher.runner)
 if [ "${SKIP_E2E:-0}" != 1 ]; then
-  "${launcher[@]}" --num_gpus 1 train_grpo.py "${common[@]}" --use_vllm_rollout true --max_steps "${E2E_STEPS:-30}" \
+  "${launcher[@]}" --num_gpus 1 train_grpo.py "${common[@]}" --rollout_engine vllm --max_steps "${E2E_STEPS:-30}" \
     --output_dir "$OUT/vllm_run" --overwrite_output_dir > "$OUT/vllm_run.log" 2>&1
   echo "vllm run rc=$?"; grep -E "INFO step|eval at" "$OUT/vllm_run.log" | tail -25
   "${launcher[@]}" --num_gpus 1 train_grpo.py "${common[@]}" --max_steps "${HF_STEPS:-3}" \
@@ -35,11 +35,11 @@ fi
 if [ "${SKIP_VL:-0}" != 1 ]; then
   VL_MODEL=${VL_MODEL:-$(python -c "import sys; sys.path.insert(0, 'tests/gpu'); import vl_sync_check as c; print(c.build_model(c.MODEL_DIR))" | tail -1)}
   vl=(--model_name_or_path "$VL_MODEL" --dataset_names shapes --per_device_train_batch_size 8 --k_samples 8
-      --rollout_max_new_tokens 32 --max_prompt_length 192 --max_seq_length 224 --learning_rate_lora 1e-4
+      --rollout_max_new_tokens 32 --max_prompt_length 192 --max_seq_length 224 --learning_rate 1e-4
       --save_steps 0 --eval_max_prompts 32 --seed 0 --vllm_enforce_eager true --max_steps "${VL_STEPS:-20}")
   for run in "vllm lora" "vllm qlora" "hf lora"; do
     set -- $run
-    flag=(); [ "$1" = vllm ] && flag=(--use_vllm_rollout true)
+    flag=(); [ "$1" = vllm ] && flag=(--rollout_engine vllm)
     "${launcher[@]}" --num_gpus 1 train_grpo.py "${vl[@]}" --tuning_strategy "$2" "${flag[@]}" \
       --output_dir "$OUT/vl_$1_$2" --overwrite_output_dir > "$OUT/vl_$1_$2.log" 2>&1
     echo "vl $1 $2 rc=$?"; grep -E "INFO step" "$OUT/vl_$1_$2.log" | tail -3

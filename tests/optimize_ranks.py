@@ -9,8 +9,9 @@ import sys
 import torch
 
 from grpo.runtime import distributed as dist_utils
-from grpo.algorithm import AGGREGATIONS
+from grpo.config.choices import AGGREGATIONS
 from grpo.train.micro_batches import cut_rows
+from grpo.train.step_data import StepData
 from grpo.train.update import step_micro_batches, step_normaliser, update
 from tests.optimize_setup import make_engine, make_step, old_and_ref, step_config
 
@@ -30,8 +31,9 @@ def main(model_dir: str, out: str, zero_stage: int) -> None:
         mine = cut_rows(full, rows)
         width = mine.completion_width
         micro_batches = step_micro_batches(mine, cfg)
-        result = update(engine, micro_batches, advantages[rows], old[rows, :width], ref[rows, :width],
-                        step_normaliser(mine, cfg), cfg)
+        step = StepData(mine, micro_batches, advantages[rows], normaliser=step_normaliser(mine, cfg),
+                        old_logprobs=old[rows, :width], ref_logprobs=ref[rows, :width])
+        result = update(engine, step, cfg)
         assert not result.bad, result
         if zero_stage == 3:
             state = engine._zero3_consolidated_16bit_state_dict()

@@ -3,8 +3,8 @@ DeepSpeed with plain SGD, so that updated weights show the gradient itself; and 
 torch, the reference. Used in-process by tests/test_optimize.py and by the 2-rank script tests/optimize_ranks.py."""
 import torch
 
-from grpo.algorithm import policy_loss
-from grpo.train.step_data import build_rollout_batch
+from grpo.algorithm import LossSettings, policy_loss
+from grpo.train.step_data import StepData, build_rollout_batch
 from grpo.config.options import GRPOConfig
 from grpo.train.micro_batches import form_micro_batches
 from grpo.rollout.engine import Completion
@@ -28,7 +28,7 @@ def make_step(vocab: int = 100):
 
 def step_config(aggregation: str, **overrides) -> GRPOConfig:
     values = dict(loss_aggregation=aggregation, k_samples=2, rollout_max_new_tokens=16, max_prompt_length=16,
-                  max_seq_length=32, use_kl_penalty=True, kl_beta=0.1, clip_epsilon_low=0.1, temperature=0.9,
+                  max_seq_length=32, kl_beta=0.1, clip_epsilon_low=0.1, temperature=0.9,
                   logprob_chunk_tokens=4)
     values.update(overrides)
     return GRPOConfig(**values)
@@ -61,15 +61,16 @@ def run_split(engine, batch, advantages, old, ref, cfg, groups, count=None, norm
 
     micro_batches = form_micro_batches(batch, groups, count=count)
     normaliser = step_normaliser(batch, cfg) if normaliser is None else normaliser
-    return update(engine, micro_batches, advantages, old, ref, normaliser, cfg)
+    return update(engine, StepData(batch, micro_batches, advantages, normaliser=normaliser, old_logprobs=old,
+                                   ref_logprobs=ref), cfg)
 
 
 def reference_update(model, batch, advantages, old, ref, cfg) -> dict:
     """Weights after one SGD step on the whole step as one batch, in plain torch."""
     logprobs, _ = completion_logprobs(model, batch, cfg.temperature, chunk_tokens=0)
-    loss, _ = policy_loss(logprobs, old, advantages, batch.completion_mask, ref_logprobs=ref, beta=cfg.kl_coef,
-                          eps_low=cfg.clip_epsilon_low, eps_high=cfg.clip_epsilon_high,
-                          aggregation=cfg.loss_aggregation, max_completion_length=cfg.rollout_max_new_tokens)
+    settings = LossSettings(eps_low=cfg.clip_epsilon_low, eps_high=cfg.clip_epsilon_high, beta=cfg.kl_beta,
+                            aggregation=cfg.loss_aggregation, max_completion_length=cfg.rollout_max_new_tokens)
+    loss, _ = policy_loss(logprobs, old, advantages, batch.completion_mask, settings, ref_logprobs=ref)
     loss.backward()
     with torch.no_grad():
         return {name: (p - LR * p.grad).clone() for name, p in model.named_parameters()}

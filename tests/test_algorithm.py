@@ -4,8 +4,8 @@ import math
 import pytest
 import torch
 
-from grpo.algorithm import (aggregate, group_advantages, kl_k3, masked_mean, policy_loss, reward_std, token_entropy,
-                            token_logprobs)
+from grpo.algorithm import (LossSettings, aggregate, group_advantages, kl_k3, masked_mean, policy_loss, reward_std,
+                            token_entropy, token_logprobs)
 
 
 # ------------------------------------------------------------------------------------------- advantages
@@ -177,7 +177,7 @@ PER_TOKEN = [[-1.3, -1.0, -0.5], [0.8, 1.1, 0.0]]
 
 
 def test_policy_loss_token_mean_and_clip_fractions():
-    loss, m = policy_loss(LP, OLD, ADV, MASK, eps_low=0.2, eps_high=0.3)
+    loss, m = policy_loss(LP, OLD, ADV, MASK, LossSettings(eps_low=0.2, eps_high=0.3))
     # sum over 5 masked tokens: -1.3 - 1.0 - 0.5 + 0.8 + 1.1 = -0.9; / 5 = -0.18
     assert loss.item() == pytest.approx(-0.18, abs=1e-6)
     # clipped high: seq 0 token 0 (A>0, 1.5 > 1.3) -> 1/5; clipped low: seq 1 token 0 (A<0, 0.5 < 0.8) -> 1/5
@@ -194,23 +194,25 @@ def test_policy_loss_token_mean_and_clip_fractions():
 def test_policy_loss_same_eps_clips_differently():
     # with eps_high = eps_low = 0.2 the range is [0.8, 1.2]: seq 0 token 0 becomes min(1.5, 1.2) = 1.2
     # sum: -1.2 - 1.0 - 0.5 + 0.8 + 1.1 = -0.8; / 5 = -0.16
-    loss, m = policy_loss(LP, OLD, ADV, MASK, eps_low=0.2)
+    loss, m = policy_loss(LP, OLD, ADV, MASK, LossSettings(eps_low=0.2))
     assert loss.item() == pytest.approx(-0.16, abs=1e-6)
 
 
 def test_policy_loss_other_aggregations():
     # seq_mean_token_mean: seq 0 mean (-1.3 - 1 - 0.5) / 3 = -0.93333; seq 1 (0.8 + 1.1) / 2 = 0.95
     #   mean = (-0.93333 + 0.95) / 2 = 0.0083333
-    loss, _ = policy_loss(LP, OLD, ADV, MASK, eps_low=0.2, eps_high=0.3, aggregation="seq_mean_token_mean")
+    loss, _ = policy_loss(LP, OLD, ADV, MASK,
+                          LossSettings(eps_low=0.2, eps_high=0.3, aggregation="seq_mean_token_mean"))
     assert loss.item() == pytest.approx((-2.8 / 3 + 1.9 / 2) / 2, abs=1e-6)
     # seq_mean_token_sum_norm with L = 4: seq sums -2.8 and 1.9 -> (-0.7 + 0.475) / 2 = -0.1125
-    loss, _ = policy_loss(LP, OLD, ADV, MASK, eps_low=0.2, eps_high=0.3, aggregation="seq_mean_token_sum_norm",
-                          max_completion_length=4)
+    loss, _ = policy_loss(LP, OLD, ADV, MASK,
+                          LossSettings(eps_low=0.2, eps_high=0.3, aggregation="seq_mean_token_sum_norm",
+                                       max_completion_length=4))
     assert loss.item() == pytest.approx(-0.1125, abs=1e-6)
     with pytest.raises(ValueError, match="max_completion_length"):
-        policy_loss(LP, OLD, ADV, MASK, aggregation="seq_mean_token_sum_norm")
+        policy_loss(LP, OLD, ADV, MASK, LossSettings(aggregation="seq_mean_token_sum_norm"))
     with pytest.raises(ValueError, match="unknown loss aggregation"):
-        policy_loss(LP, OLD, ADV, MASK, aggregation="sum")
+        policy_loss(LP, OLD, ADV, MASK, LossSettings(aggregation="sum"))
 
 
 def test_seq_mean_skips_empty_sequences():
@@ -223,7 +225,7 @@ def test_seq_mean_skips_empty_sequences():
 def test_policy_loss_with_kl_penalty():
     # ref = lp + d with d = [[0, 1, 0], [-1, 0, 0]] -> k3 = [[0, e-2, 0], [e^-1, 0, 0]]
     ref = LP + torch.tensor([[0.0, 1.0, 0.0], [-1.0, 0.0, 0.0]])
-    loss, m = policy_loss(LP, OLD, ADV, MASK, ref_logprobs=ref, beta=0.1, eps_low=0.2, eps_high=0.3)
+    loss, m = policy_loss(LP, OLD, ADV, MASK, LossSettings(beta=0.1, eps_low=0.2, eps_high=0.3), ref_logprobs=ref)
     kl_sum = (math.e - 2) + math.exp(-1)  # masked tokens only
     assert loss.item() == pytest.approx((-0.9 + 0.1 * kl_sum) / 5, abs=1e-6)
     assert m["kl"] == pytest.approx(kl_sum / 5, abs=1e-6)
@@ -233,7 +235,7 @@ def test_policy_loss_with_kl_penalty():
 def test_policy_loss_is_weights_scale_the_policy_term():
     w = torch.tensor([[2.0, 1.0, 1.0], [1.0, 0.5, 1.0]])
     # per-token pg: [-2.6, -1.0, -0.5, 0.8, 0.55] -> sum -2.75 / 5 = -0.55
-    loss, m = policy_loss(LP, OLD, ADV, MASK, eps_low=0.2, eps_high=0.3, is_weights=w)
+    loss, m = policy_loss(LP, OLD, ADV, MASK, LossSettings(eps_low=0.2, eps_high=0.3), is_weights=w)
     assert loss.item() == pytest.approx(-0.55, abs=1e-6)
     assert m["pg_loss"] == pytest.approx(-0.55, abs=1e-6)
     # the weights scale the loss, not the ratio: the clip fractions stay those of the unweighted case
@@ -243,15 +245,15 @@ def test_policy_loss_is_weights_scale_the_policy_term():
 def test_policy_loss_kl_is_logged_without_penalty_when_beta_is_zero():
     # same ref as above: the kl metric is reported, the loss is the plain surrogate
     ref = LP + torch.tensor([[0.0, 1.0, 0.0], [-1.0, 0.0, 0.0]])
-    loss, m = policy_loss(LP, OLD, ADV, MASK, ref_logprobs=ref, beta=0.0, eps_low=0.2, eps_high=0.3)
+    loss, m = policy_loss(LP, OLD, ADV, MASK, LossSettings(beta=0.0, eps_low=0.2, eps_high=0.3), ref_logprobs=ref)
     assert loss.item() == pytest.approx(-0.18, abs=1e-6)
     assert m["kl"] == pytest.approx(((math.e - 2) + math.exp(-1)) / 5, abs=1e-6)
 
 
 def test_policy_loss_per_micro_batch_aggregates_its_rows_only():
     # row 0 alone: (-1.3 - 1.0 - 0.5) / 3 = -0.93333; row 1 alone: (0.8 + 1.1) / 2 = 0.95
-    loss0, m0 = policy_loss(LP[:1], OLD[:1], ADV[:1], MASK[:1], eps_low=0.2, eps_high=0.3)
-    loss1, m1 = policy_loss(LP[1:], OLD[1:], ADV[1:], MASK[1:], eps_low=0.2, eps_high=0.3)
+    loss0, m0 = policy_loss(LP[:1], OLD[:1], ADV[:1], MASK[:1], LossSettings(eps_low=0.2, eps_high=0.3))
+    loss1, m1 = policy_loss(LP[1:], OLD[1:], ADV[1:], MASK[1:], LossSettings(eps_low=0.2, eps_high=0.3))
     assert loss0.item() == pytest.approx(-2.8 / 3, abs=1e-6)
     assert loss1.item() == pytest.approx(0.95, abs=1e-6)
     # row 0 has only the high clip (1 of 3 tokens), row 1 only the low one (1 of 2 tokens)
@@ -263,7 +265,7 @@ def test_policy_loss_fully_masked_row_is_skipped_in_seq_mean():
     # row 1 fully masked: seq_mean_token_mean is row 0's mean alone, -2.8 / 3; token_mean likewise
     mask = torch.tensor([[1.0, 1.0, 1.0], [0.0, 0.0, 0.0]])
     for aggregation in ("seq_mean_token_mean", "token_mean"):
-        loss, m = policy_loss(LP, OLD, ADV, mask, eps_low=0.2, eps_high=0.3, aggregation=aggregation)
+        loss, m = policy_loss(LP, OLD, ADV, mask, LossSettings(eps_low=0.2, eps_high=0.3, aggregation=aggregation))
         assert loss.item() == pytest.approx(-2.8 / 3, abs=1e-6)
     # ratio over row 0 only: mean (1.5 + 1 + 0.5) / 3 = 1.0, max 1.5
     assert m["ratio_mean"] == pytest.approx(1.0) and m["ratio_max"] == pytest.approx(1.5)
@@ -278,11 +280,11 @@ def test_policy_loss_bad_arguments():
     with pytest.raises(ValueError, match="mask must have the shape"):
         policy_loss(LP, OLD, ADV, MASK[:, :2])
     with pytest.raises(ValueError, match="ref_logprobs must have the shape"):
-        policy_loss(LP, OLD, ADV, MASK, ref_logprobs=LP[:1], beta=0.1)
+        policy_loss(LP, OLD, ADV, MASK, LossSettings(beta=0.1), ref_logprobs=LP[:1])
     with pytest.raises(ValueError, match="eps_low"):
-        policy_loss(LP, OLD, ADV, MASK, eps_low=1.5)
+        policy_loss(LP, OLD, ADV, MASK, LossSettings(eps_low=1.5))
     with pytest.raises(ValueError, match="max_completion_length > 0"):
-        policy_loss(LP, OLD, ADV, MASK, aggregation="seq_mean_token_sum_norm", max_completion_length=0)
+        policy_loss(LP, OLD, ADV, MASK, LossSettings(aggregation="seq_mean_token_sum_norm", max_completion_length=0))
 
 
 def test_gradients_flow_only_through_logprobs():
@@ -290,7 +292,7 @@ def test_gradients_flow_only_through_logprobs():
     old = OLD.clone().requires_grad_(True)
     adv = ADV.clone().requires_grad_(True)
     ref = (LP + 0.5).requires_grad_(True)
-    loss, _ = policy_loss(lp, old, adv, MASK, ref_logprobs=ref, beta=0.0, eps_low=0.2, eps_high=0.3)
+    loss, _ = policy_loss(lp, old, adv, MASK, LossSettings(beta=0.0, eps_low=0.2, eps_high=0.3), ref_logprobs=ref)
     loss.backward()
     assert old.grad is None and adv.grad is None and ref.grad is None
     # d loss / d lp_t = -A * ratio_t / 5 where the unclipped term is the active one, else 0:
@@ -305,7 +307,8 @@ def test_gradients_with_kl_and_is_weights():
     adv = ADV.clone().requires_grad_(True)
     ref = (LP + torch.tensor([[0.0, 1.0, 0.0], [-1.0, 0.0, 0.0]])).requires_grad_(True)
     w = torch.tensor([[2.0, 1.0, 1.0], [1.0, 0.5, 1.0]], requires_grad=True)
-    loss, _ = policy_loss(lp, old, adv, MASK, ref_logprobs=ref, beta=0.1, eps_low=0.2, eps_high=0.3, is_weights=w)
+    loss, _ = policy_loss(lp, old, adv, MASK,
+                          LossSettings(beta=0.1, eps_low=0.2, eps_high=0.3), ref_logprobs=ref, is_weights=w)
     loss.backward()
     assert old.grad is None and adv.grad is None and ref.grad is None and w.grad is None
     # token_mean over 5 tokens: d loss / d lp_t = (d pg_t + 0.1 * d k3_t) / 5
@@ -319,8 +322,9 @@ def test_gradients_with_kl_and_is_weights():
 
 def test_gradient_with_seq_sum_norm_aggregation():
     lp = LP.clone().requires_grad_(True)
-    loss, _ = policy_loss(lp, OLD, ADV, MASK, eps_low=0.2, eps_high=0.3, aggregation="seq_mean_token_sum_norm",
-                          max_completion_length=4)
+    loss, _ = policy_loss(lp, OLD, ADV, MASK,
+                          LossSettings(eps_low=0.2, eps_high=0.3, aggregation="seq_mean_token_sum_norm",
+                                       max_completion_length=4))
     loss.backward()
     # every token is divided by L = 4 and by the 2 sequences: d loss / d lp_t = -A * ratio_t / 8 on unclipped
     #   tokens: [[0, -1/8, -0.5/8], [0, 1.1/8, 0]] = [[0, -0.125, -0.0625], [0, 0.1375, 0]]
@@ -354,7 +358,7 @@ def test_gspo_loss_and_gradient_by_hand():
     # eps 0.2: s_0 = 1.105171 and s_1 = 0.818731 are inside [0.8, 1.2], nothing clipped
     #   row 0 (A = +1): pg = -s_0 on 3 tokens; row 1 (A = -1): pg = +s_1 on 1 token
     #   token_mean = (3 * -1.105171 + 0.818731) / 4 = -2.496782 / 4 = -0.624196
-    loss, m = policy_loss(lp, old, adv, mask, importance_sampling_level="sequence")
+    loss, m = policy_loss(lp, old, adv, mask, LossSettings(importance_sampling_level="sequence"))
     assert loss.item() == pytest.approx(-0.624196, abs=1e-6)
     assert m["clip_frac"] == 0.0
     # gradient: loss = (-3 s_0 + s_1) / 4, ds_0/dlp_0t = s_0 / 3, ds_1/dlp_10 = s_1 (masked tokens: 0)
@@ -368,8 +372,8 @@ def test_gspo_tiny_clip_range():
     # GSPO's clip range 3e-4 / 4e-4: s_0 = 1.105 > 1.0004 with A > 0 -> pg = -1.0004 (3 tokens, clipped high);
     # s_1 = 0.8187 < 0.9997 with A < 0 -> -min(-0.8187, -0.9997) = 0.9997 (1 token, clipped low)
     # token_mean = (3 * -1.0004 + 0.9997) / 4 = -2.0015 / 4 = -0.500375; both clipped: no gradient
-    loss, m = policy_loss(lp, old, torch.tensor([1.0, -1.0]), mask, eps_low=3e-4, eps_high=4e-4,
-                          importance_sampling_level="sequence")
+    loss, m = policy_loss(lp, old, torch.tensor([1.0, -1.0]), mask,
+                          LossSettings(eps_low=3e-4, eps_high=4e-4, importance_sampling_level="sequence"))
     assert loss.item() == pytest.approx(-0.500375, abs=1e-6)
     assert m["clip_frac_high"] == pytest.approx(0.75) and m["clip_frac_low"] == pytest.approx(0.25)
     loss.backward()
@@ -386,7 +390,7 @@ def test_dual_clip_caps_negative_advantages():
     old = torch.zeros(2, 3)
     lp = torch.log(torch.tensor([[4.0, 2.0, 0.5], [4.0, 1.0, 1.0]])).requires_grad_(True)
     adv, mask = torch.tensor([-2.0, 1.0]), torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
-    loss, m = policy_loss(lp, old, adv, mask, clip_ratio_c=3.0)
+    loss, m = policy_loss(lp, old, adv, mask, LossSettings(clip_ratio_c=3.0))
     assert loss.item() == pytest.approx(2.6)
     assert m["clip_frac_dual"] == pytest.approx(0.25)
     assert policy_loss(lp, old, adv, mask)[0].item() == pytest.approx(3.1)
@@ -394,7 +398,7 @@ def test_dual_clip_caps_negative_advantages():
     # the capped token is a constant (no gradient); r = 2 keeps d(-A r)/dlp / 4 = 2 * 2 / 4 = 1
     assert lp.grad[0, 0].item() == 0.0 and lp.grad[0, 1].item() == pytest.approx(1.0)
     with pytest.raises(ValueError, match="clip_ratio_c"):
-        policy_loss(lp, old, adv, mask, clip_ratio_c=1.0)
+        policy_loss(lp, old, adv, mask, LossSettings(clip_ratio_c=1.0))
 
 
 def test_kl_estimators_by_hand():
@@ -413,7 +417,8 @@ def test_kl_estimators_by_hand():
 def test_policy_loss_uses_the_chosen_kl_estimator():
     # advantages 0 -> pg = 0; loss = beta * token_mean(k2) = 0.1 * (0.125 + 0.5) / 2 = 0.03125
     lp, ref = torch.tensor([[-1.0, -2.0]]), torch.tensor([[-1.5, -1.0]])
-    loss, m = policy_loss(lp, lp, torch.zeros(1), torch.ones(1, 2), ref_logprobs=ref, beta=0.1, kl_estimator="k2")
+    loss, m = policy_loss(lp, lp, torch.zeros(1), torch.ones(1, 2),
+                          LossSettings(beta=0.1, kl_estimator="k2"), ref_logprobs=ref)
     assert loss.item() == pytest.approx(0.03125)
     assert m["kl"] == pytest.approx(0.3125)
 
@@ -438,7 +443,8 @@ def test_entropy_bonus_gradient_raises_entropy():
     entropy = token_entropy(logits, with_grad=True)
     assert entropy.item() == pytest.approx(0.562335, abs=1e-6)
     lp = token_logprobs(logits, torch.tensor([[1]]))
-    loss, m = policy_loss(lp, lp.detach(), torch.zeros(1), torch.ones(1, 1), entropy=entropy, entropy_coef=0.1)
+    loss, m = policy_loss(lp, lp.detach(), torch.zeros(1), torch.ones(1, 1),
+                          LossSettings(entropy_coef=0.1), entropy=entropy)
     assert loss.item() == pytest.approx(-0.0562335, abs=1e-7)
     assert m["entropy_loss"] == pytest.approx(-0.0562335, abs=1e-7)
     loss.backward()
@@ -449,4 +455,4 @@ def test_entropy_bonus_gradient_raises_entropy():
     # for logging (the default), entropy carries no gradient
     assert not token_entropy(logits).requires_grad
     with pytest.raises(ValueError, match="entropy_coef"):
-        policy_loss(lp, lp.detach(), torch.zeros(1), torch.ones(1, 1), entropy_coef=0.1)
+        policy_loss(lp, lp.detach(), torch.zeros(1), torch.ones(1, 1), LossSettings(entropy_coef=0.1))

@@ -11,12 +11,12 @@ from .trainer_setup import ROOT, child_env
 
 REQUIRED_FLAGS = """--model_name_or_path --output_dir --resume_from_checkpoint --dataset_config_path --dataset_names
 --train_split_ratio --epochs --max_steps --per_device_train_batch_size --gradient_accumulation_steps
---learning_rate --learning_rate_lora --max_seq_length --max_prompt_length --k_samples --rollout_max_new_tokens
---temperature --top_p --use_kl_penalty --kl_beta --clip_epsilon_low --clip_epsilon_high --loss_aggregation
+--learning_rate --rollout_mode --max_seq_length --max_prompt_length --k_samples --rollout_max_new_tokens
+--temperature --top_p --kl_beta --clip_epsilon_low --clip_epsilon_high --loss_aggregation
 --scale_rewards --num_iterations --tuning_strategy --lora_rank --lora_alpha --lora_dropout
 --lora_target_modules --lora_adapter_path --trust_remote_code --gradient_checkpointing --save_steps
 --save_total_limit --eval_steps --logging_steps --use_wandb --wandb_project --log_to_file --deepspeed
---use_vllm_rollout --vllm_tp --vllm_gpu_memory_utilization --reward_module --seed --warmup_ratio
+--rollout_engine --vllm_tp --vllm_gpu_memory_utilization --reward_module --seed --warmup_ratio
 --max_grad_norm --eval_dataset_names --filter_overlong_prompts --lora_exclude_modules --eval_max_prompts""".split()
 
 
@@ -42,6 +42,52 @@ def test_help_lists_every_flag():
     for flag in REQUIRED_FLAGS + ["--config"]:
         assert flag in proc.stdout, flag
     assert "{qlora,lora,full}" in proc.stdout
+    # grouped as docs/flags.md is: each group's title, its flags after it
+    from grpo.config.cli import GROUP_TITLES
+
+    positions = [proc.stdout.index(title + ":") for title in GROUP_TITLES.values()]
+    assert positions == sorted(positions)
+    assert positions[0] < proc.stdout.index("\n  --tuning_strategy") < positions[1]
+    assert positions[-1] < proc.stdout.index("\n  --qlora_block_size")
+
+
+@pytest.mark.parametrize("old, new", [
+    (["--use_vllm_rollout", "true"], "--rollout_engine vllm"),
+    (["--vllm_mode", "server"], "--rollout_mode"),
+    (["--learning_rate_lora=1e-4"], "--learning_rate"),
+    (["--use_kl_penalty"], "--kl_beta"),
+])
+def test_merged_flags_name_their_successor(old, new):
+    from grpo.config import parse_args
+    from grpo.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=f"--{old[0][2:].split('=')[0]} was merged .* use {new}"):
+        parse_args(old)
+
+
+def test_merged_options_fail_in_python_and_config_files_too(tmp_path):
+    from grpo.config import GRPOConfig, parse_args, upgrade_saved_options
+    from grpo.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="use_vllm_rollout was merged .* use --rollout_engine vllm"):
+        GRPOConfig(use_vllm_rollout=True)
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps({"learning_rate_lora": 1e-4}))
+    with pytest.raises(ConfigError, match="learning_rate_lora .in .*run.json. was merged"):
+        parse_args(["--config", str(path)])
+    # a run saved before the merge resumes with the options it had
+    old = {"tuning_strategy": "lora", "learning_rate": 1e-6, "learning_rate_lora": 3e-4, "use_kl_penalty": False,
+           "kl_beta": 0.04, "use_vllm_rollout": True, "vllm_mode": "colocate"}
+    assert upgrade_saved_options(old) == {"tuning_strategy": "lora", "learning_rate": 3e-4, "kl_beta": 0.0,
+                                          "rollout_engine": "vllm", "rollout_mode": "colocate"}
+
+
+def test_learning_rate_defaults_by_strategy():
+    from grpo.config import GRPOConfig
+
+    assert GRPOConfig(tuning_strategy="lora").learning_rate == 2e-5
+    assert GRPOConfig(tuning_strategy="full").learning_rate == 1e-6
+    assert GRPOConfig(tuning_strategy="full", learning_rate=3e-5).learning_rate == 3e-5
 
 
 @pytest.mark.parametrize("args, fragments", [
@@ -68,7 +114,7 @@ def test_vllm_tp_must_divide_world_size():
 
 
 def test_config_file_supplies_values_and_flags_win(tmp_path):
-    from grpo.config.options import parse_args
+    from grpo.config import parse_args
 
     path = tmp_path / "run.json"
     path.write_text(json.dumps({"k_samples": 6, "temperature": 0.7, "dataset_names": ["gsm8k"]}))
@@ -88,7 +134,7 @@ def test_config_file_errors(tmp_path):
 
 
 def test_dataset_names_accept_commas_and_spaces():
-    from grpo.config.options import parse_args
+    from grpo.config import parse_args
 
     assert parse_args(["--dataset_names", "arith,gsm8k", "extra"]).dataset_names == ["arith", "gsm8k", "extra"]
     config = parse_args(["--dataset_names", "gsm8k", "--eval_dataset_names", "gsm8k_test,arith_test", "x"])
@@ -152,27 +198,25 @@ def test_reward_module_registers_a_reward(tmp_path):
     assert "my_reward" not in proc.stderr
 
 
-def test_readme_documents_every_flag():
+def test_flag_reference_documents_every_flag():
     from dataclasses import fields
 
     from grpo.config.options import GRPOConfig
 
-    readme = open(os.path.join(ROOT, "README.md")).read()
+    readme = open(os.path.join(ROOT, "docs", "flags.md")).read()
     missing = [f.name for f in fields(GRPOConfig) if f"`--{f.name}`" not in readme]
-    assert not missing, f"README lacks {missing}; regenerate with python scripts/flag_table.py"
+    assert not missing, f"docs/flags.md lacks {missing}; regenerate with python scripts/flag_table.py"
 
 
 @pytest.mark.parametrize("args, message", [
     (["--clip_ratio_c", "1"], "--clip_ratio_c: must be > 1"),
-    (["--kl_in_reward"], "--kl_in_reward: needs --use_kl_penalty"),
-    (["--kl_in_reward", "--use_kl_penalty", "--kl_beta", "0"],
-     "--kl_in_reward: needs --use_kl_penalty and --kl_beta > 0"),
+    (["--kl_in_reward"], "--kl_in_reward: needs --kl_beta > 0"),
     (["--max_generation_rounds", "0"], "--max_generation_rounds: must be >= 1"),
     (["--entropy_coef", "-0.1"], "--entropy_coef: must be >= 0"),
     (["--reward_model", "a/rm", "b/rm"], "--reward_model: two folders are named rm"),
 ])
 def test_objective_flags_are_validated(args, message):
-    from grpo.config.options import parse_args
+    from grpo.config import parse_args
     from grpo.errors import ConfigError
 
     with pytest.raises(ConfigError, match=message):
@@ -180,30 +224,30 @@ def test_objective_flags_are_validated(args, message):
 
 
 def test_objective_flags_parse():
-    from grpo.config.options import parse_args
+    from grpo.config import parse_args
 
     cfg = parse_args(["--importance_sampling_level", "sequence", "--clip_epsilon_low", "3e-4", "--clip_epsilon_high",
-                      "4e-4", "--clip_ratio_c", "3", "--kl_estimator", "k1", "--use_kl_penalty", "--kl_in_reward",
+                      "4e-4", "--clip_ratio_c", "3", "--kl_estimator", "k1", "--kl_beta", "0.04", "--kl_in_reward",
                       "--entropy_coef", "0.01", "--filter_zero_std_groups", "--max_generation_rounds", "5",
                       "--reward_model", "rms/a,rms/b"])
     assert (cfg.importance_sampling_level, cfg.clip_epsilon_low, cfg.clip_epsilon_high, cfg.clip_ratio_c) == \
         ("sequence", 3e-4, 4e-4, 3.0)
-    assert (cfg.kl_estimator, cfg.kl_in_reward, cfg.kl_coef, cfg.kl_loss_coef) == ("k1", True, 0.04, 0.0)
+    assert (cfg.kl_estimator, cfg.kl_in_reward, cfg.kl_beta, cfg.kl_loss_coef) == ("k1", True, 0.04, 0.0)
     assert (cfg.entropy_coef, cfg.filter_zero_std_groups, cfg.max_generation_rounds) == (0.01, True, 5)
     assert cfg.reward_model == ["rms/a", "rms/b"]
 
 
 def test_server_mode_needs_rollout_and_training_ranks():
-    proc, _ = run_cli("--vllm_mode", "server", "--rollout_gpus", "1")  # one process: nobody left to train
+    proc, _ = run_cli("--rollout_mode", "server", "--rollout_gpus", "1")  # one process: nobody left to train
     assert_clean_failure(proc, "--rollout_gpus", "1 of the job's 1 ranks", "deepspeed --num_gpus")
-    proc, _ = run_cli("--vllm_mode", "server", "--rollout_gpus", "3", "--vllm_tp", "2", env={"WORLD_SIZE": "4"})
+    proc, _ = run_cli("--rollout_mode", "server", "--rollout_gpus", "3", "--vllm_tp", "2", env={"WORLD_SIZE": "4"})
     assert_clean_failure(proc, "--vllm_tp", "must divide --rollout_gpus 3")
     proc, _ = run_cli("--rollout_gpus", "2", env={"WORLD_SIZE": "4"})
-    assert_clean_failure(proc, "--rollout_gpus", "--vllm_mode server")
-    proc, _ = run_cli("--vllm_mode", "remote")
-    assert_clean_failure(proc, "--vllm_mode", "colocate, server")
+    assert_clean_failure(proc, "--rollout_gpus", "--rollout_mode server")
+    proc, _ = run_cli("--rollout_mode", "remote")
+    assert_clean_failure(proc, "--rollout_mode", "invalid choice")
     proc, _ = run_cli("--async_rollout", "true")
-    assert_clean_failure(proc, "--async_rollout", "needs --vllm_mode server")
-    proc, _ = run_cli("--vllm_mode", "server", "--rollout_gpus", "1", "--async_rollout", "true",
+    assert_clean_failure(proc, "--async_rollout", "needs --rollout_mode server")
+    proc, _ = run_cli("--rollout_mode", "server", "--rollout_gpus", "1", "--async_rollout", "true",
                       "--filter_zero_std_groups", "true", env={"WORLD_SIZE": "2"})
     assert_clean_failure(proc, "--async_rollout", "--filter_zero_std_groups do not combine")

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import DeepseekV3Config, LlamaConfig, Qwen2VLConfig, Qwen3NextConfig
 
-from grpo.config.options import parse_args
+from grpo.config import parse_args
 from grpo.errors import ConfigError
 from grpo.rollout.kv_cache import (auto_kv_cache_bytes, checkpoint_weight_bytes, engine_kv_cache_bytes,
                                    kv_bytes_per_token, within_share)
@@ -129,7 +129,7 @@ def test_flag_values_and_defaults(monkeypatch):
         with pytest.raises(ConfigError, match="--vllm_kv_cache_gib: got .* give auto, share or a number of GiB"):
             parse_args(["--vllm_kv_cache_gib", bad])
     monkeypatch.setenv("WORLD_SIZE", "2")
-    server = ["--vllm_mode", "server", "--rollout_gpus", "1"]
+    server = ["--rollout_mode", "server", "--rollout_gpus", "1"]
     assert parse_args(server).vllm_kv_cache == "share"  # rollout ranks only generate: all of their share
     assert parse_args(server + ["--vllm_kv_cache_gib", "8"]).vllm_kv_cache == 8.0
     with pytest.raises(ConfigError, match="--vllm_kv_cache_gib: auto is for colocated engines"):

@@ -7,7 +7,8 @@ import torch
 from grpo.config.options import GRPOConfig
 from grpo.errors import ConfigError
 from grpo.model.loftq import CORRECTION_ADAPTER, low_rank_factors
-from grpo.model.loading import keep_4bit_forward_exact, load_policy, load_tokenizer, reference_mode, save_final_model
+from grpo.checkpoint.final_model import save_final_model
+from grpo.model.loading import keep_4bit_forward_exact, load_policy, load_tokenizer, reference_mode
 from grpo.model.weight_sync import iter_policy_weights
 
 from .tiny_models import make_tiny_model_dir
@@ -93,7 +94,7 @@ def test_the_correction_cancels_the_best_rank_r_part_of_the_rounding_error(model
 
 
 def test_kl_reference_is_the_corrected_start(model_dir):
-    policy = load_policy(config(model_dir, qlora_init="loftq", use_kl_penalty=True), model_dir, torch.float32, CPU)
+    policy = load_policy(config(model_dir, qlora_init="loftq", kl_beta=0.04), model_dir, torch.float32, CPU)
     start = logits_of(policy)
     trainable = {n for n, p in policy.named_parameters() if p.requires_grad}
     trained_a_little(policy)

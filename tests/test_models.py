@@ -8,7 +8,8 @@ import torch
 from grpo.config.options import EMBEDDED_MODEL, GRPOConfig
 from grpo.errors import ConfigError
 from grpo.model.loading import (attention_without_shape_plans, keep_4bit_forward_exact, load_policy, load_reference,
-                         load_tokenizer, reference_mode, save_final_model)
+                                load_tokenizer, reference_mode)
+from grpo.checkpoint.final_model import save_final_model
 
 from .tiny_models import make_tiny_model_dir
 
@@ -85,9 +86,9 @@ def test_reference_mode_is_the_base_model_for_lora(model_dir):
 
 def test_full_reference_only_with_kl(model_dir):
     assert load_reference(config(model_dir, tuning_strategy="full"), model_dir, torch.float32, CPU) is None
-    assert load_reference(config(model_dir, tuning_strategy="lora", use_kl_penalty=True), model_dir,
+    assert load_reference(config(model_dir, tuning_strategy="lora", kl_beta=0.04), model_dir,
                           torch.float32, CPU) is None
-    ref = load_reference(config(model_dir, tuning_strategy="full", use_kl_penalty=True), model_dir,
+    ref = load_reference(config(model_dir, tuning_strategy="full", kl_beta=0.04), model_dir,
                          torch.float32, CPU)
     assert ref is not None and not ref.training and not any(p.requires_grad for p in ref.parameters())
 

@@ -1,4 +1,4 @@
-"""--vllm_mode server on CPU: the job's last rank generates (HF engine on a model of its own), the others train
+"""--rollout_mode server on CPU: the job's last rank generates (HF engine on a model of its own), the others train
 with DeepSpeed; completions and the updated policy travel between them after every step."""
 import json
 import os
@@ -15,7 +15,7 @@ from .test_multiprocess import ROOT, launch, launch_command, setup  # noqa: F401
 from .trainer_setup import child_env, train_rows
 
 needs_launcher = pytest.mark.skipif(shutil.which("deepspeed") is None, reason="the deepspeed launcher is not on PATH")
-SERVER = ("--vllm_mode", "server", "--rollout_gpus", "1", "--logprob_check_steps", "1")
+SERVER = ("--rollout_mode", "server", "--rollout_gpus", "1", "--logprob_check_steps", "1")
 
 
 def run_server(setup, name: str, port: int, *flags: str, reward: str = "rewards.py", **kw):  # noqa: F811
@@ -197,6 +197,6 @@ def test_a_rollout_rank_building_a_trainer_is_told_what_to_run(monkeypatch):
 
     monkeypatch.setenv("RANK", "2")
     monkeypatch.setenv("WORLD_SIZE", "3")
-    config = GRPOConfig(vllm_mode="server", rollout_gpus=1)
+    config = GRPOConfig(rollout_mode="server", rollout_gpus=1)
     with pytest.raises(ConfigError, match=r"rollout rank 0 \(job rank 2\).*grpo.serve_rollouts\(config\)"):
         GRPOTrainer(config)

@@ -9,6 +9,7 @@ from grpo.config.options import GRPOConfig
 from grpo.errors import ConfigError
 from grpo.model.loading import load_policy
 from grpo.model.weight_sync import checkpoint_name, iter_policy_weights, sync_weights
+from grpo.rollout.engine import RolloutEngine
 
 from .tiny_models import make_tiny_model_dir
 
@@ -16,11 +17,14 @@ CPU = torch.device("cpu")
 IDS = torch.tensor([[5, 7, 8, 28, 9, 29, 12]])
 
 
-class RecordingEngine:
+class RecordingEngine(RolloutEngine):
     """Stands in for the rollout engine's load_weights: records every call."""
 
     def __init__(self):
         self.calls, self.complete = [], []
+
+    def generate(self, prompt_token_ids, sampling, images=None):
+        raise AssertionError("only syncs are recorded")
 
     def load_weights(self, named, complete=True):
         self.calls.append(list(named))

@@ -10,6 +10,7 @@ import torch
 from grpo.train import update as optimize
 from grpo.checkpoint.store import list_checkpoints
 from grpo.errors import ConfigError, DatasetError, TrainingError
+from grpo.rollout.engine import RolloutEngine
 from grpo.train.reporting import read_metrics
 from grpo.train.trainer import GRPOTrainer
 
@@ -75,7 +76,7 @@ def test_it_learns(strategy, tiny_model, registry, tmp_path):
     steps = 30
     config = tiny_config(tiny_model, registry, str(tmp_path / strategy), tuning_strategy=strategy, max_steps=steps,
                          per_device_train_batch_size=4, k_samples=16, rollout_max_new_tokens=16, temperature=1.0,
-                         learning_rate=1e-3, learning_rate_lora=2e-2, lora_rank=8, lora_alpha=16)
+                         learning_rate=1e-3 if strategy == "full" else 2e-2, lora_rank=8, lora_alpha=16)
     GRPOTrainer(config, reward_funcs=[target_token_reward(target)]).train()
     rows = [r for r in read_metrics(str(tmp_path / strategy / "metrics.jsonl")) if "rewards/emits_target" in r]
     first = sum(r["rewards/emits_target"] for r in rows[:5]) / 5
@@ -122,7 +123,7 @@ def test_notebook_run_writes_every_output(tiny_model, registry, tmp_path):
 def test_resume_is_exact(strategy, tiny_model, registry, tmp_path):
     common = dict(tuning_strategy=strategy, max_steps=4, save_steps=2, lora_dropout=0.1)
     if strategy == "qlora-loftq-kl":  # loftq's frozen rounding correction, recomputed on resume; the KL reference
-        common.update(tuning_strategy="qlora", qlora_init="loftq", use_kl_penalty=True, kl_beta=0.1)
+        common.update(tuning_strategy="qlora", qlora_init="loftq", kl_beta=0.1)
     rewards = [even_tokens]  # non-zero advantages: the weights move, so exactness means something
     straight = GRPOTrainer(tiny_config(tiny_model, registry, str(tmp_path / "a"), **common), reward_funcs=rewards)
     straight.train()
@@ -235,7 +236,7 @@ def test_kl_reference_reused_rollouts_and_is_correction(tiny_model, registry, tm
     # full fine-tuning with the KL term (frozen reference copy), two updates per rollout from stored old log-probs,
     # the truncated importance-sampling correction and truncated completions masked out
     config = tiny_config(tiny_model, registry, str(tmp_path), tuning_strategy="full", max_steps=3,
-                         use_kl_penalty=True, kl_beta=0.1, num_iterations=2, rollout_is_correction=True,
+                         kl_beta=0.1, num_iterations=2, rollout_is_correction=True,
                          mask_truncated_completions=True, rollout_max_new_tokens=8, temperature=1.0,
                          per_device_train_batch_size=4, k_samples=8, learning_rate=1e-2,
                          loss_aggregation="seq_mean_token_sum_norm")
@@ -351,7 +352,7 @@ def test_out_of_memory_names_phase_sizes_and_knobs(tiny_model, registry, tmp_pat
 
 
 def test_resume_names_options_that_changed(tmp_path, caplog):
-    from grpo.checkpoint.store import warn_changed_options
+    from grpo.checkpoint.resume import warn_changed_options
 
     # a lora run saved before qlora's defaults changed: its qlora options were bitsandbytes' stock ones
     saved = tiny_config("model", "registry.json", str(tmp_path), scale_rewards="group", max_steps=2,
@@ -372,7 +373,7 @@ def test_resume_names_options_that_changed(tmp_path, caplog):
 
 
 def test_resume_refuses_options_that_rebuild_another_policy(tmp_path):
-    from grpo.checkpoint.store import check_resume_keeps_policy, saved_config_path
+    from grpo.checkpoint.resume import check_resume_keeps_policy, saved_config_path
 
     saved = tiny_config("model", "registry.json", str(tmp_path), tuning_strategy="qlora", qlora_quant_type="nf4")
     saved.save(str(tmp_path / "grpo_config.json"))
@@ -432,7 +433,7 @@ def test_a_resume_with_another_4bit_type_stops_before_any_model_loads(tiny_model
     assert [step for step, _ in list_checkpoints(out)] == [1]  # the checkpoint is kept
 
 
-class ForgetfulEngine:
+class ForgetfulEngine(RolloutEngine):
     """The HF engine behind the interface of an engine whose sleep drops its weights (vLLM's level 2): it records
     what syncs load, and refuses to wake on dropped weights, as VLLMRolloutEngine does."""
     needs_every_weight = True
@@ -458,7 +459,7 @@ def test_an_engine_left_without_weights_gets_the_policy_before_it_wakes(tiny_mod
     import grpo.train.trainer as trainer_module
 
     trainer = GRPOTrainer(tiny_config(tiny_model, registry, str(tmp_path)))
-    engine = trainer.rollout_engine = ForgetfulEngine(trainer.rollout_engine)
+    engine = trainer.rollouts.engine = ForgetfulEngine(trainer.rollout_engine)
     monkeypatch.setattr(trainer_module, "engine_holds_weights", lambda config: True)  # as for vLLM
     engine.sleep()  # as when a step stops between its rollout's sleep and its sync (e.g. interrupted in a notebook)
     trainer.evaluate()

@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 
+from grpo.train.step_data import StepData
 from grpo.train.trainer import GRPOTrainer
 
 from .test_trainer import pick_target
@@ -16,7 +17,7 @@ from .trainer_setup import even_tokens, tiny_config, train_rows, trainable_weigh
 def test_gspo_dual_clip_entropy_and_kl_estimator(tiny_model, registry, tmp_path):
     config = tiny_config(tiny_model, registry, str(tmp_path), max_steps=2, importance_sampling_level="sequence",
                          clip_epsilon_low=3e-4, clip_epsilon_high=4e-4, clip_ratio_c=3.0, entropy_coef=0.01,
-                         use_kl_penalty=True, kl_beta=0.1, kl_estimator="k2", num_iterations=2,
+                         kl_beta=0.1, kl_estimator="k2", num_iterations=2,
                          eval_on_start=False)
     GRPOTrainer(config).train()
     rows = train_rows(tmp_path)
@@ -46,7 +47,7 @@ def test_cli_run_with_kl_in_reward_reward_model_overlong_and_math_verify(tiny_mo
             "--output_dir", str(out), "--per_device_train_batch_size", "2", "--k_samples", "4",
             "--rollout_max_new_tokens", "8", "--max_prompt_length", "32", "--max_seq_length", "48",
             "--max_steps", "2", "--save_steps", "0", "--eval_max_prompts", "2", "--lora_rank", "4",
-            "--lora_alpha", "8", "--reward_model", rm, "--use_kl_penalty", "--kl_beta", "0.1", "--kl_in_reward",
+            "--lora_alpha", "8", "--reward_model", rm, "--kl_beta", "0.1", "--kl_in_reward",
             "--eval_on_start", "false"]
     assert train_grpo.main(argv) == 0
     rows = train_rows(out)
@@ -103,7 +104,7 @@ def test_dynamic_sampling_draws_more_rounds_and_resumes_exactly(tiny_model, regi
 
 
 def test_policy_and_reference_logprobs_are_taken_without_a_graph(tiny_model, registry, tmp_path):
-    config = tiny_config(tiny_model, registry, str(tmp_path), use_kl_penalty=True, kl_beta=0.1, kl_in_reward=True,
+    config = tiny_config(tiny_model, registry, str(tmp_path), kl_beta=0.1, kl_in_reward=True,
                          eval_on_start=False)
     trainer = GRPOTrainer(config)
     rollout, _ = trainer._collect_rollouts()
@@ -133,17 +134,18 @@ def test_later_updates_of_a_rollout_reuse_the_first_updates_logprobs(tiny_model,
 
     calls, real_update = [], trainer_module.update
 
-    def recording_update(*args, **kwargs):
-        calls.append((args[3], kwargs.get("keep_old")))
-        result = real_update(*args, **kwargs)
-        calls[-1] += (None if kwargs.get("keep_old") is None else kwargs["keep_old"].clone(),)
+    def recording_update(engine, step, cfg, first_pass=True):
+        calls.append((first_pass, step.fill_old, step.old_logprobs))
+        result = real_update(engine, step, cfg, first_pass=first_pass)
+        calls[-1] += (step.old_logprobs.clone(),)
         return result
 
     monkeypatch.setattr(trainer_module, "update", recording_update)
-    trainer._optimize(batch, micro_batches, trainer._advantages(rollout.rewards), None)
-    (first_old, kept, filled), (second_old, second_keep, _) = calls
-    assert first_old is None and kept is not None and second_keep is None
-    assert second_old is kept  # the second update reads what the first one wrote
+    step = StepData(batch, micro_batches, trainer._advantages(rollout.rewards))
+    trainer._optimize(step)
+    (first, fills, kept, filled), (second, fills_again, read, _) = calls
+    assert first and fills and not second and not fills_again  # the first update writes, the second only reads
+    assert read is kept  # the second update reads what the first one wrote
     mask = batch.completion_mask.bool()
     torch.testing.assert_close(filled[mask], expected[mask], rtol=0, atol=1e-5)  # the policy before the update
 
@@ -191,7 +193,7 @@ def test_the_logged_reward_std_is_the_whole_steps(monkeypatch):
 def test_the_first_updates_ratio_is_one_under_lora_dropout_and_kl_in_reward(tiny_model, registry, tmp_path):
     """The KL penalty scores the policy in a pass of its own (its own dropout masks); the ratio must not take its
     old log-probs from that pass, or dropout noise alone would clip."""
-    config = tiny_config(tiny_model, registry, str(tmp_path), lora_dropout=0.3, use_kl_penalty=True, kl_beta=0.1,
+    config = tiny_config(tiny_model, registry, str(tmp_path), lora_dropout=0.3, kl_beta=0.1,
                          kl_in_reward=True, max_steps=2, eval_on_start=False)
     GRPOTrainer(config).train()
     rows = train_rows(tmp_path)

@@ -309,16 +309,17 @@ def vl_config(model_dir, registry, out, names, **overrides):
     values = dict(model_name_or_path=model_dir, dataset_config_path=registry, dataset_names=names, output_dir=out,
                   per_device_train_batch_size=2, k_samples=4, rollout_max_new_tokens=6, max_prompt_length=96,
                   max_seq_length=104, max_steps=2, save_steps=0, eval_steps=0, eval_max_prompts=2,
-                  train_split_ratio=0.99, lora_rank=4, lora_alpha=8, lora_dropout=0.0, learning_rate=1e-3,
-                  learning_rate_lora=1e-2, seed=0, log_to_file=False)
+                  train_split_ratio=0.99, lora_rank=4, lora_alpha=8, lora_dropout=0.0, seed=0,
+                  log_to_file=False)
     values.update(overrides)
+    values.setdefault("learning_rate", 1e-3 if values.get("tuning_strategy", "lora") == "full" else 1e-2)
     return GRPOConfig(**values)
 
 
 @pytest.mark.parametrize("strategy", ["lora", "qlora", "full"])
 def test_trains_on_shapes(strategy, vl_model, tmp_path):
     config = vl_config(vl_model, os.path.join(ROOT, "configs", "dataset_config.json"), str(tmp_path),
-                       ["shapes"], tuning_strategy=strategy, use_kl_penalty=True, kl_beta=0.1)
+                       ["shapes"], tuning_strategy=strategy, kl_beta=0.1)
     result = GRPOTrainer(config).train()
     rows = [r for r in read_metrics(str(tmp_path / "metrics.jsonl")) if "loss" in r]
     assert len(rows) == 2 and all("rewards/vqa_accuracy" in r for r in rows)
@@ -333,7 +334,7 @@ def test_it_learns_what_only_the_image_tells(vl_model, tmp_path):
     steps = 30
     config = vl_config(vl_model, registry, str(tmp_path / "run"), ["colors"], tuning_strategy="lora",
                        max_steps=steps, per_device_train_batch_size=4, k_samples=16, rollout_max_new_tokens=1,
-                       max_prompt_length=48, max_seq_length=49, learning_rate_lora=2e-2, lora_rank=8,
+                       max_prompt_length=48, max_seq_length=49, learning_rate=2e-2, lora_rank=8,
                        lora_alpha=16, train_split_ratio=1.0)
     GRPOTrainer(config).train()
     rows = [r for r in read_metrics(str(tmp_path / "run" / "metrics.jsonl")) if "loss" in r]

@@ -64,8 +64,9 @@ def tiny_config(model_dir: str, registry: str, output_dir: str, **overrides) -> 
                   output_dir=output_dir, per_device_train_batch_size=2, gradient_accumulation_steps=1, k_samples=4,
                   rollout_max_new_tokens=8, max_prompt_length=32, max_seq_length=48, max_steps=2, save_steps=0,
                   eval_steps=0, eval_max_prompts=4, train_split_ratio=0.9, lora_rank=4, lora_alpha=8,
-                  lora_dropout=0.0, learning_rate=1e-3, learning_rate_lora=1e-2, seed=0, log_to_file=True)
+                  lora_dropout=0.0, seed=0, log_to_file=True)
     values.update(overrides)
+    values.setdefault("learning_rate", 1e-3 if values.get("tuning_strategy", "lora") == "full" else 1e-2)
     return GRPOConfig(**values)
 
 

@@ -1,43 +1,33 @@
-"""GRPOConfig: the one source of every option. CLI flags of train_grpo.py are generated from it.
+"""GRPOConfig: the one source of every option (its schema). CLI flags of train_grpo.py are generated from it (cli.py).
 
 Each field's ``metadata["help"]`` is its one-line help; ``FLAG_GROUPS`` maps each field to the section it is
-listed under (README, --help). Invalid values and combinations raise ConfigError naming the flag, at construction.
+listed under (--help, docs/flags.md). Invalid values and combinations raise ConfigError naming the flag, at
+construction (validation.py). Options that were merged into others are listed in RENAMED_OPTIONS: their old names
+give an error that names the new flag.
 """
 from __future__ import annotations
 
-import difflib
 import json
-import os
-import re
-import sys
 from dataclasses import dataclass, field, fields
 from typing import Optional
 
+from grpo.config.choices import (  # noqa: F401 (the qlora constants are also read from here)
+    AGGREGATIONS, BITSANDBYTES_BLOCK_SCALE, BITSANDBYTES_BLOCK_SIZE, DEFAULT_BLOCK_SCALE, DEFAULT_BLOCK_SIZE,
+    DEFAULT_SPLIT_RATIO, EMBEDDED_MODEL, IMPORTANCE_SAMPLING_LEVELS, KL_ESTIMATORS, QLORA_BLOCK_SCALES,
+    QLORA_BLOCK_SIZES, QLORA_INITS, QLORA_QUANT_TYPES, REGEX_CHARS, REWARD_SCALES, ROLLOUT_ENGINES, ROLLOUT_MODES,
+    SCHEDULERS, STOCK_4BIT_OPTIONS, STRATEGIES)
+from grpo.config.validation import validate
 from grpo.errors import ConfigError
-from grpo.config.json_file import read_json_object
-from grpo.runtime.roles import job_world_size
 
-EMBEDDED_MODEL = "smollm2-135m-instruct"
-STRATEGIES = ("qlora", "lora", "full")
-QLORA_INITS = ("zero", "loftq")
-QLORA_QUANT_TYPES = ("nf4", "fp4")
-QLORA_BLOCK_SIZES = (32, 64, 128, 256, 512, 1024, 2048, 4096)  # the ones bitsandbytes' 4-bit kernels take
-QLORA_BLOCK_SCALES = ("absmax", "mse")
-# bitsandbytes' stock 4-bit base, as transformers loads it: blocks of 64, each scaled by its largest magnitude
-BITSANDBYTES_BLOCK_SIZE, BITSANDBYTES_BLOCK_SCALE = 64, "absmax"
-STOCK_4BIT_OPTIONS = f"--qlora_block_size {BITSANDBYTES_BLOCK_SIZE} --qlora_block_scale {BITSANDBYTES_BLOCK_SCALE}"
-# grpo's: the base quantized again from the checkpoint in blocks of 32 with searched scales, which keeps more of the
-# 16-bit model (README: Does it learn?)
-DEFAULT_BLOCK_SIZE, DEFAULT_BLOCK_SCALE = 32, "mse"
-AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
-REWARD_SCALES = ("group", "batch", "none")
-KL_ESTIMATORS = ("k1", "k2", "k3")
-IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
-VLLM_MODES = ("colocate", "server")
-SCHEDULERS = ("constant", "linear", "cosine")
-DEFAULT_SPLIT_RATIO = 0.95
-# a --lora_exclude_modules value with any of these is a regex; '.' is not one: module names are dotted paths
-REGEX_CHARS = set("*+?[]()|^$\\{}")
+DEFAULT_LEARNING_RATE = {"lora": 2e-5, "qlora": 2e-5, "full": 1e-6}
+
+# merged options: old name -> what to pass instead (the old name is an error that says so)
+RENAMED_OPTIONS = {
+    "use_vllm_rollout": "--rollout_engine vllm",
+    "vllm_mode": "--rollout_mode (colocate or server)",
+    "learning_rate_lora": "--learning_rate (one flag for every strategy; its default depends on the strategy)",
+    "use_kl_penalty": "--kl_beta with a value > 0 (0, the default, means no KL term)",
+}
 
 
 _groups_in_order: list[str] = []  # one entry per field, in definition order (fields() keeps that order)
@@ -52,11 +42,6 @@ def _opt(default, help, group, **kw):
 def _list(default, help, group):
     _groups_in_order.append(group)
     return field(default_factory=lambda: list(default), metadata={"help": help})
-
-
-def reward_model_name(path: str) -> str:
-    """The reward name a --reward_model folder registers under: its folder name."""
-    return os.path.basename(os.path.normpath(path))
 
 
 @dataclass
@@ -78,11 +63,11 @@ class GRPOConfig:
     qlora_skip_modules: Optional[str] = _opt(
         None, "qlora: linear layers kept in 16-bit instead of 4-bit, comma-separated names or suffixes (e.g. "
               "'gate_proj,up_proj,down_proj': on SmolLM2-135M the MLP is where 4-bit rounding costs the most, see "
-              "benchmarks/quantized_arithmetic.py); the output layer is always kept.", "model")
+              "benchmarks/quantized_arithmetic.py); the output layer is always kept.", "experimental")
     qlora_quant_type: str = _opt(
         "nf4", "qlora: the 4-bit data type of the frozen base. nf4: NormalFloat, the least weight error overall. "
                "fp4: bitsandbytes' 4-bit float, with more range for a heavy-tailed layer's large weights; on "
-               "SmolLM2-135M it keeps the base's arithmetic (see benchmarks/quantized_arithmetic.py).", "model",
+               "SmolLM2-135M it keeps the base's arithmetic (see benchmarks/quantized_arithmetic.py).", "experimental",
         choices=QLORA_QUANT_TYPES)
     qlora_block_size: int = _opt(
         DEFAULT_BLOCK_SIZE,
@@ -90,22 +75,22 @@ class GRPOConfig:
         "64 for 0.125 more bits per weight; on SmolLM2-135M it keeps more of the 16-bit model's arithmetic (see "
         "benchmarks/quantized_arithmetic.py --rounding). Other than 64 (or with --qlora_block_scale mse), each "
         "weight is quantized again from the checkpoint's 16-bit weights after loading, and the saved adapter "
-        f"belongs to a base quantized the same way (grpo.model.loading.load_policy). {STOCK_4BIT_OPTIONS}: bitsandbytes' "
-        "stock base, as transformers loads it.", "model", choices=QLORA_BLOCK_SIZES)
+        f"belongs to a base quantized the same way (grpo.model.loading.load_policy). {STOCK_4BIT_OPTIONS}: "
+        "bitsandbytes' stock base, as transformers loads it.", "experimental", choices=QLORA_BLOCK_SIZES)
     qlora_block_scale: str = _opt(
         DEFAULT_BLOCK_SCALE,
         "qlora: how each block's 4-bit scale is chosen. mse: the scale (at most the block's largest magnitude) of "
         "least squared rounding error, a larger weight taking the largest code; on SmolLM2-135M it cuts the weight "
-        "error by a tenth, and qlora learns arith to 0.87 of lora's accuracy (README: Does it learn?). absmax: the "
+        "error by a tenth, and qlora learns arith to 0.87 of lora's accuracy (benchmarks/RESULTS.md). absmax: the "
         "block's largest magnitude (bitsandbytes' own). Either way the base is a standard bitsandbytes 4-bit model; "
         "mse (with any block size) quantizes each weight again from the checkpoint's 16-bit weights after loading.",
-        "model", choices=QLORA_BLOCK_SCALES)
+        "experimental", choices=QLORA_BLOCK_SCALES)
     qlora_init: str = _opt(
         "zero", "qlora: zero: the policy starts as the 4-bit model (B = 0). loftq: a frozen rank-r correction of "
                 "the 4-bit rounding error (best rank-r approximation of W - dequantize(Q), W read from the "
                 "checkpoint) is added, so the policy starts nearer the 16-bit model; the trained "
                 "adapter still starts at 0, the KL reference is the corrected start, and the saved adapter is one "
-                "rank-2r LoRA (trained + correction) for the 4-bit base.", "model",
+                "rank-2r LoRA (trained + correction) for the 4-bit base.", "experimental",
         choices=QLORA_INITS)
     lora_adapter_path: Optional[str] = _opt(
         None, "Continue training from a saved LoRA adapter folder (rank/alpha read from its config).", "model")
@@ -175,8 +160,8 @@ class GRPOConfig:
                "computed); for decoder models whose attention honours packed position ids (transformers' "
                "Llama/Qwen/Mistral families, SDPA or flash attention). Needs --logprob_chunk_tokens > 0.",
         "training")
-    learning_rate: float = _opt(1e-6, "Learning rate for full fine-tuning.", "training")
-    learning_rate_lora: float = _opt(2e-5, "Learning rate for lora and qlora.", "training")
+    learning_rate: Optional[float] = _opt(
+        None, "AdamW learning rate. Default: 2e-5 for lora / qlora, 1e-6 for full.", "training")
     weight_decay: float = _opt(0.0, "AdamW weight decay.", "training")
     warmup_ratio: float = _opt(0.0, "Fraction of steps with linear learning-rate warmup.", "training")
     lr_scheduler_type: str = _opt("constant", "Schedule after warmup: constant, linear or cosine.", "training",
@@ -190,13 +175,13 @@ class GRPOConfig:
     temperature: float = _opt(1.0, "Sampling temperature of rollouts (log-probs use the same temperature).",
                               "grpo")
     top_p: float = _opt(1.0, "Nucleus sampling of rollouts.", "grpo")
-    use_kl_penalty: bool = _opt(False, "Add beta * KL(policy || reference) to the loss (or, with --kl_in_reward, "
-                                       "subtract it from the reward).", "grpo")
-    kl_beta: float = _opt(0.04, "KL coefficient beta, used with --use_kl_penalty.", "grpo")
+    kl_beta: float = _opt(0.0, "KL coefficient beta: adds beta * KL(policy || reference) to the loss (or, with "
+                               "--kl_in_reward, subtracts it from the reward). 0: no KL term and no reference pass; "
+                               "0.04 was GRPO's original value.", "grpo")
     kl_estimator: str = _opt("k3", "Per-token KL estimator in the loss: k1 (lp - ref), k2 (0.5 (lp - ref)^2) or k3 "
                                    "(low_var_kl).", "grpo", choices=KL_ESTIMATORS)
     kl_in_reward: bool = _opt(
-        False, "With --use_kl_penalty: subtract beta * sum_t (lp - ref) (k1 over the completion) from each reward "
+        False, "With --kl_beta > 0: subtract beta * sum_t (lp - ref) (k1 over the completion) from each reward "
                "before advantages, instead of adding KL to the loss.", "grpo")
     entropy_coef: float = _opt(0.0, "Entropy bonus: the loss gets -entropy_coef x the aggregated token entropy "
                                     "(with gradient; 0 = off).", "grpo")
@@ -231,20 +216,22 @@ class GRPOConfig:
            "uniform groups (advantage 0).", "grpo")
 
     # --- rollout engine ---------------------------------------------------------------------------
-    use_vllm_rollout: bool = _opt(False, "Generate rollouts with colocated vLLM (GPU, pip install .[vllm]).",
-                                  "rollout")
+    rollout_engine: str = _opt(
+        "hf", "What generates the rollouts: hf (Hugging Face generate on the policy itself; CPU or GPU) or vllm "
+              "(GPU, pip install .[vllm]; the trained weights are pushed into it after every step).", "rollout",
+        choices=ROLLOUT_ENGINES)
     vllm_tp: int = _opt(1, "Tensor-parallel size of each vLLM engine; must divide the number of ranks (in server "
                            "mode: --rollout_gpus).", "rollout")
-    vllm_mode: str = _opt(
-        "colocate", "colocate: every rank trains and generates (the engine sleeps while DeepSpeed trains). server: "
-                    "the last --rollout_gpus ranks of the job only generate, the others only train; completions and "
-                    "the updated policy travel between them after every step. Rollout ranks run vLLM with "
-                    "--use_vllm_rollout, the HF engine otherwise.", "rollout")
+    rollout_mode: str = _opt(
+        "colocate", "Where the engine runs. colocate: every rank trains and generates (the engine sleeps while "
+                    "DeepSpeed trains). server: the last --rollout_gpus ranks of the job only generate (with "
+                    "--rollout_engine), the others only train; completions and the updated policy travel between "
+                    "them after every step.", "rollout", choices=ROLLOUT_MODES)
     async_rollout: bool = _opt(
-        False, "With --vllm_mode server: the rollout ranks generate the next step's rollouts while this step trains "
+        False, "With --rollout_mode server: the rollout ranks generate the next step's rollouts while this step trains "
                "(one step off policy, corrected by the truncated IS weights; rollout/staleness is logged).",
         "rollout")
-    rollout_gpus: int = _opt(0, "With --vllm_mode server: how many of the job's ranks (the last ones) run rollout "
+    rollout_gpus: int = _opt(0, "With --rollout_mode server: how many of the job's ranks (the last ones) run rollout "
                                 "engines; at least 1 and fewer than the job's ranks.", "rollout")
     vllm_gpu_memory_utilization: Optional[float] = _opt(
         None, "Fraction of GPU memory vLLM may take. Default: 0.3 colocated (training needs the rest), 0.85 on the "
@@ -265,10 +252,10 @@ class GRPOConfig:
         2, "With --vllm_sleep: 2 drops the weights, and every sync sends the whole policy (a copy on the GPU); 1 "
            "parks them in pinned CPU memory and copies them back at each wake. Use 1 for a model whose vLLM "
            "implementation derives parameters after loading (MLA attention, e.g. DeepSeek-V2/V3), which a sync "
-           "cannot rewrite.", "rollout", choices=(1, 2))
+           "cannot rewrite.", "experimental", choices=(1, 2))
     logprob_check_steps: int = _opt(
         10, "Ask the rollout engine for its sampling log-probs every N steps, for the rollout/logprob_diff metric "
-            "(always with --rollout_is_correction); vLLM generates faster without them.", "rollout")
+            "(always with --rollout_is_correction); vLLM generates faster without them.", "experimental")
     vllm_enforce_eager: bool = _opt(False, "Run vLLM without CUDA graphs / torch.compile (starts faster).",
                                     "rollout")
 
@@ -301,162 +288,14 @@ class GRPOConfig:
         self.reward_model = _names(self.reward_model)
         if self.clip_epsilon_high is None:
             self.clip_epsilon_high = self.clip_epsilon_low
+        if self.learning_rate is None:
+            self.learning_rate = DEFAULT_LEARNING_RATE.get(self.tuning_strategy, DEFAULT_LEARNING_RATE["lora"])
         self.validate()
 
-    # ------------------------------------------------------------------------------------------------
     def validate(self) -> None:
-        def need(cond: bool, flag: str, msg: str):
-            if not cond:
-                raise ConfigError(f"--{flag}: {msg}")
-
-        need(self.tuning_strategy in STRATEGIES, "tuning_strategy",
-             f"got '{self.tuning_strategy}', choose one of {', '.join(STRATEGIES)}")
-        need(self.loss_aggregation in AGGREGATIONS, "loss_aggregation",
-             f"got '{self.loss_aggregation}', choose one of {', '.join(AGGREGATIONS)}")
-        need(self.scale_rewards in REWARD_SCALES, "scale_rewards",
-             f"got '{self.scale_rewards}', choose one of {', '.join(REWARD_SCALES)}")
-        need(self.lr_scheduler_type in SCHEDULERS, "lr_scheduler_type",
-             f"got '{self.lr_scheduler_type}', choose one of {', '.join(SCHEDULERS)}")
-        need(self.k_samples >= 2, "k_samples",
-             f"must be at least 2 (got {self.k_samples}): group-relative advantages need a group to compare with")
-        if self.tuning_strategy in ("lora", "qlora") and not self.lora_adapter_path:
-            need(self.lora_rank > 0, "lora_rank", f"must be > 0 with --tuning_strategy {self.tuning_strategy}")
-            need(self.lora_alpha > 0, "lora_alpha", "must be > 0")
-        need(0.0 <= self.lora_dropout < 1.0, "lora_dropout", "must be in [0, 1)")
-        need(self.lora_adapter_path is None or self.tuning_strategy != "full", "lora_adapter_path",
-             "needs --tuning_strategy lora or qlora (an adapter cannot be continued with full fine-tuning)")
-        need(bool(self.dataset_names), "dataset_names", "give at least one registered dataset name")
-        need(self.train_split_ratio is None or 0.0 < self.train_split_ratio <= 1.0, "train_split_ratio",
-             "must be in (0, 1]")
-        twice = sorted({n for n in self.eval_dataset_names if self.eval_dataset_names.count(n) > 1})
-        need(not twice, "eval_dataset_names", f"{', '.join(twice)} listed more than once; name each dataset once")
-        both = [n for n in self.eval_dataset_names if n in self.dataset_names]
-        need(not both, "eval_dataset_names",
-             f"{', '.join(both)} is also in --dataset_names, so the model would be evaluated on rows it trains on; "
-             f"register the held-out file as its own entry (as gsm8k_test is for gsm8k), or drop it here and hold "
-             f"out part of it with --train_split_ratio")
-        need(self.max_prompt_length > 0, "max_prompt_length", "must be > 0")
-        need(self.max_images_per_prompt >= 1, "max_images_per_prompt", "must be >= 1")
-        need(self.rollout_max_new_tokens > 0, "rollout_max_new_tokens", "must be > 0")
-        need(self.max_seq_length >= self.max_prompt_length + self.rollout_max_new_tokens, "max_seq_length",
-             f"must be >= --max_prompt_length + --rollout_max_new_tokens "
-             f"({self.max_prompt_length} + {self.rollout_max_new_tokens}); got {self.max_seq_length}")
-        need(self.epochs >= 1, "epochs", "must be >= 1")
-        need(self.max_steps == -1 or self.max_steps > 0, "max_steps", "must be -1 (use --epochs) or > 0")
-        need(self.per_device_train_batch_size >= 1, "per_device_train_batch_size", "must be >= 1")
-        need(self.gradient_accumulation_steps >= 1, "gradient_accumulation_steps", "must be >= 1")
-        need(self.max_tokens_per_micro_batch >= 0, "max_tokens_per_micro_batch",
-             f"must be >= 0 (0: micro-batches of --per_device_train_batch_size prompts); got "
-             f"{self.max_tokens_per_micro_batch}")
-        need(self.logprob_chunk_tokens >= 0, "logprob_chunk_tokens",
-             f"must be >= 0 (0: full logits); got {self.logprob_chunk_tokens}")
-        need(not self.padding_free or self.logprob_chunk_tokens > 0, "padding_free",
-             "needs --logprob_chunk_tokens > 0 (packed rows go through the hidden-state path)")
-        need(self.learning_rate > 0, "learning_rate", "must be > 0")
-        need(self.learning_rate_lora > 0, "learning_rate_lora", "must be > 0")
-        need(0.0 <= self.warmup_ratio < 1.0, "warmup_ratio", "must be in [0, 1)")
-        need(self.max_grad_norm >= 0, "max_grad_norm", "must be >= 0 (0 disables clipping)")
-        need(self.temperature > 0, "temperature", "must be > 0 (use --eval_greedy for greedy eval)")
-        need(0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]")
-        need(self.kl_beta >= 0, "kl_beta", "must be >= 0")
-        need(0.0 < self.clip_epsilon_low < 1.0, "clip_epsilon_low", "must be in (0, 1)")
-        need(self.clip_epsilon_high > 0, "clip_epsilon_high", "must be > 0")
-        need(self.num_iterations >= 1, "num_iterations", "must be >= 1")
-        need(self.kl_estimator in KL_ESTIMATORS, "kl_estimator",
-             f"got '{self.kl_estimator}', choose one of {', '.join(KL_ESTIMATORS)}")
-        need(not self.kl_in_reward or (self.use_kl_penalty and self.kl_beta > 0), "kl_in_reward",
-             "needs --use_kl_penalty and --kl_beta > 0: it moves that penalty from the loss into the reward")
-        need(self.entropy_coef >= 0, "entropy_coef", f"must be >= 0 (a bonus on entropy), got {self.entropy_coef}")
-        need(self.importance_sampling_level in IMPORTANCE_SAMPLING_LEVELS, "importance_sampling_level",
-             f"got '{self.importance_sampling_level}', choose one of {', '.join(IMPORTANCE_SAMPLING_LEVELS)}")
-        need(self.clip_ratio_c is None or self.clip_ratio_c > 1.0, "clip_ratio_c",
-             f"must be > 1 (the cap -A x c must lie above the clipped loss), got {self.clip_ratio_c}")
-        need(self.max_generation_rounds >= 1, "max_generation_rounds", "must be >= 1")
-        names = [reward_model_name(p) for p in self.reward_model]
-        twice = sorted({n for n in names if names.count(n) > 1})
-        need(not twice, "reward_model", f"two folders are named {', '.join(twice)}; reward models are registered "
-                                        f"by folder name, so give each a distinct name")
-        need(self.rollout_is_cap >= 1.0, "rollout_is_cap", "must be >= 1")
-        need(self.vllm_tp >= 1, "vllm_tp", "must be >= 1")
-        need(self.logprob_check_steps >= 1, "logprob_check_steps", "must be >= 1")
-        world = job_world_size()
-        need(self.vllm_mode in VLLM_MODES, "vllm_mode",
-             f"got '{self.vllm_mode}', choose one of {', '.join(VLLM_MODES)}")
-        if self.vllm_mode == "server":
-            need(1 <= self.rollout_gpus < world, "rollout_gpus",
-                 f"server mode needs at least 1 rollout rank and at least 1 training rank: got {self.rollout_gpus} of "
-                 f"the job's {world} ranks (start more with `deepspeed --num_gpus N`, or use --vllm_mode colocate)")
-            need(self.rollout_gpus % self.vllm_tp == 0, "vllm_tp",
-                 f"must divide --rollout_gpus {self.rollout_gpus}; got {self.vllm_tp}")
-        else:
-            need(self.rollout_gpus == 0, "rollout_gpus", "is for --vllm_mode server (colocate: every rank generates)")
-            need(not self.async_rollout, "async_rollout",
-                 "needs --vllm_mode server (colocated engines share the GPU with training, so nothing overlaps)")
-            need(world % self.vllm_tp == 0, "vllm_tp",
-                 f"must divide the number of ranks (WORLD_SIZE={world}); got {self.vllm_tp}")
-        need(not (self.async_rollout and self.filter_zero_std_groups), "async_rollout",
-             "and --filter_zero_std_groups do not combine yet (dynamic sampling decides on more rounds after seeing "
-             "the rewards); drop one of them")
-        need(self.vllm_gpu_memory_utilization is None or 0.0 < self.vllm_gpu_memory_utilization < 1.0,
-             "vllm_gpu_memory_utilization", "must be in (0, 1)")
-        kv_cache = self.vllm_kv_cache  # raises on a value that is neither auto, share nor a number of GiB
-        need(not (kv_cache == "auto" and self.vllm_mode == "server"), "vllm_kv_cache_gib",
-             "auto is for colocated engines (they give the memory back to training); rollout ranks of server mode "
-             "only generate: leave it unset (share) or give a number of GiB")
-        need(self.save_steps >= 0, "save_steps", "must be >= 0")
-        need(self.save_total_limit >= 1, "save_total_limit", "must be >= 1")
-        need(self.eval_steps >= 0, "eval_steps", "must be >= 0")
-        need(self.logging_steps >= 1, "logging_steps", "must be >= 1")
-        need(self.ddp_timeout_minutes > 0, "ddp_timeout_minutes",
-             f"must be > 0 (minutes; got {self.ddp_timeout_minutes}); raise it when one step (a long rollout, "
-             f"a large checkpoint save) can keep some ranks waiting longer than that")
-        need(self.eval_max_prompts == -1 or self.eval_max_prompts >= 1, "eval_max_prompts",
-             f"must be >= 1, or -1 for all prompts; got {self.eval_max_prompts}")
-        need(self.qlora_skip_modules is None or self.tuning_strategy == "qlora", "qlora_skip_modules",
-             "needs --tuning_strategy qlora")
-        need(self.qlora_skip_modules is None or bool(self.qlora_skip_list), "qlora_skip_modules",
-             "give comma-separated module names, e.g. v_proj,down_proj")
-        if self.lora_exclude_modules is not None:
-            self._validate_lora_exclude(need)
-        need(self.vllm_sleep_level in (1, 2), "vllm_sleep_level", f"got {self.vllm_sleep_level}, choose 1 or 2")
-        need(self.qlora_quant_type in QLORA_QUANT_TYPES, "qlora_quant_type",
-             f"got '{self.qlora_quant_type}', choose one of {', '.join(QLORA_QUANT_TYPES)}")
-        need(self.qlora_quant_type == "nf4" or self.tuning_strategy == "qlora", "qlora_quant_type",
-             "needs --tuning_strategy qlora")
-        need(self.qlora_block_size in QLORA_BLOCK_SIZES, "qlora_block_size",
-             f"got {self.qlora_block_size}, choose one of {', '.join(map(str, QLORA_BLOCK_SIZES))}")
-        # the stock values pass too: a lora or full run's config saved before the defaults changed holds them
-        need(self.qlora_block_size in (DEFAULT_BLOCK_SIZE, BITSANDBYTES_BLOCK_SIZE) or self.tuning_strategy == "qlora",
-             "qlora_block_size", "needs --tuning_strategy qlora")
-        need(self.qlora_block_scale in QLORA_BLOCK_SCALES, "qlora_block_scale",
-             f"got '{self.qlora_block_scale}', choose one of {', '.join(QLORA_BLOCK_SCALES)}")
-        need(self.qlora_init in QLORA_INITS, "qlora_init",
-             f"got '{self.qlora_init}', choose one of {', '.join(QLORA_INITS)}")
-        if self.qlora_init == "loftq":
-            need(self.tuning_strategy == "qlora", "qlora_init", "loftq needs --tuning_strategy qlora")
-            need(not self.lora_adapter_path, "qlora_init",
-                 "loftq sets a new adapter; a continued one (--lora_adapter_path) keeps its own weights: drop one")
-
-    def _validate_lora_exclude(self, need) -> None:
-        need(self.tuning_strategy in ("lora", "qlora"), "lora_exclude_modules",
-             "needs --tuning_strategy lora or qlora")
-        need(not self.lora_adapter_path, "lora_exclude_modules",
-             "does not apply with --lora_adapter_path (the continued adapter's own config decides what it adapts)")
-        need(bool(self.lora_exclude_modules.strip().strip(",")), "lora_exclude_modules",
-             "give module names (comma-separated) or a regex")
-        if isinstance(self.lora_exclude, str):
-            try:
-                re.compile(self.lora_exclude)
-            except re.error as exc:
-                need(False, "lora_exclude_modules", f"'{self.lora_exclude}' is read as a regex (it has regex "
-                                                    f"characters) but does not compile: {exc}")
+        validate(self)
 
     # ------------------------------------------------------------------------------------------------
-    @property
-    def kl_coef(self) -> float:
-        """The beta actually applied (0 when the KL penalty is off)."""
-        return self.kl_beta if self.use_kl_penalty else 0.0
-
     @property
     def qlora_skip_list(self) -> list[str]:
         return [m.strip() for m in (self.qlora_skip_modules or "").split(",") if m.strip()]
@@ -475,7 +314,7 @@ class GRPOConfig:
     @property
     def kl_loss_coef(self) -> float:
         """The beta of the loss's KL term (0 when the penalty is off or goes into the reward)."""
-        return 0.0 if self.kl_in_reward else self.kl_coef
+        return 0.0 if self.kl_in_reward else self.kl_beta
 
     @property
     def effective_train_split_ratio(self) -> float:
@@ -504,14 +343,14 @@ class GRPOConfig:
         """--vllm_gpu_memory_utilization as given, or the default for the mode."""
         if self.vllm_gpu_memory_utilization is not None:
             return self.vllm_gpu_memory_utilization
-        return 0.85 if self.vllm_mode == "server" else 0.3
+        return 0.85 if self.rollout_mode == "server" else 0.3
 
     @property
     def vllm_kv_cache(self) -> str | float:
         """--vllm_kv_cache_gib as 'auto', 'share' or GiB (a float), with the default for the mode."""
         value = self.vllm_kv_cache_gib
         if value is None:
-            return "share" if self.vllm_mode == "server" else "auto"
+            return "share" if self.rollout_mode == "server" else "auto"
         if str(value).strip().lower() in ("auto", "share"):
             return str(value).strip().lower()
         try:
@@ -529,8 +368,8 @@ class GRPOConfig:
         return self.async_rollout if self.rollout_is_correction is None else self.rollout_is_correction
 
     @property
-    def effective_learning_rate(self) -> float:
-        return self.learning_rate_lora if self.uses_lora else self.learning_rate
+    def uses_vllm(self) -> bool:
+        return self.rollout_engine == "vllm"
 
     def to_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -548,45 +387,35 @@ def _names(value) -> list[str]:
 
 FLAG_GROUPS: dict[str, str] = {f.name: g for f, g in zip(fields(GRPOConfig), _groups_in_order)}
 
-
-def parse_args(argv: Optional[list[str]] = None) -> GRPOConfig:
-    """Parse CLI flags (and an optional ``--config file.json`` whose values act as defaults)."""
-    from transformers import HfArgumentParser
-
-    argv = list(sys.argv[1:] if argv is None else argv)
-    parser = HfArgumentParser(GRPOConfig, description="GRPO fine-tuning with verifiable rewards.")
-    parser.add_argument("--config", default=None, help="JSON file of flag values; command-line flags win.")
-    config_path = _pop_config_flag(argv)
-    if config_path:
-        parser.set_defaults(**_read_config_json(config_path, {f.name for f in fields(GRPOConfig)}))
-    # the extra --config argument (already consumed above) comes back as a second, unused namespace
-    *parsed, unknown = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
-    if unknown:
-        flags = [f"--{f.name}" for f in fields(GRPOConfig)]
-        hints = [f"{u} (did you mean {close[0]}?)" if (close := difflib.get_close_matches(u.split("=")[0], flags, 1))
-                 else u for u in unknown if u.startswith("-")]
-        parser.error(f"unrecognized arguments: {' '.join(hints or unknown)}")  # exits with status 2
-    return parsed[0]
+_dataclass_init = GRPOConfig.__init__
 
 
-def _pop_config_flag(argv: list[str]) -> Optional[str]:
-    for i, arg in enumerate(argv):
-        if arg == "--config":
-            if i + 1 >= len(argv):
-                raise ConfigError("--config: give a JSON file path")
-            path = argv[i + 1]
-            del argv[i:i + 2]
-            return path
-        if arg.startswith("--config="):
-            del argv[i]
-            return arg.split("=", 1)[1]
-    return None
+def _init_refusing_old_names(self, *args, **kwargs):
+    for name in kwargs:
+        if name in RENAMED_OPTIONS:
+            raise ConfigError(f"GRPOConfig({name}=...): {name} was merged into another option; use "
+                              f"{RENAMED_OPTIONS[name]}")
+    _dataclass_init(self, *args, **kwargs)
 
 
-def _read_config_json(path: str, known: set[str]) -> dict:
-    values = read_json_object(path, ConfigError, "--config")
-    unknown = sorted(set(values) - known)
-    if unknown:
-        raise ConfigError(f"--config: {path} has unknown option(s) {', '.join(unknown)}; "
-                          f"see `python train_grpo.py --help` for the valid names")
+GRPOConfig.__init__ = _init_refusing_old_names  # a clear error instead of "unexpected keyword argument"
+
+
+def upgrade_saved_options(values: dict) -> dict:
+    """A run's saved grpo_config.json in today's option names: runs saved before options were merged resume with
+    the options they had."""
+    values = dict(values)
+    if "use_kl_penalty" in values:
+        if not values.pop("use_kl_penalty"):
+            values["kl_beta"] = 0.0
+    if "learning_rate_lora" in values:
+        lora_rate = values.pop("learning_rate_lora")
+        if values.get("tuning_strategy", "lora") in ("lora", "qlora"):
+            values["learning_rate"] = lora_rate
+    if "use_vllm_rollout" in values:
+        values["rollout_engine"] = "vllm" if values.pop("use_vllm_rollout") else "hf"
+    if "vllm_mode" in values:
+        values["rollout_mode"] = values.pop("vllm_mode")
     return values
+
+

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, fields
 from typing import Optional, Sequence
 
 from grpo.errors import DatasetError
-from grpo.config.json_file import read_json_object
+from grpo.config.cli import read_json_object
 
 EXTRACTORS = ("none", "gsm8k", "boxed", "regex:<pattern>")
 

@@ -12,7 +12,7 @@ import torch
 
 from grpo.config.options import GRPOConfig
 from grpo.errors import ConfigError
-from grpo.model.qlora_base_record import warn_if_another_base, write_base_options
+from grpo.model.qlora_base_record import warn_if_another_base
 from grpo.model.qlora_rounding import requantize_4bit_base
 
 logger = logging.getLogger("grpo")
@@ -188,7 +188,7 @@ def load_reference(config: GRPOConfig, model_path: str, dtype: torch.dtype,
 
     LoRA / QLoRA need no copy: the reference is the policy with its adapter disabled (see reference_mode).
     """
-    if config.tuning_strategy != "full" or config.kl_coef <= 0:
+    if config.tuning_strategy != "full" or config.kl_beta <= 0:
         return None
     reference = load_base_model(model_path, dtype, device, config.trust_remote_code)
     reference.eval()
@@ -216,61 +216,3 @@ def reference_mode(model):
             yield model
     else:
         yield model
-
-
-def save_final_model(model, tokenizer, output_dir: str, config: GRPOConfig, model_path: str, dtype: torch.dtype,
-                     state_dict: Optional[dict] = None) -> dict[str, str]:
-    """Save in HF format: output_dir/model (full) or output_dir/lora_adapter (+ merged_model on request).
-
-    `state_dict` supplies gathered parameters when DeepSpeed ZeRO-3 holds them partitioned.
-    """
-    saved = {}
-    if not config.uses_lora:
-        path = os.path.join(output_dir, "model")
-        model.save_pretrained(path, state_dict=state_dict, safe_serialization=True)
-        tokenizer.save_pretrained(path)
-        _copy_processor_files(model_path, path)
-        return {"model": path}
-    path = os.path.join(output_dir, "lora_adapter")
-    model.peft_config["default"].base_model_name_or_path = model_path
-    from grpo.model.loftq import CORRECTION_ADAPTER, save_combined_adapter
-
-    if CORRECTION_ADAPTER in model.peft_config:  # one plain adapter: trained + rounding correction
-        save_combined_adapter(model, path, state_dict)
-    else:
-        model.save_pretrained(path, state_dict=state_dict, safe_serialization=True)
-    tokenizer.save_pretrained(path)
-    _copy_processor_files(model_path, path)
-    if config.tuning_strategy == "qlora":
-        write_base_options(path, config)
-    saved["lora_adapter"] = path
-    if config.save_merged_model:
-        from peft import PeftModel
-
-        # merge into the full-precision base (for qlora too): the training model itself is never merged
-        base = load_base_model(model_path, dtype, torch.device("cpu"), config.trust_remote_code)
-        if config.qlora_init == "loftq":  # its adapter holds the 4-bit rounding error: merge into the rounded base
-            from grpo.model.loftq import round_like_training
-
-            round_like_training(base, model)
-        merged = PeftModel.from_pretrained(base, path).merge_and_unload()
-        merged_path = os.path.join(output_dir, "merged_model")
-        merged.save_pretrained(merged_path, safe_serialization=True)
-        tokenizer.save_pretrained(merged_path)
-        _copy_processor_files(model_path, merged_path)
-        saved["merged_model"] = merged_path
-    return saved
-
-
-PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "chat_template.json", "chat_template.jinja",
-                   "video_preprocessor_config.json")
-
-
-def _copy_processor_files(model_path: str, out: str) -> None:
-    """A vision-language model's processor files go with the saved weights (no-op for text models)."""
-    import shutil
-
-    for name in PROCESSOR_FILES:
-        source = os.path.join(model_path, name)
-        if os.path.isfile(source) and not os.path.exists(os.path.join(out, name)):
-            shutil.copy(source, os.path.join(out, name))

@@ -8,7 +8,7 @@ import logging
 import os
 from typing import Optional
 
-from grpo.checkpoint.store import VALUES_BEFORE_THE_OPTION, as_compared
+from grpo.checkpoint.resume import VALUES_BEFORE_THE_OPTION, as_compared
 
 logger = logging.getLogger(__name__)
 BASE_FILE = "qlora_base.json"

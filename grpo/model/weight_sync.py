@@ -21,11 +21,11 @@ from typing import Iterator
 
 import torch
 
+from grpo.config.choices import STRATEGIES
 from grpo.errors import ConfigError
 from grpo.model.vision import checkpoint_prefixes, rename
 
 PEFT_PREFIX = "base_model.model."
-STRATEGIES = ("full", "lora", "qlora")
 
 
 @dataclass
@@ -68,13 +68,12 @@ def sync_weights(engine, model, strategy: str, *, zero3: bool = False, first_syn
     All of them when the engine says it `needs_every_weight`, else what changed since the last sync."""
     start = time.perf_counter()
     total, count, chunk, chunk_size = 0, 0, [], 0
-    everything = getattr(engine, "needs_every_weight", False)
-    partial = {"complete": False} if everything else {}  # the engine may wake only once the last chunk is in
+    everything = engine.needs_every_weight
     for name, tensor in iter_policy_weights(model, strategy, dtype=dtype, zero3=zero3, first_sync=first_sync,
                                             everything=everything):
         size = tensor.numel() * tensor.element_size()
         if chunk and chunk_size + size > chunk_bytes:
-            engine.load_weights(chunk, **partial)
+            engine.load_weights(chunk, complete=not everything)  # it may wake only once the last chunk is in
             chunk, chunk_size = [], 0
         chunk.append((name, tensor))
         chunk_size += size
@@ -126,7 +125,8 @@ def dense_weight(layer) -> torch.Tensor:
         if getattr(weight.quant_state, "packing_format_for_cpu", False):
             raise ConfigError("a 4-bit layer was repacked by bitsandbytes' bf16 CPU inference path, so its weight no "
                               "longer dequantizes to the trained policy; load the policy with "
-                              "grpo.model.loading.load_policy (or call grpo.model.loading.keep_4bit_forward_exact on it first)")
+                              "grpo.model.loading.load_policy (or call grpo.model.loading.keep_4bit_forward_exact on "
+                              "it first)")
 
         return bnbf.dequantize_4bit(weight.data, weight.quant_state).float()
     return weight.data.to(torch.float32, copy=True)  # a copy: the merge below adds into it

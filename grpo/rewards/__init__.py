@@ -6,13 +6,15 @@ passes per row (the trainer adds `completion_ids`), and the extra keyword argume
 in the dataset registry. Built-ins accept **kwargs and ignore what they do not use.
 """
 
-from grpo.rewards.format import DEFAULT_FORMAT_PATTERN, format_reward, length_penalty, overlong_penalty, overlong_penalty_value
-from grpo.rewards.math import (boxed_accuracy, extract_gsm8k_prediction, gsm8k_accuracy, last_boxed, last_number, math_equal,
-                   normalize_math, number_accuracy, numbers_equal, parse_number)
+from grpo.rewards.format import (DEFAULT_FORMAT_PATTERN, format_reward, length_penalty, overlong_penalty,
+                                 overlong_penalty_value)
+from grpo.rewards.math import (boxed_accuracy, extract_gsm8k_prediction, gsm8k_accuracy, last_boxed, last_number,
+                               math_equal, normalize_math, number_accuracy, numbers_equal, parse_number)
 from grpo.rewards.registry import RewardFn, get_reward, load_reward_module, register_reward, registered_rewards
 from grpo.rewards.routing import RewardResult, RewardRouter
 from grpo.rewards.verified_math import math_verify_accuracy
-from grpo.rewards.vision import choice_accuracy, iou_reward, normalize_text, parse_box, parse_choice, box_iou, vqa_accuracy
+from grpo.rewards.vision import (box_iou, choice_accuracy, iou_reward, normalize_text, parse_box, parse_choice,
+                                 vqa_accuracy)
 
 __all__ = [
     "RewardFn", "register_reward", "registered_rewards", "get_reward", "load_reward_module", "RewardRouter",

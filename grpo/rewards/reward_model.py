@@ -13,7 +13,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from grpo.config.options import reward_model_name
+from grpo.config.validation import reward_model_name
 from grpo.errors import ConfigError
 from grpo.rewards.registry import register_reward
 

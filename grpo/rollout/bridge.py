@@ -1,4 +1,4 @@
-"""The link between training rank 0 and the rollout ranks in --vllm_mode server.
+"""The link between training rank 0 and the rollout ranks in --rollout_mode server.
 
 The two sides live in different torch.distributed worlds (see grpo/roles.py), so they meet in two ways of their own:
   - messages (requests, completions, errors) are pickled into the key-value store of the training world, which

@@ -1,141 +1,172 @@
-"""The rollout phase of a training step: prompts -> k completions each (vLLM, the HF engine, or the rollout ranks of
-server mode) -> their rewards, with the engine woken before and put to sleep after.
+"""A step's rollouts: prompts -> k completions each (vLLM, the HF engine, or the rollout ranks of server mode) ->
+their rewards, with the engine woken before and put to sleep after; and the same path for evaluation.
 
-`GRPOTrainer` inherits it, so the step loop in trainer.py reads `self._collect_rollouts()` where the phase runs. It uses
-the trainer's config, state (step and data position), prompt order and set, tokenizer, reward router, rollout engine,
-vision processor, failure reporter (every phase names itself in a failure) and weight sync.
+`RolloutCollector` holds what the rollout needs (engine, tokenizer, rewards, prompts and their order) and the one piece
+of state it owns: with --async_rollout, the next step's request in flight. The trainer passes its `TrainerState` in
+(the step and the resumable data position, which drawing prompts advances) and gives a `sync_weights` callable, the
+one way back into training: an engine whose weights were dropped gets the policy again before it generates.
 """
 from __future__ import annotations
 
 import time
-from typing import Optional
+from typing import Callable, Optional
 
-from grpo.runtime import distributed as dist_utils
-from grpo.train.step_data import RolloutBatch, build_rollout_batch
 from grpo.rollout.dynamic_sampling import PendingRollouts, RolloutRound, dynamic_rollouts
+from grpo.rollout.engine import RolloutEngine, SamplingSettings
+from grpo.runtime import distributed as dist_utils
 from grpo.runtime.failures import phase
-from grpo.rollout.engine import SamplingSettings
 
 
-class RolloutPhase:
-    """Mixin of GRPOTrainer: one step's rollouts, scored (see the module docstring for what it reads)."""
+class RolloutCollector:
+    def __init__(self, config, engine: RolloutEngine, tokenizer, rewards, vision, train_set, order,
+                 total_steps: int, sync_weights: Callable[[], float]):
+        self.config = config
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.rewards = rewards            # grpo.rewards.RewardRouter
+        self.vision = vision              # grpo.model.vision.VisionProcessor or None
+        self.train_set = train_set        # rendered prompt rows
+        self.order = order                # grpo.data.sampler.PromptOrder
+        self.total_steps = total_steps
+        self.sync_weights = sync_weights
+        self.pending: Optional[PendingRollouts] = None  # --async_rollout: the next step's, in flight
+        self.position_before_pending = (0, 0)          # the data position before `pending` was drawn
+        self.sizes: dict = {}                          # the step's sizes, for an out-of-memory message
 
-    def _collect_rollouts(self) -> tuple[RolloutRound, RolloutRound]:
+    # ------------------------------------------------------------------------------------------- training
+    def collect(self, state) -> tuple[RolloutRound, RolloutRound]:
         """The step's prompts with k scored completions each: one round, or with --filter_zero_std_groups as many
         rounds as it takes to fill the step with groups whose rewards differ (see dynamic_sampling.py).
         Returns (kept, drawn): what the step trains on, and every completion sampled (for reward metrics)."""
         cfg = self.config
         wake = self._switch_engine(awake=True)  # once for all rounds: each sleep drops the KV cache and weights
+        prompts_per_step = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps
         if not cfg.filter_zero_std_groups:
-            kept = drawn = self._rollout_round()
+            kept = drawn = self._round(state)
         else:
-            kept, drawn = dynamic_rollouts(self._rollout_round, cfg.k_samples, self.prompts_per_step,
+            kept, drawn = dynamic_rollouts(lambda: self._round(state), cfg.k_samples, prompts_per_step,
                                            cfg.max_generation_rounds, dist_utils.any_rank)
         sleep = self._switch_engine(awake=False)
         kept.times.update(rollout=kept.times["rollout"] + wake + sleep, rollout_wake=wake, rollout_sleep=sleep)
         return kept, drawn
+
+    def trained_position(self, state) -> tuple[int, int]:
+        """The data position a checkpoint saves: prompts drawn for a request still in flight are not trained yet,
+        so a resume draws them again."""
+        return self.position_before_pending if self.pending is not None else (state.epoch, state.position)
+
+    def close(self) -> None:
+        self.engine.close()
 
     @phase("rollout")
     def _switch_engine(self, awake: bool) -> float:
         """Wake the rollout engine (or put it to sleep); returns the seconds it took."""
         start = time.perf_counter()
         if awake:
-            self._restore_engine_weights()
-            self.rollout_engine.wake()
+            self.restore_engine_weights()
+            self.engine.wake()
         else:
-            self.rollout_engine.sleep()
+            self.engine.sleep()
         return time.perf_counter() - start
 
-    def _restore_engine_weights(self) -> None:
+    def restore_engine_weights(self) -> None:
         """If the engine's last sleep dropped its weights and no whole sync followed (a step stopped between its
         rollout and its sync, e.g. interrupted in a notebook), sync again. Every rank takes part and they agree first:
         under ZeRO-3 the sync gathers parameters collectively. Only engines that drop weights (`needs_every_weight`,
         the same on every rank: one engine kind per job) pay for that agreement."""
-        if not getattr(self.rollout_engine, "needs_every_weight", False):
-            return
-        if dist_utils.any_rank(self.rollout_engine.weights_dropped):
-            self._sync_rollout_weights()
+        if self.engine.needs_every_weight and dist_utils.any_rank(self.engine.weights_dropped):
+            self.sync_weights()
 
-    def _rollout_round(self) -> RolloutRound:
+    def _round(self, state) -> RolloutRound:
         # --async_rollout: this step's request went out during the previous step; the next step's goes out now, so
         # the rollout ranks generate it while this step trains (one step off policy)
-        pending = self._pending_rollouts or self._request_rollouts(self._next_prompts())
-        self._pending_rollouts = None
-        if self.config.async_rollout and self.state.step + 1 < self.total_steps:
-            self._position_before_prefetch = (self.state.epoch, self.state.position)
-            self._pending_rollouts = self._request_rollouts(self._next_prompts(), steps_ahead=1)
-        completions, texts, times = self._receive_rollouts(pending)
-        result, times["reward"] = self._score_rewards(pending.prompts, texts, [c.token_ids for c in completions])
-        stats = {"rollout/staleness": float(self.state.step - pending.policy_step)} if self.config.async_rollout \
-            else {}
+        pending = self.pending or self._request(self._next_prompts(state), state.step)
+        self.pending = None
+        if self.config.async_rollout and state.step + 1 < self.total_steps:
+            self.position_before_pending = (state.epoch, state.position)
+            self.pending = self._request(self._next_prompts(state), state.step, steps_ahead=1)
+        completions, texts, times = self._receive(pending)
+        result, times["reward"] = self._score(pending.prompts, texts, completions, self.config.k_samples)
+        stats = {"rollout/staleness": float(state.step - pending.policy_step)} if self.config.async_rollout else {}
         return RolloutRound(pending.prompts, completions, texts, result, pending.images, times, stats)
 
     @phase("data")
-    def _next_prompts(self) -> list[dict]:
+    def _next_prompts(self, state) -> list[dict]:
         """This rank's prompts for the step (different on every rank), advancing the resumable position."""
-        indices, self.state.epoch, self.state.position = self.order.next(self.state.epoch, self.state.position)
+        indices, state.epoch, state.position = self.order.next(state.epoch, state.position)
         rows = self.train_set.select(indices)
         return [dict(row, index=i) for row, i in zip(rows, indices)]
 
     @phase("rollout")
-    def _request_rollouts(self, prompts: list[dict], steps_ahead: int = 0) -> PendingRollouts:
-        """Ask for k completions per prompt: posted at once to server-mode rollout ranks, generated on reception by
+    def _request(self, prompts: list[dict], step: int, steps_ahead: int = 0) -> PendingRollouts:
+        """Ask for k completions per prompt: posted at once to server-mode rollout ranks, generated on collection by
         a colocated engine. `steps_ahead`: 1 for the next step's prompts (--async_rollout)."""
         cfg = self.config
         start = time.perf_counter()
         # the engine's log-probs serve the IS correction (every step) and the mismatch metric (every N steps, counted
         # by the step that trains on them)
-        logprobs = cfg.is_correction or (self.state.step + steps_ahead) % cfg.logprob_check_steps == 0
+        logprobs = cfg.is_correction or (step + steps_ahead) % cfg.logprob_check_steps == 0
         sampling = SamplingSettings(n=cfg.k_samples, max_new_tokens=cfg.rollout_max_new_tokens,
                                     temperature=cfg.temperature, top_p=cfg.top_p, logprobs=logprobs)
-        images = self._prompt_images(prompts)  # each prompt's pixels once, shared by its k samples
-        pending = PendingRollouts(prompts, images, sampling, policy_step=self.state.step)
+        images = self.prompt_images(prompts)  # each prompt's pixels once, shared by its k samples
+        pending = PendingRollouts(prompts, images, sampling, policy_step=step)
         images_done = time.perf_counter()
-        if hasattr(self.rollout_engine, "submit"):
-            pending.ticket = self.rollout_engine.submit([p["prompt_ids"] for p in prompts], sampling, images)
+        pending.ticket = self.engine.submit([p["prompt_ids"] for p in prompts], sampling, images)
         pending.seconds = {"rollout_images": images_done - start, "rollout_submit": time.perf_counter() - images_done}
         return pending
 
     @phase("rollout")
-    def _receive_rollouts(self, pending: PendingRollouts):
+    def _receive(self, pending: PendingRollouts):
         """The k completions per prompt (grouped by prompt), their texts, and where the time went."""
         cfg = self.config
-        prompts = pending.prompts
-        self._sizes = {"prompts per rank": len(prompts), "completions per rank": len(prompts) * cfg.k_samples,
-                       "--rollout_max_new_tokens": cfg.rollout_max_new_tokens}
+        self.sizes = {"prompts per rank": len(pending.prompts),
+                      "completions per rank": len(pending.prompts) * cfg.k_samples,
+                      "--rollout_max_new_tokens": cfg.rollout_max_new_tokens}
         start = time.perf_counter()
-        if pending.ticket is not None:  # server mode: wait for the rollout ranks
-            completions = self.rollout_engine.collect(pending.ticket)
-        else:
-            completions = self.rollout_engine.generate([p["prompt_ids"] for p in prompts], pending.sampling,
-                                                       **({"images": pending.images} if pending.images else {}))
+        completions = self.engine.collect(pending.ticket)  # server mode: waits for the rollout ranks
         generated = time.perf_counter()
-        texts = self.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
+        texts = self._decode(completions)
         # time/rollout_images, _submit, _generate (the wait, in server mode), _decode (+ _wake, _sleep)
         parts = {**pending.seconds, "rollout_generate": generated - start,
                  "rollout_decode": time.perf_counter() - generated}
-        seconds = sum(parts.values())
         tokens = sum(len(c.token_ids) for c in completions)
-        return completions, texts, {"rollout": seconds, **parts, "_rollout_tokens": tokens}
-
-    def _rollout_batch(self, rollout: RolloutRound) -> RolloutBatch:
-        return build_rollout_batch([p["prompt_ids"] for p in rollout.prompts], rollout.completions,
-                                   self.tokenizer.pad_token_id, mask_truncated=self.config.mask_truncated_completions,
-                                   images=rollout.images)
+        return completions, texts, {"rollout": sum(parts.values()), **parts, "_rollout_tokens": tokens}
 
     @phase("rewards")
-    def _score_rewards(self, prompts: list[dict], completions: list[str], completion_ids: list[list[int]]):
+    def _score(self, prompts: list[dict], texts: list[str], completions: list, per_prompt: int):
+        """The reward of each completion (grouped by prompt, `per_prompt` each), and the seconds it took."""
         start = time.perf_counter()
-        k = self.config.k_samples
-        per_completion = [p for p in prompts for _ in range(k)]  # completions are grouped by prompt
-        result = self.rewards(completions, [p["answer"] for p in per_completion],
-                              [p["data_source"] for p in per_completion],
-                              prompts=[p["prompt_text"] for p in per_completion], completion_ids=completion_ids,
-                              prompt_messages=[p.get("messages") for p in per_completion])
+        rows = [p for p in prompts for _ in range(per_prompt)]
+        result = self.rewards(texts, [p["answer"] for p in rows], [p["data_source"] for p in rows],
+                              prompts=[p["prompt_text"] for p in rows],
+                              completion_ids=[c.token_ids for c in completions],
+                              prompt_messages=[p.get("messages") for p in rows])
         return result, time.perf_counter() - start
 
-    def _prompt_images(self, prompts: list[dict]) -> Optional[list]:
+    def _decode(self, completions: list) -> list[str]:
+        return self.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
+
+    def prompt_images(self, prompts: list[dict]) -> Optional[list]:
         """Per prompt, its processed images (vision-language models; None for a text prompt); None without any."""
         if self.vision is None or not any(p.get("images") for p in prompts):
             return None
         return [self.vision.prompt_images(p.get("images") or []) for p in prompts]
+
+    # ------------------------------------------------------------------------------------------- evaluation
+    def evaluate(self, rows: list[dict]):
+        """One completion per eval prompt (greedy with --eval_greedy) through the rollout path, scored.
+        Returns (completions, texts, rewards); every rank calls it, with or without rows of its own."""
+        cfg = self.config
+        self.restore_engine_weights()  # on every rank, with or without eval rows
+        completions: list = []
+        if rows or self.engine.collective_generate:  # all ranks generate together
+            self.engine.wake()
+            sampling = SamplingSettings(n=1, max_new_tokens=cfg.rollout_max_new_tokens, temperature=cfg.temperature,
+                                        top_p=cfg.top_p, greedy=cfg.eval_greedy, logprobs=False)
+            completions = self.engine.generate([r["prompt_ids"] for r in rows], sampling, self.prompt_images(rows))
+            self.engine.sleep(keep_weights=True)  # no sync follows: the next rollout needs these weights
+        if not rows:
+            return [], [], None
+        texts = self._decode(completions)
+        result, _ = self._score(rows, texts, completions, per_prompt=1)
+        return completions, texts, result

@@ -1,12 +1,14 @@
-"""The rollout-engine protocol shared by the HF engine (CPU, fallback) and the colocated vLLM engine.
+"""The rollout-engine protocol: what the training loop asks of the HF engine (CPU, fallback), the colocated vLLM
+engine and the rollout ranks of server mode (remote.py).
 
 Engines work on token ids (plus, for vision-language models, each prompt's images); the trainer owns
 tokenization, chat templates and image processing.
 """
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Iterable, Optional, Protocol
+from typing import Iterable, Optional
 
 import torch
 
@@ -30,7 +32,24 @@ class Completion:
     finish_reason: str          # "stop" | "length"
 
 
-class RolloutEngine(Protocol):
+@dataclass
+class DeferredRequest:
+    """What `submit` returns for an engine that generates only when collected (every colocated engine)."""
+    prompt_token_ids: list[list[int]]
+    sampling: SamplingSettings
+    images: Optional[list] = None
+
+
+class RolloutEngine(ABC):
+    """Every method and attribute the training loop uses. HF, vLLM and remote (server-mode) engines subclass it;
+    the defaults fit an engine that samples the live policy module and holds no memory of its own."""
+
+    collective_generate: bool = False  # every rank must call generate together (tensor parallel, server mode)
+    needs_every_weight: bool = False   # its sleep drops the weights: a sync then sends every weight, not a delta
+    weights_dropped: bool = False      # such a sleep happened and no complete load_weights has followed
+    last_sleep_freed_bytes: Optional[int] = None  # GPU memory the last sleep gave back (None: it never sleeps)
+
+    @abstractmethod
     def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingSettings,
                  images: Optional[list] = None) -> list[Completion]:
         """Completions ordered prompt by prompt: prompt 0's n completions, then prompt 1's, ...
@@ -38,11 +57,26 @@ class RolloutEngine(Protocol):
         `images` (vision-language models): per prompt, a grpo.model.vision.PromptImages or None (a text prompt).
         """
 
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Replace the engine's weights by these (HF checkpoint names)."""
+    def submit(self, prompt_token_ids: list[list[int]], sampling: SamplingSettings,
+               images: Optional[list] = None):
+        """Ask for completions and return a ticket at once; `collect(ticket)` returns them. An engine elsewhere
+        (server mode) starts generating now; a colocated one generates when collected."""
+        return DeferredRequest(prompt_token_ids, sampling, images)
+
+    def collect(self, ticket) -> list[Completion]:
+        """The completions of a `submit`, as `generate` returns them."""
+        return self.generate(ticket.prompt_token_ids, ticket.sampling, ticket.images)
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], complete: bool = True) -> None:
+        """Replace the engine's weights by these (HF checkpoint names). `complete`: the last chunk of a load of every
+        weight (an engine that dropped its weights may wake only then); a partial sync passes False until then."""
+        raise NotImplementedError(f"{type(self).__name__} samples the live policy and holds no weights to load")
 
     def sleep(self, keep_weights: bool = False) -> None:
         """Release memory while the trainer runs; `keep_weights`: no sync follows, so the weights must survive."""
 
     def wake(self) -> None:
         """Take memory back before the next rollout."""
+
+    def close(self) -> None:
+        """Release the engine for good (server mode: stop the rollout ranks)."""

@@ -15,19 +15,19 @@ logger = logging.getLogger("grpo")
 def engine_holds_weights(config) -> bool:
     """Whether the engine has weights of its own to sync (vLLM, or the rollout ranks of server mode); the colocated
     HF engine samples the live policy module."""
-    return config.use_vllm_rollout or config.vllm_mode == "server"
+    return config.uses_vllm or config.rollout_mode == "server"
 
 
 def engine_dtype(config, trainer_dtype: torch.dtype) -> torch.dtype:
     """What the engine computes in, so what the sync sends: vLLM bf16; an HF engine the trainer's own dtype."""
-    return torch.bfloat16 if config.use_vllm_rollout else trainer_dtype
+    return torch.bfloat16 if config.uses_vllm else trainer_dtype
 
 
 def build_rollout_engine(config, model_path: str, policy, tokenizer, vision, rank: int, trainer_dtype: torch.dtype):
     """Server mode: the rollout ranks, reached through RemoteRolloutEngine; otherwise a colocated vLLM engine, or
     the HF engine over the policy module itself."""
     stops = stop_token_ids(policy, tokenizer)
-    if config.vllm_mode == "server":
+    if config.rollout_mode == "server":
         from grpo.rollout.remote import RemoteRolloutEngine
 
         spec = dict(dtype=str(engine_dtype(config, trainer_dtype)).removeprefix("torch."), stop_token_ids=stops,
@@ -36,8 +36,8 @@ def build_rollout_engine(config, model_path: str, policy, tokenizer, vision, ran
                     suppress_token_ids=vision.placeholder_token_ids if vision else None)
         logger.info(f"waiting for {config.rollout_gpus} rollout rank(s) to start their engines")
         return RemoteRolloutEngine(spec, config.rollout_gpus, config.ddp_timeout_minutes,
-                                   images_as_decoded=config.use_vllm_rollout)
-    if config.use_vllm_rollout:
+                                   images_as_decoded=config.uses_vllm)
+    if config.uses_vllm:
         from grpo.rollout.vllm import VLLMRolloutEngine
 
         # ranks of one tensor-parallel group share a seed: they must sample the same completions

@@ -5,7 +5,7 @@ from typing import Iterable, Optional
 
 import torch
 
-from grpo.rollout.engine import Completion, SamplingSettings
+from grpo.rollout.engine import Completion, RolloutEngine, SamplingSettings
 
 
 def stop_token_ids(model, tokenizer) -> list[int]:
@@ -20,9 +20,9 @@ def stop_token_ids(model, tokenizer) -> list[int]:
     return sorted(ids)
 
 
-class HFRolloutEngine:
+class HFRolloutEngine(RolloutEngine):
     """Samples from the live policy module, so weights never need syncing (load_weights is a no-op), or with
-    `owns_model` from a copy of its own (a rollout rank in --vllm_mode server), which load_weights overwrites.
+    `owns_model` from a copy of its own (a rollout rank in --rollout_mode server), which load_weights overwrites.
 
     `max_batch_size` bounds the prompts per `generate` call (each call decodes n sequences per prompt).
     `suppress_token_ids` are never sampled; their probability mass stays in the reported log-probs (as in the
@@ -120,7 +120,7 @@ class HFRolloutEngine:
                             for _ in range(sampling.n // per_prompt)]
         return completions
 
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], complete: bool = True) -> None:
         """A model of its own: copy these (checkpoint names) into it. Otherwise nothing to do: generation uses the
         trained module itself."""
         if not self.owns_model:
@@ -150,8 +150,3 @@ class HFRolloutEngine:
                                         for name, p in self.model.state_dict(keep_vars=True).items()}
         return self._by_checkpoint_name
 
-    def sleep(self, keep_weights: bool = False) -> None:
-        """Nothing to release: the policy's memory is the trainer's."""
-
-    def wake(self) -> None:
-        """Nothing to take back (see sleep)."""

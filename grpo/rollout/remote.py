@@ -1,4 +1,4 @@
-"""The training ranks' view of the rollout ranks in --vllm_mode server: a RolloutEngine whose work is done elsewhere.
+"""The training ranks' view of the rollout ranks in --rollout_mode server: a RolloutEngine whose work is done elsewhere.
 
 Every training rank calls generate / load_weights together (they are collectives of the training world); rank 0
 speaks to the rollout ranks through the bridge (bridge.py) and hands each training rank its own completions back.
@@ -14,7 +14,7 @@ import torch
 
 from grpo.runtime import distributed as dist_utils
 from grpo.errors import TrainingError
-from grpo.rollout.engine import Completion, SamplingSettings
+from grpo.rollout.engine import Completion, RolloutEngine, SamplingSettings
 from grpo.rollout.bridge import BridgeClosed, RolloutBridge, connect_store, layout
 
 
@@ -30,7 +30,7 @@ class Ticket:
     numbers: list = field(default_factory=list)  # per rollout rank: the message number of its share
 
 
-class RemoteRolloutEngine:
+class RemoteRolloutEngine(RolloutEngine):
     collective_generate = True  # every training rank must call generate, even with no prompts of its own
 
     def __init__(self, spec: dict, rollout_ranks: int, timeout_minutes: float, images_as_decoded: bool = False):
@@ -82,7 +82,7 @@ class RemoteRolloutEngine:
                     per_rank[rank].append(replace(c, prompt_index=local))
         return dist_utils.scatter_objects(per_rank)
 
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], complete: bool = True) -> None:
         """Rank 0 sends the tensors to every rollout rank; the other ranks only take part in gathering them."""
         tensors = list(named_tensors)
         if self.bridge is None:
@@ -90,12 +90,6 @@ class RemoteRolloutEngine:
         numbers = self._post_all(("weights", layout(tensors)))
         self.bridge.broadcast_weights(tensors)
         self._answers(numbers)
-
-    def sleep(self, keep_weights: bool = False) -> None:
-        """Nothing to release: the rollout ranks' memory is their own."""
-
-    def wake(self) -> None:
-        """See sleep."""
 
     def close(self) -> None:
         """Stop the rollout ranks (rank 0; best effort: they also stop when rank 0's store goes away)."""

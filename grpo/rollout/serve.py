@@ -1,4 +1,4 @@
-"""A rollout rank's life in --vllm_mode server: build an engine, then answer training rank 0 until it says stop.
+"""A rollout rank's life in --rollout_mode server: build an engine, then answer training rank 0 until it says stop.
 
 Messages (see bridge.py): ("start", spec) once, then ("generate", (prompt ids, sampling, images)),
 ("weights", layout) followed by the tensors over the weight group, and ("stop", None). Every message gets a reply:
@@ -63,8 +63,8 @@ def _serve(bridge: RolloutBridge, config, index: int, count: int, device: torch.
                 answer = True
             elif kind == "generate":
                 prompts, sampling, images = payload
-                answer = engine.generate(prompts, sampling, **({"images": images} if images else {})) \
-                    if prompts or getattr(engine, "collective_generate", False) else []
+                answer = engine.generate(prompts, sampling, images or None) \
+                    if prompts or engine.collective_generate else []
             elif kind == "weights":
                 tensors = bridge.receive_weights(payload)
                 try:
@@ -91,7 +91,7 @@ def _build_engine(config, spec: dict, index: int, count: int, device: torch.devi
 
     model_path = resolve_model_path(config.model_name_or_path)  # this node's copy (the embedded one is converted here)
     seed_everything(config.seed + rank)
-    if config.use_vllm_rollout:
+    if config.uses_vllm:
         import torch.distributed as dist
 
         # vLLM's external launcher takes the process group it finds, and its rank layout from these variables

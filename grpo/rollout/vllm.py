@@ -29,10 +29,10 @@ from typing import Iterable
 import torch
 
 from grpo.errors import ConfigError
-from grpo.rollout.engine import Completion, SamplingSettings
+from grpo.rollout.engine import Completion, RolloutEngine, SamplingSettings
 
 logger = logging.getLogger("grpo")
-INSTALL_HINT = "--use_vllm_rollout needs vLLM: pip install .[vllm] (tested with vllm 0.26.0)"
+INSTALL_HINT = "--rollout_engine vllm needs vLLM: pip install .[vllm] (tested with vllm 0.26.0)"
 
 
 def _import_vllm():
@@ -46,7 +46,7 @@ def _import_vllm():
     return vllm
 
 
-class VLLMRolloutEngine:
+class VLLMRolloutEngine(RolloutEngine):
     """RolloutEngine over an in-process vLLM `LLM` sharing the training GPUs (see the module docstring)."""
 
     def __init__(self, model_path: str, *, tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.3,
@@ -70,7 +70,8 @@ class VLLMRolloutEngine:
         self.stop_token_ids = list(stop_token_ids or [])
         self.enable_sleep = enable_sleep
         self.sleep_level = sleep_level
-        # read by grpo.model.weight_sync.sync_weights: a level-2 sleep leaves nothing of the previous weights to build on
+        # read by grpo.model.weight_sync.sync_weights: a level-2 sleep leaves nothing of the previous weights to
+        # build on
         self.needs_every_weight = enable_sleep and sleep_level == 2
         self.weights_dropped = False  # a level-2 sleep dropped them and no load_weights has run since
         self.image_token_id = image_token_id
@@ -154,8 +155,9 @@ class VLLMRolloutEngine:
     # ----------------------------------------------------------------------------------------- weights
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], complete: bool = True) -> None:
         """Overwrite the engine's weights with these (HF checkpoint names), then drop its cached prefixes.
-        `complete`: these tensors finish a load of every weight (grpo.model.weight_sync.sync_weights passes False for all chunks
-        but the last), so after a level-2 sleep the engine may wake again only once a whole sync has landed."""
+        `complete`: these tensors finish a load of every weight (grpo.model.weight_sync.sync_weights passes False for
+        all chunks but the last), so after a level-2 sleep the engine may wake again only once a whole sync has
+        landed."""
         if "weights" in self._asleep:
             self.llm.wake_up(tags=["weights"])  # parked weights come back before they are partly overwritten
             self._asleep.discard("weights")
@@ -190,7 +192,8 @@ class VLLMRolloutEngine:
         before the next rollout; weights a level-2 sleep dropped must have been synced since."""
         if self.weights_dropped:
             raise RuntimeError("vLLM's weights were dropped by its level-2 sleep and no sync has loaded them since: "
-                               "call grpo.model.weight_sync.sync_weights(engine, ...) after sleep() and before generating")
+                               "call grpo.model.weight_sync.sync_weights(engine, ...) after sleep() and before "
+                               "generating")
         if self._asleep:
             self.llm.wake_up(tags=sorted(self._asleep, key=["weights", "kv_cache"].index))
             self._asleep = set()

@@ -8,10 +8,10 @@ import torch
 
 from grpo.config.options import GRPOConfig
 from grpo.errors import ConfigError
-from grpo.config.json_file import read_json_object
+from grpo.config.cli import read_json_object
 
 _SHIPPED = {"zero2": "zero2.json", "zero3": "zero3.json"}
-_CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+_CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs")
 
 
 def resolve_deepspeed_path(name_or_path: str) -> str:
@@ -36,7 +36,7 @@ def load_deepspeed_config(config: GRPOConfig, use_bf16: bool) -> dict[str, Any]:
         "gradient_clipping": config.max_grad_norm,
         "bf16.enabled": use_bf16,
         "fp16.enabled": False,
-        "optimizer.params.lr": config.effective_learning_rate,
+        "optimizer.params.lr": config.learning_rate,
         "optimizer.params.weight_decay": config.weight_decay,
     }
     _fill_auto(ds, auto)

@@ -39,7 +39,9 @@ def phase(name: str, after_step: bool = False, passes: tuple = ()):
 
     The decorated object needs `self.failures` (a FailureReporter) and `self.state.step` (steps completed);
     phases run after the step counter moved on (eval, save) pass after_step=True. Exceptions of the `passes`
-    types (deliberate stops whose message says it all) go through unchanged.
+    types (deliberate stops whose message says it all) go through unchanged. On an object without `failures` (a
+    part the trainer calls, e.g. the rollout collector) the exception only records the phase, innermost first, and
+    the trainer's own phase reports it under that name.
     """
     def wrap(method):
         @functools.wraps(method)
@@ -47,15 +49,21 @@ def phase(name: str, after_step: bool = False, passes: tuple = ()):
             try:
                 return method(self, *args, **kwargs)
             except Exception as exc:
+                if not hasattr(exc, "grpo_phase"):
+                    try:
+                        exc.grpo_phase = name  # the innermost phase names the failure
+                    except AttributeError:  # an exception type without attributes keeps the outer name
+                        pass
                 if isinstance(exc, (StepFailure, *passes)) or getattr(self, "failures", None) is None:
                     raise
                 step = self.state.step + (0 if after_step else 1)
+                where = getattr(exc, "grpo_phase", name)
                 if _is_out_of_memory(exc):
                     sizes = self.memory_sizes() if hasattr(self, "memory_sizes") else {}
-                    exc_ = OutOfMemory(out_of_memory_message(name, sizes, self.state.last_checkpoint, exc))
-                    _log_traceback_to_file(f"step {step} ({name}): out of memory", exc)  # the allocator's detail
-                    raise self.failures.report(exc_, step, name) from exc
-                raise self.failures.report(exc, step, name) from exc
+                    exc_ = OutOfMemory(out_of_memory_message(where, sizes, self.state.last_checkpoint, exc))
+                    _log_traceback_to_file(f"step {step} ({where}): out of memory", exc)  # the allocator's detail
+                    raise self.failures.report(exc_, step, where) from exc
+                raise self.failures.report(exc, step, where) from exc
         return run
     return wrap
 

@@ -1,4 +1,4 @@
-"""Which part of the job a process plays: with --vllm_mode server the last --rollout_gpus ranks generate, the others
+"""Which part of the job a process plays: with --rollout_mode server the last --rollout_gpus ranks generate, the others
 train. The launcher's RANK / WORLD_SIZE describe the whole job; the training ranks then form a torch.distributed
 world of their own (so DeepSpeed and every collective of the trainer see only them), and so do the rollout ranks
 (vLLM's tensor-parallel groups live there). The job-wide values are kept here before either world starts.
@@ -38,4 +38,4 @@ def enter_training_world(rollout_ranks: int) -> None:
 
 
 def rollout_ranks_of(config) -> int:
-    return config.rollout_gpus if config.vllm_mode == "server" else 0
+    return config.rollout_gpus if config.rollout_mode == "server" else 0

@@ -103,3 +103,45 @@ def build_rollout_batch(prompt_ids: list[list[int]], completions: list[Completio
 def position_ids_for(attention_mask: torch.Tensor) -> torch.Tensor:
     """Positions that skip left padding, so a padded prompt sees the same positions as an unpadded one."""
     return (attention_mask.cumsum(-1) - 1).clamp(min=0)
+
+
+@dataclass
+class StepData:
+    """One optimizer step's data, from the rollout to the update (all tensors step-wide on this rank).
+
+        batch            RolloutBatch of the step's N completions
+        micro_batches    the rows grouped for the model (micro_batches.py); every rank runs as many
+        advantages       # [N]     group-relative, one per completion
+        rewards          # [N]     what the advantages came from
+        normaliser       D of the step's loss aggregate over every rank (algorithm.aggregation_normaliser)
+        ref_logprobs     # [N, T]  reference policy (KL term), None without one
+        old_logprobs     # [N, T]  the ratio's old log-probs: given, or the first update's own kept for the later
+                                   updates of --num_iterations (keep_for_later_updates)
+        sampled_logprobs # [N, T]  the old policy without dropout (the engine's side of the mismatch and IS weights),
+                                   kept likewise when dropout makes it differ from old_logprobs
+        stale            the rollouts came from an older policy (--async_rollout): their gap to the trainer is logged
+                         as rollout/offpolicy_logprob_diff rather than as the engine's mismatch
+    """
+    batch: RolloutBatch
+    micro_batches: list  # [MicroBatch]
+    advantages: torch.Tensor
+    rewards: Optional[torch.Tensor] = None  # [N] what the advantages came from (KL-penalized with --kl_in_reward)
+    normaliser: float = 1.0
+    ref_logprobs: Optional[torch.Tensor] = None
+    old_logprobs: Optional[torch.Tensor] = None
+    sampled_logprobs: Optional[torch.Tensor] = None
+    stale: bool = False
+    fill_old: bool = False      # the next update writes old_logprobs (then reads them)
+    fill_sampled: bool = False  # ... and sampled_logprobs
+
+    @property
+    def mismatch_key(self) -> str:
+        return "rollout/offpolicy_logprob_diff" if self.stale else "rollout/logprob_diff"
+
+    def keep_for_later_updates(self, device, keep_sampled: bool) -> None:
+        """Room for what the first update computes and the later ones reuse."""
+        self.old_logprobs = torch.zeros(self.batch.completion_ids.shape, device=device)
+        self.fill_old = True
+        if keep_sampled:
+            self.sampled_logprobs = torch.zeros_like(self.old_logprobs)
+            self.fill_sampled = True

@@ -2,60 +2,49 @@
 
     rollout -> rewards -> advantages -> old/ref log-probs -> loss + DeepSpeed step -> weight sync -> log/eval/save
 
-Everything that is not wiring lives elsewhere: math in algorithm.py, data in data/, rewards in rewards/,
-models in models.py, engines in rollout/ (which one: rollout/setup.py), the rollout phase in rollout_phase.py,
-the optimisation phase in optimize.py, weight sync in sync.py, checkpoints in checkpoint.py, the step's metrics in
-step_metrics.py, the stop on a signal in graceful_stop.py.
+Everything that is not wiring lives elsewhere: the run's setup in setup.py, math in grpo/algorithm.py, a step's
+rollouts in grpo/rollout/collect.py, the step's tensors in step_data.py, the update in update.py, weight sync in
+grpo/model/weight_sync.py, checkpoints in grpo/checkpoint/, the step's metrics in metrics.py.
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
 import math
 import os
 import time
-from typing import Callable, Optional, Sequence
+from typing import Callable, Sequence
 
 import torch
 
-from grpo.runtime import distributed as dist_utils
 from grpo.algorithm import group_advantages, kl_penalized_rewards
-from grpo.train.step_data import RolloutBatch
-from grpo.checkpoint.store import (TrainerState, check_resume_keeps_policy, list_checkpoints, load_checkpoint,
-                         resolve_resume_path, save_checkpoint, saved_config_path, warn_changed_options)
-from grpo.model.base_weights import check_checkpoint_weights
-from grpo.config.options import EMBEDDED_MODEL, GRPOConfig
-from grpo.data import (dataset_routes, first_rows_per_source, load_dataset_registry, load_prompt_datasets,
-                   render_prompts)
-from grpo.runtime.deepspeed_config import default_dtype, load_deepspeed_config, zero_stage
-from grpo.rollout.dynamic_sampling import PendingRollouts, RolloutRound
-from grpo.model.embedded import resolve_model_path
+from grpo.checkpoint.resume import saved_config_path, warn_changed_options
+from grpo.checkpoint.store import TrainerState, load_checkpoint, resolve_resume_path, save_checkpoint
+from grpo.config.options import GRPOConfig
 from grpo.errors import ConfigError, TrainingError
-from grpo.train.metrics import eval_metrics, eval_sample_rows
-from grpo.runtime.failures import FailureReporter, phase
-from grpo.runtime.signals import GracefulStop
-from grpo.model.loading import load_policy, load_reference, load_tokenizer, reference_mode, save_final_model
-from grpo.train.reporting import plot_training_curves
-from grpo.train.reporting import RunReporter, read_metrics, setup_console_logging
-from grpo.rewards import RewardRouter, load_reward_module
-from grpo.rewards.reward_model import register_reward_models
-from grpo.runtime.roles import enter_training_world, job_rank, rollout_index, rollout_ranks_of
-from grpo.rollout.collect import RolloutPhase
-from grpo.rollout.engine import SamplingSettings
-from grpo.rollout.engines import build_rollout_engine, check_tensor_parallel, engine_dtype, engine_holds_weights
-from grpo.train.micro_batches import MicroBatch
-from grpo.train.update import has_dropout, lr_schedule, score, step_micro_batches, step_normaliser, update
-from grpo.data.sampler import PromptOrder
+from grpo.checkpoint.final_model import save_final_model
+from grpo.model.loading import load_policy, load_reference, reference_mode
+from grpo.rollout.collect import RolloutCollector
+from grpo.rollout.dynamic_sampling import RolloutRound
+from grpo.rollout.engines import build_rollout_engine, engine_dtype, engine_holds_weights
+from grpo.runtime import distributed as dist_utils
+from grpo.runtime.deepspeed_config import default_dtype, load_deepspeed_config, zero_stage
 from grpo.runtime.distributed import seed_everything
-from grpo.train.metrics import mean_over_ranks, step_metrics, step_std
-from grpo.model.vision import load_vision_processor, render_vision_prompts
+from grpo.runtime.failures import FailureReporter, phase
+from grpo.runtime.roles import enter_training_world, job_rank, rollout_index, rollout_ranks_of
+from grpo.runtime.signals import GracefulStop
+from grpo.train.metrics import eval_metrics, eval_sample_rows, mean_over_ranks, step_metrics, step_std
+from grpo.train.micro_batches import MicroBatch
+from grpo.train.reporting import RunReporter, plot_training_curves, read_metrics, setup_console_logging
+from grpo.train.setup import check_run_can_start, initialize_deepspeed, load_run_data
+from grpo.train.step_data import RolloutBatch, StepData, build_rollout_batch
+from grpo.train.update import has_dropout, score, step_micro_batches, step_normaliser, update
 
 logger = logging.getLogger("grpo")
 MAX_BAD_STEPS = 3
 
 
-class GRPOTrainer(RolloutPhase):
+class GRPOTrainer:
     """GRPO on DeepSpeed. `GRPOTrainer(config=GRPOConfig(...), reward_funcs=[...]).train()`.
 
     `reward_funcs` are extra batched reward callables `fn(completions, answers, **row) -> list[float]` applied to
@@ -66,7 +55,7 @@ class GRPOTrainer(RolloutPhase):
         self.config = config
         index = rollout_index(rollout_ranks_of(config))
         if index is not None:  # a script run on every rank of a server-mode job
-            raise ConfigError(f"--vllm_mode server: this process is rollout rank {index} (job rank {job_rank()}), "
+            raise ConfigError(f"--rollout_mode server: this process is rollout rank {index} (job rank {job_rank()}), "
                               f"which only generates; run grpo.serve_rollouts(config) on it instead of GRPOTrainer, "
                               f"as train_grpo.py does")
         enter_training_world(rollout_ranks_of(config))  # server mode: the rollout ranks are not in this world
@@ -78,65 +67,14 @@ class GRPOTrainer(RolloutPhase):
                               if config.log_to_file else None)
         self.failures = FailureReporter(config.output_dir, self.rank, self.world)
         seed_everything(config.seed + self.rank)
-        if config.num_iterations > 1 and config.uses_lora and config.lora_dropout > 0:
-            logger.warning(f"--num_iterations {config.num_iterations} with --lora_dropout {config.lora_dropout}: each "
-                           "update draws new dropout masks, so the later updates' ratios to the first one's log-probs "
-                           "carry dropout noise and are clipped as if the policy had moved; --lora_dropout 0 avoids it")
-        if config.use_vllm_rollout:
-            if not torch.cuda.is_available():
-                raise ConfigError("--use_vllm_rollout needs a GPU; drop the flag to use the HF engine on CPU")
-            if importlib.util.find_spec("vllm") is None:
-                raise ConfigError("--use_vllm_rollout needs vLLM: pip install .[vllm] (tested with vllm 0.26.0)")
-
-        if not config.resume_from_checkpoint and list_checkpoints(config.output_dir) and \
-                not config.overwrite_output_dir:
-            raise ConfigError(f"--output_dir {config.output_dir} holds checkpoints of an earlier run; continue it with "
-                              f"--resume_from_checkpoint latest, or start over with --overwrite_output_dir")
-        if config.resume_from_checkpoint:
-            check_resume_keeps_policy(saved_config_path(config.resume_from_checkpoint, config.output_dir), config)
+        check_run_can_start(config)
 
         # --- data and rewards first: their errors must come before any model loads -------------------
-        if config.reward_module:
-            load_reward_module(config.reward_module)
-        # checked and registered now (by folder name), weights loaded on first use
-        register_reward_models(config.reward_model, dist_utils.device(), default_dtype(), config.trust_remote_code)
-        registry = load_dataset_registry(config.dataset_config_path)
-        train_rows, eval_rows = load_prompt_datasets(config.dataset_config_path, config.dataset_names,
-                                                     config.effective_train_split_ratio, config.seed,
-                                                     eval_names=config.eval_dataset_names,
-                                                     max_images_per_prompt=config.max_images_per_prompt)
-        routes, reward_kwargs = dataset_routes(registry, config.dataset_names + config.eval_dataset_names)
-        self.rewards = RewardRouter(routes, reward_kwargs, extra_funcs=reward_funcs)
-        self.model_path = resolve_model_path(config.model_name_or_path)
-        try:
-            self.tokenizer = load_tokenizer(self.model_path, config.trust_remote_code)
-        except OSError as exc:  # not a folder, and not reachable on the hub
-            raise ConfigError(f"--model_name_or_path: cannot load '{config.model_name_or_path}' ({exc}); give a "
-                              f"local model folder, a reachable hub id, or '{EMBEDDED_MODEL}'") from exc
-        self.vision = load_vision_processor(self.model_path, self.tokenizer, config, train_rows)
-
-        def render(rows, split):
-            if self.vision:
-                return render_vision_prompts(rows, self.vision, config.max_prompt_length,
-                                             config.filter_overlong_prompts, split)
-            return render_prompts(rows, self.tokenizer, config.max_prompt_length, config.filter_overlong_prompts,
-                                  split)
-
-        self.train_set = render(train_rows, "train")
-        # held-out rows, then eval datasets; the first --eval_max_prompts of each dataset
-        self.eval_set = first_rows_per_source(render(eval_rows, "eval"), config.eval_max_prompts) \
-            if len(eval_rows) else None
-        if config.use_vllm_rollout and config.vllm_tp > 1:
-            check_tensor_parallel(self.model_path, config)
-        check_checkpoint_weights(config, self.model_path)  # qlora's re-quantization and loftq read its 16-bit weights
+        data = load_run_data(config, reward_funcs, self.rank, self.world)
+        self.model_path, self.tokenizer, self.vision = data.model_path, data.tokenizer, data.vision
+        self.rewards, self.train_set, self.eval_set = data.rewards, data.train_set, data.eval_set
+        self.total_steps = data.total_steps
         self.prompts_per_step = config.per_device_train_batch_size * config.gradient_accumulation_steps
-        self.order = PromptOrder(len(self.train_set), self.prompts_per_step, config.seed, self.rank, self.world)
-        if self.order.steps_per_epoch == 0:
-            raise ConfigError(
-                f"--per_device_train_batch_size: the training split has {len(self.train_set)} prompts, but one step "
-                f"needs {self.prompts_per_step} per rank x {self.world} ranks; lower the batch size or "
-                f"--gradient_accumulation_steps, or raise --train_split_ratio")
-        self.total_steps = config.max_steps if config.max_steps > 0 else config.epochs * self.order.steps_per_epoch
 
         # --- models, DeepSpeed, rollout engine --------------------------------------------------------
         self.device, self.dtype = dist_utils.device(), default_dtype()
@@ -144,10 +82,14 @@ class GRPOTrainer(RolloutPhase):
         self.zero3 = zero_stage(self.ds_config) == 3
         policy = load_policy(config, self.model_path, self.dtype, self.device)
         self.reference = load_reference(config, self.model_path, self.dtype, self.device)
-        self.engine = self._init_deepspeed(policy)
+        self.engine = initialize_deepspeed(policy, self.ds_config, config, self.total_steps * config.num_iterations)
         self.state = TrainerState()
-        self.rollout_engine = build_rollout_engine(config, self.model_path, self.engine.module, self.tokenizer,
-                                                   self.vision, self.rank, self.dtype)
+        self._sizes: dict = {}  # the step's sizes (micro-batches), for an out-of-memory message
+        self._last_sync = None
+        engine = build_rollout_engine(config, self.model_path, self.engine.module, self.tokenizer, self.vision,
+                                      self.rank, self.dtype)
+        self.rollouts = RolloutCollector(config, engine, self.tokenizer, self.rewards, self.vision, self.train_set,
+                                         data.order, self.total_steps, sync_weights=self._sync_rollout_weights)
         try:
             self._restore_and_sync()
         except BaseException:
@@ -157,8 +99,11 @@ class GRPOTrainer(RolloutPhase):
             if config.resume_from_checkpoint:
                 warn_changed_options(saved_config_path(config.resume_from_checkpoint, config.output_dir), config)
             config.save(os.path.join(config.output_dir, "grpo_config.json"))
-        self._pending_rollouts: Optional[PendingRollouts] = None  # --async_rollout: the next step's, in flight
-        self._position_before_prefetch = (self.state.epoch, self.state.position)
+
+    @property
+    def rollout_engine(self):
+        """The engine the rollouts come from (grpo.rollout.engine.RolloutEngine)."""
+        return self.rollouts.engine
 
     def _restore_and_sync(self) -> None:
         """Load the checkpoint to resume from, if any, then give the rollout engine the policy."""
@@ -188,23 +133,15 @@ class GRPOTrainer(RolloutPhase):
                 self.evaluate(reporter)  # step 0: what training starts from
             while self.state.step < self.total_steps:
                 step_start = time.perf_counter()
-                rollout, drawn = self._collect_rollouts()  # prompts -> k completions each -> rewards
-                batch, rewards, times = self._rollout_batch(rollout), rollout.rewards, dict(rollout.times)
-                micro_batches = self._micro_batches(batch)
-                policy_logprobs, ref_logprobs, times["logprobs"] = self._policy_and_reference_logprobs(
-                    batch, micro_batches)
-                if cfg.kl_in_reward:  # r - beta * sum_t (lp - ref), in place of the loss's KL term
-                    rewards = kl_penalized_rewards(rewards, policy_logprobs.cpu(), ref_logprobs.cpu(),
-                                                   batch.completion_mask, cfg.kl_beta)
-                advantages = self._advantages(rewards)  # [N]
-                train_metrics, times["train"] = self._optimize(batch, micro_batches, advantages, ref_logprobs,
-                                                               stale=rollout.stats.get("rollout/staleness", 0) > 0)
-                times["sync"] = self._sync_rollout_weights()
+                rollout, drawn = self._collect_rollouts()        # prompts -> k completions each -> rewards
+                times = dict(rollout.times)
+                step, times["logprobs"] = self._step_data(rollout)  # batch, reference log-probs, advantages
+                train_metrics, times["train"] = self._optimize(step)  # loss + DeepSpeed step(s)
+                times["sync"] = self._sync_rollout_weights()       # the new policy into the rollout engine
                 self.state.step += 1
                 times["step"] = time.perf_counter() - step_start
 
-                metrics = self._step_metrics(batch, drawn, rewards, advantages, {**rollout.stats, **train_metrics},
-                                             times)
+                metrics = self._step_metrics(step, drawn, {**rollout.stats, **train_metrics}, times)
                 reporter.log_step(self.state.step, metrics)
                 self._log_completions(rollout.prompts, rollout.texts, rollout.rewards)
                 if cfg.eval_steps and self.state.step % cfg.eval_steps == 0:
@@ -226,19 +163,44 @@ class GRPOTrainer(RolloutPhase):
         return {**metrics, "saved": saved}
 
     # ---------------------------------------------------------------------------------------- phases
+    @phase("rollout")
+    def _collect_rollouts(self) -> tuple[RolloutRound, RolloutRound]:
+        """(kept, drawn): the completions the step trains on, and every completion sampled (RolloutCollector)."""
+        return self.rollouts.collect(self.state)
+
+    def _step_data(self, rollout: RolloutRound) -> tuple[StepData, float]:
+        """The step's tensors: batch, micro-batches, reference log-probs (KL), rewards (KL-penalized with
+        --kl_in_reward) and advantages; and the seconds the log-prob passes took."""
+        batch = self._rollout_batch(rollout)
+        micro_batches = self._micro_batches(batch)
+        policy_logprobs, ref_logprobs, seconds = self._policy_and_reference_logprobs(batch, micro_batches)
+        rewards = rollout.rewards                                          # [N]
+        if self.config.kl_in_reward:  # r - beta * sum_t (lp - ref), in place of the loss's KL term
+            rewards = kl_penalized_rewards(rewards, policy_logprobs.cpu(), ref_logprobs.cpu(),
+                                           batch.completion_mask, self.config.kl_beta)
+        step = StepData(batch, micro_batches, self._advantages(rewards), rewards=rewards,
+                        normaliser=step_normaliser(batch, self.config), ref_logprobs=ref_logprobs,
+                        stale=rollout.stats.get("rollout/staleness", 0) > 0)
+        return step, seconds
+
+    def _rollout_batch(self, rollout: RolloutRound) -> RolloutBatch:
+        return build_rollout_batch([p["prompt_ids"] for p in rollout.prompts], rollout.completions,
+                                   self.tokenizer.pad_token_id, mask_truncated=self.config.mask_truncated_completions,
+                                   images=rollout.images)
+
     @phase("micro-batches")
     def _micro_batches(self, batch: RolloutBatch) -> list[MicroBatch]:
         """The step's rows grouped by --max_tokens_per_micro_batch; every rank gets the same number of groups."""
         micro_batches = step_micro_batches(batch, self.config, self.device)
-        self._sizes.update({"longest completion": batch.completion_width, "micro-batches": len(micro_batches),
-                            "tokens per micro-batch (padded, largest)": max(mb.batch.input_ids.numel()
-                                                                            for mb in micro_batches),
-                            "--max_tokens_per_micro_batch": self.config.max_tokens_per_micro_batch})
+        self._sizes = {"longest completion": batch.completion_width, "micro-batches": len(micro_batches),
+                       "tokens per micro-batch (padded, largest)": max(mb.batch.input_ids.numel()
+                                                                       for mb in micro_batches),
+                       "--max_tokens_per_micro_batch": self.config.max_tokens_per_micro_batch}
         return micro_batches
 
     def memory_sizes(self) -> dict:
         """The sizes of the step in progress, for an out-of-memory message."""
-        return dict(getattr(self, "_sizes", {}))
+        return {**self.rollouts.sizes, **self._sizes}
 
     def _advantages(self, rewards: torch.Tensor) -> torch.Tensor:
         """Group-relative advantages; with --scale_rewards batch the std is the whole step's, over every rank
@@ -256,7 +218,7 @@ class GRPOTrainer(RolloutPhase):
         cfg = self.config
         start = time.perf_counter()
         policy = torch.zeros(batch.completion_ids.shape, device=self.device) if cfg.kl_in_reward else None
-        ref = torch.zeros(batch.completion_ids.shape, device=self.device) if cfg.kl_coef > 0 else None
+        ref = torch.zeros(batch.completion_ids.shape, device=self.device) if cfg.kl_beta > 0 else None
         for mb in micro_batches if policy is not None or ref is not None else ():
             if policy is not None:
                 mb.scatter(score(self.engine, mb, cfg)[0], into=policy)
@@ -264,32 +226,26 @@ class GRPOTrainer(RolloutPhase):
                 mb.scatter(self._reference_logprobs(mb), into=ref)
         return policy, ref, time.perf_counter() - start
 
+    def _reference_logprobs(self, mb: MicroBatch) -> torch.Tensor:
+        if self.reference is not None:  # full fine-tuning: a frozen copy of the base model
+            return score(self.reference, mb, self.config)[0].float()
+        with reference_mode(self.engine.module):  # lora / qlora: the same weights, adapter off
+            return score(self.engine, mb, self.config)[0].float()
+
     @phase("optimize")
-    def _optimize(self, batch: RolloutBatch, micro_batches: list[MicroBatch], advantages: torch.Tensor,
-                  ref_logprobs, stale: bool = False):
+    def _optimize(self, step: StepData) -> tuple[dict, float]:
         """num_iterations optimizer steps over the micro-batches, each the gradient of the whole step's loss.
 
         The old log-probs of the ratio are the first update's own (detached: ratio 1 there, dropout or not); later
-        updates read them back, and with dropout the importance weights' dropout-free ones too (optimize.update).
-        `stale`: the rollouts came from an older policy (--async_rollout), so their log-prob gap to the trainer is
-        logged as rollout/offpolicy_logprob_diff, not as the engine's mismatch."""
+        updates read them back, and with dropout the importance weights' dropout-free ones too (update.update)."""
         start = time.perf_counter()
-        normaliser = step_normaliser(batch, self.config)
+        if self.config.num_iterations > 1:
+            # without dropout the dropout-free log-probs are the old ones: nothing more to keep
+            step.keep_for_later_updates(self.device, keep_sampled=self.config.is_correction
+                                        and has_dropout(self.engine.module))
         metrics: dict = {}
-        old_logprobs = None
-        keep_old = torch.zeros(batch.completion_ids.shape, device=self.device) \
-            if self.config.num_iterations > 1 else None
-        # without dropout the dropout-free log-probs are the old ones: nothing more to keep
-        keep_sampled = torch.zeros_like(keep_old) if keep_old is not None and self.config.is_correction \
-            and has_dropout(self.engine.module) else None
-        sampled_logprobs = None
         for iteration in range(self.config.num_iterations):
-            first = iteration == 0
-            result = update(self.engine, micro_batches, advantages, old_logprobs, ref_logprobs, normaliser,
-                            self.config, first_pass=first, keep_old=keep_old if first else None,
-                            mismatch_key="rollout/offpolicy_logprob_diff" if stale else "rollout/logprob_diff",
-                            sampled_logprobs=sampled_logprobs, keep_sampled=keep_sampled if first else None)
-            old_logprobs, sampled_logprobs = keep_old, keep_sampled
+            result = update(self.engine, step, self.config, first_pass=iteration == 0)
             metrics = {**result.metrics, **{k: v for k, v in metrics.items() if k.startswith("rollout/")}}
             grad_norm = self._grad_norm()
             if result.bad or not math.isfinite(grad_norm):
@@ -308,40 +264,22 @@ class GRPOTrainer(RolloutPhase):
             return 0.0
         from grpo.model.weight_sync import sync_weights
 
-        stats = sync_weights(self.rollout_engine, self.engine.module, self.config.tuning_strategy,
-                             zero3=self.zero3, first_sync=first,
-                             dtype=engine_dtype(self.config, self.dtype))
-        self._last_sync = stats
-        return stats.seconds
+        self._last_sync = sync_weights(self.rollout_engine, self.engine.module, self.config.tuning_strategy,
+                                       zero3=self.zero3, first_sync=first,
+                                       dtype=engine_dtype(self.config, self.dtype))
+        return self._last_sync.seconds
 
     # ------------------------------------------------------------------------------------------- eval
     @torch.no_grad()
     @phase("eval", after_step=True)
-    def evaluate(self, reporter: Optional[RunReporter] = None) -> dict:
+    def evaluate(self, reporter: RunReporter | None = None) -> dict:
         """Mean reward, per-function accuracy and length on the eval prompts (sharded over ranks), in total and per
         dataset, plus one sample row per prompt."""
-        cfg = self.config
         if self.eval_set is None:
             return {}
-        mine = list(range(self.rank, len(self.eval_set), self.world))
-        rows = [self.eval_set[i] for i in mine]
-        samples = []
-        self._restore_engine_weights()  # on every rank, with or without eval rows
-        if rows or getattr(self.rollout_engine, "collective_generate", False):  # all ranks generate together
-            self.rollout_engine.wake()
-            sampling = SamplingSettings(n=1, max_new_tokens=cfg.rollout_max_new_tokens, temperature=cfg.temperature,
-                                        top_p=cfg.top_p, greedy=cfg.eval_greedy, logprobs=False)
-            images = self._prompt_images(rows)
-            completions = self.rollout_engine.generate([r["prompt_ids"] for r in rows], sampling,
-                                                       **({"images": images} if images else {}))
-            self.rollout_engine.sleep(keep_weights=True)  # no sync follows: the next rollout needs these weights
-        if rows:
-            texts = self.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
-            result = self.rewards(texts, [r["answer"] for r in rows], [r["data_source"] for r in rows],
-                                  prompts=[r["prompt_text"] for r in rows],
-                                  completion_ids=[c.token_ids for c in completions],
-                                  prompt_messages=[r.get("messages") for r in rows])
-            samples = eval_sample_rows(rows, texts, completions, result)
+        rows = [self.eval_set[i] for i in range(self.rank, len(self.eval_set), self.world)]
+        completions, texts, result = self.rollouts.evaluate(rows)
+        samples = eval_sample_rows(rows, texts, completions, result) if rows else []
         all_samples = [s for part in dist_utils.gather_objects(samples) for s in part]
         metrics = eval_metrics(all_samples)
         if reporter is not None:
@@ -350,37 +288,9 @@ class GRPOTrainer(RolloutPhase):
         return metrics
 
     # -------------------------------------------------------------------------------------- internals
-    def _init_deepspeed(self, policy):
-        import deepspeed
-
-        trainable = [p for p in policy.parameters() if p.requires_grad]
-        if not trainable:
-            raise ConfigError("the model has no trainable parameters; check --tuning_strategy and "
-                              "--lora_target_modules")
-        optimizer = None
-        if "optimizer" not in self.ds_config:
-            optimizer = torch.optim.AdamW(trainable, lr=self.config.effective_learning_rate,
-                                          weight_decay=self.config.weight_decay)
-        scheduler = lr_schedule(optimizer, self.config, self.total_steps * self.config.num_iterations) \
-            if optimizer is not None else None
-        engine, _, _, _ = deepspeed.initialize(model=policy, model_parameters=trainable, optimizer=optimizer,
-                                               lr_scheduler=scheduler, config=self.ds_config)
-        # from_pretrained leaves the model in eval mode, where gradient checkpointing recomputes nothing and LoRA
-        # dropout drops nothing; scoring passes that must not drop switch to eval mode themselves
-        engine.train()
-        return engine
-
     def close(self) -> None:
         """Stop the rollout ranks of server mode (they wait for this, or for training rank 0 to go away)."""
-        close = getattr(self.rollout_engine, "close", None)
-        if close is not None:
-            close()
-
-    def _reference_logprobs(self, mb: MicroBatch) -> torch.Tensor:
-        if self.reference is not None:  # full fine-tuning: a frozen copy of the base model
-            return score(self.reference, mb, self.config)[0].float()
-        with reference_mode(self.engine.module):  # lora / qlora: the same weights, adapter off
-            return score(self.engine, mb, self.config)[0].float()
+        self.rollouts.close()
 
     def _grad_norm(self) -> float:
         norm = self.engine.get_global_grad_norm()
@@ -392,20 +302,19 @@ class GRPOTrainer(RolloutPhase):
                        f"({self.state.consecutive_bad_steps}/{MAX_BAD_STEPS} in a row)")
         if self.state.consecutive_bad_steps >= MAX_BAD_STEPS:
             last = self.state.last_good_checkpoint
-            lr_flag = "--learning_rate_lora" if self.config.uses_lora else "--learning_rate"
             raise TrainingError(
                 f"{MAX_BAD_STEPS} steps in a row had a non-finite loss or gradient ({why}). "
                 + (f"The last good checkpoint is {last}; resume from it (--resume_from_checkpoint {last}) with a "
-                   f"lower {lr_flag} or --max_grad_norm." if last else
-                   f"No checkpoint was saved before; start again with a lower {lr_flag} or --max_grad_norm."))
+                   f"lower --learning_rate or --max_grad_norm." if last else
+                   "No checkpoint was saved before; start again with a lower --learning_rate or --max_grad_norm."))
 
     @phase("metrics", after_step=True)
-    def _step_metrics(self, batch, drawn: RolloutRound, rewards, advantages, train_metrics, times) -> dict:
-        local = step_metrics(batch, drawn, rewards, advantages, train_metrics, times, self.config.k_samples,
-                             self.config.kl_in_reward)
+    def _step_metrics(self, step: StepData, drawn: RolloutRound, train_metrics: dict, times: dict) -> dict:
+        local = step_metrics(step.batch, drawn, step.rewards, step.advantages, train_metrics, times,
+                             self.config.k_samples, self.config.kl_in_reward)
         if engine_holds_weights(self.config):
             local["sync/bytes"] = float(self._last_sync.bytes)
-            freed = getattr(self.rollout_engine, "last_sleep_freed_bytes", None)  # server-mode engines never sleep
+            freed = self.rollout_engine.last_sleep_freed_bytes  # None: it never sleeps (server mode)
             if freed is not None:
                 local["memory/vllm_sleep_freed_gib"] = freed / 2**30
         return mean_over_ranks(local)
@@ -424,8 +333,8 @@ class GRPOTrainer(RolloutPhase):
     @phase("save", after_step=True)
     def _save_checkpoint(self) -> None:
         trained = (self.state.epoch, self.state.position)
-        if self._pending_rollouts is not None:  # the prompts in flight are not trained yet: a resume draws them again
-            self.state.epoch, self.state.position = self._position_before_prefetch
+        # the prompts of a request in flight are not trained yet: a resume draws them again
+        self.state.epoch, self.state.position = self.rollouts.trained_position(self.state)
         try:
             path = save_checkpoint(self.engine, self.state, self.config.output_dir, self.config.save_total_limit,
                                    frozen_excluded=self.config.uses_lora)

@@ -16,13 +16,12 @@ import contextlib
 import math
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Optional
 
 import torch
 
 from grpo.runtime import distributed as dist_utils
-from grpo.algorithm import aggregation_normaliser, masked_mean, policy_loss
-from grpo.train.step_data import RolloutBatch
+from grpo.algorithm import LossSettings, aggregation_normaliser, masked_mean, policy_loss
+from grpo.train.step_data import RolloutBatch, StepData
 from grpo.config.options import GRPOConfig
 from grpo.train.micro_batches import MicroBatch, form_micro_batches, micro_batch_groups
 from grpo.train.logprobs import completion_logprobs
@@ -78,48 +77,50 @@ class UpdateResult:
     bad: bool = False                               # some micro-batch had a non-finite loss: the update was cancelled
 
 
-def update(engine, micro_batches: list[MicroBatch], advantages: torch.Tensor, old_logprobs, ref_logprobs,
-           normaliser: float, cfg: GRPOConfig, first_pass: bool = True,
-           keep_old: Optional[torch.Tensor] = None, mismatch_key: str = "rollout/logprob_diff",
-           sampled_logprobs: Optional[torch.Tensor] = None, keep_sampled: Optional[torch.Tensor] = None
-           ) -> UpdateResult:
-    """One optimizer step over the micro-batches. old_logprobs / ref_logprobs: step-wide [N, T] or None (old: this
-    pass's own log-probs, detached). `keep_old` [N, T] receives the old log-probs used, for the next passes.
-    The engine's side is compared (mismatch metric, IS weights) with the old policy as the engine samples it, with
-    dropout off: taken in the first pass (kept in `keep_sampled`), read from `sampled_logprobs` in later ones.
-    The first pass logs the rollout engine's log-prob gap to the trainer as `mismatch_key`_mean / _max."""
+def update(engine, step: StepData, cfg: GRPOConfig, first_pass: bool = True) -> UpdateResult:
+    """One optimizer step over the step's micro-batches.
+
+    The ratio's old log-probs are `step.old_logprobs` when given, else the pass's own (detached: ratio 1). A first
+    pass fills what StepData.keep_for_later_updates made room for, and the later passes read it back: the old
+    log-probs, and the old policy as the engine samples it (dropout off; otherwise that is the old log-probs), to
+    which the engine's own log-probs are compared (mismatch metric, IS weights). The first pass logs that gap as
+    `step.mismatch_key`_mean / _max."""
     device = next(iter(engine.module.parameters())).device
     world = getattr(engine, "dp_world_size", dist_utils.world_size())
+    settings = loss_settings(cfg)
     per_micro_batch: list[tuple[dict, float]] = []  # (policy_loss metrics, completion tokens)
     loss_total = pg_total = 0.0
     rollout_per_micro_batch: list[tuple[dict, float]] = []  # engine mismatch and IS weights, first pass only
     bad = False
     dropout = has_dropout(engine.module)
-    for index, mb in enumerate(micro_batches):
-        last = index == len(micro_batches) - 1
+    filling_old, filling_sampled = first_pass and step.fill_old, first_pass and step.fill_sampled
+    read_old = step.old_logprobs is not None and not filling_old
+    read_sampled = step.sampled_logprobs is not None and not filling_sampled
+    for index, mb in enumerate(step.micro_batches):
+        last = index == len(step.micro_batches) - 1
         engine.set_gradient_accumulation_boundary(last)
         b = mb.batch
         # the dropout-free pass first: no graph is held while it runs (alike on every rank: ZeRO-3 collectives)
         clean = without_dropout(engine, mb, cfg) \
-            if first_pass and dropout and b.rollout_logprobs is not None and sampled_logprobs is None else None
+            if first_pass and dropout and b.rollout_logprobs is not None and not read_sampled else None
         logprobs, entropy = score(engine, mb, cfg, with_entropy=True, entropy_grad=cfg.entropy_coef != 0)
         logprobs = logprobs.float()                                                   # [n, t]
-        old = mb.gather(old_logprobs).to(device) if old_logprobs is not None else logprobs.detach()
-        if keep_old is not None:
-            mb.scatter(old, into=keep_old)
-        ref = mb.gather(ref_logprobs).to(device) if ref_logprobs is not None else None
-        if sampled_logprobs is not None:
-            sampled_policy = mb.gather(sampled_logprobs).to(device)
+        old = mb.gather(step.old_logprobs).to(device) if read_old else logprobs.detach()
+        if filling_old:
+            mb.scatter(old, into=step.old_logprobs)
+        ref = mb.gather(step.ref_logprobs).to(device) if step.ref_logprobs is not None else None
+        if read_sampled:
+            sampled_policy = mb.gather(step.sampled_logprobs).to(device)
         else:
             sampled_policy = clean if clean is not None else old
-        if keep_sampled is not None:
-            mb.scatter(sampled_policy, into=keep_sampled)
+            if filling_sampled:
+                mb.scatter(sampled_policy, into=step.sampled_logprobs)
         tokens = b.completion_mask.sum().item()  # one host sync per micro-batch, reused below
         rollout_metrics: dict = {}
         if first_pass and not mb.empty and tokens > 0 and b.rollout_logprobs is not None:
             diff = (sampled_policy - b.rollout_logprobs).abs() * b.completion_mask
-            rollout_metrics[f"{mismatch_key}_mean"] = diff.sum().item() / tokens
-            rollout_metrics[f"{mismatch_key}_max"] = diff.max().item()
+            rollout_metrics[f"{step.mismatch_key}_mean"] = diff.sum().item() / tokens
+            rollout_metrics[f"{step.mismatch_key}_max"] = diff.max().item()
         is_weights = None
         if cfg.is_correction:  # (the rollout always asks for log-probs then)
             # truncated importance sampling: the rollout engine sampled from a slightly different policy
@@ -131,12 +132,8 @@ def update(engine, micro_batches: list[MicroBatch], advantages: torch.Tensor, ol
                                                                         b.completion_mask).item()
         if rollout_metrics:
             rollout_per_micro_batch.append((rollout_metrics, tokens))
-        loss, m = policy_loss(logprobs, old, mb.gather(advantages).to(device), b.completion_mask, ref_logprobs=ref,
-                              beta=cfg.kl_loss_coef, eps_low=cfg.clip_epsilon_low, eps_high=cfg.clip_epsilon_high,
-                              aggregation=cfg.loss_aggregation, max_completion_length=cfg.rollout_max_new_tokens,
-                              is_weights=is_weights, importance_sampling_level=cfg.importance_sampling_level,
-                              clip_ratio_c=cfg.clip_ratio_c, kl_estimator=cfg.kl_estimator, entropy=entropy,
-                              entropy_coef=cfg.entropy_coef, normaliser=normaliser)
+        loss, m = policy_loss(logprobs, old, mb.gather(step.advantages).to(device), b.completion_mask, settings,
+                              ref_logprobs=ref, is_weights=is_weights, entropy=entropy, normaliser=step.normaliser)
         if dist_utils.any_rank(not torch.isfinite(loss).item()):
             bad = True
         if bad or not loss.requires_grad:
@@ -153,11 +150,21 @@ def update(engine, micro_batches: list[MicroBatch], advantages: torch.Tensor, ol
         # a cancelled update still takes the step the boundary needs, leaving weights and moments as they were
         with cancelled_update(engine) if last and bad else contextlib.nullcontext():
             engine.step()
+    step.fill_old = step.fill_sampled = False  # filled: the next passes read them
     metrics = combine_micro_batch_metrics(per_micro_batch)
     if not bad:
         metrics["loss"], metrics["pg_loss"] = dist_utils.all_sum([loss_total, pg_total])
     metrics.update(combine_micro_batch_metrics(rollout_per_micro_batch))
     return UpdateResult(metrics, bad)
+
+
+def loss_settings(cfg: GRPOConfig) -> LossSettings:
+    """The loss's scalar settings from the run's options."""
+    return LossSettings(eps_low=cfg.clip_epsilon_low, eps_high=cfg.clip_epsilon_high, beta=cfg.kl_loss_coef,
+                        kl_estimator=cfg.kl_estimator, aggregation=cfg.loss_aggregation,
+                        max_completion_length=cfg.rollout_max_new_tokens,
+                        importance_sampling_level=cfg.importance_sampling_level, clip_ratio_c=cfg.clip_ratio_c,
+                        entropy_coef=cfg.entropy_coef)
 
 
 def combine_micro_batch_metrics(per_micro_batch: list[tuple[dict, float]]) -> dict:

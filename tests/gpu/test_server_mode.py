@@ -1,4 +1,4 @@
-"""On two GPUs with vLLM: --vllm_mode server, one training rank and one vLLM rollout rank, on the embedded
+"""On two GPUs with vLLM: --rollout_mode server, one training rank and one vLLM rollout rank, on the embedded
 SmolLM2 and `arith`. After every step the rollout rank's sampling log-probs match the trainer's (bf16 on both sides),
 for full, lora and qlora; with --async_rollout the job runs one step behind and logs it."""
 import importlib.util
@@ -22,10 +22,10 @@ def run(out, port: int, *flags: str) -> list[dict]:
     cmd = [*deepspeed_launcher(), "--num_gpus", "2", "--master_port", str(port), "train_grpo.py",
            "--model_name_or_path", "smollm2-135m-instruct", "--dataset_names", "arith",
            "--per_device_train_batch_size", "16", "--k_samples", "8", "--rollout_max_new_tokens", "64",
-           "--max_prompt_length", "128", "--max_seq_length", "192", "--learning_rate_lora", "3e-4",
+           "--max_prompt_length", "128", "--max_seq_length", "192", "--learning_rate", "3e-4",
            "--learning_rate", "3e-5", "--save_steps", "0", "--eval_max_prompts", "32", "--seed", "0",
            "--vllm_enforce_eager", "true", "--max_steps", "4", "--logprob_check_steps", "1",
-           "--use_vllm_rollout", "true", "--vllm_mode", "server", "--rollout_gpus", "1",
+           "--rollout_engine", "vllm", "--rollout_mode", "server", "--rollout_gpus", "1",
            "--vllm_gpu_memory_utilization", "0.5", "--output_dir", str(out), "--overwrite_output_dir", *flags]
     proc = subprocess.run(cmd, cwd=ROOT, env=child_env(VLLM_ENABLE_V1_MULTIPROCESSING="0"), capture_output=True,
                           text=True, timeout=900)

@@ -32,7 +32,7 @@ def main():
     from grpo.config.options import GRPOConfig
     from grpo.train.trainer import GRPOTrainer
 
-    config = GRPOConfig(tuning_strategy=args.strategy, dataset_names=["arith"], use_vllm_rollout=True,
+    config = GRPOConfig(tuning_strategy=args.strategy, dataset_names=["arith"], rollout_engine="vllm",
                         vllm_enforce_eager=True, lora_dropout=0.0, max_steps=1, eval_max_prompts=32,
                         rollout_max_new_tokens=64, max_prompt_length=128, max_seq_length=192, save_steps=0,
                         output_dir=tempfile.mkdtemp(), overwrite_output_dir=True, **qlora_rounding(args))

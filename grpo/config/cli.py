@@ -1,0 +1,100 @@
+"""Options from the command line and from JSON files: train_grpo.py's flags (generated from GRPOConfig, listed by
+group in --help), `--config file.json`, the errors for merged options' old names, and the reading of every JSON
+file users edit (run configs, the dataset registry, DeepSpeed configs) with errors that point."""
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import os
+import sys
+from dataclasses import fields
+from typing import Optional
+
+from grpo.config.options import FLAG_GROUPS, RENAMED_OPTIONS, GRPOConfig
+from grpo.errors import ConfigError
+
+# --help sections, in order (docs/flags.md follows them too)
+GROUP_TITLES = {"model": "Model and tuning strategy", "data": "Data and rewards", "training": "Optimisation",
+                "grpo": "GRPO algorithm", "rollout": "Rollout engine", "logging": "Eval, checkpoints, logging",
+                "distributed": "Distributed",
+                "experimental": "Experimental (4-bit base rounding, vLLM sleep level, log-prob checks)"}
+
+
+def build_parser():
+    """HfArgumentParser over GRPOConfig, its flags moved into one argument group per FLAG_GROUPS section."""
+    from transformers import HfArgumentParser
+
+    parser = HfArgumentParser(GRPOConfig, description="GRPO fine-tuning with verifiable rewards.",
+                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--config", default=None, help="JSON file of flag values; command-line flags win.")
+    groups = {key: parser.add_argument_group(title) for key, title in GROUP_TITLES.items()}
+    for action in list(parser._optionals._group_actions):
+        group = FLAG_GROUPS.get(action.dest)
+        if group is not None:  # moved from "options" into its section (argparse keeps one list per group)
+            parser._optionals._group_actions.remove(action)
+            groups[group]._group_actions.append(action)
+    return parser
+
+
+def parse_args(argv: Optional[list[str]] = None) -> GRPOConfig:
+    """Parse CLI flags (and an optional ``--config file.json`` whose values act as defaults)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    refuse_renamed([a.split("=", 1)[0][2:] for a in argv if a.startswith("--")], "")
+    parser = build_parser()
+    config_path = _pop_config_flag(argv)
+    if config_path:
+        parser.set_defaults(**_read_config_json(config_path, {f.name for f in fields(GRPOConfig)}))
+    # the extra --config argument (already consumed above) comes back as a second, unused namespace
+    *parsed, unknown = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
+    if unknown:
+        flags = [f"--{f.name}" for f in fields(GRPOConfig)]
+        hints = [f"{u} (did you mean {close[0]}?)" if (close := difflib.get_close_matches(u.split("=")[0], flags, 1))
+                 else u for u in unknown if u.startswith("-")]
+        parser.error(f"unrecognized arguments: {' '.join(hints or unknown)}")  # exits with status 2
+    return parsed[0]
+
+
+def refuse_renamed(names, where: str) -> None:
+    """A ConfigError for the first merged option's old name among `names`, saying what to pass instead."""
+    for name in names:
+        if name in RENAMED_OPTIONS:
+            raise ConfigError(f"--{name}{where} was merged into another option: use {RENAMED_OPTIONS[name]}")
+
+
+def _pop_config_flag(argv: list[str]) -> Optional[str]:
+    for i, arg in enumerate(argv):
+        if arg == "--config":
+            if i + 1 >= len(argv):
+                raise ConfigError("--config: give a JSON file path")
+            path = argv[i + 1]
+            del argv[i:i + 2]
+            return path
+        if arg.startswith("--config="):
+            del argv[i]
+            return arg.split("=", 1)[1]
+    return None
+
+
+def _read_config_json(path: str, known: set[str]) -> dict:
+    values = read_json_object(path, ConfigError, "--config")
+    refuse_renamed(values, f" (in {path})")
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ConfigError(f"--config: {path} has unknown option(s) {', '.join(unknown)}; "
+                          f"see `python train_grpo.py --help` for the valid names")
+    return values
+
+
+def read_json_object(path: str, error: type[Exception], label: str) -> dict:
+    """The JSON object in `path`; a missing file, bad JSON (with line and column) or a non-object raises `error`."""
+    if not os.path.isfile(path):
+        raise error(f"{label}: file not found: {os.path.abspath(path)}")
+    try:
+        with open(path) as fh:
+            value = json.load(fh)
+    except json.JSONDecodeError as exc:
+        raise error(f"{label}: {path} is not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})")
+    if not isinstance(value, dict):
+        raise error(f"{label}: {path} must hold a JSON object")
+    return value

@@ -1,0 +1,167 @@
+"""GRPOConfig's checks, apart from its schema (options.py): invalid values and combinations raise ConfigError naming
+the flag, at construction, before any data or model is touched."""
+from __future__ import annotations
+
+import os
+import re
+
+from grpo.config.choices import (AGGREGATIONS, BITSANDBYTES_BLOCK_SIZE, DEFAULT_BLOCK_SIZE, IMPORTANCE_SAMPLING_LEVELS,
+                                 KL_ESTIMATORS, QLORA_BLOCK_SCALES, QLORA_BLOCK_SIZES, QLORA_INITS, QLORA_QUANT_TYPES,
+                                 REWARD_SCALES, ROLLOUT_ENGINES, ROLLOUT_MODES, SCHEDULERS, STRATEGIES)
+from grpo.errors import ConfigError
+from grpo.runtime.roles import job_world_size
+
+
+def validate(cfg) -> None:
+    """Every value and combination checked; a ConfigError names the flag and what to give instead."""
+    def need(cond: bool, flag: str, msg: str):
+        if not cond:
+            raise ConfigError(f"--{flag}: {msg}")
+
+    need(cfg.tuning_strategy in STRATEGIES, "tuning_strategy",
+         f"got '{cfg.tuning_strategy}', choose one of {', '.join(STRATEGIES)}")
+    need(cfg.loss_aggregation in AGGREGATIONS, "loss_aggregation",
+         f"got '{cfg.loss_aggregation}', choose one of {', '.join(AGGREGATIONS)}")
+    need(cfg.scale_rewards in REWARD_SCALES, "scale_rewards",
+         f"got '{cfg.scale_rewards}', choose one of {', '.join(REWARD_SCALES)}")
+    need(cfg.lr_scheduler_type in SCHEDULERS, "lr_scheduler_type",
+         f"got '{cfg.lr_scheduler_type}', choose one of {', '.join(SCHEDULERS)}")
+    need(cfg.k_samples >= 2, "k_samples",
+         f"must be at least 2 (got {cfg.k_samples}): group-relative advantages need a group to compare with")
+    if cfg.tuning_strategy in ("lora", "qlora") and not cfg.lora_adapter_path:
+        need(cfg.lora_rank > 0, "lora_rank", f"must be > 0 with --tuning_strategy {cfg.tuning_strategy}")
+        need(cfg.lora_alpha > 0, "lora_alpha", "must be > 0")
+    need(0.0 <= cfg.lora_dropout < 1.0, "lora_dropout", "must be in [0, 1)")
+    need(cfg.lora_adapter_path is None or cfg.tuning_strategy != "full", "lora_adapter_path",
+         "needs --tuning_strategy lora or qlora (an adapter cannot be continued with full fine-tuning)")
+    need(bool(cfg.dataset_names), "dataset_names", "give at least one registered dataset name")
+    need(cfg.train_split_ratio is None or 0.0 < cfg.train_split_ratio <= 1.0, "train_split_ratio",
+         "must be in (0, 1]")
+    twice = sorted({n for n in cfg.eval_dataset_names if cfg.eval_dataset_names.count(n) > 1})
+    need(not twice, "eval_dataset_names", f"{', '.join(twice)} listed more than once; name each dataset once")
+    both = [n for n in cfg.eval_dataset_names if n in cfg.dataset_names]
+    need(not both, "eval_dataset_names",
+         f"{', '.join(both)} is also in --dataset_names, so the model would be evaluated on rows it trains on; "
+         f"register the held-out file as its own entry (as gsm8k_test is for gsm8k), or drop it here and hold "
+         f"out part of it with --train_split_ratio")
+    need(cfg.max_prompt_length > 0, "max_prompt_length", "must be > 0")
+    need(cfg.max_images_per_prompt >= 1, "max_images_per_prompt", "must be >= 1")
+    need(cfg.rollout_max_new_tokens > 0, "rollout_max_new_tokens", "must be > 0")
+    need(cfg.max_seq_length >= cfg.max_prompt_length + cfg.rollout_max_new_tokens, "max_seq_length",
+         f"must be >= --max_prompt_length + --rollout_max_new_tokens "
+         f"({cfg.max_prompt_length} + {cfg.rollout_max_new_tokens}); got {cfg.max_seq_length}")
+    need(cfg.epochs >= 1, "epochs", "must be >= 1")
+    need(cfg.max_steps == -1 or cfg.max_steps > 0, "max_steps", "must be -1 (use --epochs) or > 0")
+    need(cfg.per_device_train_batch_size >= 1, "per_device_train_batch_size", "must be >= 1")
+    need(cfg.gradient_accumulation_steps >= 1, "gradient_accumulation_steps", "must be >= 1")
+    need(cfg.max_tokens_per_micro_batch >= 0, "max_tokens_per_micro_batch",
+         f"must be >= 0 (0: micro-batches of --per_device_train_batch_size prompts); got "
+         f"{cfg.max_tokens_per_micro_batch}")
+    need(cfg.logprob_chunk_tokens >= 0, "logprob_chunk_tokens",
+         f"must be >= 0 (0: full logits); got {cfg.logprob_chunk_tokens}")
+    need(not cfg.padding_free or cfg.logprob_chunk_tokens > 0, "padding_free",
+         "needs --logprob_chunk_tokens > 0 (packed rows go through the hidden-state path)")
+    need(cfg.learning_rate > 0, "learning_rate", "must be > 0")
+    need(0.0 <= cfg.warmup_ratio < 1.0, "warmup_ratio", "must be in [0, 1)")
+    need(cfg.max_grad_norm >= 0, "max_grad_norm", "must be >= 0 (0 disables clipping)")
+    need(cfg.temperature > 0, "temperature", "must be > 0 (use --eval_greedy for greedy eval)")
+    need(0.0 < cfg.top_p <= 1.0, "top_p", "must be in (0, 1]")
+    need(cfg.kl_beta >= 0, "kl_beta", "must be >= 0")
+    need(0.0 < cfg.clip_epsilon_low < 1.0, "clip_epsilon_low", "must be in (0, 1)")
+    need(cfg.clip_epsilon_high > 0, "clip_epsilon_high", "must be > 0")
+    need(cfg.num_iterations >= 1, "num_iterations", "must be >= 1")
+    need(cfg.kl_estimator in KL_ESTIMATORS, "kl_estimator",
+         f"got '{cfg.kl_estimator}', choose one of {', '.join(KL_ESTIMATORS)}")
+    need(not cfg.kl_in_reward or cfg.kl_beta > 0, "kl_in_reward",
+         "needs --kl_beta > 0: it moves that penalty from the loss into the reward")
+    need(cfg.entropy_coef >= 0, "entropy_coef", f"must be >= 0 (a bonus on entropy), got {cfg.entropy_coef}")
+    need(cfg.importance_sampling_level in IMPORTANCE_SAMPLING_LEVELS, "importance_sampling_level",
+         f"got '{cfg.importance_sampling_level}', choose one of {', '.join(IMPORTANCE_SAMPLING_LEVELS)}")
+    need(cfg.clip_ratio_c is None or cfg.clip_ratio_c > 1.0, "clip_ratio_c",
+         f"must be > 1 (the cap -A x c must lie above the clipped loss), got {cfg.clip_ratio_c}")
+    need(cfg.max_generation_rounds >= 1, "max_generation_rounds", "must be >= 1")
+    names = [reward_model_name(p) for p in cfg.reward_model]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    need(not twice, "reward_model", f"two folders are named {', '.join(twice)}; reward models are registered "
+                                    f"by folder name, so give each a distinct name")
+    need(cfg.rollout_is_cap >= 1.0, "rollout_is_cap", "must be >= 1")
+    need(cfg.vllm_tp >= 1, "vllm_tp", "must be >= 1")
+    need(cfg.logprob_check_steps >= 1, "logprob_check_steps", "must be >= 1")
+    world = job_world_size()
+    need(cfg.rollout_engine in ROLLOUT_ENGINES, "rollout_engine",
+         f"got '{cfg.rollout_engine}', choose one of {', '.join(ROLLOUT_ENGINES)}")
+    need(cfg.rollout_mode in ROLLOUT_MODES, "rollout_mode",
+         f"got '{cfg.rollout_mode}', choose one of {', '.join(ROLLOUT_MODES)}")
+    if cfg.rollout_mode == "server":
+        need(1 <= cfg.rollout_gpus < world, "rollout_gpus",
+             f"server mode needs at least 1 rollout rank and at least 1 training rank: got {cfg.rollout_gpus} of "
+             f"the job's {world} ranks (start more with `deepspeed --num_gpus N`, or use --rollout_mode colocate)")
+        need(cfg.rollout_gpus % cfg.vllm_tp == 0, "vllm_tp",
+             f"must divide --rollout_gpus {cfg.rollout_gpus}; got {cfg.vllm_tp}")
+    else:
+        need(cfg.rollout_gpus == 0, "rollout_gpus", "is for --rollout_mode server (colocate: every rank generates)")
+        need(not cfg.async_rollout, "async_rollout",
+             "needs --rollout_mode server (colocated engines share the GPU with training, so nothing overlaps)")
+        need(world % cfg.vllm_tp == 0, "vllm_tp",
+             f"must divide the number of ranks (WORLD_SIZE={world}); got {cfg.vllm_tp}")
+    need(not (cfg.async_rollout and cfg.filter_zero_std_groups), "async_rollout",
+         "and --filter_zero_std_groups do not combine yet (dynamic sampling decides on more rounds after seeing "
+         "the rewards); drop one of them")
+    need(cfg.vllm_gpu_memory_utilization is None or 0.0 < cfg.vllm_gpu_memory_utilization < 1.0,
+         "vllm_gpu_memory_utilization", "must be in (0, 1)")
+    kv_cache = cfg.vllm_kv_cache  # raises on a value that is neither auto, share nor a number of GiB
+    need(not (kv_cache == "auto" and cfg.rollout_mode == "server"), "vllm_kv_cache_gib",
+         "auto is for colocated engines (they give the memory back to training); rollout ranks of server mode "
+         "only generate: leave it unset (share) or give a number of GiB")
+    need(cfg.save_steps >= 0, "save_steps", "must be >= 0")
+    need(cfg.save_total_limit >= 1, "save_total_limit", "must be >= 1")
+    need(cfg.eval_steps >= 0, "eval_steps", "must be >= 0")
+    need(cfg.logging_steps >= 1, "logging_steps", "must be >= 1")
+    need(cfg.ddp_timeout_minutes > 0, "ddp_timeout_minutes",
+         f"must be > 0 (minutes; got {cfg.ddp_timeout_minutes}); raise it when one step (a long rollout, "
+         f"a large checkpoint save) can keep some ranks waiting longer than that")
+    need(cfg.eval_max_prompts == -1 or cfg.eval_max_prompts >= 1, "eval_max_prompts",
+         f"must be >= 1, or -1 for all prompts; got {cfg.eval_max_prompts}")
+    need(cfg.qlora_skip_modules is None or cfg.tuning_strategy == "qlora", "qlora_skip_modules",
+         "needs --tuning_strategy qlora")
+    need(cfg.qlora_skip_modules is None or bool(cfg.qlora_skip_list), "qlora_skip_modules",
+         "give comma-separated module names, e.g. v_proj,down_proj")
+    if cfg.lora_exclude_modules is not None:
+        _validate_lora_exclude(cfg, need)
+    need(cfg.vllm_sleep_level in (1, 2), "vllm_sleep_level", f"got {cfg.vllm_sleep_level}, choose 1 or 2")
+    need(cfg.qlora_quant_type in QLORA_QUANT_TYPES, "qlora_quant_type",
+         f"got '{cfg.qlora_quant_type}', choose one of {', '.join(QLORA_QUANT_TYPES)}")
+    need(cfg.qlora_quant_type == "nf4" or cfg.tuning_strategy == "qlora", "qlora_quant_type",
+         "needs --tuning_strategy qlora")
+    need(cfg.qlora_block_size in QLORA_BLOCK_SIZES, "qlora_block_size",
+         f"got {cfg.qlora_block_size}, choose one of {', '.join(map(str, QLORA_BLOCK_SIZES))}")
+    # the stock values pass too: a lora or full run's config saved before the defaults changed holds them
+    need(cfg.qlora_block_size in (DEFAULT_BLOCK_SIZE, BITSANDBYTES_BLOCK_SIZE) or cfg.tuning_strategy == "qlora",
+         "qlora_block_size", "needs --tuning_strategy qlora")
+    need(cfg.qlora_block_scale in QLORA_BLOCK_SCALES, "qlora_block_scale",
+         f"got '{cfg.qlora_block_scale}', choose one of {', '.join(QLORA_BLOCK_SCALES)}")
+    need(cfg.qlora_init in QLORA_INITS, "qlora_init",
+         f"got '{cfg.qlora_init}', choose one of {', '.join(QLORA_INITS)}")
+    if cfg.qlora_init == "loftq":
+        need(cfg.tuning_strategy == "qlora", "qlora_init", "loftq needs --tuning_strategy qlora")
+        need(not cfg.lora_adapter_path, "qlora_init",
+             "loftq sets a new adapter; a continued one (--lora_adapter_path) keeps its own weights: drop one")
+
+def _validate_lora_exclude(cfg, need) -> None:
+    need(cfg.tuning_strategy in ("lora", "qlora"), "lora_exclude_modules",
+         "needs --tuning_strategy lora or qlora")
+    need(not cfg.lora_adapter_path, "lora_exclude_modules",
+         "does not apply with --lora_adapter_path (the continued adapter's own config decides what it adapts)")
+    need(bool(cfg.lora_exclude_modules.strip().strip(",")), "lora_exclude_modules",
+         "give module names (comma-separated) or a regex")
+    if isinstance(cfg.lora_exclude, str):
+        try:
+            re.compile(cfg.lora_exclude)
+        except re.error as exc:
+            need(False, "lora_exclude_modules", f"'{cfg.lora_exclude}' is read as a regex (it has regex "
+                                                f"characters) but does not compile: {exc}")
+
+
+def reward_model_name(path: str) -> str:
+    """The reward name a --reward_model folder registers under: its folder name."""
+    return os.path.basename(os.path.normpath(path))
