@@ -60,10 +60,6 @@ class GRPOConfig:
         None, "Modules LoRA must not adapt, on top of --lora_target_modules: comma-separated names (a full name or "
               "its last parts, e.g. 'mlp.down_proj'), or a regex over full names when it has regex characters "
               "(e.g. 'model\\.layers\\.[01]\\..*').", "model")
-    qlora_skip_modules: Optional[str] = _opt(
-        None, "qlora: linear layers kept in 16-bit instead of 4-bit, comma-separated names or suffixes (e.g. "
-              "'gate_proj,up_proj,down_proj': on SmolLM2-135M the MLP is where 4-bit rounding costs the most, see "
-              "benchmarks/quantized_arithmetic.py); the output layer is always kept.", "experimental")
     qlora_quant_type: str = _opt(
         "nf4", "qlora: the 4-bit data type of the frozen base. nf4: NormalFloat, the least weight error overall. "
                "fp4: bitsandbytes' 4-bit float, with more range for a heavy-tailed layer's large weights; on "
@@ -92,6 +88,10 @@ class GRPOConfig:
                 "adapter still starts at 0, the KL reference is the corrected start, and the saved adapter is one "
                 "rank-2r LoRA (trained + correction) for the 4-bit base.", "experimental",
         choices=QLORA_INITS)
+    qlora_skip_modules: Optional[str] = _opt(
+        None, "qlora: linear layers kept in 16-bit instead of 4-bit, comma-separated names or suffixes (e.g. "
+              "'gate_proj,up_proj,down_proj': on SmolLM2-135M the MLP is where 4-bit rounding costs the most, see "
+              "benchmarks/quantized_arithmetic.py); the output layer is always kept.", "experimental")
     lora_adapter_path: Optional[str] = _opt(
         None, "Continue training from a saved LoRA adapter folder (rank/alpha read from its config).", "model")
     freeze_vision_tower: bool = _opt(

@@ -166,6 +166,7 @@ class GRPOTrainer:
     @phase("rollout")
     def _collect_rollouts(self) -> tuple[RolloutRound, RolloutRound]:
         """(kept, drawn): the completions the step trains on, and every completion sampled (RolloutCollector)."""
+        self._sizes = {}  # the last step's micro-batches say nothing about this rollout's memory
         return self.rollouts.collect(self.state)
 
     def _step_data(self, rollout: RolloutRound) -> tuple[StepData, float]:
