@@ -288,7 +288,7 @@ def test_bad_input_is_a_clear_error(model_dir):
     from transformers import AutoModelForCausalLM
 
     policy = trained_policy(model_dir, "full")
-    with pytest.raises(ConfigError, match="full, lora, qlora"):
+    with pytest.raises(ConfigError, match="qlora, lora, full"):
         next(iter_policy_weights(policy, "dora"))
     dora = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir),
                           LoraConfig(r=4, target_modules=["q_proj"], use_dora=True))

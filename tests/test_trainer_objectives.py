@@ -84,7 +84,7 @@ def test_dynamic_sampling_draws_more_rounds_and_resumes_exactly(tiny_model, regi
     # every kept completion is scored after its own prompt: the trainer's log-probs are the sampler's
     assert all(r["rollout/logprob_diff_max"] < 1e-4 for r in rows_a)
     # the data position counts every prompt drawn, in every round
-    assert straight.state.epoch * straight.order.steps_per_epoch * 2 + straight.state.position == \
+    assert straight.state.epoch * straight.rollouts.order.steps_per_epoch * 2 + straight.state.position == \
         sum(r["dynamic_sampling/prompts_drawn"] for r in rows_a)
 
     first_half = GRPOTrainer(tiny_config(tiny_model, registry, str(tmp_path / "b"), **{**common, "max_steps": 2}),
