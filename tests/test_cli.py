@@ -51,6 +51,20 @@ def test_help_lists_every_flag():
     assert positions[-1] < proc.stdout.index("\n  --qlora_block_size")
 
 
+def test_boolean_flags_read_right_both_ways_and_abbreviations_are_refused():
+    from grpo.config import parse_args
+    from grpo.config.cli import build_parser
+
+    help_text = build_parser().format_help()
+    negative = help_text[help_text.index("\n  --no_eval_on_start"):]
+    assert negative.split("\n  --")[1].split("--no-eval-on-start")[1].split() == \
+        "Turn --eval_on_start off (the same as --eval_on_start false).".split()
+    assert parse_args(["--no_eval_on_start"]).eval_on_start is False
+    assert parse_args([]).eval_on_start is True
+    with pytest.raises(SystemExit):  # --max_step is not --max_steps
+        parse_args(["--max_step", "2"])
+
+
 @pytest.mark.parametrize("old, new", [
     (["--use_vllm_rollout", "true"], "--rollout_engine vllm"),
     (["--vllm_mode", "server"], "--rollout_mode"),

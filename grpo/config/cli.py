@@ -25,11 +25,16 @@ def build_parser():
     """HfArgumentParser over GRPOConfig, its flags moved into one argument group per FLAG_GROUPS section."""
     from transformers import HfArgumentParser
 
+    # allow_abbrev=False: a shortened or mistyped flag is an error, never another flag
     parser = HfArgumentParser(GRPOConfig, description="GRPO fine-tuning with verifiable rewards.",
-                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                              formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
     parser.add_argument("--config", default=None, help="JSON file of flag values; command-line flags win.")
     groups = {key: parser.add_argument_group(title) for key, title in GROUP_TITLES.items()}
     for action in list(parser._optionals._group_actions):
+        if action.option_strings and action.option_strings[0] == f"--no_{action.dest}":
+            # the negative of a boolean flag: say what it does (its default is the positive flag's)
+            action.help = f"Turn --{action.dest} off (the same as --{action.dest} false)."
+            action.default = argparse.SUPPRESS
         group = FLAG_GROUPS.get(action.dest)
         if group is not None:  # moved from "options" into its section (argparse keeps one list per group)
             parser._optionals._group_actions.remove(action)
