@@ -233,3 +233,31 @@ def test_links_and_paths_exist(path):
         if REPO_PATH.match(span) and not (ROOT / span).exists():
             missing.append(f"path {span}")
     assert not missing, f"{path.relative_to(ROOT)}: " + ", ".join(sorted(set(missing)))
+
+
+def test_the_readme_registry_and_reward_examples_work_when_pasted(tmp_path):
+    """The README's registry entry, pasted into a copy of configs/dataset_config.json, finds its file under the
+    repository's data/; its reward file registers the reward the entry names; both load before any model."""
+    from grpo.data import load_dataset_registry, load_prompt_datasets
+    from grpo.rewards import get_reward, load_reward_module
+
+    readme = ROOT / "README.md"
+    entry = next(json.loads(body) for _, body in fenced(readme, {"json"}) if '"path"' in body)
+    reward_source = next(body for _, body in fenced(readme, {"python"}) if "register_reward" in body)
+    name, spec = next(iter(entry.items()))
+    tree = tmp_path / "repo"
+    (tree / "configs").mkdir(parents=True)
+    registry = json.loads((ROOT / "configs" / "dataset_config.json").read_text())
+    registry.update(entry)
+    (tree / "configs" / "dataset_config.json").write_text(json.dumps(registry))
+    data = (tree / "configs" / spec["path"]).resolve()
+    assert data.parent == tree / "data", f"the example's path {spec['path']} does not lead to the repository's data/"
+    data.parent.mkdir()
+    data.write_text("".join(json.dumps({spec["prompt_field"]: f"What is {i} + {i}?",
+                                        spec["answer_field"]: f"\\boxed{{{2 * i}}}"}) + "\n" for i in range(8)))
+    (tree / "my_rewards.py").write_text(reward_source)
+    load_reward_module(str(tree / "my_rewards.py"))
+    assert all(get_reward(reward) for reward in spec["rewards"])
+    load_dataset_registry(str(tree / "configs" / "dataset_config.json"))
+    train, held_out = load_prompt_datasets(str(tree / "configs" / "dataset_config.json"), [name], 0.75, 0)
+    assert len(train) + len(held_out) == 8
