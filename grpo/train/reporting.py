@@ -69,7 +69,9 @@ class RunReporter:
             fh.write(json.dumps(row) + "\n")
         if self._wandb is not None:
             self._wandb.log(metrics, step=step)
-        headline = {short: metrics[key] for key, short in _HEADLINE if key in metrics}
+        # kl is 0 by construction without a KL term (--kl_beta 0): not worth a column then
+        headline = {short: metrics[key] for key, short in _HEADLINE
+                    if key in metrics and (key != "kl" or self.config.kl_beta > 0)}
         if self._bar is not None and not self._bar.disable:
             self._bar.set_postfix({k: f"{v:.3g}" for k, v in headline.items()}, refresh=False)
             self._bar.update(1)
@@ -128,14 +130,21 @@ def _start_wandb(config: GRPOConfig):
 
 
 # ---------------------------------------------------------------------------------------------------- plots
-# Training curves as one PNG (reward, accuracy, KL, completion length), drawn from metrics.jsonl rows.
+# Training curves as one PNG (reward, each reward function, KL / engine gap, completion length), drawn from
+# metrics.jsonl rows.
 _PANELS = [
     # eval: the total and each eval dataset's own line (eval/<dataset>/reward/mean)
     ("Reward", lambda k: k == "reward/mean" or (k.startswith("eval/") and k.endswith("/reward/mean"))),
-    ("Accuracy (per reward function)", lambda k: k.startswith("rewards/") or k.startswith("eval/rewards/")),
-    ("KL to reference", lambda k: k in ("kl", "rollout/logprob_diff_mean")),
+    ("Reward per function", lambda k: k.startswith("rewards/") or k.startswith("eval/rewards/")),
+    ("KL to reference, engine log-prob gap", lambda k: k in ("kl", "rollout/logprob_diff_mean")),
     ("Completion length (tokens)", lambda k: k in ("completion/length_mean", "eval/completion/length_mean")),
 ]
+
+
+def panel_keys(rows: list[dict], wanted) -> list[str]:
+    """The metrics a panel draws: those it wants that the rows hold, less a KL that is 0 throughout (no KL term)."""
+    keys = sorted({k for r in rows for k in r if wanted(k)})
+    return [k for k in keys if k != "kl" or any(r.get("kl") for r in rows)]
 
 
 def plot_training_curves(rows: list[dict], path: str) -> str:
@@ -147,7 +156,7 @@ def plot_training_curves(rows: list[dict], path: str) -> str:
 
     fig, axes = plt.subplots(2, 2, figsize=(11, 7))
     for ax, (title, wanted) in zip(axes.flat, _PANELS):
-        keys = sorted({k for r in rows for k in r if wanted(k)})
+        keys = panel_keys(rows, wanted)
         for key in keys:
             pts = [(r["step"], r[key]) for r in rows if key in r and r[key] is not None]
             if pts:
