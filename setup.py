@@ -10,12 +10,12 @@ setup(
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.4",
-        "transformers>=4.51",
-        "peft>=0.14",
-        "bitsandbytes>=0.45",
-        "deepspeed>=0.16",
+        "transformers>=5.17",  # versions run: 5.17 (GPU checks), 5.24 (CPU tests)
+        "peft>=0.21",
+        "bitsandbytes>=0.50",
+        "deepspeed>=0.19.8",
         "accelerate>=1.0",
-        "datasets>=3.0",
+        "datasets>=5.2",
         "gguf>=0.10",
         "safetensors>=0.4",
         "rich>=13",
