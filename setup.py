@@ -14,7 +14,7 @@ setup(
         "peft>=0.21",
         "bitsandbytes>=0.50",
         "deepspeed>=0.19.8",
-        "accelerate>=1.0",
+        "accelerate>=1.1",
         "datasets>=5.2",
         "gguf>=0.10",
         "safetensors>=0.4",
