@@ -26,6 +26,7 @@
 # unset, the runs keep grpo's default (auto colocated, share in server mode) and section 1's grpo engine is sized
 # as auto would size it; bare vLLM always keeps its default (what VLLM_MEM leaves after the weights)
 #
+# EXTRA_ARGS: more train_grpo.py flags for every grpo run (e.g. "--rollout_weights adapter").
 # Knobs: OUT STEPS MULTI_STEPS MULTI_CASES MULTI_MODES MAX_NEW REPEATS VLLM_MEM SERVER_MEM VLLM_SLEEP KV_CACHE_GIB
 # TRL_MICRO TRL_IS
 # MODEL_DIR SKIP_ROLLOUT SKIP_TRL SKIP_MULTI RUN T_MODEL T_ROLLOUT T_RUN T_TRL T_MULTI PORT
@@ -90,7 +91,7 @@ train() {
     --max_prompt_length "$PROMPT_LEN" --max_seq_length $((PROMPT_LEN + new)) --max_steps "$steps" \
     --rollout_engine vllm --vllm_gpu_memory_utilization "$VLLM_MEM" --vllm_sleep "$VLLM_SLEEP" --save_steps 0 \
     --eval_on_start false --logging_steps 1 --output_dir "$dir" --overwrite_output_dir \
-    ${KV_CACHE_GIB:+--vllm_kv_cache_gib "$KV_CACHE_GIB"} "$@" > "$dir.log" 2>&1
+    ${KV_CACHE_GIB:+--vllm_kv_cache_gib "$KV_CACHE_GIB"} ${EXTRA_ARGS:-} "$@" > "$dir.log" 2>&1
   local rc=$?
   port=$((port + 1))
   printf '{"name": "%s", "mode": "%s", "gpus": %s, "train_ranks": %s, "max_new": %s, ' \

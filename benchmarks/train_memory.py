@@ -25,6 +25,12 @@ SHAPES = {  # random models of these shapes
     "qwen2.5-1.5b": dict(arch="qwen2", vocab_size=151936, hidden_size=1536, intermediate_size=8960,
                          num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
                          tie_word_embeddings=True),
+    "qwen2.5-7b": dict(arch="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944,
+                       num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+                       tie_word_embeddings=False),
+    "qwen2.5-14b": dict(arch="qwen2", vocab_size=152064, hidden_size=5120, intermediate_size=13824,
+                        num_hidden_layers=48, num_attention_heads=40, num_key_value_heads=8,
+                        tie_word_embeddings=False),
 }
 
 
@@ -37,8 +43,13 @@ def random_model(shape: str, device, **config_kwargs):
     config_cls, model_cls = (LlamaConfig, LlamaForCausalLM) if arch == "llama" else (Qwen2Config, Qwen2ForCausalLM)
     config = config_cls(max_position_embeddings=4096, **config_kwargs, **spec)
     torch.manual_seed(0)
-    with torch.device(device):
-        return model_cls(config).to(torch.bfloat16)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # built in bf16: a 7B model in fp32 first would take 30 GB
+    try:
+        with torch.device(device):
+            return model_cls(config).to(torch.bfloat16)
+    finally:
+        torch.set_default_dtype(default)
 
 
 def build_model(shape: str, strategy: str, gradient_checkpointing: bool):

@@ -408,3 +408,19 @@ def test_training_on_cuda_leaves_cudnn_attention_out():
         assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.mem_efficient_sdp_enabled()
     finally:
         torch.backends.cuda.enable_cudnn_sdp(before)
+
+
+def test_checkpointing_auto_follows_the_parameter_count(model_dir, monkeypatch):
+    """--gradient_checkpointing left at auto turns on from a parameter count, 4-bit weights counted by their values."""
+    from grpo.model import loading
+
+    full = loading.parameter_count(load_policy(config(model_dir, tuning_strategy="full"), model_dir, torch.float32,
+                                               CPU))
+    for threshold, expected in ((full + 1, False), (full, True)):
+        monkeypatch.setattr(loading, "CHECKPOINTING_FROM_PARAMETERS", threshold)
+        model = load_policy(config(model_dir, tuning_strategy="qlora"), model_dir, torch.float32, CPU)
+        adapter = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        assert loading.parameter_count(model) == full + adapter  # each 4-bit weight counted as the 16-bit one was
+        model.train()
+        renamed = hasattr(model, "is_activation_checkpointing")
+        assert (model.is_activation_checkpointing if renamed else model.is_gradient_checkpointing) == expected

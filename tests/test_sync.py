@@ -1,14 +1,15 @@
 """Weight sync on CPU: the streamed tensors are the trained policy, under the base checkpoint's names."""
 import copy
 import importlib.util
+import json
 
 import pytest
 import torch
 
 from grpo.config.options import GRPOConfig
 from grpo.errors import ConfigError
-from grpo.model.loading import load_policy
-from grpo.model.weight_sync import checkpoint_name, iter_policy_weights, sync_weights
+from grpo.model.loading import keep_4bit_forward_exact, load_policy
+from grpo.model.weight_sync import checkpoint_name, dense_weight, iter_policy_weights, sync_weights
 from grpo.rollout.engine import RolloutEngine
 
 from .tiny_models import make_tiny_model_dir
@@ -365,3 +366,110 @@ def test_qlora_sync_with_layers_kept_in_full_precision(model_dir):
     first = list(iter_policy_weights(policy, "qlora", dtype=torch.float32, first_sync=True))
     assert len(first) == 2 * 7  # the kept layers carry adapters too, so they are merged and sent like the others
     assert_reproduces(policy, lambda: AutoModelForCausalLM.from_pretrained(model_dir), first, atol=1e-4)
+
+
+class AdapterEngine(RolloutEngine):
+    """Stands in for an engine that holds the base and takes the adapter (vLLM's LoRA): records what it gets."""
+    takes_adapter = True
+
+    def __init__(self):
+        self.adapters = []
+
+    def generate(self, prompt_token_ids, sampling, images=None):
+        raise AssertionError("only syncs are recorded")
+
+    def load_adapter(self, tensors):
+        self.adapters.append(tensors)
+
+
+def apply_adapter(weights: dict, adapter: dict) -> dict:
+    """What an engine holding the base computes: W + B' @ A per adapted layer (B' carries the scale)."""
+    out = dict(weights)
+    for name, lora_a in adapter.items():
+        if name.endswith(".lora_A.weight"):
+            module = name[len("base_model.model."):-len(".lora_A.weight")]
+            lora_b = adapter[name.replace(".lora_A.", ".lora_B.")]
+            out[f"{module}.weight"] = weights[f"{module}.weight"] + lora_b.float() @ lora_a.float()
+    return out
+
+
+@pytest.mark.parametrize("strategy", ["lora", "qlora"])
+def test_adapter_sync_equals_the_merged_sync(model_dir, strategy):
+    """The adapter an engine takes, applied to the base it holds, is the merged policy the merged sync sends; a sync
+    sends the adapter alone (2 tensors per adapted layer), with the layer's alpha / r folded into lora_B."""
+    policy = trained_policy(model_dir, strategy, targets="q_proj,v_proj")
+    engine = AdapterEngine()
+    stats = sync_weights(engine, policy, strategy, dtype=torch.float32)
+    adapter = engine.adapters[0]
+    assert stats.tensors == len(adapter) == 2 * 2 * 2  # 2 layers x (q, v) x (A, B)
+    assert stats.bytes == sum(t.numel() * t.element_size() for t in adapter.values())
+    layer = policy.base_model.model.model.layers[1].self_attn.v_proj
+    name = "base_model.model.model.layers.1.self_attn.v_proj"
+    torch.testing.assert_close(adapter[f"{name}.lora_A.weight"], layer.lora_A["default"].weight)
+    torch.testing.assert_close(adapter[f"{name}.lora_B.weight"], 2.0 * layer.lora_B["default"].weight)  # 8 / 4
+    merged = dict(iter_policy_weights(policy, strategy, dtype=torch.float32, first_sync=True, everything=True))
+    base = dict(merged)  # the engine's base: the adapted layers without their adapter (dequantized for qlora)
+    for module_name, module in policy.named_modules():
+        if hasattr(module, "lora_A") and "default" in module.lora_A:
+            base[checkpoint_name(module_name) + ".weight"] = dense_weight(module.get_base_layer())
+    rebuilt = apply_adapter(base, adapter)
+    for key, tensor in merged.items():
+        torch.testing.assert_close(rebuilt[key], tensor, atol=1e-5, rtol=1e-5)
+    assert any((rebuilt[k] - base[k]).abs().max() > 1e-3 for k in adapter_modules(adapter))
+
+
+def adapter_modules(adapter):
+    return {n[len("base_model.model."):-len(".lora_A.weight")] + ".weight" for n in adapter if ".lora_A." in n}
+
+
+def test_the_4bit_base_written_for_the_engine_loads_as_the_trainers_base(model_dir, tmp_path):
+    """The folder an adapter-taking engine loads holds the trainer's own 4-bit base (blocks of 32, not the stock 64):
+    transformers loads it as a pre-quantized bitsandbytes model that computes the same logits as the policy with
+    its adapter disabled, and whose 4-bit codes are the trainer's."""
+    from transformers import AutoModelForCausalLM
+
+    from grpo.model.quantized_checkpoint import write_4bit_checkpoint
+
+    policy = trained_policy(model_dir, "qlora")
+    written = write_4bit_checkpoint(policy, str(tmp_path / "base4"), dtype=torch.float32)
+    config = json.load(open(tmp_path / "base4" / "config.json"))["quantization_config"]
+    assert config["quant_method"] == "bitsandbytes" and config["load_in_4bit"] and "lm_head" in \
+        config["llm_int8_skip_modules"]
+    loaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "base4"), dtype=torch.float32, device_map="cpu")
+    keep_4bit_forward_exact(loaded)
+    q_proj = loaded.model.layers[0].self_attn.q_proj
+    trained = policy.base_model.model.model.layers[0].self_attn.q_proj.base_layer.weight
+    assert q_proj.weight.quant_state.blocksize == trained.quant_state.blocksize == 32
+    assert torch.equal(q_proj.weight.data.flatten(), trained.data.flatten())
+    policy.eval()
+    with torch.no_grad(), policy.disable_adapter():
+        torch.testing.assert_close(loaded(IDS).logits, policy(IDS).logits, atol=1e-5, rtol=1e-5)
+    assert 0 < written < sum(p.numel() * 4 for p in loaded.parameters()) * 2
+
+
+def test_rollout_weights_auto_picks_adapter_only_where_the_16bit_copy_crowds_the_gpu(model_dir, monkeypatch):
+    """qlora with vLLM: merged while a 16-bit copy of the model takes at most ADAPTER_FROM_SHARE of the GPU (it
+    generates faster), adapter beyond; an explicit adapter where vLLM's LoRA cannot take the model is an error."""
+    from grpo.model.loading import parameter_count
+    from grpo.rollout import engines
+
+    cfg = GRPOConfig(model_name_or_path=model_dir, tuning_strategy="qlora", rollout_engine="vllm", lora_rank=4,
+                     lora_alpha=8, lora_dropout=0.0)
+    assert cfg.engine_weights == "adapter"  # a candidate, before the model and the GPU are known
+    policy = trained_policy(model_dir, "qlora")
+    copy_bytes = 2 * parameter_count(policy)
+    monkeypatch.setattr(engines, "gpu_memory_bytes", lambda: int(copy_bytes / engines.ADAPTER_FROM_SHARE) + 1)
+    assert engines.engine_weights(cfg, policy, vision=None) == "merged"
+    monkeypatch.setattr(engines, "gpu_memory_bytes", lambda: int(copy_bytes / engines.ADAPTER_FROM_SHARE) - 1)
+    assert engines.engine_weights(cfg, policy, vision=None) == "adapter"
+    assert engines.engine_weights(cfg, policy, vision=object()) == "merged"  # a vision-language model
+    explicit = GRPOConfig(model_name_or_path=model_dir, tuning_strategy="qlora", rollout_engine="vllm",
+                          rollout_weights="adapter")
+    with pytest.raises(ConfigError, match="vision-language"):
+        engines.engine_weights(explicit, policy, vision=object())
+    assert GRPOConfig(model_name_or_path=model_dir, tuning_strategy="lora", rollout_engine="vllm").engine_weights \
+        == "merged"
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match="rollout_weights.*--vllm_tp 1"):
+        GRPOConfig(model_name_or_path=model_dir, tuning_strategy="qlora", rollout_engine="vllm", vllm_tp=2,
+                   rollout_weights="adapter")

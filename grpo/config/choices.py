@@ -18,6 +18,7 @@ KL_ESTIMATORS = ("k1", "k2", "k3")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 ROLLOUT_ENGINES = ("hf", "vllm")
 ROLLOUT_MODES = ("colocate", "server")
+ROLLOUT_WEIGHTS = ("auto", "merged", "adapter")
 SCHEDULERS = ("constant", "linear", "cosine")
 DEFAULT_SPLIT_RATIO = 0.95
 # a --lora_exclude_modules value with any of these is a regex; '.' is not one: module names are dotted paths

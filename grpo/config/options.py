@@ -15,7 +15,7 @@ from grpo.config.choices import (  # noqa: F401 (the qlora constants are also re
     AGGREGATIONS, BITSANDBYTES_BLOCK_SCALE, BITSANDBYTES_BLOCK_SIZE, DEFAULT_BLOCK_SCALE, DEFAULT_BLOCK_SIZE,
     DEFAULT_SPLIT_RATIO, EMBEDDED_MODEL, IMPORTANCE_SAMPLING_LEVELS, KL_ESTIMATORS, QLORA_BLOCK_SCALES,
     QLORA_BLOCK_SIZES, QLORA_INITS, QLORA_QUANT_TYPES, REGEX_CHARS, REWARD_SCALES, ROLLOUT_ENGINES, ROLLOUT_MODES,
-    SCHEDULERS, STOCK_4BIT_OPTIONS, STRATEGIES)
+    ROLLOUT_WEIGHTS, SCHEDULERS, STOCK_4BIT_OPTIONS, STRATEGIES)
 from grpo.config.validation import validate
 from grpo.errors import ConfigError
 
@@ -98,7 +98,10 @@ class GRPOConfig:
         True, "Vision-language models: keep the vision encoder frozen (LoRA 'all-linear' then adapts the language "
         "model only).", "model")
     trust_remote_code: bool = _opt(False, "Allow model code from the model folder / hub repo.", "model")
-    gradient_checkpointing: bool = _opt(False, "Recompute activations in backward to save memory.", "model")
+    gradient_checkpointing: Optional[bool] = _opt(
+        None, "Recompute activations in backward to save memory. Default (auto): on for models of "
+              "1B parameters or more, whose micro-batch activations outgrow the weights; off below, where the recomputation "
+              "(one more forward) would cost time for memory the GPU has.", "model")
     save_merged_model: bool = _opt(
         False, "With lora/qlora, also save the base model with the adapter merged. qlora merges into the base at its "
                "original precision, which differs from the trained 4-bit policy by the rounding (with --qlora_init "
@@ -227,6 +230,13 @@ class GRPOConfig:
                     "DeepSpeed trains). server: the last --rollout_gpus ranks of the job only generate (with "
                     "--rollout_engine), the others only train; completions and the updated policy travel between "
                     "them after every step.", "rollout", choices=ROLLOUT_MODES)
+    rollout_weights: str = _opt(
+        "auto", "What the vLLM engine holds of a lora / qlora policy. merged: a 16-bit copy of the whole model, the "
+                "adapter merged in at every sync. adapter: the base once (qlora: the trainer's own 4-bit base) plus "
+                "the adapter, which is all a sync sends. auto: adapter for qlora once the 16-bit copy would take over "
+                "40% of the GPU (merged is faster where both fit), merged otherwise (lora, vision-language models, "
+                "--vllm_tp > 1 with qlora, --qlora_init loftq).", "rollout",
+        choices=ROLLOUT_WEIGHTS)
     async_rollout: bool = _opt(
         False, "With --rollout_mode server: the rollout ranks generate the next step's rollouts while this step trains "
                "(one step off policy, corrected by the truncated IS weights; rollout/staleness is logged).",
@@ -337,6 +347,16 @@ class GRPOConfig:
     @property
     def uses_lora(self) -> bool:
         return self.tuning_strategy in ("lora", "qlora")
+
+    @property
+    def engine_weights(self) -> str:
+        """--rollout_weights with auto decided from the options alone ("merged" or "adapter"); the engine's builder
+        may still fall back to merged for a model vLLM's LoRA cannot take (grpo.rollout.engines)."""
+        if self.rollout_weights != "auto":
+            return self.rollout_weights
+        adapter = (self.tuning_strategy == "qlora" and self.uses_vllm and self.rollout_mode == "colocate"
+                   and self.vllm_tp == 1 and self.qlora_init != "loftq")
+        return "adapter" if adapter else "merged"
 
     @property
     def vllm_memory_share(self) -> float:

@@ -7,7 +7,8 @@ import re
 
 from grpo.config.choices import (AGGREGATIONS, BITSANDBYTES_BLOCK_SIZE, DEFAULT_BLOCK_SIZE, IMPORTANCE_SAMPLING_LEVELS,
                                  KL_ESTIMATORS, QLORA_BLOCK_SCALES, QLORA_BLOCK_SIZES, QLORA_INITS, QLORA_QUANT_TYPES,
-                                 REWARD_SCALES, ROLLOUT_ENGINES, ROLLOUT_MODES, SCHEDULERS, STRATEGIES)
+                                 REWARD_SCALES, ROLLOUT_ENGINES, ROLLOUT_MODES, ROLLOUT_WEIGHTS, SCHEDULERS,
+                                 STRATEGIES)
 from grpo.errors import ConfigError
 from grpo.runtime.roles import job_world_size
 
@@ -104,6 +105,19 @@ def validate(cfg) -> None:
              "needs --rollout_mode server (colocated engines share the GPU with training, so nothing overlaps)")
         need(world % cfg.vllm_tp == 0, "vllm_tp",
              f"must divide the number of ranks (WORLD_SIZE={world}); got {cfg.vllm_tp}")
+    need(cfg.rollout_weights in ROLLOUT_WEIGHTS, "rollout_weights",
+         f"got '{cfg.rollout_weights}', choose one of {', '.join(ROLLOUT_WEIGHTS)}")
+    if cfg.rollout_weights == "adapter":
+        need(cfg.tuning_strategy in ("lora", "qlora"), "rollout_weights",
+             "adapter is for --tuning_strategy lora / qlora (a full run has no adapter): use merged")
+        need(cfg.rollout_engine == "vllm" and cfg.rollout_mode == "colocate", "rollout_weights",
+             "adapter needs --rollout_engine vllm colocated (the HF engine samples the live policy; server mode "
+             "takes merged weights): use merged")
+        need(not (cfg.tuning_strategy == "qlora" and cfg.vllm_tp > 1), "rollout_weights",
+             f"adapter with qlora runs the 4-bit base on one GPU per engine (vLLM 0.26 cannot split a pre-quantized "
+             f"model): use --vllm_tp 1 or --rollout_weights merged (got --vllm_tp {cfg.vllm_tp})")
+        need(cfg.qlora_init != "loftq" or cfg.tuning_strategy != "qlora", "rollout_weights",
+             "adapter cannot carry --qlora_init loftq's rounding correction: use merged")
     need(not (cfg.async_rollout and cfg.filter_zero_std_groups), "async_rollout",
          "and --filter_zero_std_groups do not combine yet (dynamic sampling decides on more rounds after seeing "
          "the rewards); drop one of them")

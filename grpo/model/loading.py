@@ -16,6 +16,7 @@ from grpo.model.qlora_base_record import warn_if_another_base
 from grpo.model.qlora_rounding import requantize_4bit_base
 
 logger = logging.getLogger("grpo")
+CHECKPOINTING_FROM_PARAMETERS = 1_000_000_000  # --gradient_checkpointing auto: on from here
 
 
 def load_tokenizer(model_path: str, trust_remote_code: bool = False):
@@ -87,13 +88,14 @@ def load_policy(config: GRPOConfig, model_path: str, dtype: torch.dtype, device:
                                   "give a name or its last parts")
     if is_vl and config.freeze_vision_tower:
         vision.freeze_vision_tower(model)
+    checkpointing = wants_checkpointing(config.gradient_checkpointing, model)
     if config.tuning_strategy == "qlora":
         from peft import prepare_model_for_kbit_training
 
-        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=config.gradient_checkpointing,
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=checkpointing,
                                                 gradient_checkpointing_kwargs={"use_reentrant": False})
         keep_4bit_forward_exact(model)
-    elif config.gradient_checkpointing:
+    elif checkpointing:
         _enable_checkpointing(model)
     if is_vl and config.freeze_vision_tower:
         vision.freeze_vision_tower(model)  # prepare_model_for_kbit_training may have unfrozen it
@@ -103,13 +105,30 @@ def load_policy(config: GRPOConfig, model_path: str, dtype: torch.dtype, device:
             from grpo.model.loftq import add_rounding_correction
 
             add_rounding_correction(model, model_path)
-        if config.gradient_checkpointing:
+        if checkpointing:
             model.enable_input_require_grads()  # checkpointed blocks need an input that requires grad
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
     logger.info(f"{config.tuning_strategy}: {trainable:,} trainable of {total:,} parameters "
                 f"({100 * trainable / max(total, 1):.2f}%)")
     return model
+
+
+def parameter_count(model) -> int:
+    """Parameters of the model as trained, a 4-bit weight counted by its values (bitsandbytes packs two per byte)."""
+    return sum(p.numel() * (2 if p.__class__.__name__ == "Params4bit" else 1) for p in model.parameters())
+
+
+def wants_checkpointing(option: Optional[bool], model) -> bool:
+    """--gradient_checkpointing as given, or auto: on from CHECKPOINTING_FROM_PARAMETERS parameters (at 7B, 16k
+    tokens of activations without it take more memory than an 80 GB GPU has; at 0.5B they fit beside the weights)."""
+    if option is not None:
+        return option
+    count = parameter_count(model)
+    on = count >= CHECKPOINTING_FROM_PARAMETERS
+    logger.info(f"gradient checkpointing {'on' if on else 'off'} ({count / 1e9:.2f}B parameters; auto turns it on "
+                f"from {CHECKPOINTING_FROM_PARAMETERS / 1e9:.0f}B; --gradient_checkpointing true/false to choose)")
+    return on
 
 
 def keep_4bit_forward_exact(model) -> int:

@@ -62,11 +62,47 @@ def iter_policy_weights(model, strategy: str, *, dtype: torch.dtype = torch.bflo
         yield rename(name, prefixes), tensor
 
 
+def iter_adapter_tensors(model, *, dtype: torch.dtype = torch.bfloat16,
+                         zero3: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield the trained LoRA adapter as an engine that holds the base takes it: (peft name, tensor in `dtype`),
+
+        base_model.model.<module>.lora_A.weight    A            [r, in]
+        base_model.model.<module>.lora_B.weight    scale * B    [out, r]     scale = the layer's alpha / r
+
+    so the engine computes W x + B' A x with the layer's own scale (rank and alpha patterns, rsLoRA included)."""
+    from peft.tuners.lora import LoraLayer
+
+    for module_name, module in model.named_modules():
+        if not isinstance(module, LoraLayer):
+            continue
+        adapters = _lora_adapters(module)
+        if len(adapters) > 1:
+            raise ConfigError(f"{checkpoint_name(module_name)} has {len(adapters)} active adapters; the rollout "
+                              "engine takes one: use --rollout_weights merged")
+        for a in adapters:
+            if getattr(module, "lora_bias", {}).get(a, False) or getattr(module, "fan_in_fan_out", False):
+                raise ConfigError("the rollout engine takes plain LoRA adapters (no lora_bias, no fan_in_fan_out "
+                                  "layers): use --rollout_weights merged")
+            lora_a, lora_b = module.lora_A[a].weight, module.lora_B[a].weight
+            name = PEFT_PREFIX + checkpoint_name(module_name)
+            with _gathered([lora_a, lora_b], zero3), torch.no_grad():
+                yield f"{name}.lora_A.weight", lora_a.detach().to(dtype, copy=True)
+                yield f"{name}.lora_B.weight", (lora_b.detach().float() * module.scaling[a]).to(dtype)
+
+
 def sync_weights(engine, model, strategy: str, *, zero3: bool = False, first_sync: bool = False,
                  dtype: torch.dtype = torch.bfloat16, chunk_bytes: int = 256 * 2**20) -> SyncStats:
     """Stream the policy's weights into `engine.load_weights`, at most ~chunk_bytes per call (plus one tensor).
-    All of them when the engine says it `needs_every_weight`, else what changed since the last sync."""
+    All of them when the engine says it `needs_every_weight`, else what changed since the last sync. An engine that
+    `takes_adapter` gets the LoRA adapter alone, in one call."""
     start = time.perf_counter()
+    if engine.takes_adapter:
+        tensors = dict(iter_adapter_tensors(model, dtype=dtype, zero3=zero3))
+        engine.load_adapter(tensors)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        return SyncStats(seconds=time.perf_counter() - start,
+                         bytes=sum(t.numel() * t.element_size() for t in tensors.values()), tensors=len(tensors))
     total, count, chunk, chunk_size = 0, 0, [], 0
     everything = engine.needs_every_weight
     for name, tensor in iter_policy_weights(model, strategy, dtype=dtype, zero3=zero3, first_sync=first_sync,

@@ -48,6 +48,7 @@ class RolloutEngine(ABC):
     needs_every_weight: bool = False   # its sleep drops the weights: a sync then sends every weight, not a delta
     weights_dropped: bool = False      # such a sleep happened and no complete load_weights has followed
     last_sleep_freed_bytes: Optional[int] = None  # GPU memory the last sleep gave back (None: it never sleeps)
+    takes_adapter: bool = False        # holds the base once and takes the LoRA adapter as adapter tensors
 
     @abstractmethod
     def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingSettings,
@@ -71,6 +72,11 @@ class RolloutEngine(ABC):
         """Replace the engine's weights by these (HF checkpoint names). `complete`: the last chunk of a load of every
         weight (an engine that dropped its weights may wake only then); a partial sync passes False until then."""
         raise NotImplementedError(f"{type(self).__name__} samples the live policy and holds no weights to load")
+
+    def load_adapter(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Replace the engine's LoRA adapter by these tensors: peft names (`base_model.model.<module>.lora_A.weight`,
+        `...lora_B.weight`), lora_B already multiplied by the layer's scaling. Engines with `takes_adapter` only."""
+        raise NotImplementedError(f"{type(self).__name__} takes whole weights, not an adapter")
 
     def sleep(self, keep_weights: bool = False) -> None:
         """Release memory while the trainer runs; `keep_weights`: no sync follows, so the weights must survive."""

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import tempfile
 
 import torch
 
@@ -10,6 +11,11 @@ from grpo.rollout.hf import HFRolloutEngine, stop_token_ids
 from grpo.rollout.kv_cache import engine_kv_cache_bytes
 
 logger = logging.getLogger("grpo")
+# --rollout_weights auto, qlora: the engine holds the 4-bit base plus the adapter once the merged 16-bit copy would
+# take more than this share of the GPU. Below it both fit and merged is faster: on one H100 at Qwen2.5-7B's shape
+# (a 15 GiB copy, 19% of the GPU) merged took 8.1 s/step with eager vLLM (26.4 GiB peak), adapter 8.5 s/step with
+# CUDA graphs and 27.7 eager (19.0 GiB peak); at 0.68B with lora, 1.76 against 2.26 (benchmarks/RESULTS.md)
+ADAPTER_FROM_SHARE = 0.4
 
 
 def engine_holds_weights(config) -> bool:
@@ -38,10 +44,67 @@ def build_rollout_engine(config, model_path: str, policy, tokenizer, vision, ran
         return RemoteRolloutEngine(spec, config.rollout_gpus, config.ddp_timeout_minutes,
                                    images_as_decoded=config.uses_vllm)
     if config.uses_vllm:
-        from grpo.rollout.vllm import VLLMRolloutEngine
+        adapter = engine_weights(config, policy, vision) == "adapter"
+        if adapter and config.tuning_strategy == "qlora":
+            with tempfile.TemporaryDirectory(prefix="grpo-4bit-base-") as folder:  # vLLM keeps the weights, not it
+                from grpo.model.quantized_checkpoint import write_4bit_checkpoint
 
-        # ranks of one tensor-parallel group share a seed: they must sample the same completions
-        return VLLMRolloutEngine(model_path, tensor_parallel_size=config.vllm_tp,
+                write_4bit_checkpoint(policy, folder)
+                return _vllm_engine(config, folder, rank, vision, stops, lora_rank=adapter_rank(policy),
+                                    quantized=True)
+        return _vllm_engine(config, model_path, rank, vision, stops,
+                            lora_rank=adapter_rank(policy) if adapter else None)
+    return HFRolloutEngine(policy, tokenizer, suppress_token_ids=vision.placeholder_token_ids if vision else None)
+
+
+def engine_weights(config, policy, vision) -> str:
+    """--rollout_weights for this model: "adapter" or "merged". auto falls back to merged, said once, where vLLM's
+    LoRA cannot take the adapter; an explicit adapter is then an error."""
+    choice = config.engine_weights
+    if choice != "adapter":
+        return choice
+    peft_config = getattr(policy, "peft_config", {}).get("default")
+    why = ("a vision-language model" if vision else
+           "modules_to_save (vLLM's LoRA takes LoRA layers only)" if getattr(peft_config, "modules_to_save", None)
+           else "DoRA" if getattr(peft_config, "use_dora", False)
+           else "lora_bias" if getattr(peft_config, "lora_bias", False) else None)
+    if why is not None:
+        if config.rollout_weights == "adapter":
+            raise ConfigError(f"--rollout_weights adapter: vLLM's LoRA cannot take {why}; use --rollout_weights "
+                              "merged")
+        logger.info(f"vLLM takes merged weights: its LoRA cannot take {why} (--rollout_weights auto)")
+        return "merged"
+    if config.rollout_weights == "auto":
+        from grpo.model.loading import parameter_count
+
+        copy_bytes, gpu_bytes = 2 * parameter_count(policy), gpu_memory_bytes()
+        if copy_bytes <= ADAPTER_FROM_SHARE * gpu_bytes:
+            logger.info(f"vLLM takes merged weights: their 16-bit copy ({copy_bytes / 2**30:.1f} GiB) fits "
+                        f"{ADAPTER_FROM_SHARE:.0%} of the GPU's {gpu_bytes / 2**30:.0f} GiB, and merged generates "
+                        "faster (--rollout_weights auto; adapter holds the 4-bit base instead)")
+            return "merged"
+    logger.info("vLLM holds the base once and takes the adapter at each sync (--rollout_weights "
+                f"{config.rollout_weights})")
+    return "adapter"
+
+
+def gpu_memory_bytes() -> int:
+    """What this rank's GPU holds in all."""
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+
+
+def adapter_rank(policy) -> int:
+    """The largest LoRA rank of the policy (rank patterns included): what the engine's LoRA slots must hold."""
+    peft_config = policy.peft_config["default"]
+    return max([peft_config.r, *(peft_config.rank_pattern or {}).values()])
+
+
+def _vllm_engine(config, model_path: str, rank: int, vision, stops, lora_rank: int | None = None,
+                 quantized: bool = False):
+    from grpo.rollout.vllm import VLLMRolloutEngine
+
+    # ranks of one tensor-parallel group share a seed: they must sample the same completions
+    return VLLMRolloutEngine(model_path, tensor_parallel_size=config.vllm_tp,
                                  gpu_memory_utilization=config.vllm_memory_share,
                                  kv_cache_bytes=engine_kv_cache_bytes(config, model_path),
                                  max_model_len=config.max_seq_length, seed=config.seed + rank // config.vllm_tp,
@@ -49,8 +112,8 @@ def build_rollout_engine(config, model_path: str, policy, tokenizer, vision, ran
                                  sleep_level=config.vllm_sleep_level, enforce_eager=config.vllm_enforce_eager,
                                  stop_token_ids=stops,
                                  max_images_per_prompt=config.max_images_per_prompt if vision else 0,
-                                 image_token_id=vision.image_token_id if vision else None)
-    return HFRolloutEngine(policy, tokenizer, suppress_token_ids=vision.placeholder_token_ids if vision else None)
+                                 image_token_id=vision.image_token_id if vision else None,
+                                 lora_rank=lora_rank, quantized=quantized)
 
 
 def check_tensor_parallel(model_path: str, config) -> None:

@@ -19,6 +19,11 @@ the model's load_weights rewriting every parameter from checkpoint tensors; a mo
 loading (vLLM's MLA attention builds W_UV / W_UK_T from kv_b_proj) needs level 1 (--vllm_sleep_level 1), as do
 callers that sync only what changed. load_weights wakes the weights first, then overwrites them; wake() brings back the
 KV cache, and refuses to run on weights that a level-2 sleep dropped and no sync has loaded since.
+
+Adapter mode (`lora_rank` set, --rollout_weights adapter): the engine holds the base once (qlora: the trainer's own
+4-bit base, `quantized`) and samples through vLLM's LoRA layers; a sync hands it the adapter alone (vllm_lora.py).
+It sleeps at level 1, as the base and the LoRA slots must survive; an adapter synced while it sleeps is applied when
+it wakes, so the sync moves adapter bytes only and parks nothing.
 """
 from __future__ import annotations
 
@@ -53,11 +58,13 @@ class VLLMRolloutEngine(RolloutEngine):
                  dtype: str = "bfloat16", max_model_len: int = 2048, seed: int = 0, enable_sleep: bool = True,
                  sleep_level: int = 2, enforce_eager: bool = False, stop_token_ids: list[int] | None = None,
                  max_images_per_prompt: int = 0, image_token_id: int | None = None,
-                 kv_cache_bytes: int | None = None):
+                 kv_cache_bytes: int | None = None, lora_rank: int | None = None, quantized: bool = False):
         """`max_images_per_prompt` > 0 (with the model's `image_token_id`) serves a vision-language model: prompts
         then come with their images, passed as multi_modal_data (vLLM runs the model's own image processor).
         `sleep_level` 2 drops the weights in sleep(), so every sync must send all of them (see the module docstring).
-        `kv_cache_bytes`: the KV cache's size, instead of what `gpu_memory_utilization` leaves after the weights."""
+        `kv_cache_bytes`: the KV cache's size, instead of what `gpu_memory_utilization` leaves after the weights.
+        `lora_rank`: adapter mode (module docstring), for adapters of up to this rank; `quantized`: `model_path` is a
+        pre-quantized bitsandbytes folder (grpo.model.quantized_checkpoint)."""
         if sleep_level not in (1, 2):
             raise ConfigError(f"sleep_level={sleep_level}: vLLM sleeps at level 1 (weights kept in CPU memory) or 2 "
                               "(weights dropped)")
@@ -69,15 +76,26 @@ class VLLMRolloutEngine(RolloutEngine):
         self.max_model_len = max_model_len
         self.stop_token_ids = list(stop_token_ids or [])
         self.enable_sleep = enable_sleep
-        self.sleep_level = sleep_level
+        self.takes_adapter = lora_rank is not None
+        self.sleep_level = 1 if self.takes_adapter else sleep_level  # the base is loaded once, never synced
         # read by grpo.model.weight_sync.sync_weights: a level-2 sleep leaves nothing of the previous weights to
         # build on
-        self.needs_every_weight = enable_sleep and sleep_level == 2
+        self.needs_every_weight = enable_sleep and self.sleep_level == 2
         self.weights_dropped = False  # a level-2 sleep dropped them and no load_weights has run since
         self.image_token_id = image_token_id
         self.suppress_token_ids = [image_token_id] if image_token_id is not None else []  # never sample a placeholder
         multimodal = {"limit_mm_per_prompt": {"image": max_images_per_prompt, "video": 0}} \
             if max_images_per_prompt > 0 else {}
+        adapter = {}
+        if self.takes_adapter:
+            from grpo.rollout.vllm_lora import engine_lora_rank, lora_request
+
+            adapter = dict(enable_lora=True, max_loras=1, max_cpu_loras=1, max_lora_rank=engine_lora_rank(lora_rank))
+            self._lora_request = lora_request()
+        self._pending_adapter: dict | None = None  # synced while asleep: applied at wake
+        self._adapter_loaded = False
+        if quantized:
+            adapter["quantization"] = "bitsandbytes"
         self.llm = vllm.LLM(
             model=model_path, tensor_parallel_size=tensor_parallel_size, dtype=dtype,
             gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len, seed=seed,
@@ -87,7 +105,7 @@ class VLLMRolloutEngine(RolloutEngine):
             skip_tokenizer_init=not multimodal,
             distributed_executor_backend="external_launcher",
             # log-probs after temperature, like the trainer's log_softmax(logits / T) (vllm/v1/sample/sampler.py)
-            logprobs_mode="processed_logprobs", kv_cache_memory_bytes=kv_cache_bytes, **multimodal)
+            logprobs_mode="processed_logprobs", kv_cache_memory_bytes=kv_cache_bytes, **multimodal, **adapter)
         self._asleep: set[str] = set()  # vLLM allocation tags now released: "weights", "kv_cache"
         self.last_sleep_freed_bytes = 0
         self._sleeps = 0
@@ -115,7 +133,7 @@ class VLLMRolloutEngine(RolloutEngine):
             stop_token_ids=self.stop_token_ids or None,
             logit_bias={t: -100.0 for t in self.suppress_token_ids} or None)
         requests = [self._request(ids, pil) for ids, pil in prompts]
-        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        outputs = self.llm.generate(requests, params, use_tqdm=False, **self._adapter_request())
         completions = []
         for index, request in enumerate(outputs[offset:offset + len(prompt_token_ids)]):
             for sample in sorted(request.outputs, key=lambda s: s.index):
@@ -133,9 +151,17 @@ class VLLMRolloutEngine(RolloutEngine):
         returned list then has one entry per token of the sequence vLLM expands them to (the same length).
         """
         params = self._vllm.SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
-        out = self.llm.generate([self._request(token_ids, images)], params, use_tqdm=False)[0]
+        out = self.llm.generate([self._request(token_ids, images)], params, use_tqdm=False,
+                                **self._adapter_request())[0]
         ids = out.prompt_token_ids
         return [step[token].logprob for step, token in zip(out.prompt_logprobs[1:], ids[1:])]
+
+    def _adapter_request(self) -> dict:
+        if not (self.takes_adapter and self._adapter_loaded):  # before the first sync: the base (lora_B = 0)
+            return {}
+        if self._pending_adapter is not None:
+            raise RuntimeError("vLLM was asked to generate before its adapter was applied: wake() first")
+        return {"lora_request": self._lora_request}
 
     def _request(self, token_ids: list[int], images: list | None):
         """A token prompt; with images, each image's run of image tokens collapsed to one (vLLM's processor
@@ -159,6 +185,7 @@ class VLLMRolloutEngine(RolloutEngine):
         all chunks but the last), so after a level-2 sleep the engine may wake again only once a whole sync has
         landed."""
         if "weights" in self._asleep:
+            release_cached_blocks()
             self.llm.wake_up(tags=["weights"])  # parked weights come back before they are partly overwritten
             self._asleep.discard("weights")
         tensors = list(named_tensors)
@@ -167,6 +194,24 @@ class VLLMRolloutEngine(RolloutEngine):
         if complete:
             self.weights_dropped = False
         self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+
+    def load_adapter(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Adapter mode: replace the engine's adapter by these tensors (grpo.model.weight_sync.iter_adapter_tensors).
+        While the engine sleeps they wait for wake(), so the base is not brought back for them."""
+        if not self.takes_adapter:
+            raise RuntimeError("this vLLM engine was started without LoRA: it takes whole weights (load_weights)")
+        if self._asleep:
+            self._pending_adapter = tensors
+            return
+        self._apply_adapter(tensors)
+
+    def _apply_adapter(self, tensors: dict[str, torch.Tensor]) -> None:
+        from grpo.rollout.vllm_lora import load_adapter_tensors
+
+        load_adapter_tensors(self.llm, tensors)
+        self._pending_adapter = None
+        self._adapter_loaded = True
+        self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old adapter
 
     # ------------------------------------------------------------------------------------------ memory
     def sleep(self, keep_weights: bool = False) -> None:
@@ -195,8 +240,11 @@ class VLLMRolloutEngine(RolloutEngine):
                                "call grpo.model.weight_sync.sync_weights(engine, ...) after sleep() and before "
                                "generating")
         if self._asleep:
+            release_cached_blocks()
             self.llm.wake_up(tags=sorted(self._asleep, key=["weights", "kv_cache"].index))
             self._asleep = set()
+        if self._pending_adapter is not None:
+            self._apply_adapter(self._pending_adapter)
 
     # --------------------------------------------------------------------------- tensor-parallel groups
     def _gather_group_prompts(self, prompts: list) -> tuple[list, int]:
@@ -209,6 +257,13 @@ class VLLMRolloutEngine(RolloutEngine):
         parts: list = [None] * group.world_size
         torch.distributed.all_gather_object(parts, prompts, group=group.cpu_group)
         return [p for part in parts for p in part], sum(len(part) for part in parts[:group.rank_in_group])
+
+
+def release_cached_blocks() -> None:
+    """Hand the blocks torch's allocator keeps cached from training back to the driver: vLLM's wake maps its memory
+    through the driver, and would otherwise find it held by the freed activations of the step."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
 
 
 def _image_lists(images: list | None, count: int) -> list:

@@ -78,7 +78,7 @@ _OOM_KNOBS = {
                 "fewer --per_device_train_batch_size prompts or --k_samples", "--rollout_max_new_tokens"],
     "log-probs": ["--max_tokens_per_micro_batch (lower)", "--logprob_chunk_tokens (lower)",
                   "--vllm_gpu_memory_utilization (lower, with --vllm_sleep)"],
-    "optimize": ["--max_tokens_per_micro_batch (lower)", "--gradient_checkpointing",
+    "optimize": ["--max_tokens_per_micro_batch (lower)", "--gradient_checkpointing true",
                  "--logprob_chunk_tokens (lower)", "--vllm_gpu_memory_utilization (lower, with --vllm_sleep)",
                  "--deepspeed zero3 (several GPUs) or --tuning_strategy lora / qlora"],
 }

@@ -13,6 +13,9 @@ plus the sync's time / bytes / tensors and the GPU memory freed by sleep; then c
 no sync is refused, and samples from the woken engine.
 With --tp 2 (two ranks), both ranks train the same sequence (data parallel) and share one vLLM engine sharded over
 them, so each rank's sync must land in its own shard; rank 0 writes the result.
+With --rollout_weights adapter (lora / qlora), the engine holds the base once (qlora: the trainer's own 4-bit base,
+written as a pre-quantized folder) and each sync sends the adapter alone; it sleeps at level 1, so a wake without a
+sync is allowed and samples the last synced adapter.
 """
 import argparse
 import json
@@ -54,6 +57,7 @@ def main():
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--tp", type=int, default=1, help="vLLM tensor-parallel size (= the number of ranks)")
     parser.add_argument("--local_rank", type=int, default=0, help="set by the DeepSpeed launcher")
+    parser.add_argument("--rollout_weights", choices=["merged", "adapter"], default="merged")
     add_qlora_rounding_args(parser)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
@@ -84,8 +88,16 @@ def main():
                                       optimizer=torch.optim.AdamW(trainable, lr=LEARNING_RATES[args.strategy]),
                                       config=load_deepspeed_config(cfg, use_bf16=True))
     start = time.perf_counter()
-    vllm = VLLMRolloutEngine(path, tensor_parallel_size=args.tp, gpu_memory_utilization=0.3, max_model_len=512,
-                             seed=0, enforce_eager=True)
+    adapter = args.rollout_weights == "adapter"
+    engine_path = path
+    if adapter and args.strategy == "qlora":
+        from grpo.model.quantized_checkpoint import write_4bit_checkpoint
+
+        engine_path = f"{MODEL_DIR}.4bit.rank{dist_utils.rank()}"
+        write_4bit_checkpoint(engine.module, engine_path)
+    vllm = VLLMRolloutEngine(engine_path, tensor_parallel_size=args.tp, gpu_memory_utilization=0.3, max_model_len=512,
+                             seed=0, enforce_eager=True, lora_rank=16 if adapter else None,
+                             quantized=adapter and args.strategy == "qlora")
     main_rank = dist_utils.rank() == 0
     engine_start_s = time.perf_counter() - start
 
@@ -150,7 +162,8 @@ def main():
     if main_rank:
         print(json.dumps(rows[-1]), flush=True)
         with open(args.out, "w") as fh:
-            json.dump({"strategy": args.strategy, "zero": args.zero, "tp": args.tp, "rows": rows}, fh, indent=1)
+            json.dump({"strategy": args.strategy, "zero": args.zero, "tp": args.tp,
+                       "rollout_weights": args.rollout_weights, "rows": rows}, fh, indent=1)
     dist_utils.shutdown()
 
 

@@ -41,22 +41,34 @@ def run_script(script: str, out, *args: str) -> dict:
 STOCK_4BIT = ("--qlora_block_size", "64", "--qlora_block_scale", "absmax")
 
 
+ADAPTER = ("--rollout_weights", "adapter")
+
+
 @pytest.mark.parametrize("strategy, zero, options",
                          [("full", 2, ()), ("lora", 2, ()), ("qlora", 2, ()), ("full", 3, ()),
-                          ("qlora", 2, STOCK_4BIT)])
+                          ("qlora", 2, STOCK_4BIT), ("lora", 2, ADAPTER),
+                          pytest.param("qlora", 2, ADAPTER, marks=pytest.mark.xfail(
+                              strict=False, reason="vLLM's bitsandbytes kernels on the default base (blocks of 32) "
+                              "score the untrained policy 0.0226 from the trainer at step 0 (H100, 2026-11-26), over "
+                              "SYNCED_MAX; steps 1-3: 0.013, 0.018, 0.006; the stock base (blocks of 64) passes")),
+                          ("lora", 3, ADAPTER), ("qlora", 2, STOCK_4BIT + ADAPTER)],
+                         ids=["full-2", "lora-2", "qlora-2", "full-3", "qlora-2-stock", "lora-2-adapter",
+                              "qlora-2-adapter", "lora-3-adapter", "qlora-2-stock-adapter"])
 def test_sync_is_exact_and_sleep_frees_memory(strategy, zero, options, tmp_path):
     check_sync(run_script("sync_check.py", tmp_path / "result.json", "--strategy", strategy, "--zero", str(zero),
                           *options), strategy)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-@pytest.mark.parametrize("strategy", ["full", "lora"])
-def test_sync_is_exact_into_a_tensor_parallel_engine(strategy, tmp_path):
+@pytest.mark.parametrize("strategy, options", [("full", ()), ("lora", ()), ("lora", ADAPTER)],
+                         ids=["full", "lora", "lora-adapter"])
+def test_sync_is_exact_into_a_tensor_parallel_engine(strategy, options, tmp_path):
     """--vllm_tp 2: two data-parallel ranks share one vLLM engine sharded over both; each rank's sync fills its
     shard, so the whole engine scores like the trained policy after every step."""
     out = tmp_path / "result.json"
     proc = subprocess.run([*deepspeed_launcher(), "--num_gpus", "2", "--master_port", "29571",
-                           os.path.join(HERE, "sync_check.py"), "--strategy", strategy, "--tp", "2", "--out", str(out)],
+                           os.path.join(HERE, "sync_check.py"), "--strategy", strategy, "--tp", "2", *options,
+                           "--out", str(out)],
                           cwd=ROOT, env=launcher_env(VLLM_ENABLE_V1_MULTIPROCESSING="0"), capture_output=True,
                           text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-6000:]
@@ -68,10 +80,14 @@ def test_sync_is_exact_into_a_tensor_parallel_engine(strategy, tmp_path):
 
 def check_sync(result: dict, strategy: str) -> None:
     steps = [r for r in result["rows"] if "synced" in r]
+    adapter = result.get("rollout_weights") == "adapter"
     assert len(steps) == 4
     assert steps[0]["synced"] < SYNCED_MAX, steps[0]  # the first sync matches the untrained policy
-    if strategy == "qlora":  # vLLM started from the unquantized checkpoint: off until the 4-bit weights are sent
+    if strategy == "qlora" and not adapter:  # vLLM started from the 16-bit checkpoint: off until the 4-bit is sent
         assert steps[0]["never_synced"] > max(0.03, 2 * steps[0]["synced"]), steps[0]
+    if adapter:  # the engine started from the trainer's own base, and a sync moves the adapter alone
+        assert steps[0]["never_synced"] < SYNCED_MAX, steps[0]
+        assert all(row["sync_tensors"] == 2 * 7 * 12 and row["sync_mib"] < 64 for row in steps), steps
     for row in steps[1:]:
         assert row["synced"] < SYNCED_MAX, row
         # an engine that missed this step's sync, or every sync, is clearly off
@@ -81,7 +97,8 @@ def check_sync(result: dict, strategy: str) -> None:
     generated = result["rows"][-1]
     assert generated["completions"] == 8 and generated["prompt_order"] == [0] * 4 + [1] * 4
     assert generated["lengths_ok"] and generated["finite_logprobs"]
-    assert generated["unsynced_wake_refused"]  # its level-2 sleep dropped the weights: no rollout on garbage
+    # a level-2 sleep dropped the weights: no rollout on garbage; adapter mode sleeps at level 1 and keeps them
+    assert generated["unsynced_wake_refused"] != adapter
 
 
 @pytest.mark.parametrize("strategy, options", [("full", ()), ("lora", ()), ("qlora", ()), ("qlora", STOCK_4BIT)])

@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# GPU memory and step time of lora / qlora runs at real model sizes (GPU only; never run by CI). For each random model
+# of SHAPES (benchmarks/train_memory.py's shapes, SmolLM2's tokenizer, built on the GPU and saved in bf16), each
+# strategy of STRATEGIES and each --rollout_weights mode of MODES, one train_grpo.py run with the defaults otherwise:
+# `arith`, vLLM colocated, PROMPTS prompts x 8 samples x MAX_NEW new tokens, STEPS steps. Per run it prints
+#   peak   GPU memory of the whole job as the driver reports it (nvidia-smi, polled every 0.2 s: vLLM included)
+#   s/step by phase (rollout, train, sync; the first step left out when there are more), sync MiB per step,
+#   and the engine-vs-trainer log-prob gap (rollout/logprob_diff_mean, every step)
+# GPU_MEMORY_GIB caps what a run may use (a smaller card's budget): torch's per-process fraction and vLLM's share.
+#
+#   bash benchmarks/memory_scale.sh                                   # qwen2.5-7b, qlora, adapter and merged
+#   SHAPES="qwen2.5-7b qwen2.5-14b" STRATEGIES="qlora lora" MODES=adapter bash benchmarks/memory_scale.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-outputs/bench/memory_scale}
+SHAPES=${SHAPES:-qwen2.5-7b}
+STRATEGIES=${STRATEGIES:-qlora}
+MODES=${MODES:-adapter merged}
+STEPS=${STEPS:-3}
+PROMPTS=${PROMPTS:-8}
+MAX_NEW=${MAX_NEW:-256}
+LIMIT=${LIMIT:-600}
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" TOKENIZERS_PARALLELISM=false WANDB_MODE=disabled \
+  PYTHONUNBUFFERED=1 VLLM_ENABLE_V1_MULTIPROCESSING=0
+launcher=(deepspeed)
+command -v deepspeed >/dev/null 2>&1 || launcher=(python -m deepspeed.launcher.runner)
+cap=()
+[ -n "${GPU_MEMORY_GIB:-}" ] && cap=(--gpu_memory_gib "$GPU_MEMORY_GIB")
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -1 | tee "$OUT/gpu.txt"
+for shape in $SHAPES; do
+  model="${MODEL_ROOT:-$OUT}/$shape"
+  timeout 900 python benchmarks/random_model.py --shape "$shape" --out "$model" || { echo "$shape: no model"; continue; }
+  for strategy in $STRATEGIES; do
+    for mode in $MODES; do
+      name="$shape-$strategy-$mode${GPU_MEMORY_GIB:+-${GPU_MEMORY_GIB}gib}"
+      dir="$OUT/runs/$name"
+      rm -rf "$dir"; mkdir -p "$dir"
+      nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 200 > "$dir/gpu_memory.txt" &
+      poller=$!
+      start=$SECONDS
+      timeout -k 30 "$LIMIT" "${launcher[@]}" --num_gpus 1 train_grpo.py --model_name_or_path "$model" \
+        --tuning_strategy "$strategy" --rollout_engine vllm --rollout_weights "$mode" --dataset_names arith \
+        --per_device_train_batch_size "$PROMPTS" --k_samples 8 --rollout_max_new_tokens "$MAX_NEW" \
+        --max_steps "$STEPS" --save_steps 0 --eval_on_start false --logging_steps 1 --logprob_check_steps 1 \
+        --output_dir "$dir" --overwrite_output_dir "${cap[@]}" ${EXTRA_ARGS:-} > "$dir.log" 2>&1
+      rc=$?
+      kill "$poller" 2>/dev/null
+      python - "$name" "$rc" $((SECONDS - start)) "$dir" <<'PY'
+import json, os, sys
+name, rc, wall, folder = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+used = [int(x) for x in open(os.path.join(folder, "gpu_memory.txt")).read().split() if x.isdigit()]
+rows = []
+if os.path.exists(os.path.join(folder, "metrics.jsonl")):
+    rows = [r for r in map(json.loads, open(os.path.join(folder, "metrics.jsonl"))) if "time/rollout" in r]
+timed = rows[1:] if len(rows) > 1 else rows
+def mean(key):
+    values = [r[key] for r in timed if key in r]
+    return round(sum(values) / len(values), 3) if values else None
+result = {"run": name, "rc": rc, "wall_s": wall, "steps": len(rows), "peak_gib": round(max(used, default=0) / 1024, 2),
+          "step_s": mean("time/step"), "rollout_s": mean("time/rollout"), "train_s": mean("time/train"),
+          "sync_s": mean("time/sync"), "sync_mib": round((mean("sync/bytes") or 0) / 2**20, 1),
+          "logprob_gap": mean("rollout/logprob_diff_mean")}
+print(json.dumps(result))
+with open(os.path.join(os.path.dirname(folder), "results.jsonl"), "a") as f:
+    f.write(json.dumps(result) + "\n")
+PY
+      [ "$rc" = 0 ] || grep -E "Error|error|out of memory" "$dir.log" | tail -5
+    done
+  done
+done
