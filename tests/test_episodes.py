@@ -26,8 +26,9 @@ QWEN_STYLE_TEMPLATE = (
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}")
 
-CORPUS = ["What is 6 * 7? The answer is 42.", '<tool_call>\n{"name": "calculator", "arguments": {"expression": "6 * 7"}}'
-          "\n</tool_call>", "<tool_response>\n42\n</tool_response>", "user assistant system tool Error: there is no",
+CORPUS = ["What is 6 * 7? The answer is 42.",
+          '<tool_call>\n{"name": "calculator", "arguments": {"expression": "6 * 7"}}\n</tool_call>',
+          "<tool_response>\n42\n</tool_response>", "user assistant system tool Error: there is no",
           "0123456789 + - * / ( ) abcdefghijklmnopqrstuvwxyz ABCDEFGHIJKLMNOPQRSTUVWXYZ"]
 
 

@@ -86,7 +86,7 @@ def _call_with_timeout(tool: Tool, arguments: dict):
         raise ToolTimeout(f"no result after {tool.timeout:g} s")
     if "error" in box:
         error = box["error"]
-        if isinstance(error, (ToolTimeout, ToolFailure, Exception)):
+        if isinstance(error, Exception):
             raise error
         raise ToolFailure(f"Error: {tool.name} stopped: {type(error).__name__}: {error}")
     return box.get("value")

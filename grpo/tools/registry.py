@@ -92,10 +92,11 @@ def tool_schemas(names: Iterable[str]) -> list[dict]:
     return [get_tool(n).schema for n in names]
 
 
-def load_user_module(path: str, flag: str = "--tool_module", error: type = ToolError) -> None:
-    """Import a user's Python file by path so that its @register_tool / @register_environment decorators run."""
+def load_tool_module(path: str) -> None:
+    """--tool_module: import a user's Python file by path so that its @register_tool / @register_environment
+    decorators run."""
     if not os.path.isfile(path):
-        raise error(f"{flag}: file not found: {path}")
+        raise ToolError(f"--tool_module: file not found: {path}")
     absolute = os.path.abspath(path)
     stem = re.sub(r"\W", "_", os.path.splitext(os.path.basename(path))[0])
     # the same file always gets the same module name (importing it twice re-registers the same functions), while two
@@ -103,19 +104,14 @@ def load_user_module(path: str, flag: str = "--tool_module", error: type = ToolE
     module_name = f"grpo_user_tools_{stem}_{hashlib.sha1(absolute.encode()).hexdigest()[:8]}"
     spec = importlib.util.spec_from_file_location(module_name, absolute)
     if spec is None or spec.loader is None:
-        raise error(f"{flag}: {path} is not an importable Python file (expected a .py file)")
+        raise ToolError(f"--tool_module: {path} is not an importable Python file (expected a .py file)")
     module = importlib.util.module_from_spec(spec)
     sys.modules[module_name] = module  # dataclasses and pickling look the module up while it executes
     try:
         spec.loader.exec_module(module)
     except (Exception, SystemExit) as exc:
         sys.modules.pop(module_name, None)
-        raise error(f"{flag}: importing {path} failed: {type(exc).__name__}: {exc}") from exc
-
-
-def load_tool_module(path: str) -> None:
-    """--tool_module: import a user's file of tools and environments."""
-    load_user_module(path)
+        raise ToolError(f"--tool_module: importing {path} failed: {type(exc).__name__}: {exc}") from exc
 
 
 def check_tools(names: Iterable[str], module: Optional[str] = None) -> list[Tool]:

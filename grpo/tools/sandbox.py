@@ -175,7 +175,8 @@ def _read(stream, max_chars: int, keep: str = "head") -> str:
     text = stream.read(limit).decode("utf-8", errors="replace")
     if size <= limit and len(text) <= max_chars:
         return text
-    note = f"[output truncated: {size} bytes in all, the {'first' if keep == 'head' else 'last'} {max_chars} characters shown]"
+    part = "first" if keep == "head" else "last"
+    note = f"[output truncated: {size} bytes in all, the {part} {max_chars} characters shown]"
     return f"{text[:max_chars]}\n{note}" if keep == "head" else f"{note}\n{text[-max_chars:]}"
 
 
