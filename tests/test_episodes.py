@@ -287,3 +287,28 @@ def test_hf_engine_episode_keeps_sampled_ids_and_logprobs(tokenizer):
     start = len(forced) + len(env)
     assert torch.tensor(episode.logprobs[start:]) == pytest.approx(scored[start:], abs=1e-4)
     assert episode.logprobs[len(forced):start] == [0.0] * len(env)
+
+
+def test_an_environment_bug_stops_the_run_with_its_name(tokenizer):
+    from grpo.tools import step_environment
+
+    def raises(messages, **fields):
+        raise KeyError("board")
+
+    def returns_text(messages, **fields):
+        return "next"
+
+    def returns_bad_message(messages, **fields):
+        return [{"role": "user"}], False
+
+    with pytest.raises(ToolError, match=r"environment .*raises raised KeyError: 'board'"):
+        step_environment(raises, [], {})
+    with pytest.raises(ToolError, match=r"returned a str; return an EnvironmentStep or a \(messages, done\) tuple"):
+        step_environment(returns_text, [], {})
+    with pytest.raises(ToolError, match=r"returned the message \{'role': 'user'\}; each message is a dict"):
+        step_environment(returns_bad_message, [], {})
+    p = prompt(tokenizer)
+    p.environment = raises
+    with pytest.raises(ToolError, match="KeyError"):
+        run_episodes(ScriptedEngine(tokenizer, calls_then_answers), tokenizer, [p],
+                     SamplingSettings(n=2, max_new_tokens=64), EpisodeLimits(max_turns=2, max_episode_tokens=200))

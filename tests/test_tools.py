@@ -262,6 +262,24 @@ def test_sandbox_truncates_output(limits):
     assert result.stderr.endswith("END") and len(result.stderr) < 200
 
 
+SYSTEM_PYTHON = "/usr/bin/python3"
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists(SYSTEM_PYTHON), reason="needs root and a system python")
+def test_sandbox_run_by_root_runs_the_code_as_nobody(tmp_path):
+    from grpo.tools.sandbox import NOBODY, nobody_can_run
+
+    if not nobody_can_run(SYSTEM_PYTHON):
+        pytest.skip(f"user nobody cannot start {SYSTEM_PYTHON} here")
+    target = tmp_path / "trainer_file.txt"
+    target.write_text("kept")
+    code = f"import os\nprint(os.getuid())\nopen('mine.txt', 'w').write('x')\nopen({str(target)!r}, 'w')"
+    result = run_python(code, SandboxLimits(timeout=10, python_executable=SYSTEM_PYTHON))
+    assert result.stdout == f"{NOBODY}\n"  # it could write in its own folder, then not the trainer's file
+    assert result.stderr.rstrip().endswith(f"PermissionError: [Errno 13] Permission denied: {str(target)!r}")
+    assert target.read_text() == "kept"
+
+
 def test_python_tool_messages():
     ok = call("python", code="print(sum(range(10)))")
     assert (ok.status, ok.message["content"]) == ("ok", "45\n")

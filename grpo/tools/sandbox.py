@@ -13,8 +13,9 @@ Limits, each enforced by the operating system rather than by trusting the code:
   first;
 - files: a fresh temporary folder is the working folder and is removed afterwards; written files are capped at
   `max_file_bytes` each (RLIMIT_FSIZE). Run as root, the code runs as user `nobody` (so it cannot change the
-  trainer's files) where `nobody` can reach the Python installation; otherwise, and for any other user, it has the
-  trainer user's file permissions: there is no separate file system, so keep secrets out of its reach;
+  trainer's files) where `nobody` can start the interpreter (not one installed under /root; `python_executable` may
+  name another); otherwise, and for any other user, it has the trainer user's file permissions: there is no separate
+  file system, so keep secrets out of its reach;
 - output: stdout and stderr are cut to `max_output_chars` characters for the model.
 """
 from __future__ import annotations
@@ -27,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
+from typing import Optional
 
 from grpo.tools.errors import ToolFailure, ToolTimeout
 from grpo.tools.registry import register_tool
@@ -41,6 +43,7 @@ class SandboxLimits:
     max_output_chars: int = 2000       # per stream, what the model reads
     max_file_bytes: int = 16 * 2**20   # largest file the code (or its output) may write
     network_isolation: str = "auto"    # "auto" (namespace if allowed, else audit hook) | "namespace" | "audit_hook"
+    python_executable: Optional[str] = None  # the interpreter that runs the code (None: this one), e.g. a venv's
 
 
 # Runs first in the sandboxed interpreter: limits, identity, network guard, then the code as __main__.
@@ -98,19 +101,6 @@ def isolation_mode(requested: str) -> str:
     return "audit_hook"
 
 
-@functools.lru_cache(maxsize=None)
-def others_can_run_python() -> bool:
-    """Whether a user other than the owner can reach this interpreter and its libraries (not so for one installed
-    under /root, mode 0700): only then can the code run as `nobody`."""
-    paths = {os.path.realpath(p) for p in (sys.executable, sys.prefix, sys.base_prefix, os.__file__)}
-    for path in paths:
-        while path != os.path.dirname(path):
-            path = os.path.dirname(path)
-            if not os.stat(path).st_mode & 0o001:  # no search permission for others
-                return False
-    return True
-
-
 @dataclass
 class SandboxResult:
     stdout: str
@@ -121,29 +111,44 @@ class SandboxResult:
 
 def run_python(code: str, limits: SandboxLimits = SandboxLimits()) -> SandboxResult:
     """Run `code` under `limits` in a fresh temporary folder and return what it printed (each stream truncated)."""
-    mode = isolation_mode(limits.network_isolation)
+    python = limits.python_executable or sys.executable
+    drop_to = NOBODY if os.geteuid() == 0 and nobody_can_run(python) else -1
+    return _run(code, limits, python, isolation_mode(limits.network_isolation), drop_to)
+
+
+@functools.lru_cache(maxsize=None)
+def nobody_can_run(python: str) -> bool:
+    """Whether user `nobody` can start this interpreter and import its standard library (not so for one installed
+    under /root, mode 0700): only then does the code run as `nobody`. Found out once, by trying."""
+    probe = _run("import json, runpy, site\nprint('ok')", SandboxLimits(timeout=30), python, "audit_hook", NOBODY)
+    return probe.stdout == "ok\n"
+
+
+def _run(code: str, limits: SandboxLimits, python: str, mode: str, drop_to: int) -> SandboxResult:
     root = tempfile.mkdtemp(prefix="grpo-python-tool-")
     try:
         work = os.path.join(root, "work")
         os.mkdir(work)
         with open(os.path.join(work, "main.py"), "w") as f:
             f.write(code)
-        drop_to = -1
-        if os.geteuid() == 0 and others_can_run_python():  # give the folder to `nobody`, who runs the code
-            drop_to = NOBODY
+        if drop_to >= 0:  # the folder belongs to the user who runs the code
             for path in (work, os.path.join(work, "main.py")):
-                os.chown(path, NOBODY, NOBODY)
+                os.chown(path, drop_to, drop_to)
+            os.chmod(root, 0o755)
         prefix = list(namespace_command()) + ["--"] if mode == "namespace" else []
         cpu_seconds = int(limits.timeout) + 2
-        command = prefix + [sys.executable, "-I", "-c", _BOOTSTRAP, str(limits.memory_bytes), str(cpu_seconds),
+        command = prefix + [python, "-I", "-c", _BOOTSTRAP, str(limits.memory_bytes), str(cpu_seconds),
                             str(limits.max_file_bytes), str(drop_to), "1" if mode == "audit_hook" else "0"]
         env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": work, "TMPDIR": work, "LANG": "C.UTF-8",
                "PYTHONIOENCODING": "utf-8", "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1",
                "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
         # output goes to files outside the working folder (bounded by RLIMIT_FSIZE), never into this process's memory
         with open(os.path.join(root, "stdout"), "w+b") as out, open(os.path.join(root, "stderr"), "w+b") as err:
-            process = subprocess.Popen(command, cwd=work, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
-                                       start_new_session=True)
+            try:
+                process = subprocess.Popen(command, cwd=work, env=env, stdin=subprocess.DEVNULL, stdout=out,
+                                           stderr=err, start_new_session=True)
+            except OSError as exc:
+                return SandboxResult("", f"the sandbox could not start {python}: {exc}", 127, False)
             timed_out = False
             try:
                 process.wait(timeout=limits.timeout)
