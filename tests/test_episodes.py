@@ -175,6 +175,29 @@ def test_batched_turns_drop_finished_episodes(tokenizer):
     assert metrics["episodes/cut_by_budget"] == 0.0
 
 
+def test_a_collective_engine_takes_part_until_every_rank_is_done(tokenizer):
+    """With a collective engine, this rank (whose episodes end after 2 turns) keeps calling generate, with no prompts,
+    while another rank (here: for 2 more turns) still has live episodes; the episodes are the same as alone."""
+    alone = run_episodes(ScriptedEngine(tokenizer, calls_then_answers), tokenizer, [prompt(tokenizer)],
+                         SamplingSettings(n=2, max_new_tokens=64), EpisodeLimits(max_turns=4, max_episode_tokens=200))
+    engine = ScriptedEngine(tokenizer, calls_then_answers)
+    engine.collective_generate = True
+    asked = []
+    others_live = iter([True] * 2 + [False])
+
+    def any_rank(mine):
+        asked.append(mine)
+        return mine or next(others_live)
+
+    together = run_episodes(engine, tokenizer, [prompt(tokenizer)], SamplingSettings(n=2, max_new_tokens=64),
+                            EpisodeLimits(max_turns=4, max_episode_tokens=200), any_rank=any_rank)
+    assert asked == [True, True, False, False, False]
+    assert [len(prompts) for prompts, _ in engine.calls] == [1, 2, 0, 0]
+    assert all(sampling.max_new_tokens == 64 for _, sampling in engine.calls)  # the same on every rank
+    assert [(e.completion_ids, e.mask, e.messages) for e in together] == \
+        [(e.completion_ids, e.mask, e.messages) for e in alone]
+
+
 def test_max_turns_stops_a_model_that_keeps_calling(tokenizer):
     engine = ScriptedEngine(tokenizer, lambda context, sample: CALL)
     [episode] = run_episodes(engine, tokenizer, [prompt(tokenizer)], SamplingSettings(n=1, max_new_tokens=64),

@@ -71,11 +71,15 @@ class Episode:
 
 
 def run_episodes(engine: RolloutEngine, tokenizer, prompts: list[EpisodePrompt], sampling: SamplingSettings,
-                 limits: EpisodeLimits, turns: Optional[EnvironmentTurns] = None) -> list[Episode]:
+                 limits: EpisodeLimits, turns: Optional[EnvironmentTurns] = None,
+                 any_rank: Callable[[bool], bool] = bool) -> list[Episode]:
     """`sampling.n` episodes per prompt, ordered prompt by prompt like the engine's completions.
 
     `sampling.max_new_tokens` bounds each model turn. `turns` renders environment messages to token ids (default:
-    this tokenizer's chat template)."""
+    this tokenizer's chat template). An engine whose generate is collective (tensor-parallel vLLM, server mode) needs
+    every rank in every call with the same sampling settings: pass `any_rank` (grpo.runtime.distributed.any_rank),
+    and each rank takes part in every turn, with no prompts once its own episodes are over, until no rank has any;
+    each turn then asks for max_new_tokens and cuts to each episode's room afterwards."""
     if limits.max_turns < 1 or limits.max_episode_tokens < 1:
         raise ValueError(f"max_turns and max_episode_tokens must be at least 1, got {limits.max_turns} and "
                          f"{limits.max_episode_tokens}")
@@ -84,10 +88,10 @@ def run_episodes(engine: RolloutEngine, tokenizer, prompts: list[EpisodePrompt],
     episodes = [Episode(i, [dict(m) for m in p.messages]) for i, p in enumerate(prompts) for _ in range(sampling.n)]
     live = list(range(len(episodes)))
     with ThreadPoolExecutor(max(1, limits.environment_workers), thread_name_prefix="grpo-environment") as pool:
-        first_turn = True
-        while live:
+        first_turn, collective = True, engine.collective_generate
+        while any_rank(bool(live)) if collective else live:
             room = {i: limits.max_episode_tokens - len(episodes[i].completion_ids) for i in live}
-            cap = min(sampling.max_new_tokens, max(room.values()))
+            cap = sampling.max_new_tokens if collective else min(sampling.max_new_tokens, max(room.values()))
             if first_turn:  # k samples of each prompt in one request (engines share the prompt's prefix)
                 completions = engine.generate([p.prompt_ids for p in prompts],
                                               dataclasses.replace(sampling, max_new_tokens=cap),
