@@ -12,7 +12,7 @@ from grpo.tools import (SandboxLimits, ToolCall, ToolError, check_environment, c
                         execute_calls, get_tool, parse_tool_calls, register_tool, registered_tools, run_python,
                         template_shows_tools, text_outside_calls, tool_environment, tool_schemas, tools_system_prompt)
 from grpo.tools.calculator import calculator
-from grpo.tools.sandbox import namespace_command
+from grpo.tools.sandbox import namespace_available
 
 
 # ------------------------------------------------------------------------------ calculator
@@ -191,7 +191,7 @@ def test_the_tools_environment_counts_calls_errors_and_timeouts():
 
 
 # ------------------------------------------------------------------------------ the python sandbox
-MODES = ["audit_hook"] + (["namespace"] if namespace_command() else [])
+MODES = ["audit_hook"] + (["namespace"] if namespace_available() else [])
 
 
 @pytest.fixture(params=MODES)
@@ -247,6 +247,26 @@ def _accept(server):
         return "connected"
     except socket.timeout:
         return None
+
+
+PLAIN, MAPPED = ("unshare", "--net", "--"), ("unshare", "--map-root-user", "--net", "--")
+
+
+@pytest.mark.parametrize("as_root, nobody, works, plan", [
+    (True, True, {"plain", "mapped"}, (PLAIN, 65534, False)),   # root makes the namespace, nobody runs the code
+    (True, False, {"plain", "mapped"}, (MAPPED, -1, False)),    # root of a user namespace: no power outside it
+    (True, True, {"mapped"}, (MAPPED, -1, False)),
+    (True, False, {"plain"}, (PLAIN, -1, True)),                # root keeps setns: the audit hook guards it too
+    (False, False, {"mapped"}, (MAPPED, -1, False)),
+])
+def test_sandbox_launch_plan_never_leaves_root_able_to_leave_the_namespace(monkeypatch, as_root, nobody, works, plan):
+    from grpo.tools import sandbox
+
+    fake = {("--net",): PLAIN if "plain" in works else None,
+            ("--map-root-user", "--net"): MAPPED if "mapped" in works else None}
+    monkeypatch.setattr(sandbox, "unshare_prefix", lambda *options: fake[options])
+    assert sandbox.launch_plan("namespace", as_root, nobody) == plan
+    assert sandbox.launch_plan("audit_hook", as_root, nobody) == ((), 65534 if as_root and nobody else -1, True)
 
 
 def test_sandbox_audit_hook_refuses_new_programs():

@@ -4,9 +4,9 @@ Limits, each enforced by the operating system rather than by trusting the code:
 - wall time: the process (and any it started, one process group) is killed at `timeout` seconds; a CPU-time limit
   backs this up;
 - memory: RLIMIT_AS caps the address space, so a large allocation raises MemoryError inside the code;
-- network: the process runs in a network namespace of its own (`unshare --net`; as non-root `unshare --map-root-user
-  --net`), which has no interfaces besides a loopback that is down: no connection leaves it, whatever the code does
-  (C extensions and child processes included). Where namespaces are not allowed (some containers), an audit hook
+- network: the process runs in a network namespace of its own (`unshare --net`, see launch_plan), which has no
+  interfaces besides a loopback that is down: no connection leaves it, whatever the code does (C extensions and child
+  processes included). Where namespaces are not allowed (some containers), an audit hook
   refuses sockets, new programs (subprocess, os.exec*, os.system, fork) and loading C libraries with ctypes inside
   the Python process instead; that
   stops Python code but not a compiled extension that calls the C library itself, which is why the namespace comes
@@ -70,21 +70,22 @@ runpy.run_path("main.py", run_name="__main__")
 
 
 @functools.lru_cache(maxsize=None)
-def namespace_command() -> tuple[str, ...]:
-    """The `unshare` prefix that gives a process no network here, or () when namespaces are not allowed."""
+def unshare_prefix(*options: str) -> Optional[tuple[str, ...]]:
+    """`unshare <options> --` if it runs a process here (namespaces may be refused in containers), else None."""
     unshare = shutil.which("unshare")
     if unshare is None:
-        return ()
-    variants = [(unshare, "--net")] if os.geteuid() == 0 else []
-    variants.append((unshare, "--map-root-user", "--net"))
-    for prefix in variants:
-        try:
-            probe = subprocess.run([*prefix, "--", sys.executable, "-c", "pass"], capture_output=True, timeout=30)
-        except (OSError, subprocess.TimeoutExpired):
-            continue
-        if probe.returncode == 0:
-            return prefix
-    return ()
+        return None
+    prefix = (unshare, *options, "--")
+    try:
+        probe = subprocess.run([*prefix, sys.executable, "-c", "pass"], capture_output=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return prefix if probe.returncode == 0 else None
+
+
+def namespace_available() -> bool:
+    """Whether a network namespace of its own can be made here, by this user."""
+    return bool(unshare_prefix("--map-root-user", "--net") or (os.geteuid() == 0 and unshare_prefix("--net")))
 
 
 def isolation_mode(requested: str) -> str:
@@ -93,12 +94,31 @@ def isolation_mode(requested: str) -> str:
         raise ValueError(f"network_isolation must be auto, namespace or audit_hook, got {requested!r}")
     if requested == "audit_hook":
         return requested
-    if namespace_command():
+    if namespace_available():
         return "namespace"
     if requested == "namespace":
         raise RuntimeError("network namespaces are not allowed here (`unshare --net` failed); use "
                            "network_isolation='audit_hook' or 'auto'")
     return "audit_hook"
+
+
+def launch_plan(mode: str, as_root: bool, nobody_can_start: bool) -> tuple[tuple[str, ...], int, bool]:
+    """How to start the code: (command prefix, user id to switch to or -1, whether the audit hook guards it).
+
+    Root keeps the power to re-enter the host's network namespace (setns) unless it gives up root: so root either
+    makes a plain network namespace and then runs the code as `nobody`, or runs it as root of a user namespace of its
+    own (`--map-root-user`), which holds no power outside; only where neither works does the audit hook guard a
+    plain namespace too."""
+    drop_to = NOBODY if as_root and nobody_can_start else -1
+    if mode == "audit_hook":
+        return (), drop_to, True
+    plain = unshare_prefix("--net") if as_root else None
+    if plain and drop_to >= 0:
+        return plain, drop_to, False
+    mapped = unshare_prefix("--map-root-user", "--net")
+    if mapped:  # its only user is root of the namespace: switching to nobody is not possible there
+        return mapped, -1, False
+    return plain, drop_to, drop_to < 0
 
 
 @dataclass
@@ -112,19 +132,21 @@ class SandboxResult:
 def run_python(code: str, limits: SandboxLimits = SandboxLimits()) -> SandboxResult:
     """Run `code` under `limits` in a fresh temporary folder and return what it printed (each stream truncated)."""
     python = limits.python_executable or sys.executable
-    drop_to = NOBODY if os.geteuid() == 0 and nobody_can_run(python) else -1
-    return _run(code, limits, python, isolation_mode(limits.network_isolation), drop_to)
+    as_root = os.geteuid() == 0
+    prefix, drop_to, hook = launch_plan(isolation_mode(limits.network_isolation), as_root,
+                                        as_root and nobody_can_run(python))
+    return _run(code, limits, python, prefix, drop_to, hook)
 
 
 @functools.lru_cache(maxsize=None)
 def nobody_can_run(python: str) -> bool:
     """Whether user `nobody` can start this interpreter and import its standard library (not so for one installed
     under /root, mode 0700): only then does the code run as `nobody`. Found out once, by trying."""
-    probe = _run("import json, runpy, site\nprint('ok')", SandboxLimits(timeout=30), python, "audit_hook", NOBODY)
+    probe = _run("import json, runpy, site\nprint('ok')", SandboxLimits(timeout=30), python, (), NOBODY, True)
     return probe.stdout == "ok\n"
 
 
-def _run(code: str, limits: SandboxLimits, python: str, mode: str, drop_to: int) -> SandboxResult:
+def _run(code: str, limits: SandboxLimits, python: str, prefix: tuple, drop_to: int, hook: bool) -> SandboxResult:
     root = tempfile.mkdtemp(prefix="grpo-python-tool-")
     try:
         work = os.path.join(root, "work")
@@ -135,10 +157,9 @@ def _run(code: str, limits: SandboxLimits, python: str, mode: str, drop_to: int)
             for path in (work, os.path.join(work, "main.py")):
                 os.chown(path, drop_to, drop_to)
             os.chmod(root, 0o755)
-        prefix = list(namespace_command()) + ["--"] if mode == "namespace" else []
         cpu_seconds = int(limits.timeout) + 2
-        command = prefix + [python, "-I", "-c", _BOOTSTRAP, str(limits.memory_bytes), str(cpu_seconds),
-                            str(limits.max_file_bytes), str(drop_to), "1" if mode == "audit_hook" else "0"]
+        command = [*prefix, python, "-I", "-c", _BOOTSTRAP, str(limits.memory_bytes), str(cpu_seconds),
+                   str(limits.max_file_bytes), str(drop_to), "1" if hook else "0"]
         env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": work, "TMPDIR": work, "LANG": "C.UTF-8",
                "PYTHONIOENCODING": "utf-8", "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1",
                "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
