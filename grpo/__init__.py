@@ -7,14 +7,15 @@ from grpo.config import GRPOConfig, parse_args
 from grpo.errors import ConfigError, DatasetError, GRPOError, RewardError, TrainingError
 
 __all__ = [
-    "GRPOConfig", "GRPOTrainer", "parse_args", "register_reward", "load_dataset_registry", "serve_rollouts",
-    "GRPOError", "ConfigError", "DatasetError", "RewardError", "TrainingError",
+    "GRPOConfig", "GRPOTrainer", "parse_args", "register_reward", "register_tool", "load_dataset_registry",
+    "serve_rollouts", "GRPOError", "ConfigError", "DatasetError", "RewardError", "TrainingError",
 ]
 __version__ = "0.1.0"
 
 _LAZY = {
     "GRPOTrainer": ("grpo.train.trainer", "GRPOTrainer"),
     "register_reward": ("grpo.rewards", "register_reward"),
+    "register_tool": ("grpo.tools", "register_tool"),
     "load_dataset_registry": ("grpo.data", "load_dataset_registry"),
     "serve_rollouts": ("grpo.rollout.serve", "serve_rollouts"),
 }
