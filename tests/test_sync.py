@@ -2,6 +2,8 @@
 import copy
 import importlib.util
 import json
+import os
+import shutil
 
 import pytest
 import torch
@@ -15,6 +17,7 @@ from grpo.rollout.engine import RolloutEngine
 from .tiny_models import make_tiny_model_dir
 
 CPU = torch.device("cpu")
+STOCK_4BIT = dict(qlora_block_size=64, qlora_block_scale="absmax")  # bitsandbytes' own base, as transformers loads it
 IDS = torch.tensor([[5, 7, 8, 28, 9, 29, 12]])
 
 
@@ -473,3 +476,40 @@ def test_rollout_weights_auto_picks_adapter_only_where_the_16bit_copy_crowds_the
     with pytest.raises(ConfigError, match="rollout_weights.*--vllm_tp 1"):
         GRPOConfig(model_name_or_path=model_dir, tuning_strategy="qlora", rollout_engine="vllm", vllm_tp=2,
                    rollout_weights="adapter")
+
+
+def test_a_checkpoint_saved_in_4bit_trains_with_qlora_as_it_is(model_dir, tmp_path, monkeypatch):
+    """A bitsandbytes 4-bit folder (as hub *-bnb-4bit models ship) loads for qlora with its own 4-bit weights, never
+    a 16-bit copy; the engine then takes the adapter (a merged engine would start from 16-bit weights that are not
+    there); lora, merged engines, loftq and a merged final model are refused before any model loads."""
+    from grpo.model.base_weights import check_checkpoint_weights
+    from grpo.model.quantized_checkpoint import write_4bit_checkpoint
+    from grpo.rollout import engines
+
+    trained = trained_policy(model_dir, "qlora", **STOCK_4BIT)
+    folder = str(tmp_path / "bnb-4bit")
+    write_4bit_checkpoint(trained, folder, dtype=torch.float32)
+    for name in os.listdir(model_dir):  # the tokenizer, as a hub folder has it
+        if name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(os.path.join(model_dir, name), folder)
+    cfg = GRPOConfig(model_name_or_path=folder, tuning_strategy="qlora", rollout_engine="vllm", lora_rank=4,
+                     lora_alpha=8, lora_dropout=0.0)
+    check_checkpoint_weights(cfg, folder)  # default block options: no 16-bit weights needed, none read
+    policy = load_policy(cfg, folder, torch.float32, CPU)
+    loaded = policy.base_model.model.model.layers[0].self_attn.q_proj.base_layer.weight
+    saved = trained.base_model.model.model.layers[0].self_attn.q_proj.base_layer.weight
+    assert loaded.__class__.__name__ == "Params4bit" and torch.equal(loaded.data.flatten(), saved.data.flatten())
+    assert loaded.quant_state.blocksize == saved.quant_state.blocksize == 64
+    with torch.no_grad(), policy.disable_adapter(), trained.disable_adapter():
+        torch.testing.assert_close(policy.eval()(IDS).logits, trained.eval()(IDS).logits)
+    monkeypatch.setattr(engines, "gpu_memory_bytes", lambda: 10**15)  # auto would pick merged for a 16-bit model
+    assert engines.engine_weights(cfg, policy, None, folder) == "adapter"
+    for options, message in ((dict(rollout_weights="merged"), "saved in 4 bits: use --rollout_weights adapter"),):
+        with pytest.raises(ConfigError, match=message):
+            engines.engine_weights(GRPOConfig(**{**cfg.__dict__, **options}), policy, None, folder)
+    for options, message in ((dict(tuning_strategy="lora"), "train it with --tuning_strategy qlora"),
+                             (dict(save_merged_model=True), "drop --save_merged_model"),
+                             (dict(qlora_init="loftq"), "run without --qlora_init loftq")):
+        with pytest.raises(ConfigError, match=message):
+            check_checkpoint_weights(GRPOConfig(**{"model_name_or_path": folder, "tuning_strategy": "qlora",
+                                                   **options}), folder)

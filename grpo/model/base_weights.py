@@ -16,9 +16,39 @@ from grpo.config.options import STOCK_4BIT_OPTIONS
 from grpo.errors import ConfigError
 
 
+def saved_4bit(model_path: str) -> Optional[dict]:
+    """The quantization_config of a checkpoint saved in 4 bits by bitsandbytes (e.g. a *-bnb-4bit repository, or a
+    qlora base written by grpo.model.quantized_checkpoint), else None."""
+    folder = local_snapshot(model_path)
+    config_file = os.path.join(folder, "config.json") if folder else ""
+    if not os.path.isfile(config_file):
+        return None
+    try:
+        with open(config_file) as fh:
+            quantization = json.load(fh).get("quantization_config")
+    except (OSError, ValueError):
+        return None  # transformers says what is wrong with it when it loads the model
+    if isinstance(quantization, dict) and quantization.get("quant_method") == "bitsandbytes" \
+            and quantization.get("load_in_4bit"):
+        return quantization
+    return None
+
+
 def check_checkpoint_weights(config, model_path: str) -> None:
     """Fail before any model loads when an option that reads the checkpoint's 16-bit weights will find none in a
-    local folder (a hub id is checked once transformers has fetched it)."""
+    local folder (a hub id is checked once transformers has fetched it). A checkpoint saved in 4 bits trains with
+    qlora only, on its 4-bit base as it is (nothing to quantize again: the 16-bit weights are not there)."""
+    if saved_4bit(model_path):
+        if config.tuning_strategy != "qlora":
+            raise ConfigError(f"{model_path} is saved in 4 bits (bitsandbytes): train it with --tuning_strategy "
+                              f"qlora, or use the 16-bit model it was made from for {config.tuning_strategy}")
+        if config.save_merged_model:
+            raise ConfigError(f"--save_merged_model merges the adapter into the 16-bit base, and {model_path} is "
+                              "saved in 4 bits: drop --save_merged_model (lora_adapter/ on this base is the policy)")
+        if config.qlora_init == "loftq":
+            raise ConfigError(f"--qlora_init loftq corrects the 4-bit rounding towards the 16-bit weights, which "
+                              f"{model_path} (saved in 4 bits) does not have: run without --qlora_init loftq")
+        return
     readers = list(config.qlora_requantizing_options)
     if config.qlora_init == "loftq":
         readers.append("--qlora_init loftq")

@@ -12,6 +12,7 @@ import torch
 
 from grpo.config.options import GRPOConfig
 from grpo.errors import ConfigError
+from grpo.model.base_weights import saved_4bit
 from grpo.model.qlora_base_record import warn_if_another_base
 from grpo.model.qlora_rounding import requantize_4bit_base
 
@@ -31,17 +32,20 @@ def load_tokenizer(model_path: str, trust_remote_code: bool = False):
 
 
 def load_base_model(model_path: str, dtype: torch.dtype, device: torch.device, trust_remote_code: bool,
-               quantization_config=None):
+                    quantization_config=None, device_map=None):
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     from grpo.model.vision import is_vision_language
 
     kwargs = dict(dtype=dtype, trust_remote_code=trust_remote_code)
     if quantization_config is not None:
-        kwargs.update(quantization_config=quantization_config, device_map={"": device})
+        device_map = {"": device}
+        kwargs.update(quantization_config=quantization_config)
+    if device_map is not None:  # quantized layers are placed as they load
+        kwargs.update(device_map=device_map)
     auto = AutoModelForImageTextToText if is_vision_language(model_path, trust_remote_code) else AutoModelForCausalLM
     model = auto.from_pretrained(model_path, **kwargs)
-    return model if quantization_config is not None else model.to(device)
+    return model if device_map is not None else model.to(device)
 
 
 def lora_target_modules(value: str):
@@ -68,7 +72,11 @@ def load_policy(config: GRPOConfig, model_path: str, dtype: torch.dtype, device:
     attention_without_shape_plans(device)
     is_vl = vision.is_vision_language(model_path, config.trust_remote_code)
     quantization = None
-    if config.tuning_strategy == "qlora":
+    stored_4bit = saved_4bit(model_path)
+    if stored_4bit:  # its own quantization_config loads it; nothing is quantized again
+        logger.info(f"{model_path} is saved in 4 bits ({stored_4bit.get('bnb_4bit_quant_type', 'nf4')}): its base "
+                    "trains as it is (--qlora_block_size / --qlora_block_scale apply to 16-bit checkpoints)")
+    elif config.tuning_strategy == "qlora":
         from transformers import BitsAndBytesConfig
 
         # a vision-language model keeps its vision tower (and output layer) unquantized; a list replaces
@@ -79,7 +87,8 @@ def load_policy(config: GRPOConfig, model_path: str, dtype: torch.dtype, device:
         quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=config.qlora_quant_type,
                                           bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=dtype,
                                           llm_int8_skip_modules=skip)
-    model = load_base_model(model_path, dtype, device, config.trust_remote_code, quantization)
+    model = load_base_model(model_path, dtype, device, config.trust_remote_code, quantization,
+                            device_map={"": device} if stored_4bit else None)
     if quantization is not None and config.qlora_requantizing_options:
         requantize_4bit_base(model, model_path, config.qlora_block_size, config.qlora_block_scale,
                              " and ".join(config.qlora_requantizing_options))

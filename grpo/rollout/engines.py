@@ -7,6 +7,7 @@ import tempfile
 import torch
 
 from grpo.errors import ConfigError
+from grpo.model.base_weights import saved_4bit
 from grpo.rollout.hf import HFRolloutEngine, stop_token_ids
 from grpo.rollout.kv_cache import engine_kv_cache_bytes
 
@@ -44,7 +45,7 @@ def build_rollout_engine(config, model_path: str, policy, tokenizer, vision, ran
         return RemoteRolloutEngine(spec, config.rollout_gpus, config.ddp_timeout_minutes,
                                    images_as_decoded=config.uses_vllm)
     if config.uses_vllm:
-        adapter = engine_weights(config, policy, vision) == "adapter"
+        adapter = engine_weights(config, policy, vision, model_path) == "adapter"
         if adapter and config.tuning_strategy == "qlora":
             with tempfile.TemporaryDirectory(prefix="grpo-4bit-base-") as folder:  # vLLM keeps the weights, not it
                 from grpo.model.quantized_checkpoint import write_4bit_checkpoint
@@ -57,10 +58,20 @@ def build_rollout_engine(config, model_path: str, policy, tokenizer, vision, ran
     return HFRolloutEngine(policy, tokenizer, suppress_token_ids=vision.placeholder_token_ids if vision else None)
 
 
-def engine_weights(config, policy, vision) -> str:
+def engine_weights(config, policy, vision, model_path: str | None = None) -> str:
     """--rollout_weights for this model: "adapter" or "merged". auto falls back to merged, said once, where vLLM's
-    LoRA cannot take the adapter; an explicit adapter is then an error."""
+    LoRA cannot take the adapter; an explicit adapter is then an error. A checkpoint saved in 4 bits has no 16-bit
+    weights for a merged engine to start from: adapter."""
     choice = config.engine_weights
+    stored_4bit = model_path is not None and config.tuning_strategy == "qlora" and bool(saved_4bit(model_path))
+    if stored_4bit:
+        if config.rollout_weights == "merged":
+            raise ConfigError(f"--rollout_weights merged starts vLLM from the 16-bit checkpoint, and {model_path} is "
+                              "saved in 4 bits: use --rollout_weights adapter (or auto)")
+        if config.vllm_tp > 1:
+            raise ConfigError(f"{model_path} is saved in 4 bits, which vLLM 0.26 loads on one GPU per engine only: "
+                              "use --vllm_tp 1")
+        choice = "adapter"
     if choice != "adapter":
         return choice
     peft_config = getattr(policy, "peft_config", {}).get("default")
@@ -69,12 +80,12 @@ def engine_weights(config, policy, vision) -> str:
            else "DoRA" if getattr(peft_config, "use_dora", False)
            else "lora_bias" if getattr(peft_config, "lora_bias", False) else None)
     if why is not None:
-        if config.rollout_weights == "adapter":
+        if config.rollout_weights == "adapter" or stored_4bit:
             raise ConfigError(f"--rollout_weights adapter: vLLM's LoRA cannot take {why}; use --rollout_weights "
                               "merged")
         logger.info(f"vLLM takes merged weights: its LoRA cannot take {why} (--rollout_weights auto)")
         return "merged"
-    if config.rollout_weights == "auto":
+    if config.rollout_weights == "auto" and not stored_4bit:
         from grpo.model.loading import parameter_count
 
         copy_bytes, gpu_bytes = 2 * parameter_count(policy), gpu_memory_bytes()
