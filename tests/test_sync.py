@@ -461,9 +461,9 @@ def test_rollout_weights_auto_picks_adapter_only_where_the_16bit_copy_crowds_the
     assert cfg.engine_weights == "adapter"  # a candidate, before the model and the GPU are known
     policy = trained_policy(model_dir, "qlora")
     copy_bytes = 2 * parameter_count(policy)
-    monkeypatch.setattr(engines, "gpu_memory_bytes", lambda: int(copy_bytes / engines.ADAPTER_FROM_SHARE) + 1)
+    monkeypatch.setattr(engines, "gpu_memory_bytes", lambda cap=None: int(copy_bytes / engines.ADAPTER_FROM_SHARE) + 1)
     assert engines.engine_weights(cfg, policy, vision=None) == "merged"
-    monkeypatch.setattr(engines, "gpu_memory_bytes", lambda: int(copy_bytes / engines.ADAPTER_FROM_SHARE) - 1)
+    monkeypatch.setattr(engines, "gpu_memory_bytes", lambda cap=None: int(copy_bytes / engines.ADAPTER_FROM_SHARE) - 1)
     assert engines.engine_weights(cfg, policy, vision=None) == "adapter"
     assert engines.engine_weights(cfg, policy, vision=object()) == "merged"  # a vision-language model
     explicit = GRPOConfig(model_name_or_path=model_dir, tuning_strategy="qlora", rollout_engine="vllm",
@@ -502,7 +502,7 @@ def test_a_checkpoint_saved_in_4bit_trains_with_qlora_as_it_is(model_dir, tmp_pa
     assert loaded.quant_state.blocksize == saved.quant_state.blocksize == 64
     with torch.no_grad(), policy.disable_adapter(), trained.disable_adapter():
         torch.testing.assert_close(policy.eval()(IDS).logits, trained.eval()(IDS).logits)
-    monkeypatch.setattr(engines, "gpu_memory_bytes", lambda: 10**15)  # auto would pick merged for a 16-bit model
+    monkeypatch.setattr(engines, "gpu_memory_bytes", lambda cap=None: 10**15)  # auto would pick merged for a 16-bit model
     assert engines.engine_weights(cfg, policy, None, folder) == "adapter"
     for options, message in ((dict(rollout_weights="merged"), "saved in 4 bits: use --rollout_weights adapter"),):
         with pytest.raises(ConfigError, match=message):

@@ -288,6 +288,9 @@ class GRPOConfig:
     deepspeed: str = _opt("configs/zero2.json",
                           "DeepSpeed config file, or 'zero2' / 'zero3' for the shipped ones.", "distributed")
     local_rank: int = _opt(-1, "Set by the deepspeed launcher; leave alone.", "distributed")
+    gpu_memory_gib: Optional[float] = _opt(
+        None, "Use at most this much of each GPU, e.g. 24 to try a 24 GB card's budget on a larger GPU: torch's "
+              "allocator stops there, and vLLM's share is taken of it (grpo/runtime/gpu_budget.py).", "training")
     ddp_timeout_minutes: float = _opt(
         30.0, "How long a collective waits for a rank that never arrives before the run stops with an error "
         "(the process-group timeout).", "distributed")

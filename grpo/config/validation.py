@@ -105,6 +105,7 @@ def validate(cfg) -> None:
              "needs --rollout_mode server (colocated engines share the GPU with training, so nothing overlaps)")
         need(world % cfg.vllm_tp == 0, "vllm_tp",
              f"must divide the number of ranks (WORLD_SIZE={world}); got {cfg.vllm_tp}")
+    need(cfg.gpu_memory_gib is None or cfg.gpu_memory_gib > 0, "gpu_memory_gib", "must be > 0 (GiB)")
     need(cfg.rollout_weights in ROLLOUT_WEIGHTS, "rollout_weights",
          f"got '{cfg.rollout_weights}', choose one of {', '.join(ROLLOUT_WEIGHTS)}")
     if cfg.rollout_weights == "adapter":

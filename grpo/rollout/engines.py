@@ -8,6 +8,7 @@ import torch
 
 from grpo.errors import ConfigError
 from grpo.model.base_weights import saved_4bit
+from grpo.runtime.gpu_budget import engine_memory_share
 from grpo.rollout.hf import HFRolloutEngine, stop_token_ids
 from grpo.rollout.kv_cache import engine_kv_cache_bytes
 
@@ -88,7 +89,7 @@ def engine_weights(config, policy, vision, model_path: str | None = None) -> str
     if config.rollout_weights == "auto" and not stored_4bit:
         from grpo.model.loading import parameter_count
 
-        copy_bytes, gpu_bytes = 2 * parameter_count(policy), gpu_memory_bytes()
+        copy_bytes, gpu_bytes = 2 * parameter_count(policy), gpu_memory_bytes(config.gpu_memory_gib)
         if copy_bytes <= ADAPTER_FROM_SHARE * gpu_bytes:
             logger.info(f"vLLM takes merged weights: their 16-bit copy ({copy_bytes / 2**30:.1f} GiB) fits "
                         f"{ADAPTER_FROM_SHARE:.0%} of the GPU's {gpu_bytes / 2**30:.0f} GiB, and merged generates "
@@ -99,9 +100,11 @@ def engine_weights(config, policy, vision, model_path: str | None = None) -> str
     return "adapter"
 
 
-def gpu_memory_bytes() -> int:
-    """What this rank's GPU holds in all."""
-    return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+def gpu_memory_bytes(cap_gib=None) -> int:
+    """What the job may use of this rank's GPU (--gpu_memory_gib, or all of it)."""
+    from grpo.runtime.gpu_budget import usable_gpu_bytes
+
+    return usable_gpu_bytes(cap_gib)
 
 
 def adapter_rank(policy) -> int:
@@ -116,7 +119,8 @@ def _vllm_engine(config, model_path: str, rank: int, vision, stops, lora_rank: i
 
     # ranks of one tensor-parallel group share a seed: they must sample the same completions
     return VLLMRolloutEngine(model_path, tensor_parallel_size=config.vllm_tp,
-                                 gpu_memory_utilization=config.vllm_memory_share,
+                                 gpu_memory_utilization=engine_memory_share(config.vllm_memory_share,
+                                                                            config.gpu_memory_gib),
                                  kv_cache_bytes=engine_kv_cache_bytes(config, model_path),
                                  max_model_len=config.max_seq_length, seed=config.seed + rank // config.vllm_tp,
                                  enable_sleep=config.vllm_sleep,

@@ -31,6 +31,7 @@ from grpo.runtime import distributed as dist_utils
 from grpo.runtime.deepspeed_config import default_dtype, load_deepspeed_config, zero_stage
 from grpo.runtime.distributed import seed_everything
 from grpo.runtime.failures import FailureReporter, phase
+from grpo.runtime.gpu_budget import cap_gpu_memory
 from grpo.runtime.roles import enter_training_world, job_rank, rollout_index, rollout_ranks_of
 from grpo.runtime.signals import GracefulStop
 from grpo.train.metrics import eval_metrics, eval_sample_rows, mean_over_ranks, step_metrics, step_std
@@ -78,6 +79,7 @@ class GRPOTrainer:
 
         # --- models, DeepSpeed, rollout engine --------------------------------------------------------
         self.device, self.dtype = dist_utils.device(), default_dtype()
+        cap_gpu_memory(config.gpu_memory_gib, self.device)
         self.ds_config = load_deepspeed_config(config, use_bf16=self.dtype == torch.bfloat16)
         self.zero3 = zero_stage(self.ds_config) == 3
         policy = load_policy(config, self.model_path, self.dtype, self.device)

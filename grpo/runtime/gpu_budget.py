@@ -1,0 +1,48 @@
+"""--gpu_memory_gib: run within a smaller GPU's memory on a larger one (e.g. a 24 GB card's budget on an 80 GB H100),
+to see what fits before buying or renting the card.
+
+    torch      torch.cuda.set_per_process_memory_fraction(cap / total): the allocator refuses beyond the cap
+    vLLM       its --vllm_gpu_memory_utilization share is taken of the cap: share x cap / total of the whole GPU
+
+vLLM's own memory (weights, KV cache) comes from its pool, not torch's allocator, so the cap bounds each side; the
+driver's figure for the whole process (benchmarks/memory_scale.sh) is the one to compare with the card.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+
+from grpo.errors import ConfigError
+
+logger = logging.getLogger("grpo")
+
+
+def gpu_total_bytes(device: Optional[torch.device] = None) -> int:
+    index = torch.cuda.current_device() if device is None or device.index is None else device.index
+    return torch.cuda.get_device_properties(index).total_memory
+
+
+def usable_gpu_bytes(cap_gib: Optional[float], device: Optional[torch.device] = None) -> int:
+    """What the job may use of this rank's GPU: the cap, or the whole GPU."""
+    total = gpu_total_bytes(device)
+    return min(total, int(cap_gib * 2**30)) if cap_gib else total
+
+
+def cap_gpu_memory(cap_gib: Optional[float], device: torch.device) -> None:
+    """Hold torch's allocator to `cap_gib` on `device` (nothing without a cap or a GPU)."""
+    if not cap_gib or device.type != "cuda":
+        return
+    total = gpu_total_bytes(device)
+    if cap_gib * 2**30 > total:
+        raise ConfigError(f"--gpu_memory_gib {cap_gib}: this GPU has {total / 2**30:.1f} GiB")
+    torch.cuda.set_per_process_memory_fraction(cap_gib * 2**30 / total, device)
+    logger.info(f"GPU memory capped at {cap_gib:g} GiB of {total / 2**30:.1f} (--gpu_memory_gib)")
+
+
+def engine_memory_share(share: float, cap_gib: Optional[float]) -> float:
+    """vLLM's gpu_memory_utilization (a share of the whole GPU) for `share` of what the job may use."""
+    if not cap_gib or not torch.cuda.is_available():
+        return share
+    return share * usable_gpu_bytes(cap_gib) / gpu_total_bytes()
