@@ -7,9 +7,11 @@
 #   s/step by phase (rollout, train, sync; the first step left out when there are more), sync MiB per step,
 #   and the engine-vs-trainer log-prob gap (rollout/logprob_diff_mean, every step)
 # GPU_MEMORY_GIB caps what a run may use (a smaller card's budget): torch's per-process fraction and vLLM's share.
+# FOUR_BIT=1 builds the models saved in 4 bits (random_model.py --four_bit: a 32B model without its 65 GB bf16 form).
 #
 #   bash benchmarks/memory_scale.sh                                   # qwen2.5-7b, qlora, adapter and merged
 #   SHAPES="qwen2.5-7b qwen2.5-14b" STRATEGIES="qlora lora" MODES=adapter bash benchmarks/memory_scale.sh
+#   SHAPES=qwen2.5-32b FOUR_BIT=1 MODES=auto bash benchmarks/memory_scale.sh      # 32B qlora on one 80 GB GPU
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-outputs/bench/memory_scale}
@@ -29,8 +31,9 @@ cap=()
 [ -n "${GPU_MEMORY_GIB:-}" ] && cap=(--gpu_memory_gib "$GPU_MEMORY_GIB")
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -1 | tee "$OUT/gpu.txt"
 for shape in $SHAPES; do
-  model="${MODEL_ROOT:-$OUT}/$shape"
-  timeout 900 python benchmarks/random_model.py --shape "$shape" --out "$model" || { echo "$shape: no model"; continue; }
+  model="${MODEL_ROOT:-$OUT}/$shape${FOUR_BIT:+-4bit}"
+  timeout 1200 python benchmarks/random_model.py --shape "$shape" --out "$model" ${FOUR_BIT:+--four_bit} ||
+    { echo "$shape: no model"; continue; }
   for strategy in $STRATEGIES; do
     for mode in $MODES; do
       name="$shape-$strategy-$mode${GPU_MEMORY_GIB:+-${GPU_MEMORY_GIB}gib}"

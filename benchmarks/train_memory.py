@@ -31,16 +31,24 @@ SHAPES = {  # random models of these shapes
     "qwen2.5-14b": dict(arch="qwen2", vocab_size=152064, hidden_size=5120, intermediate_size=13824,
                         num_hidden_layers=48, num_attention_heads=40, num_key_value_heads=8,
                         tie_word_embeddings=False),
+    "qwen2.5-32b": dict(arch="qwen2", vocab_size=152064, hidden_size=5120, intermediate_size=27648,
+                        num_hidden_layers=64, num_attention_heads=40, num_key_value_heads=8,
+                        tie_word_embeddings=False),
 }
 
 
-def random_model(shape: str, device, **config_kwargs):
-    """A randomly initialised (seed 0) bf16 model of one of SHAPES, built on `device`."""
+def model_classes(shape: str):
+    """(config class, model class, the shape's config fields) of one of SHAPES."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     spec = dict(SHAPES[shape])
     arch = spec.pop("arch")
-    config_cls, model_cls = (LlamaConfig, LlamaForCausalLM) if arch == "llama" else (Qwen2Config, Qwen2ForCausalLM)
+    return (LlamaConfig, LlamaForCausalLM, spec) if arch == "llama" else (Qwen2Config, Qwen2ForCausalLM, spec)
+
+
+def random_model(shape: str, device, **config_kwargs):
+    """A randomly initialised (seed 0) bf16 model of one of SHAPES, built on `device`."""
+    config_cls, model_cls, spec = model_classes(shape)
     config = config_cls(max_position_embeddings=4096, **config_kwargs, **spec)
     torch.manual_seed(0)
     default = torch.get_default_dtype()

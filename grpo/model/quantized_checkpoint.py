@@ -52,26 +52,31 @@ def unquantized_linears(policy) -> list[str]:
     return sorted(names)
 
 
-def write_4bit_checkpoint(policy, out_dir: str, dtype: torch.dtype = torch.bfloat16) -> int:
-    """Write the policy's 4-bit base to `out_dir` (module docstring); returns the bytes written."""
+def bitsandbytes_4bit_config(quant_type: str, nested: bool, dtype: torch.dtype, unquantized: list[str]) -> dict:
+    """The quantization_config of a pre-quantized bitsandbytes 4-bit checkpoint (transformers' and vLLM's reading)."""
+    return {"quant_method": "bitsandbytes", "load_in_4bit": True, "load_in_8bit": False,
+            "bnb_4bit_quant_type": quant_type, "bnb_4bit_use_double_quant": nested,
+            "bnb_4bit_compute_dtype": str(dtype).removeprefix("torch."), "bnb_4bit_quant_storage": "uint8",
+            "llm_int8_skip_modules": unquantized}
+
+
+def write_safetensors_shards(named_tensors, out_dir: str) -> int:
+    """Write (name, CPU tensor) pairs as model-0000N.safetensors files of about SHARD_BYTES plus their index, holding
+    one shard in memory at a time; returns the bytes written."""
     from safetensors.torch import save_file
 
-    quantized = [m for m in policy.modules() if is_4bit(getattr(m, "weight", None))]
-    if not quantized:
-        raise ConfigError("no 4-bit layer to write: the policy was not loaded with --tuning_strategy qlora")
-    state = quantized[0].weight.quant_state
     os.makedirs(out_dir, exist_ok=True)
-    shard, shard_bytes, shards, total = {}, 0, [], 0
+    shard, shard_bytes, weight_map, total = {}, 0, {}, 0
 
     def flush():
         nonlocal shard, shard_bytes
         if shard:
-            path = os.path.join(out_dir, f"model-{len(shards) + 1:05d}.safetensors")
-            save_file(shard, path, metadata={"format": "pt"})
-            shards.append((path, list(shard)))
+            file = f"model-{len(set(weight_map.values())) + 1:05d}.safetensors"
+            save_file(shard, os.path.join(out_dir, file), metadata={"format": "pt"})
+            weight_map.update({name: file for name in shard})
         shard, shard_bytes = {}, 0
 
-    for name, tensor in iter_4bit_state(policy, dtype):
+    for name, tensor in named_tensors:
         shard[name] = tensor.contiguous()
         size = tensor.numel() * tensor.element_size()
         shard_bytes += size
@@ -79,17 +84,22 @@ def write_4bit_checkpoint(policy, out_dir: str, dtype: torch.dtype = torch.bfloa
         if shard_bytes >= SHARD_BYTES:
             flush()
     flush()
-    index = {"metadata": {"total_size": total},
-             "weight_map": {name: os.path.basename(path) for path, names in shards for name in names}}
     with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
-        json.dump(index, f)
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f)
+    return total
+
+
+def write_4bit_checkpoint(policy, out_dir: str, dtype: torch.dtype = torch.bfloat16) -> int:
+    """Write the policy's 4-bit base to `out_dir` (module docstring); returns the bytes written."""
+    quantized = [m for m in policy.modules() if is_4bit(getattr(m, "weight", None))]
+    if not quantized:
+        raise ConfigError("no 4-bit layer to write: the policy was not loaded with --tuning_strategy qlora")
+    state = quantized[0].weight.quant_state
+    total = write_safetensors_shards(iter_4bit_state(policy, dtype), out_dir)
     config = copy.deepcopy(policy.config)  # peft hands on the base model's
-    config.quantization_config = {
-        "quant_method": "bitsandbytes", "load_in_4bit": True, "load_in_8bit": False,
-        "bnb_4bit_quant_type": state.quant_type, "bnb_4bit_use_double_quant": state.nested,
-        "bnb_4bit_compute_dtype": str(dtype).removeprefix("torch."), "bnb_4bit_quant_storage": "uint8",
-        "llm_int8_skip_modules": unquantized_linears(policy)}
-    config.torch_dtype = dtype
+    config.quantization_config = bitsandbytes_4bit_config(state.quant_type, state.nested, dtype,
+                                                          unquantized_linears(policy))
+    config.dtype = dtype
     config.save_pretrained(out_dir)
     logger.info(f"4-bit base for the rollout engine: {total / 2**30:.2f} GiB in {out_dir} (blocks of "
                 f"{state.blocksize}, {state.quant_type})")

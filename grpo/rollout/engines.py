@@ -47,6 +47,9 @@ def build_rollout_engine(config, model_path: str, policy, tokenizer, vision, ran
                                    images_as_decoded=config.uses_vllm)
     if config.uses_vllm:
         adapter = engine_weights(config, policy, vision, model_path) == "adapter"
+        if adapter and config.tuning_strategy == "qlora" and saved_4bit(model_path):  # the trainer's base as it is
+            return _vllm_engine(config, model_path, rank, vision, stops, lora_rank=adapter_rank(policy),
+                                quantized=True)
         if adapter and config.tuning_strategy == "qlora":
             with tempfile.TemporaryDirectory(prefix="grpo-4bit-base-") as folder:  # vLLM keeps the weights, not it
                 from grpo.model.quantized_checkpoint import write_4bit_checkpoint
