@@ -15,9 +15,6 @@ from grpo.train.trainer import GRPOTrainer
 
 from .trainer_setup import even_tokens, tiny_config
 
-ENGINE_FILE = os.path.join("engine", "mp_rank_00_model_states.pt")
-
-
 @pytest.fixture(scope="module")
 def tied_model(tiny_model, tmp_path_factory):
     """The tiny model with its output layer tied to the embedding, as SmolLM2's is."""
@@ -31,7 +28,10 @@ def tied_model(tiny_model, tmp_path_factory):
 
 
 def saved_engine_state(checkpoint: str) -> dict:
-    return torch.load(os.path.join(checkpoint, ENGINE_FILE), map_location="cpu", weights_only=False)
+    """DeepSpeed's module file of rank 0 (mp_rank_00_model_states.pt; under ZeRO-3 zero_pp_rank_0_...)."""
+    engine = os.path.join(checkpoint, "engine")
+    name, = [n for n in os.listdir(engine) if n.endswith("mp_rank_00_model_states.pt") and "rank_1" not in n]
+    return torch.load(os.path.join(engine, name), map_location="cpu", weights_only=False)
 
 
 def train_and_save(model, registry, out, caplog, **options):
@@ -97,3 +97,36 @@ def test_resume_onto_another_base_stops_before_any_model_loads(tiny_model, regis
     with pytest.raises(CheckpointError, match="holds a LoRA adapter trained on another base model: .*whose "
                                               "model.safetensors differs \\(same size, other contents\\)"):
         GRPOTrainer(tiny_config(model, registry, out, max_steps=2, resume_from_checkpoint="latest"))
+
+
+def gathered_trainable_weights(trainer) -> dict:
+    """The trainable weights, whole also where ZeRO-3 partitions them."""
+    import deepspeed
+
+    params = [(n, p) for n, p in trainer.engine.module.named_parameters() if p.requires_grad]
+    with deepspeed.zero.GatheredParameters([p for _, p in params]):
+        return {n: p.detach().clone() for n, p in params}
+
+
+def test_zero3_adapter_checkpoints_resume_exactly(tied_model, registry, tmp_path):
+    # ZeRO-3 partitions every weight, frozen ones too: its checkpoint must still leave them out and resume exactly
+    common = dict(deepspeed="zero3", max_steps=3, save_steps=1, save_total_limit=5, lora_dropout=0.1,
+                  eval_on_start=False)
+    straight = GRPOTrainer(tiny_config(tied_model, registry, str(tmp_path / "a"), **common),
+                           reward_funcs=[even_tokens])
+    straight.train()
+    expected = gathered_trainable_weights(straight)
+    trainable = set(expected)
+    for _, checkpoint in list_checkpoints(str(tmp_path / "a")):
+        state = saved_engine_state(checkpoint)
+        assert set(state["module"]) <= trainable and state["frozen_param_fragments"] is None
+    os.makedirs(tmp_path / "b")
+    shutil.copytree(tmp_path / "a" / "checkpoint-1", tmp_path / "b" / "checkpoint-1")
+    resumed = GRPOTrainer(tiny_config(tied_model, registry, str(tmp_path / "b"), resume_from_checkpoint="latest",
+                                      **common), reward_funcs=[even_tokens])
+    assert resumed.state.step == 1
+    resumed.train()
+    got = gathered_trainable_weights(resumed)
+    assert got.keys() == expected.keys()
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=0, atol=1e-6, msg=name)
