@@ -54,10 +54,10 @@ def test_train_grpo_resumes_with_the_runs_options_and_lists_the_ones_given(tiny_
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert max(r["completion/length_max"] for r in rows) <= 6
     # listed once, alone: the options not given are the run's, so nothing else differs
-    listed = [line for line in log.splitlines() if "resuming from" in line]
+    listed = [line for line in log.splitlines() if "resumed from" in line]
     assert len(listed) == 1 and listed[0].endswith(
-        f"resuming from {out}/checkpoint-2 with the run's options ({out}/checkpoint-2/grpo_config.json); given "
-        f"here: --max_steps 2 -> 3"), listed
+        f"resumed from {out}/checkpoint-2 at step 2 with the run's options ({out}/checkpoint-2/grpo_config.json); "
+        f"given here: --max_steps 2 -> 3"), listed
     assert "WARNING" not in listed[0]
     # nothing a resume does rewrites what was saved before it
     assert open(os.path.join(out, "checkpoint-2", "grpo_config.json"), "rb").read() == first_checkpoint
@@ -132,19 +132,21 @@ def test_a_plain_config_resumes_as_given_and_names_what_differs(saved_run, caplo
     try:
         plain = tiny_config("model", "registry.json", str(saved_run), max_steps=4, resume_from_checkpoint="latest",
                             rollout_max_new_tokens=6, max_seq_length=38)
-        assert log_resumed_options(checkpoint, saved_path, plain) == ["per_device_train_batch_size",
-                                                                      "learning_rate"]
+        assert log_resumed_options(checkpoint, 4, saved_path, plain) == ["per_device_train_batch_size",
+                                                                         "learning_rate"]
         from_run = GRPOConfig.from_run(str(saved_run), learning_rate=1e-3)
-        assert log_resumed_options(checkpoint, saved_path, from_run) == ["learning_rate"]
+        assert log_resumed_options(checkpoint, 4, saved_path, from_run) == ["learning_rate"]
     finally:
         logger.removeHandler(caplog.handler)
     (warning, info) = list({id(r): r for r in caplog.records}.values())
     assert warning.levelname == "WARNING" and warning.getMessage() == (
-        f"resuming from {checkpoint} with the options of this GRPOConfig, which differ from the run's "
+        f"resumed from {checkpoint} at step 4 with the options of this GRPOConfig, which differ from the run's "
         f"({saved_path}): --per_device_train_batch_size 4 -> 2; --learning_rate 0.0006 -> 0.01. "
         f"GRPOConfig.from_run({str(saved_run)!r}) continues with the run's own options (keyword arguments override "
         f"them)")
-    assert info.levelname == "INFO" and info.getMessage().endswith("given here: --learning_rate 0.0006 -> 0.001")
+    assert info.levelname == "INFO" and info.getMessage() == (
+        f"resumed from {checkpoint} at step 4 with the run's options ({saved_path}); given here: --learning_rate "
+        f"0.0006 -> 0.001")
 
 
 def test_what_is_compared_on_resume(tmp_path):
@@ -158,4 +160,4 @@ def test_what_is_compared_on_resume(tmp_path):
                       local_rank=0)
     # a default that changed is named; qlora's options shape nothing in a lora run; per-start options are not options
     assert changed_options(saved_path, now) == ["max_steps", "scale_rewards"]
-    assert log_resumed_options(str(tmp_path), str(tmp_path / "missing.json"), now) == []  # nothing to compare with
+    assert log_resumed_options(str(tmp_path), 2, str(tmp_path / "missing.json"), now) == []  # nothing to compare with

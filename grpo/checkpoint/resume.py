@@ -78,26 +78,28 @@ def changed_options(saved_path: str, config) -> list[str]:
     return _changed_keys(saved, now, [k for k in now if k not in ignore])
 
 
-def log_resumed_options(checkpoint: str, saved_path: str, config) -> list[str]:
-    """One line saying which options the resume from `checkpoint` runs with; returns the options that differ from
-    the checkpoint's saved ones.
+def log_resumed_options(checkpoint: str, step: int, saved_path: str, config) -> list[str]:
+    """One line saying where the run resumed and with which options; returns the options that differ from the
+    checkpoint's saved ones.
 
     Built from the run (train_grpo.py, GRPOConfig.from_run): the run's options, and each override given. A plain
     GRPOConfig: its own options, with a warning naming each that differs from the run's and how to take those."""
+    where = f"resumed from {checkpoint} at step {step}"
     if not os.path.isfile(saved_path):
-        logger.warning(f"resuming from {checkpoint}, which has no saved options ({saved_path} is missing): the "
-                       f"options given are used as they are")
+        logger.warning(f"{where}, which has no saved options ({saved_path} is missing): the options given are used "
+                       f"as they are")
         return []
     saved = _saved_options(saved_path)
     changed = changed_options(saved_path, config)
     listed = _described(saved, config.to_dict(), changed)
     if config.resumes_saved_options is not None:
-        logger.info(f"resuming from {checkpoint} with the run's options ({saved_path})"
-                    + (f"; given here: {listed}" if changed else ""))
+        logger.info(f"{where} with the run's options ({saved_path})" + (f"; given here: {listed}" if changed else ""))
     elif changed:
-        logger.warning(f"resuming from {checkpoint} with the options of this GRPOConfig, which differ from the "
-                       f"run's ({saved_path}): {listed}. GRPOConfig.from_run({config.output_dir!r}) continues with "
-                       f"the run's own options (keyword arguments override them)")
+        logger.warning(f"{where} with the options of this GRPOConfig, which differ from the run's ({saved_path}): "
+                       f"{listed}. GRPOConfig.from_run({config.output_dir!r}) continues with the run's own options "
+                       f"(keyword arguments override them)")
+    else:
+        logger.info(f"{where} with the run's options ({saved_path})")
     return changed
 
 

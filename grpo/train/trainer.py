@@ -128,8 +128,8 @@ class GRPOTrainer:
         run_file = os.path.join(config.output_dir, CONFIG_FILE)
         changed = []
         if self.resume_path is not None:
-            changed = log_resumed_options(self.resume_path, saved_config_path(self.resume_path, config.output_dir),
-                                          config)
+            changed = log_resumed_options(self.resume_path, self.state.step,
+                                          saved_config_path(self.resume_path, config.output_dir), config)
         if self.resume_path is None or not os.path.isfile(run_file):
             config.save(run_file)
         elif changed:
@@ -140,7 +140,6 @@ class GRPOTrainer:
         config = self.config
         if self.resume_path is not None:
             self.state = load_checkpoint(self.engine, self.resume_path, frozen_excluded=config.uses_lora)
-            logger.info(f"resumed from {self.resume_path} at step {self.state.step}")
         # the engine started from the checkpoint on disk: from here on it samples the policy being trained
         # (for qlora the 4-bit weights, for a resumed run the restored ones), in evaluate() before train() too
         self._sync_rollout_weights(first=True)
