@@ -147,9 +147,10 @@ def load_checkpoint(engine, path: str, frozen_excluded: bool) -> TrainerState:
     without a manifest) raises CheckpointError naming the checkpoint.
     """
     try:
+        load_trainable = partial(_load_trainable, path) if frozen_excluded else None  # the base is the model's
         load_path, _ = engine.load_checkpoint(path, tag=ENGINE_TAG, load_module_strict=not frozen_excluded,
                                               load_optimizer_states=True, load_lr_scheduler_states=True,
-                                              custom_load_fn=partial(_load_trainable, path) if frozen_excluded else None)
+                                              custom_load_fn=load_trainable)
         if load_path is None:
             raise CheckpointError(f"--resume_from_checkpoint: DeepSpeed found no engine state in "
                                   f"{path}/{ENGINE_TAG}")
