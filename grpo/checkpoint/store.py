@@ -20,7 +20,7 @@ import logging
 import os
 import random
 import shutil
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from functools import partial
 from dataclasses import asdict, dataclass, field
 from typing import Optional
@@ -120,7 +120,7 @@ def save_checkpoint(engine, state: TrainerState, output_dir: str, keep: int, fro
         os.makedirs(tmp, exist_ok=True)
     dist_utils.barrier()
     # frozen base weights (lora/qlora) are not saved: they are rebuilt from the model path on resume
-    with trainable_state_dict_only(engine.module) if frozen_excluded else _nothing():
+    with trainable_state_dict_only(engine.module) if frozen_excluded else nullcontext():
         engine.save_checkpoint(tmp, tag=ENGINE_TAG, exclude_frozen_parameters=frozen_excluded)
     torch.save(_rng_state(), os.path.join(tmp, f"rng_rank{dist_utils.rank()}.pt"))
     dist_utils.barrier()
@@ -184,11 +184,6 @@ def trainable_state_dict_only(module):
         yield
     finally:
         handle.remove()
-
-
-@contextmanager
-def _nothing():
-    yield
 
 
 def _trainable_names(module) -> set[str]:
