@@ -15,9 +15,9 @@ import json
 import os
 from typing import Optional
 
+from grpo.checkpoint.layout import MANIFEST_FILE
 from grpo.runtime import distributed as dist_utils
 
-MANIFEST_FILE = "manifest.json"
 ALGORITHM = "blake2b"
 FORMAT = 1
 _CHUNK = 1 << 20

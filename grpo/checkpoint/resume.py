@@ -1,14 +1,15 @@
 """Resuming a run: where its saved options are, the refusal of options that would rebuild another policy around the
-checkpoint's weights (before any model loads), and a warning naming every other option that changed."""
+checkpoint's weights (before any model loads), the one line that says which options a resume runs with, and the
+check that a lora / qlora checkpoint goes back onto the base it was trained on."""
 from __future__ import annotations
 
 import logging
 import os
 
-from grpo.config.choices import BITSANDBYTES_BLOCK_SCALE, BITSANDBYTES_BLOCK_SIZE
-from grpo.config.cli import read_json_object
-from grpo.config.options import upgrade_saved_options
-from grpo.errors import ConfigError
+from grpo.checkpoint.base_model import base_model_problem
+from grpo.config.saved import (PER_START_OPTIONS, VALUES_BEFORE_THE_OPTION, read_saved_options,  # noqa: F401
+                               saved_options_path)
+from grpo.errors import CheckpointError, ConfigError
 
 logger = logging.getLogger("grpo")
 
@@ -22,45 +23,38 @@ QLORA_POLICY_OPTIONS = ("qlora_quant_type", "qlora_block_size", "qlora_block_sca
 
 
 def saved_config_path(resume: str, output_dir: str) -> str:
-    """The grpo_config.json of the run that wrote the checkpoint: beside its checkpoint-* folders."""
-    folder = output_dir if resume == "latest" else os.path.dirname(os.path.normpath(resume))
-    return os.path.join(folder, "grpo_config.json")
+    """The grpo_config.json the checkpoint was trained with (its own copy; older checkpoints: the run's)."""
+    return saved_options_path(resume, output_dir)
 
 
 def check_resume_keeps_policy(saved_path: str, config) -> None:
     """Refuse to resume with options that rebuild a different policy around the checkpoint's weights (before any
-    model is loaded). Other changed options only get named (warn_changed_options)."""
+    model is loaded). Other changed options are only listed (log_resumed_options)."""
     saved, now = _saved_options(saved_path), config.to_dict()
     keys = POLICY_OPTIONS
     if saved.get("tuning_strategy") == now["tuning_strategy"] and config.uses_lora:
         keys += LORA_POLICY_OPTIONS + (QLORA_POLICY_OPTIONS if now["tuning_strategy"] == "qlora" else ())
-    as_saved, changed = _changed_keys(saved, now, keys)
+    changed = _changed_keys(saved, now, keys)
     if changed:
-        flags = " ".join(f"--{key} {as_saved[key]}" for key in changed)
+        flags = " ".join(f"--{key} {saved[key]}" for key in changed)
         raise ConfigError(
             f"--resume_from_checkpoint: the checkpoint was trained with other model options "
-            f"({_described(as_saved, now, changed)}); "
+            f"({_described(saved, now, changed)}); "
             f"its weights belong to that policy. Resume with the saved values ({flags}; see {saved_path}), or start "
             f"a new run with these options in another --output_dir (or --overwrite_output_dir)")
 
 
 def _saved_options(saved_path: str) -> dict:
-    """The saved grpo_config.json; empty when none was saved or it cannot be read (nothing to compare with)."""
+    """The saved options; empty when none were saved or they cannot be read (nothing to compare with)."""
     try:
-        return upgrade_saved_options(read_json_object(saved_path, ConfigError, "grpo_config.json"))
+        return read_saved_options(saved_path)
     except (ConfigError, OSError):
         return {}
 
 
-# what a run saved before an option existed used in its place
-VALUES_BEFORE_THE_OPTION = {"qlora_block_size": BITSANDBYTES_BLOCK_SIZE, "qlora_block_scale": BITSANDBYTES_BLOCK_SCALE}
-
-
-def _changed_keys(saved: dict, now: dict, keys) -> tuple[dict, list[str]]:
-    """(the saved options, with the values of their time for options they predate; those of `keys` they hold with
-    another value)."""
-    saved = {**(VALUES_BEFORE_THE_OPTION if saved else {}), **saved}  # nothing saved: nothing to compare
-    return saved, [k for k in keys if k in saved and as_compared(k, saved[k]) != as_compared(k, now[k])]
+def _changed_keys(saved: dict, now: dict, keys) -> list[str]:
+    """Those of `keys` the saved options hold with another value."""
+    return [k for k in keys if k in saved and as_compared(k, saved[k]) != as_compared(k, now[k])]
 
 
 def _described(saved: dict, now: dict, changed: list[str]) -> str:
@@ -74,14 +68,46 @@ def as_compared(key: str, value):
     return value
 
 
-def warn_changed_options(saved_path: str, config) -> None:
-    """A resumed run continues with today's options: name those that differ from the run's saved ones (a flag
-    given differently, or a default that changed between versions, e.g. --scale_rewards)."""
-    ignore = {"resume_from_checkpoint", "overwrite_output_dir", "max_steps", "epochs"}  # meant to change
+def changed_options(saved_path: str, config) -> list[str]:
+    """The options `config` holds with other values than the saved ones (per-start options aside; qlora's only
+    where a run is qlora, since they shape nothing else)."""
     now, saved = config.to_dict(), _saved_options(saved_path)
-    if "qlora" not in (now["tuning_strategy"], saved.get("tuning_strategy")):  # qlora's options shape nothing else
+    ignore = set(PER_START_OPTIONS)
+    if "qlora" not in (now["tuning_strategy"], saved.get("tuning_strategy")):
         ignore |= {key for key in now if key.startswith("qlora_")}
-    as_saved, changed = _changed_keys(saved, now, [k for k in now if k not in ignore])
-    if changed:
-        logger.warning("resuming with options that differ from the run's saved grpo_config.json: "
-                       + _described(as_saved, now, changed))
+    return _changed_keys(saved, now, [k for k in now if k not in ignore])
+
+
+def log_resumed_options(checkpoint: str, step: int, saved_path: str, config) -> list[str]:
+    """One line saying where the run resumed and with which options; returns the options that differ from the
+    checkpoint's saved ones.
+
+    Built from the run (train_grpo.py, GRPOConfig.from_run): the run's options, and each override given. A plain
+    GRPOConfig: its own options, with a warning naming each that differs from the run's and how to take those."""
+    where = f"resumed from {checkpoint} at step {step}"
+    if not os.path.isfile(saved_path):
+        logger.warning(f"{where}, which has no saved options ({saved_path} is missing): the options given are used "
+                       f"as they are")
+        return []
+    saved = _saved_options(saved_path)
+    changed = changed_options(saved_path, config)
+    listed = _described(saved, config.to_dict(), changed)
+    if config.resumes_saved_options is not None:
+        logger.info(f"{where} with the run's options ({saved_path})" + (f"; given here: {listed}" if changed else ""))
+    elif changed:
+        logger.warning(f"{where} with the options of this GRPOConfig, which differ from the run's ({saved_path}): "
+                       f"{listed}. GRPOConfig.from_run({config.output_dir!r}) continues with the run's own options "
+                       f"(keyword arguments override them)")
+    else:
+        logger.info(f"{where} with the run's options ({saved_path})")
+    return changed
+
+
+def check_base_model(checkpoint: str, model_path: str) -> None:
+    """A lora / qlora checkpoint holds only the adapter: stop before any model loads when the base model's files
+    are not the ones it was trained on (checkpoints saved before this record existed are not checked)."""
+    problem = base_model_problem(checkpoint, model_path)
+    if problem:
+        raise CheckpointError(f"--resume_from_checkpoint: {checkpoint} holds a LoRA adapter trained on another base "
+                              f"model: {problem}. Resume with the base it was trained on (--model_name_or_path), or "
+                              f"start a new run in another --output_dir")

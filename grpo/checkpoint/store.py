@@ -1,8 +1,11 @@
 """Checkpoints: DeepSpeed engine state + trainer state, written atomically, the newest K kept.
 
 Layout of one checkpoint folder (`output_dir/checkpoint-<step>`):
-    engine/            DeepSpeed's files (module, optimizer, scheduler), per rank
+    engine/            DeepSpeed's files (module, optimizer, scheduler), per rank; lora / qlora: the trainable
+                       weights only (the frozen base is rebuilt from the model at resume)
     trainer_state.json step, epoch, data position, metrics needed to continue
+    grpo_config.json   the options this checkpoint was trained with (a resume starts from them)
+    base_model.json    lora / qlora: the base model's files it was trained on (see base_model.py)
     rng_rank<R>.pt     python / numpy / torch RNG states of each rank
     manifest.json      size and checksum of every file above (all ranks'), written last; see manifest.py
 A checkpoint is first written to `checkpoint-<step>.tmp` and renamed when every rank is done, so a crash mid-save
@@ -16,8 +19,9 @@ import json
 import logging
 import os
 import random
-import re
 import shutil
+from contextlib import contextmanager, nullcontext
+from functools import partial
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
@@ -26,13 +30,12 @@ import torch
 
 from grpo.runtime import distributed as dist_utils
 from grpo.errors import CheckpointError, ConfigError
+from grpo.checkpoint.base_model import write_base_model_record
+from grpo.checkpoint.layout import CONFIG_FILE, ENGINE_TAG, STATE_FILE, list_checkpoints  # noqa: F401 (read here too)
 from grpo.checkpoint.manifest import MANIFEST_FILE, has_manifest, quick_problem, verify_checkpoint, write_manifest
 
 logger = logging.getLogger("grpo")
 
-ENGINE_TAG = "engine"
-STATE_FILE = "trainer_state.json"
-_CKPT_RE = re.compile(r"^checkpoint-(\d+)$")
 
 
 @dataclass
@@ -45,19 +48,6 @@ class TrainerState:
     last_good_checkpoint: Optional[str] = None  # newest one saved outside a streak of non-finite steps
     best_eval_reward: Optional[float] = None
     extra: dict = field(default_factory=dict)
-
-
-def list_checkpoints(output_dir: str) -> list[tuple[int, str]]:
-    """Complete (renamed) checkpoints in output_dir as (step, path), oldest first; intact or not."""
-    if not os.path.isdir(output_dir):
-        return []
-    found = []
-    for name in os.listdir(output_dir):
-        m = _CKPT_RE.match(name)
-        path = os.path.join(output_dir, name)
-        if m and (os.path.isfile(os.path.join(path, STATE_FILE)) or os.path.isfile(os.path.join(path, MANIFEST_FILE))):
-            found.append((int(m.group(1)), path))
-    return sorted(found)
 
 
 def resolve_resume_path(resume: str, output_dir: str) -> str:
@@ -113,10 +103,12 @@ def _note_unverified(path: str) -> None:
         logger.warning(f"checkpoint {path} has no {MANIFEST_FILE} (saved by an older version): loading it unverified")
 
 
-def save_checkpoint(engine, state: TrainerState, output_dir: str, keep: int, frozen_excluded: bool) -> str:
+def save_checkpoint(engine, state: TrainerState, output_dir: str, keep: int, frozen_excluded: bool, config,
+                    base_record: Optional[dict] = None) -> str:
     """Write checkpoint-<step> atomically on every rank; returns its path. Collective: all ranks call it.
 
-    Rotation keeps the newest `keep` checkpoints and, besides them, the last good one.
+    `config` (the options trained with) and `base_record` (lora / qlora: base_model.base_model_record) are saved
+    with it. Rotation keeps the newest `keep` checkpoints and, besides them, the last good one.
     """
     final = os.path.join(output_dir, f"checkpoint-{state.step}")
     state.last_checkpoint = final
@@ -127,13 +119,17 @@ def save_checkpoint(engine, state: TrainerState, output_dir: str, keep: int, fro
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp, exist_ok=True)
     dist_utils.barrier()
-    # frozen base weights (lora/qlora) are not saved: they are reloaded from the model path on resume
-    engine.save_checkpoint(tmp, tag=ENGINE_TAG, exclude_frozen_parameters=frozen_excluded)
+    # frozen base weights (lora/qlora) are not saved: they are rebuilt from the model path on resume
+    with trainable_state_dict_only(engine.module) if frozen_excluded else nullcontext():
+        engine.save_checkpoint(tmp, tag=ENGINE_TAG, exclude_frozen_parameters=frozen_excluded)
     torch.save(_rng_state(), os.path.join(tmp, f"rng_rank{dist_utils.rank()}.pt"))
     dist_utils.barrier()
     if dist_utils.is_main():
         with open(os.path.join(tmp, STATE_FILE), "w") as fh:
             json.dump(asdict(state), fh, indent=2)
+        config.save(os.path.join(tmp, CONFIG_FILE))
+        if base_record is not None:
+            write_base_model_record(tmp, base_record)
     write_manifest(tmp)  # last: sizes and checksums of every rank's files
     if dist_utils.is_main():
         if os.path.isdir(final):
@@ -151,8 +147,10 @@ def load_checkpoint(engine, path: str, frozen_excluded: bool) -> TrainerState:
     without a manifest) raises CheckpointError naming the checkpoint.
     """
     try:
+        load_trainable = partial(_load_trainable, path) if frozen_excluded else None  # the base is the model's
         load_path, _ = engine.load_checkpoint(path, tag=ENGINE_TAG, load_module_strict=not frozen_excluded,
-                                              load_optimizer_states=True, load_lr_scheduler_states=True)
+                                              load_optimizer_states=True, load_lr_scheduler_states=True,
+                                              custom_load_fn=load_trainable)
         if load_path is None:
             raise CheckpointError(f"--resume_from_checkpoint: DeepSpeed found no engine state in "
                                   f"{path}/{ENGINE_TAG}")
@@ -168,6 +166,40 @@ def load_checkpoint(engine, path: str, frozen_excluded: bool) -> TrainerState:
                               f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
                               f"{_intact_hint(path)}") from exc
     return state
+
+
+@contextmanager
+def trainable_state_dict_only(module):
+    """Within: `module.state_dict()` holds its trainable parameters only. DeepSpeed's exclude_frozen_parameters
+    leaves the frozen tensors that are not a parameter under their own name: a tied output layer (SmolLM2's is
+    its 113 MB embedding again) and a 4-bit layer's quantization state."""
+    trainable = _trainable_names(module)
+
+    def keep_trainable(_module, state_dict, prefix, _metadata):
+        for key in [k for k in state_dict if k[len(prefix):] not in trainable]:
+            del state_dict[key]
+
+    handle = module.register_state_dict_post_hook(keep_trainable)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def _trainable_names(module) -> set[str]:
+    return {name for name, p in module.named_parameters(remove_duplicate=False) if p.requires_grad}
+
+
+def _load_trainable(path: str, src: dict, dst) -> None:
+    """The module state of a lora / qlora checkpoint into the model: every trainable parameter must be in it; the
+    frozen base is the model's own (a checkpoint saved before frozen weights were left out still restores them)."""
+    result = dst.load_state_dict(src, strict=False)
+    missing = sorted(_trainable_names(dst) & set(result.missing_keys))
+    if missing or result.unexpected_keys:
+        what = (f"no {missing[0]} (of {len(missing)} trainable weights missing)" if missing
+                else f"{result.unexpected_keys[0]}, which this model does not have")
+        raise CheckpointError(f"--resume_from_checkpoint: the weights of {path} do not fit this model: it holds "
+                              f"{what}; resume with the model and adapter options it was trained with")
 
 
 def _intact_hint(path: str) -> str:

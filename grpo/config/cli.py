@@ -43,13 +43,25 @@ def build_parser():
 
 
 def parse_args(argv: Optional[list[str]] = None) -> GRPOConfig:
-    """Parse CLI flags (and an optional ``--config file.json`` whose values act as defaults)."""
+    """Parse CLI flags (and an optional ``--config file.json`` whose values act as defaults).
+
+    With --resume_from_checkpoint the defaults are the run's own options, as its checkpoint saved them: only the
+    flags given (on the command line or in --config) change them, and GRPOTrainer lists those that do.
+    """
     argv = list(sys.argv[1:] if argv is None else argv)
     refuse_renamed([a.split("=", 1)[0][2:] for a in argv if a.startswith("--")], "")
     parser = build_parser()
     config_path = _pop_config_flag(argv)
-    if config_path:
-        parser.set_defaults(**_read_config_json(config_path, {f.name for f in fields(GRPOConfig)}))
+    from_json = _read_config_json(config_path, {f.name for f in fields(GRPOConfig)}) if config_path else {}
+    given = {**from_json, **_given_flags(argv)}
+    saved_path = None
+    if given.get("resume_from_checkpoint"):
+        from grpo.config.saved import run_options
+
+        saved_path, saved = run_options(given["resume_from_checkpoint"],
+                                        given.get("output_dir", GRPOConfig.output_dir))
+        parser.set_defaults(**saved)
+    parser.set_defaults(**from_json)
     # the extra --config argument (already consumed above) comes back as a second, unused namespace
     *parsed, unknown = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
     if unknown:
@@ -57,7 +69,18 @@ def parse_args(argv: Optional[list[str]] = None) -> GRPOConfig:
         hints = [f"{u} (did you mean {close[0]}?)" if (close := difflib.get_close_matches(u.split("=")[0], flags, 1))
                  else u for u in unknown if u.startswith("-")]
         parser.error(f"unrecognized arguments: {' '.join(hints or unknown)}")  # exits with status 2
-    return parsed[0]
+    config = parsed[0]
+    config.resumes_saved_options = saved_path
+    return config
+
+
+def _given_flags(argv: list[str]) -> dict:
+    """The options named on the command line, with their parsed values (nothing for the ones left out)."""
+    parser = build_parser()
+    for action in parser._actions:
+        action.default = argparse.SUPPRESS  # an option not given stays out of the namespace
+    known, _ = parser.parse_known_args([a for a in argv if a not in ("-h", "--help")])
+    return vars(known)
 
 
 def refuse_renamed(names, where: str) -> None:

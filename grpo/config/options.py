@@ -295,6 +295,19 @@ class GRPOConfig:
         30.0, "How long a collective waits for a rank that never arrives before the run stops with an error "
         "(the process-group timeout).", "distributed")
 
+    # not an option: the saved grpo_config.json a resume took its options from (from_run, train_grpo.py), else None
+    resumes_saved_options = None
+
+    @classmethod
+    def from_run(cls, output_dir: str, checkpoint: str = "latest", **overrides) -> "GRPOConfig":
+        """The options to continue the run in `output_dir` from `checkpoint` ('latest' or a checkpoint folder):
+        those saved with that checkpoint, with `overrides` on top (GRPOTrainer lists each one that differs).
+        `GRPOConfig.from_run("outputs/run1", max_steps=400)` continues run1 as `train_grpo.py --output_dir
+        outputs/run1 --resume_from_checkpoint latest --max_steps 400` does."""
+        from grpo.config.saved import config_from_run
+
+        return config_from_run(cls, output_dir, checkpoint, overrides)
+
     def __post_init__(self):
         self.dataset_names = _names(self.dataset_names)
         self.eval_dataset_names = _names(self.eval_dataset_names)

@@ -18,7 +18,9 @@ from typing import Callable, Sequence
 import torch
 
 from grpo.algorithm import group_advantages, kl_penalized_rewards
-from grpo.checkpoint.resume import saved_config_path, warn_changed_options
+from grpo.checkpoint.base_model import base_model_record
+from grpo.checkpoint.layout import CONFIG_FILE, folder_bytes, readable_size
+from grpo.checkpoint.resume import check_base_model, log_resumed_options, saved_config_path
 from grpo.checkpoint.store import TrainerState, load_checkpoint, resolve_resume_path, save_checkpoint
 from grpo.config.options import GRPOConfig
 from grpo.errors import ConfigError, TrainingError
@@ -76,6 +78,7 @@ class GRPOTrainer:
         self.rewards, self.train_set, self.eval_set = data.rewards, data.train_set, data.eval_set
         self.total_steps = data.total_steps
         self.prompts_per_step = config.per_device_train_batch_size * config.gradient_accumulation_steps
+        self.resume_path = self._checkpoint_to_resume()  # verified, and for lora / qlora on its base: before loading
 
         # --- models, DeepSpeed, rollout engine --------------------------------------------------------
         self.device, self.dtype = dist_utils.device(), default_dtype()
@@ -98,22 +101,47 @@ class GRPOTrainer:
             self.close()  # server mode: the rollout ranks stop with us
             raise
         if self.is_main:
-            if config.resume_from_checkpoint:
-                warn_changed_options(saved_config_path(config.resume_from_checkpoint, config.output_dir), config)
-            config.save(os.path.join(config.output_dir, "grpo_config.json"))
+            self._save_run_options()
 
     @property
     def rollout_engine(self):
         """The engine the rollouts come from (grpo.rollout.engine.RolloutEngine)."""
         return self.rollouts.engine
 
+    def _checkpoint_to_resume(self):
+        """The intact checkpoint to resume from (None for a fresh run). A lora / qlora checkpoint holds only the
+        adapter: the base model's files must be those it was trained on. The record of them is taken here for
+        this run's own checkpoints."""
+        config = self.config
+        self._base_record = (base_model_record(config.model_name_or_path, self.model_path)
+                             if config.uses_lora and self.is_main else None)
+        if not config.resume_from_checkpoint:
+            return None
+        path = resolve_resume_path(config.resume_from_checkpoint, config.output_dir)
+        if config.uses_lora:
+            check_base_model(path, self.model_path)
+        return path
+
+    def _save_run_options(self) -> None:
+        """output_dir/grpo_config.json: the options the run started with. A resume never rewrites it: it lists what
+        it changes, and saves its options beside it (grpo_config.resumed_at_step<N>.json) when they differ; every
+        checkpoint holds the options it was trained with."""
+        config = self.config
+        run_file = os.path.join(config.output_dir, CONFIG_FILE)
+        changed = []
+        if self.resume_path is not None:
+            changed = log_resumed_options(self.resume_path, self.state.step,
+                                          saved_config_path(self.resume_path, config.output_dir), config)
+        if self.resume_path is None or not os.path.isfile(run_file):
+            config.save(run_file)
+        elif changed:
+            config.save(os.path.join(config.output_dir, f"grpo_config.resumed_at_step{self.state.step}.json"))
+
     def _restore_and_sync(self) -> None:
         """Load the checkpoint to resume from, if any, then give the rollout engine the policy."""
         config = self.config
-        if config.resume_from_checkpoint:
-            path = resolve_resume_path(config.resume_from_checkpoint, config.output_dir)
-            self.state = load_checkpoint(self.engine, path, frozen_excluded=config.uses_lora)
-            logger.info(f"resumed from {path} at step {self.state.step}")
+        if self.resume_path is not None:
+            self.state = load_checkpoint(self.engine, self.resume_path, frozen_excluded=config.uses_lora)
         # the engine started from the checkpoint on disk: from here on it samples the policy being trained
         # (for qlora the 4-bit weights, for a resumed run the restored ones), in evaluate() before train() too
         self._sync_rollout_weights(first=True)
@@ -340,10 +368,12 @@ class GRPOTrainer:
         self.state.epoch, self.state.position = self.rollouts.trained_position(self.state)
         try:
             path = save_checkpoint(self.engine, self.state, self.config.output_dir, self.config.save_total_limit,
-                                   frozen_excluded=self.config.uses_lora)
+                                   frozen_excluded=self.config.uses_lora, config=self.config,
+                                   base_record=self._base_record)
         finally:
             self.state.epoch, self.state.position = trained
-        logger.info(f"checkpoint saved: {path}")
+        if self.is_main:
+            logger.info(f"checkpoint saved: {path} ({readable_size(folder_bytes(path))})")
 
     @phase("save final model", after_step=True)
     def _save_final_model(self) -> dict:
