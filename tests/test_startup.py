@@ -1,6 +1,7 @@
 """A run's start: bad input fails before the heavy libraries load, data maps need no pickled closures, CPU threads
 fit the cores a process may use and wait without spinning."""
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -75,6 +76,23 @@ def test_single_process_cpu_run_builds_no_communication_op(tmp_path):
     assert proc.stdout.split() == ["True", "1"]  # no op, and the user's OMP_NUM_THREADS kept
     assert not extensions.exists() or not any(extensions.iterdir())
     assert "Setting accelerator to CPU" not in proc.stderr  # told, not guessed
+
+
+def test_several_cpu_ranks_say_once_that_the_communication_op_builds(tmp_path, monkeypatch, caplog):
+    from grpo.runtime.distributed import _prepare_cpu_comm_op
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))  # nothing built yet
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    logger = logging.getLogger("grpo")  # it may not propagate to the root logger, where caplog listens
+    logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level("INFO", logger="grpo"):
+            _prepare_cpu_comm_op(2)
+    finally:
+        logger.removeHandler(caplog.handler)
+    lines = [r.getMessage() for r in caplog.records if "communication op" in r.getMessage()]
+    assert lines == [f"building DeepSpeed's CPU communication op once (about a minute), cached in "
+                     f"{tmp_path / 'deepspeed_shm_comm'}"]
 
 
 def test_data_maps_are_fingerprinted_without_hashing_their_functions(tmp_path, monkeypatch):

@@ -87,14 +87,16 @@ def prepare_run(config: GRPOConfig, reward_funcs: Sequence[Callable] = ()) -> Ru
     """Every check and load that needs no process group and no model, cheapest first: the options and the output
     folder, rewards and the registry, the data files, the DeepSpeed config, the tokenizer and the prompts. Also
     starts console logging (and train.log) for this rank."""
-    enter_training_world(rollout_ranks_of(config))  # server mode: the rollout ranks are not in this world
-    rank, world = launcher_rank_and_world()
-    check_run_can_start(config)
-    rewards = load_rewards(config, reward_funcs)
     from grpo.train.reporting import setup_console_logging
 
-    os.makedirs(config.output_dir, exist_ok=True)
-    setup_console_logging(rank == 0, os.path.join(config.output_dir, "train.log") if config.log_to_file else None)
+    enter_training_world(rollout_ranks_of(config))  # server mode: the rollout ranks are not in this world
+    rank, world = launcher_rank_and_world()
+    setup_console_logging(rank == 0)
+    check_run_can_start(config)
+    rewards = load_rewards(config, reward_funcs)
+    os.makedirs(config.output_dir, exist_ok=True)  # the run's folder, once its options are known good
+    if config.log_to_file:
+        setup_console_logging(rank == 0, os.path.join(config.output_dir, "train.log"))
     return load_run_data(config, rewards, rank, world)
 
 
