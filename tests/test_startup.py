@@ -90,7 +90,8 @@ def test_several_cpu_ranks_say_once_that_the_communication_op_builds(tmp_path, m
             _prepare_cpu_comm_op(2)
     finally:
         logger.removeHandler(caplog.handler)
-    lines = [r.getMessage() for r in caplog.records if "communication op" in r.getMessage()]
+    # one record, whether it reached caplog's handler directly or also through the root logger
+    lines = list({id(r): r.getMessage() for r in caplog.records if "communication op" in r.getMessage()}.values())
     assert lines == [f"building DeepSpeed's CPU communication op once (about a minute), cached in "
                      f"{tmp_path / 'deepspeed_shm_comm'}"]
 
