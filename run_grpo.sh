@@ -29,6 +29,8 @@ if [ "$GPUS" -gt 0 ]; then
   LR=${LR:-3e-4}; EVAL_STEPS=${EVAL_STEPS:-25}; SAVE_STEPS=${SAVE_STEPS:-50}
   USE_VLLM=${USE_VLLM:-$(${PYTHON:-python3} -c 'import vllm' >/dev/null 2>&1 && echo true || echo false)}
 else
+  # on a CPU shared with other work the run slows in proportion to its share: grpo lets idle OpenMP threads sleep
+  # (OMP_WAIT_POLICY=PASSIVE) and sizes torch's threads to the cores it may use, unless you set OMP_* yourself.
   # sized to finish in about 10 minutes on a 2-core CPU; 14 steps of 4 prompts with batch-std advantages learn the
   # answer format at 6e-4 (eval format 0.97 at step 14), not yet at 3e-4 (0.00)
   MAX_STEPS=${MAX_STEPS:-14}; BATCH=${BATCH:-4}; MAX_NEW_TOKENS=${MAX_NEW_TOKENS:-40}

@@ -16,6 +16,7 @@ setup(
         "deepspeed>=0.19.8",
         "accelerate>=1.1",
         "datasets>=5.2",
+        "numpy>=1.24",  # used directly (metrics, seeding, checkpoints); torch warns at import without it
         "gguf>=0.10",
         "safetensors>=0.4",
         "rich>=13",

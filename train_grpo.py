@@ -19,9 +19,13 @@ def main(argv=None) -> int:
             from grpo.rollout.serve import serve_rollouts
 
             return serve_rollouts(config)
+        from grpo.train.setup import prepare_run
+
+        # flags, registry, rewards, data and tokenizer checked before DeepSpeed and the model code are imported
+        prepared = prepare_run(config)
         from grpo.train.trainer import GRPOTrainer
 
-        trainer = GRPOTrainer(config)
+        trainer = GRPOTrainer(config, prepared=prepared)
         try:
             trainer.train()
         finally:

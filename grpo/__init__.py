@@ -3,8 +3,12 @@
 Heavy parts (torch, DeepSpeed, transformers) load on first use, so `import grpo` and the CLI's
 error paths stay fast.
 """
-from grpo.config import GRPOConfig, parse_args
-from grpo.errors import ConfigError, DatasetError, GRPOError, RewardError, TrainingError
+from grpo.runtime.cpu_threads import wait_passively
+
+wait_passively()  # before torch loads: a CPU shared with other work slows a run in proportion, not a hundredfold
+
+from grpo.config import GRPOConfig, parse_args  # noqa: E402
+from grpo.errors import ConfigError, DatasetError, GRPOError, RewardError, TrainingError  # noqa: E402
 
 __all__ = [
     "GRPOConfig", "GRPOTrainer", "parse_args", "register_reward", "register_tool", "load_dataset_registry",

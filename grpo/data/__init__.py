@@ -6,11 +6,23 @@ Every check here runs before any model loads, and every error names the dataset,
   rows.py      raw rows -> standard rows; the train / held-out split
   loading.py   named datasets -> (train, eval) rows
   render.py    rows -> prompt text and token ids, within --max_prompt_length
-"""
-from grpo.data.loading import load_prompt_datasets
-from grpo.data.registry import EXTRACTORS, DatasetSpec, dataset_routes, load_dataset_registry
-from grpo.data.render import render_prompts
-from grpo.data.rows import ROW_FEATURES, build_messages, extract_answer, first_rows_per_source
 
-__all__ = ["DatasetSpec", "EXTRACTORS", "ROW_FEATURES", "build_messages", "dataset_routes", "extract_answer",
-           "first_rows_per_source", "load_dataset_registry", "load_prompt_datasets", "render_prompts"]
+The names below load on first use: the registry's checks run without importing `datasets`.
+"""
+import importlib
+
+_WHERE = {
+    "load_prompt_datasets": "grpo.data.loading",
+    "DatasetSpec": "grpo.data.registry", "EXTRACTORS": "grpo.data.registry", "check_dataset_names": "grpo.data.registry",
+    "dataset_routes": "grpo.data.registry", "load_dataset_registry": "grpo.data.registry",
+    "render_prompts": "grpo.data.render",
+    "ROW_FEATURES": "grpo.data.rows", "build_messages": "grpo.data.rows", "extract_answer": "grpo.data.rows",
+    "first_rows_per_source": "grpo.data.rows",
+}
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name):
+    if name in _WHERE:
+        return getattr(importlib.import_module(_WHERE[name]), name)
+    raise AttributeError(f"module 'grpo.data' has no attribute {name!r}")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import tempfile
@@ -26,6 +27,13 @@ def quiet_progress():
     finally:
         if was_enabled:
             datasets.enable_progress_bars()
+
+
+def map_fingerprint(dataset: datasets.Dataset, transform: str, *params) -> str:
+    """The fingerprint of `dataset.map(<transform>)`: the input's own fingerprint, the transform's name and the
+    parameters that shape its output. Given as new_fingerprint, `datasets` need not pickle the mapped function (a
+    closure over a registry entry or a tokenizer) to hash it, which fails for some closures and warns."""
+    return hashlib.sha256(repr((dataset._fingerprint, transform, params)).encode()).hexdigest()[:32]
 
 
 def _hub_offline() -> bool:

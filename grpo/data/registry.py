@@ -5,6 +5,7 @@ import difflib
 import json
 import os
 import re
+from collections import Counter
 from dataclasses import dataclass, field, fields
 from typing import Optional, Sequence
 
@@ -125,6 +126,35 @@ def dataset_routes(registry: dict[str, DatasetSpec],
     specs = [lookup(registry, n) for n in names]
     return ({s.name: dict(s.rewards) for s in specs},
             {s.name: {reward: dict(kw) for reward, kw in s.reward_kwargs.items()} for s in specs})
+
+
+def check_dataset_names(registry: dict[str, DatasetSpec], registry_path: str, names, eval_names,
+                        train_split_ratio: float) -> tuple[list[str], list[str]]:
+    """(train names, eval names) as lists, once each registered and given once, before any data file is read."""
+    names, eval_names = _name_list(names), _name_list(eval_names)
+    if not names:
+        raise DatasetError(f"--dataset_names: no dataset given; name one or more entries of {registry_path}")
+    _check_once("--dataset_names", names)
+    _check_once("--eval_dataset_names", eval_names)
+    both = [n for n in eval_names if n in names]
+    if both:
+        raise DatasetError(f"--eval_dataset_names: {', '.join(both)} is also in --dataset_names; evaluate on a "
+                           f"separately registered file, or hold out part of it with --train_split_ratio")
+    if not 0.0 < train_split_ratio <= 1.0:
+        raise DatasetError(f"--train_split_ratio must be in (0, 1], got {train_split_ratio}")
+    for name in names + eval_names:
+        lookup(registry, name, registry_path)
+    return names, eval_names
+
+
+def _name_list(names) -> list[str]:
+    return [names] if isinstance(names, str) else list(names)
+
+
+def _check_once(flag: str, names: list[str]) -> None:
+    repeated = sorted(n for n, count in Counter(names).items() if count > 1)
+    if repeated:
+        raise DatasetError(f"{flag}: {', '.join(repeated)} listed more than once; name each dataset once")
 
 
 def lookup(registry: dict[str, DatasetSpec], name: str, registry_path: Optional[str] = None) -> DatasetSpec:

@@ -7,7 +7,7 @@ from collections import Counter
 import datasets
 
 from grpo.errors import DatasetError
-from grpo.data.files import quiet_progress
+from grpo.data.files import map_fingerprint, quiet_progress
 
 logger = logging.getLogger("grpo")
 
@@ -30,7 +30,10 @@ def render_prompts(dataset: datasets.Dataset, tokenizer, max_prompt_length: int,
         return {"prompt_text": texts, "prompt_ids": ids}
 
     with quiet_progress():
-        rendered = dataset.map(render, batched=True, keep_in_memory=True, load_from_cache_file=False)
+        fingerprint = map_fingerprint(dataset, "render_prompts", tokenizer.name_or_path, len(tokenizer),
+                                      getattr(tokenizer, "chat_template", None))
+        rendered = dataset.map(render, batched=True, keep_in_memory=True, load_from_cache_file=False,
+                               new_fingerprint=fingerprint)
     return enforce_prompt_length(rendered, max_prompt_length, filter_overlong, split)
 
 

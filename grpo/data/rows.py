@@ -7,6 +7,7 @@ from typing import Optional
 import datasets
 
 from grpo.data import images as image_utils
+from grpo.data.files import map_fingerprint
 from grpo.errors import DatasetError
 from grpo.rewards import last_boxed
 from grpo.data.registry import EXTRACTORS, DatasetSpec
@@ -43,7 +44,8 @@ def standardize(spec: DatasetSpec, raw: datasets.Dataset, max_images_per_prompt:
     raw = image_utils.undecoded(raw, spec.image_field)
     features = datasets.Features({**ROW_FEATURES, "images": image_utils.IMAGE_FEATURE})
     rows = raw.map(to_row, with_indices=True, remove_columns=present, features=features,
-                   keep_in_memory=True, load_from_cache_file=False)
+                   keep_in_memory=True, load_from_cache_file=False,
+                   new_fingerprint=map_fingerprint(raw, "standardize", spec))
     if not any(rows["images"]):
         rows = rows.remove_columns("images")  # a text-only dataset: rows exactly as before
     else:

@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import re
+import warnings
 from typing import Optional
 
 import torch
@@ -101,10 +102,10 @@ def load_policy(config: GRPOConfig, model_path: str, dtype: torch.dtype, device:
     if config.tuning_strategy == "qlora":
         from peft import prepare_model_for_kbit_training
 
-        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=checkpointing,
-                                                gradient_checkpointing_kwargs={"use_reentrant": False})
+        # checkpointing enabled below, by its current name (peft's call uses the deprecated one)
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
         keep_4bit_forward_exact(model)
-    elif checkpointing:
+    if checkpointing:
         _enable_checkpointing(model)
     if is_vl and config.freeze_vision_tower:
         vision.freeze_vision_tower(model)  # prepare_model_for_kbit_training may have unfrozen it
@@ -178,7 +179,8 @@ def _attach_lora(model, config: GRPOConfig, language_linears: Optional[list[str]
         logger.info(f"continuing the adapter in {config.lora_adapter_path} (r={saved.get('r')}, "
                     f"alpha={saved.get('lora_alpha')})")
         warn_if_another_base(config.lora_adapter_path, config)
-        return PeftModel.from_pretrained(model, config.lora_adapter_path, is_trainable=True)
+        with _peft_asks_old_checkpointing_name():
+            return PeftModel.from_pretrained(model, config.lora_adapter_path, is_trainable=True)
     targets = lora_target_modules(config.lora_target_modules)
     if targets == "all-linear" and language_linears is not None and config.freeze_vision_tower:
         targets = language_linears
@@ -189,11 +191,21 @@ def _attach_lora(model, config: GRPOConfig, language_linears: Optional[list[str]
     lora = LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
                       target_modules=targets, exclude_modules=exclude, task_type="CAUSAL_LM")
     try:
-        return get_peft_model(model, lora)
+        with _peft_asks_old_checkpointing_name():
+            return get_peft_model(model, lora)
     except ValueError as exc:  # e.g. target modules not found, or every one of them excluded
         flags = f"--lora_target_modules {config.lora_target_modules}" + \
             (f" with --lora_exclude_modules {config.lora_exclude_modules}" if exclude is not None else "")
         raise ConfigError(f"{flags}: {exc}") from exc
+
+
+@contextlib.contextmanager
+def _peft_asks_old_checkpointing_name():
+    """peft (0.21) reads `model.is_gradient_checkpointing`, which transformers >= 5.23 deprecates with a FutureWarning
+    for `is_activation_checkpointing`: that one warning is peft's to fix, not the user's."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        yield
 
 
 def _check_module_names_exist(model, names, flag: str, hint: str) -> None:

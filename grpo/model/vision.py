@@ -200,7 +200,7 @@ def load_vision_processor(model_path: str, tokenizer, config, rows) -> Optional[
 def render_vision_prompts(dataset, processor: VisionProcessor, max_prompt_length: int, filter_overlong: bool = False,
                           split: str = "train"):
     """Like data.render_prompts, for a vision-language model: prompt_text, prompt_ids (image tokens expanded)."""
-    from grpo.data.files import quiet_progress
+    from grpo.data.files import map_fingerprint, quiet_progress
     from grpo.data.render import enforce_prompt_length
 
     has_images = "images" in dataset.column_names
@@ -211,7 +211,10 @@ def render_vision_prompts(dataset, processor: VisionProcessor, max_prompt_length
         return {"prompt_text": text, "prompt_ids": ids}
 
     with quiet_progress():
-        rendered = dataset.map(render, with_indices=True, keep_in_memory=True, load_from_cache_file=False)
+        fingerprint = map_fingerprint(dataset, "render_vision_prompts", processor.tokenizer.name_or_path,
+                                      processor.chat_template, repr(processor.image_processor))
+        rendered = dataset.map(render, with_indices=True, keep_in_memory=True, load_from_cache_file=False,
+                               new_fingerprint=fingerprint)
     return enforce_prompt_length(rendered, max_prompt_length, filter_overlong, split)
 
 

@@ -4,8 +4,6 @@ from __future__ import annotations
 import os
 from typing import Any
 
-import torch
-
 from grpo.config.options import GRPOConfig
 from grpo.errors import ConfigError
 from grpo.config.cli import read_json_object
@@ -70,6 +68,8 @@ def _find_auto(node: dict, prefix: str = "") -> list[str]:
     return found
 
 
-def default_dtype() -> torch.dtype:
+def default_dtype():
     """bf16 on GPU, fp32 on CPU (bf16 matmuls are far slower than fp32 on most CPUs)."""
+    import torch
+
     return torch.bfloat16 if torch.cuda.is_available() else torch.float32

@@ -5,6 +5,8 @@ the environment variables a launcher would set get defaults here, so both share 
 """
 from __future__ import annotations
 
+import glob
+import logging
 import os
 import random
 import socket
@@ -13,6 +15,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from grpo.runtime.cpu_threads import size_thread_pools
+
+logger = logging.getLogger("grpo")
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -32,12 +37,40 @@ def init_distributed(timeout_minutes: float = 30.0) -> None:
     os.environ.setdefault("WORLD_SIZE", "1")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    if not torch.cuda.is_available():  # told, DeepSpeed does not warn that it fell back to its CPU accelerator
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import deepspeed
 
     backend = "nccl" if torch.cuda.is_available() else "gloo"
+    size_thread_pools()  # several ranks on one host share its cores
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank())
+    else:
+        _prepare_cpu_comm_op(int(os.environ["WORLD_SIZE"]))
     deepspeed.init_distributed(dist_backend=backend, timeout=timedelta(minutes=timeout_minutes))
+
+
+def _prepare_cpu_comm_op(world: int) -> None:
+    """On CPU, DeepSpeed compiles a shared-memory all-reduce op the first time it starts (a minute or more, then
+    cached). A single process has nothing to reduce, so it goes without; several ranks say once that it builds."""
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    compatible = deepspeed.ops.__compatible_ops__
+    if builder is None or not compatible.get(builder.NAME, False):
+        return  # DeepSpeed will not build it
+    if world == 1:
+        compatible[builder.NAME] = False  # DeepSpeed's own "not usable here": its process group runs without it
+        return
+    from deepspeed.git_version_info import installed_ops
+    from torch.utils.cpp_extension import _get_build_directory
+
+    if installed_ops.get(builder.NAME):
+        return  # compiled at install time
+    folder = _get_build_directory(builder.name, verbose=False)
+    if not glob.glob(os.path.join(folder, f"{builder.name}*.so")):  # only rank 0 logs INFO
+        logger.info(f"building DeepSpeed's CPU communication op once (about a minute), cached in {folder}")
 
 
 def shutdown() -> None:

@@ -6,6 +6,7 @@ world of their own (so DeepSpeed and every collective of the trainer see only th
 from __future__ import annotations
 
 import os
+import sys
 from typing import Optional
 
 _job: dict = {}  # the launcher's RANK / WORLD_SIZE, kept once a training rank narrows its own WORLD_SIZE
@@ -35,6 +36,15 @@ def enter_training_world(rollout_ranks: int) -> None:
     if rollout_ranks and not _job:
         _job.update(world=job_world_size(), rank=job_rank())
         os.environ["WORLD_SIZE"] = str(training_ranks(rollout_ranks))
+
+
+def launcher_rank_and_world() -> tuple[int, int]:
+    """This training rank and the training world's size before the process group starts (it takes them from the
+    same RANK / WORLD_SIZE), or the group's own where one already runs (a notebook that started it)."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def rollout_ranks_of(config) -> int:

@@ -1,31 +1,22 @@
-"""What a run needs before its first step, in the order that keeps errors cheap: checks of the options and the output
-folder, then data, rewards and the tokenizer (every error here comes before a model loads), then DeepSpeed."""
+"""What a run needs before its first step, in the order that keeps errors cheap: the options and the output folder,
+then rewards, the dataset registry and the data, then the tokenizer (every error so far comes before DeepSpeed is
+imported or a model loads), then DeepSpeed.
+
+Heavy libraries load inside the functions that need them, so `train_grpo.py` refuses a bad flag, registry entry,
+data file or reward in seconds: torch and transformers only once the inputs are known good, DeepSpeed (and its
+CPU communication op) only after `prepare_run` returned.
+"""
 from __future__ import annotations
 
 import importlib.util
 import logging
+import os
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
-import torch
-
-from grpo.checkpoint.resume import check_resume_keeps_policy, saved_config_path
-from grpo.checkpoint.store import list_checkpoints
 from grpo.config.options import EMBEDDED_MODEL, GRPOConfig
-from grpo.data import (dataset_routes, first_rows_per_source, load_dataset_registry, load_prompt_datasets,
-                       render_prompts)
-from grpo.data.sampler import PromptOrder
 from grpo.errors import ConfigError
-from grpo.model.base_weights import check_checkpoint_weights
-from grpo.model.embedded import resolve_model_path
-from grpo.model.loading import load_tokenizer
-from grpo.model.vision import load_vision_processor, render_vision_prompts
-from grpo.rewards import RewardRouter, load_reward_module
-from grpo.rewards.reward_model import register_reward_models
-from grpo.rollout.engines import check_tensor_parallel
-from grpo.runtime import distributed as dist_utils
-from grpo.runtime.deepspeed_config import default_dtype
-from grpo.train.update import lr_schedule
+from grpo.runtime.roles import enter_training_world, launcher_rank_and_world, rollout_ranks_of
 
 logger = logging.getLogger("grpo")
 
@@ -37,45 +28,100 @@ def check_run_can_start(config: GRPOConfig) -> None:
                        "update draws new dropout masks, so the later updates' ratios to the first one's log-probs "
                        "carry dropout noise and are clipped as if the policy had moved; --lora_dropout 0 avoids it")
     if config.rollout_engine == "vllm":
-        if not torch.cuda.is_available():
-            raise ConfigError("--rollout_engine vllm needs a GPU; use --rollout_engine hf on CPU")
         if importlib.util.find_spec("vllm") is None:
             raise ConfigError("--rollout_engine vllm needs vLLM: pip install .[vllm] (tested with vllm 0.26.0)")
-    if not config.resume_from_checkpoint and list_checkpoints(config.output_dir) and \
-            not config.overwrite_output_dir:
-        raise ConfigError(f"--output_dir {config.output_dir} holds checkpoints of an earlier run; continue it with "
-                          f"--resume_from_checkpoint latest, or start over with --overwrite_output_dir")
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError("--rollout_engine vllm needs a GPU; use --rollout_engine hf on CPU")
+    if os.path.isdir(config.output_dir) and not config.resume_from_checkpoint and not config.overwrite_output_dir:
+        from grpo.checkpoint.store import list_checkpoints  # torch: only where an earlier run may have left some
+
+        if list_checkpoints(config.output_dir):
+            raise ConfigError(f"--output_dir {config.output_dir} holds checkpoints of an earlier run; continue it "
+                              f"with --resume_from_checkpoint latest, or start over with --overwrite_output_dir")
     if config.resume_from_checkpoint:
+        from grpo.checkpoint.resume import check_resume_keeps_policy, saved_config_path
+
         check_resume_keeps_policy(saved_config_path(config.resume_from_checkpoint, config.output_dir), config)
+
+
+def load_rewards(config: GRPOConfig, reward_funcs: Sequence[Callable] = ()):
+    """The reward router for the named datasets: the user's reward module, reward models, the registry's entries
+    and every reward they name, checked before any data file is read (torch only for --reward_model)."""
+    from grpo.data.registry import check_dataset_names, dataset_routes, load_dataset_registry
+    from grpo.rewards import RewardRouter, load_reward_module
+
+    if config.reward_module:
+        load_reward_module(config.reward_module)
+    if config.reward_model:
+        from grpo.rewards.reward_model import register_reward_models
+        from grpo.runtime import distributed as dist_utils
+        from grpo.runtime.deepspeed_config import default_dtype
+
+        # checked and registered now (by folder name), weights loaded on first use
+        register_reward_models(config.reward_model, dist_utils.device(), default_dtype(), config.trust_remote_code)
+    registry = load_dataset_registry(config.dataset_config_path)
+    check_dataset_names(registry, config.dataset_config_path, config.dataset_names, config.eval_dataset_names,
+                        config.effective_train_split_ratio)
+    routes, reward_kwargs = dataset_routes(registry, config.dataset_names + config.eval_dataset_names)
+    return RewardRouter(routes, reward_kwargs, extra_funcs=reward_funcs)
 
 
 @dataclass
 class RunData:
-    """The run's prompts (rendered to token ids), their order on this rank, and what scores them."""
+    """The run's prompts (rendered to token ids), their order on this rank, what scores them, and the DeepSpeed
+    config."""
     model_path: str
     tokenizer: object
     vision: Optional[object]     # grpo.model.vision.VisionProcessor for a vision-language model
-    rewards: RewardRouter
+    rewards: object              # grpo.rewards.RewardRouter
     train_set: object            # datasets.Dataset of rendered rows
     eval_set: Optional[object]
-    order: PromptOrder
+    order: object                # grpo.data.sampler.PromptOrder
     total_steps: int
+    ds_config: dict
 
 
-def load_run_data(config: GRPOConfig, reward_funcs: Sequence[Callable], rank: int, world: int) -> RunData:
-    """Data, rewards and the tokenizer, each checked; also the base checkpoint's readability when qlora's
-    re-quantization or loftq will need its 16-bit weights. No model is loaded here."""
-    if config.reward_module:
-        load_reward_module(config.reward_module)
-    # checked and registered now (by folder name), weights loaded on first use
-    register_reward_models(config.reward_model, dist_utils.device(), default_dtype(), config.trust_remote_code)
-    registry = load_dataset_registry(config.dataset_config_path)
+def prepare_run(config: GRPOConfig, reward_funcs: Sequence[Callable] = ()) -> RunData:
+    """Every check and load that needs no process group and no model, cheapest first: the options and the output
+    folder, rewards and the registry, the data files, the DeepSpeed config, the tokenizer and the prompts. Also
+    starts console logging (and train.log) for this rank."""
+    from grpo.train.reporting import setup_console_logging
+
+    enter_training_world(rollout_ranks_of(config))  # server mode: the rollout ranks are not in this world
+    rank, world = launcher_rank_and_world()
+    setup_console_logging(rank == 0)
+    check_run_can_start(config)
+    rewards = load_rewards(config, reward_funcs)
+    os.makedirs(config.output_dir, exist_ok=True)  # the run's folder, once its options are known good
+    if config.log_to_file:
+        setup_console_logging(rank == 0, os.path.join(config.output_dir, "train.log"))
+    return load_run_data(config, rewards, rank, world)
+
+
+def load_run_data(config: GRPOConfig, rewards, rank: int, world: int) -> RunData:
+    """Data, the DeepSpeed config and the tokenizer, each checked; also the base checkpoint's readability when
+    qlora's re-quantization or loftq will need its 16-bit weights. No model is loaded here."""
+    from grpo.data import load_prompt_datasets
+
     train_rows, eval_rows = load_prompt_datasets(config.dataset_config_path, config.dataset_names,
                                                  config.effective_train_split_ratio, config.seed,
                                                  eval_names=config.eval_dataset_names,
                                                  max_images_per_prompt=config.max_images_per_prompt)
-    routes, reward_kwargs = dataset_routes(registry, config.dataset_names + config.eval_dataset_names)
-    rewards = RewardRouter(routes, reward_kwargs, extra_funcs=reward_funcs)
+    import torch
+
+    from grpo.runtime.deepspeed_config import default_dtype, load_deepspeed_config
+
+    ds_config = load_deepspeed_config(config, use_bf16=default_dtype() == torch.bfloat16)
+    from grpo.data import first_rows_per_source, render_prompts
+    from grpo.data.sampler import PromptOrder
+    from grpo.model.base_weights import check_checkpoint_weights
+    from grpo.model.embedded import resolve_model_path
+    from grpo.model.loading import load_tokenizer
+    from grpo.model.vision import load_vision_processor, render_vision_prompts
+    from grpo.rollout.engines import check_tensor_parallel
+
     model_path = resolve_model_path(config.model_name_or_path)
     try:
         tokenizer = load_tokenizer(model_path, config.trust_remote_code)
@@ -104,13 +150,16 @@ def load_run_data(config: GRPOConfig, reward_funcs: Sequence[Callable], rank: in
             f"needs {prompts_per_step} per rank x {world} ranks; lower the batch size or "
             f"--gradient_accumulation_steps, or raise --train_split_ratio")
     total_steps = config.max_steps if config.max_steps > 0 else config.epochs * order.steps_per_epoch
-    return RunData(model_path, tokenizer, vision, rewards, train_set, eval_set, order, total_steps)
+    return RunData(model_path, tokenizer, vision, rewards, train_set, eval_set, order, total_steps, ds_config)
 
 
 def initialize_deepspeed(policy, ds_config: dict, config: GRPOConfig, total_updates: int):
     """The DeepSpeed engine over the policy's trainable parameters, with AdamW and the learning-rate schedule unless
     the DeepSpeed config names its own optimizer."""
     import deepspeed
+    import torch
+
+    from grpo.train.update import lr_schedule
 
     trainable = [p for p in policy.parameters() if p.requires_grad]
     if not trainable:

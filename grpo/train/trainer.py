@@ -30,16 +30,16 @@ from grpo.rollout.collect import RolloutCollector
 from grpo.rollout.dynamic_sampling import RolloutRound
 from grpo.rollout.engines import build_rollout_engine, engine_dtype, engine_holds_weights
 from grpo.runtime import distributed as dist_utils
-from grpo.runtime.deepspeed_config import default_dtype, load_deepspeed_config, zero_stage
+from grpo.runtime.deepspeed_config import default_dtype, zero_stage
 from grpo.runtime.distributed import seed_everything
 from grpo.runtime.failures import FailureReporter, phase
 from grpo.runtime.gpu_budget import cap_gpu_memory
-from grpo.runtime.roles import enter_training_world, job_rank, rollout_index, rollout_ranks_of
+from grpo.runtime.roles import job_rank, rollout_index, rollout_ranks_of
 from grpo.runtime.signals import GracefulStop
 from grpo.train.metrics import eval_metrics, eval_sample_rows, mean_over_ranks, step_metrics, step_std
 from grpo.train.micro_batches import MicroBatch
-from grpo.train.reporting import RunReporter, plot_training_curves, read_metrics, setup_console_logging
-from grpo.train.setup import check_run_can_start, initialize_deepspeed, load_run_data
+from grpo.train.reporting import RunReporter, plot_training_curves, read_metrics
+from grpo.train.setup import RunData, initialize_deepspeed, prepare_run
 from grpo.train.step_data import RolloutBatch, StepData, build_rollout_batch
 from grpo.train.update import has_dropout, score, step_micro_batches, step_normaliser, update
 
@@ -54,26 +54,22 @@ class GRPOTrainer:
     every row with weight 1, on top of the rewards the dataset registry names.
     """
 
-    def __init__(self, config: GRPOConfig, reward_funcs: Sequence[Callable] = ()):
+    def __init__(self, config: GRPOConfig, reward_funcs: Sequence[Callable] = (), prepared: RunData | None = None):
+        """`prepared`: what grpo.train.setup.prepare_run(config, reward_funcs) returned, where the caller checked
+        the run's inputs before importing this module (train_grpo.py does); otherwise prepared here."""
         self.config = config
         index = rollout_index(rollout_ranks_of(config))
         if index is not None:  # a script run on every rank of a server-mode job
             raise ConfigError(f"--rollout_mode server: this process is rollout rank {index} (job rank {job_rank()}), "
                               f"which only generates; run grpo.serve_rollouts(config) on it instead of GRPOTrainer, "
                               f"as train_grpo.py does")
-        enter_training_world(rollout_ranks_of(config))  # server mode: the rollout ranks are not in this world
+        # --- options, data and rewards first: their errors come before DeepSpeed starts or any model loads ------
+        data = prepared or prepare_run(config, reward_funcs)
         dist_utils.init_distributed(config.ddp_timeout_minutes)
         self.rank, self.world = dist_utils.rank(), dist_utils.world_size()
         self.is_main = dist_utils.is_main()
-        os.makedirs(config.output_dir, exist_ok=True)
-        setup_console_logging(self.is_main, os.path.join(config.output_dir, "train.log")
-                              if config.log_to_file else None)
         self.failures = FailureReporter(config.output_dir, self.rank, self.world)
         seed_everything(config.seed + self.rank)
-        check_run_can_start(config)
-
-        # --- data and rewards first: their errors must come before any model loads -------------------
-        data = load_run_data(config, reward_funcs, self.rank, self.world)
         self.model_path, self.tokenizer, self.vision = data.model_path, data.tokenizer, data.vision
         self.rewards, self.train_set, self.eval_set = data.rewards, data.train_set, data.eval_set
         self.total_steps = data.total_steps
@@ -83,7 +79,7 @@ class GRPOTrainer:
         # --- models, DeepSpeed, rollout engine --------------------------------------------------------
         self.device, self.dtype = dist_utils.device(), default_dtype()
         cap_gpu_memory(config.gpu_memory_gib, self.device)
-        self.ds_config = load_deepspeed_config(config, use_bf16=self.dtype == torch.bfloat16)
+        self.ds_config = data.ds_config
         self.zero3 = zero_stage(self.ds_config) == 3
         policy = load_policy(config, self.model_path, self.dtype, self.device)
         self.reference = load_reference(config, self.model_path, self.dtype, self.device)
