@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 
 from grpo.config.options import GRPOConfig
-from grpo.model.loading import load_base_model
+from grpo.model.loading import load_base_model, peft_asks_old_checkpointing_name
 from grpo.model.qlora_base_record import write_base_options
 
 
@@ -49,7 +49,8 @@ def save_final_model(model, tokenizer, output_dir: str, config: GRPOConfig, mode
             from grpo.model.loftq import round_like_training
 
             round_like_training(base, model)
-        merged = PeftModel.from_pretrained(base, path).merge_and_unload()
+        with peft_asks_old_checkpointing_name():
+            merged = PeftModel.from_pretrained(base, path).merge_and_unload()
         merged_path = os.path.join(output_dir, "merged_model")
         merged.save_pretrained(merged_path, safe_serialization=True)
         tokenizer.save_pretrained(merged_path)

@@ -179,7 +179,7 @@ def _attach_lora(model, config: GRPOConfig, language_linears: Optional[list[str]
         logger.info(f"continuing the adapter in {config.lora_adapter_path} (r={saved.get('r')}, "
                     f"alpha={saved.get('lora_alpha')})")
         warn_if_another_base(config.lora_adapter_path, config)
-        with _peft_asks_old_checkpointing_name():
+        with peft_asks_old_checkpointing_name():
             return PeftModel.from_pretrained(model, config.lora_adapter_path, is_trainable=True)
     targets = lora_target_modules(config.lora_target_modules)
     if targets == "all-linear" and language_linears is not None and config.freeze_vision_tower:
@@ -191,7 +191,7 @@ def _attach_lora(model, config: GRPOConfig, language_linears: Optional[list[str]
     lora = LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
                       target_modules=targets, exclude_modules=exclude, task_type="CAUSAL_LM")
     try:
-        with _peft_asks_old_checkpointing_name():
+        with peft_asks_old_checkpointing_name():
             return get_peft_model(model, lora)
     except ValueError as exc:  # e.g. target modules not found, or every one of them excluded
         flags = f"--lora_target_modules {config.lora_target_modules}" + \
@@ -200,7 +200,7 @@ def _attach_lora(model, config: GRPOConfig, language_linears: Optional[list[str]
 
 
 @contextlib.contextmanager
-def _peft_asks_old_checkpointing_name():
+def peft_asks_old_checkpointing_name():
     """peft (0.21) reads `model.is_gradient_checkpointing`, which transformers >= 5.23 deprecates with a FutureWarning
     for `is_activation_checkpointing`: that one warning is peft's to fix, not the user's."""
     with warnings.catch_warnings():
