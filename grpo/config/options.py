@@ -234,7 +234,7 @@ class GRPOConfig:
         "auto", "What the vLLM engine holds of a lora / qlora policy. merged: a 16-bit copy of the whole model, the "
                 "adapter merged in at every sync. adapter: the base once (qlora: the trainer's own 4-bit base) plus "
                 "the adapter, which is all a sync sends. auto: adapter for qlora once the 16-bit copy would take over "
-                "40% of the GPU (merged is faster where both fit), merged otherwise (lora, vision-language models, "
+                "40 percent of the GPU (merged is faster where both fit), merged otherwise (lora, vision-language models, "
                 "--vllm_tp > 1 with qlora, --qlora_init loftq).", "rollout",
         choices=ROLLOUT_WEIGHTS)
     async_rollout: bool = _opt(
