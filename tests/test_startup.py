@@ -81,8 +81,14 @@ def test_single_process_cpu_run_builds_no_communication_op(tmp_path):
 def test_several_cpu_ranks_say_once_that_the_communication_op_builds(tmp_path, monkeypatch, caplog):
     from grpo.runtime.distributed import _prepare_cpu_comm_op
 
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))  # nothing built yet
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    # a one-process run earlier in this process marked the op unusable (it needs none): not so for several ranks
+    monkeypatch.setitem(deepspeed.ops.__compatible_ops__, builder.NAME, True)
     logger = logging.getLogger("grpo")  # it may not propagate to the root logger, where caplog listens
     logger.addHandler(caplog.handler)
     try:

@@ -5,7 +5,7 @@ import json
 import logging
 import os
 import sys
-from typing import Optional
+from typing import Optional, Sequence
 
 from tqdm.auto import tqdm
 
@@ -19,8 +19,9 @@ logger = logging.getLogger("grpo")
 _HEADLINE = [("reward/mean", "reward"), ("kl", "kl"), ("completion/length_mean", "len"), ("time/step", "s/step")]
 
 
-def setup_console_logging(is_main: bool, log_file: Optional[str] = None) -> None:
-    """Rank 0 logs INFO to stderr (and to log_file); other ranks only warnings."""
+def setup_console_logging(is_main: bool, log_file: Optional[str] = None, earlier: Sequence = ()) -> None:
+    """Rank 0 logs INFO to stderr (and to log_file, which also gets the `earlier` records: what was logged before
+    the run's folder existed); other ranks only warnings."""
     logger.setLevel(logging.INFO if is_main else logging.WARNING)
     logger.propagate = False
     fmt = logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%H:%M:%S")
@@ -36,6 +37,8 @@ def setup_console_logging(is_main: bool, log_file: Optional[str] = None) -> None
                 h.close()
         handler = logging.FileHandler(log_file)
         handler.setFormatter(fmt)
+        for record in earlier:
+            handler.handle(record)
         logger.addHandler(handler)
 
 

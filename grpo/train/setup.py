@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import logging.handlers
 import os
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
@@ -92,11 +93,16 @@ def prepare_run(config: GRPOConfig, reward_funcs: Sequence[Callable] = ()) -> Ru
     enter_training_world(rollout_ranks_of(config))  # server mode: the rollout ranks are not in this world
     rank, world = launcher_rank_and_world()
     setup_console_logging(rank == 0)
-    check_run_can_start(config)
-    rewards = load_rewards(config, reward_funcs)
+    early = logging.handlers.BufferingHandler(capacity=10_000)  # what is said before train.log exists goes in it
+    logger.addHandler(early)
+    try:
+        check_run_can_start(config)
+        rewards = load_rewards(config, reward_funcs)
+    finally:
+        logger.removeHandler(early)
     os.makedirs(config.output_dir, exist_ok=True)  # the run's folder, once its options are known good
     if config.log_to_file:
-        setup_console_logging(rank == 0, os.path.join(config.output_dir, "train.log"))
+        setup_console_logging(rank == 0, os.path.join(config.output_dir, "train.log"), earlier=early.buffer)
     return load_run_data(config, rewards, rank, world)
 
 
