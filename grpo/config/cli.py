@@ -17,7 +17,7 @@ from grpo.errors import ConfigError
 # --help sections, in order (docs/flags.md follows them too)
 GROUP_TITLES = {"model": "Model and tuning strategy", "data": "Data and rewards", "training": "Optimisation",
                 "grpo": "GRPO algorithm", "rollout": "Rollout engine", "logging": "Eval, checkpoints, logging",
-                "distributed": "Distributed",
+                "distributed": "Distributed", "tools": "Tools and multi-turn episodes",
                 "experimental": "Experimental (4-bit base rounding, vLLM sleep level, log-prob checks)"}
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -25,6 +25,7 @@ from grpo.rewards.reward_model import register_reward_models
 from grpo.rollout.engines import check_tensor_parallel
 from grpo.runtime import distributed as dist_utils
 from grpo.runtime.deepspeed_config import default_dtype
+from grpo.train.tool_setup import check_episode_datasets, prompts_with_tools
 from grpo.train.update import lr_schedule
 
 logger = logging.getLogger("grpo")
@@ -60,6 +61,7 @@ class RunData:
     eval_set: Optional[object]
     order: PromptOrder
     total_steps: int
+    episode_datasets: dict = field(default_factory=dict)  # {name: EpisodeDataset}: rows that run as episodes
 
 
 def load_run_data(config: GRPOConfig, reward_funcs: Sequence[Callable], rank: int, world: int) -> RunData:
@@ -70,6 +72,7 @@ def load_run_data(config: GRPOConfig, reward_funcs: Sequence[Callable], rank: in
     # checked and registered now (by folder name), weights loaded on first use
     register_reward_models(config.reward_model, dist_utils.device(), default_dtype(), config.trust_remote_code)
     registry = load_dataset_registry(config.dataset_config_path)
+    episode_datasets = check_episode_datasets(config, registry, config.dataset_names + config.eval_dataset_names)
     train_rows, eval_rows = load_prompt_datasets(config.dataset_config_path, config.dataset_names,
                                                  config.effective_train_split_ratio, config.seed,
                                                  eval_names=config.eval_dataset_names,
@@ -88,7 +91,9 @@ def load_run_data(config: GRPOConfig, reward_funcs: Sequence[Callable], rank: in
         if vision:
             return render_vision_prompts(rows, vision, config.max_prompt_length, config.filter_overlong_prompts,
                                          split)
-        return render_prompts(rows, tokenizer, config.max_prompt_length, config.filter_overlong_prompts, split)
+        rows, tools_by_source = prompts_with_tools(rows, tokenizer, episode_datasets)
+        return render_prompts(rows, tokenizer, config.max_prompt_length, config.filter_overlong_prompts, split,
+                              tools_by_source=tools_by_source)
 
     train_set = render(train_rows, "train")
     # held-out rows, then eval datasets; the first --eval_max_prompts of each dataset
@@ -104,7 +109,7 @@ def load_run_data(config: GRPOConfig, reward_funcs: Sequence[Callable], rank: in
             f"needs {prompts_per_step} per rank x {world} ranks; lower the batch size or "
             f"--gradient_accumulation_steps, or raise --train_split_ratio")
     total_steps = config.max_steps if config.max_steps > 0 else config.epochs * order.steps_per_epoch
-    return RunData(model_path, tokenizer, vision, rewards, train_set, eval_set, order, total_steps)
+    return RunData(model_path, tokenizer, vision, rewards, train_set, eval_set, order, total_steps, episode_datasets)
 
 
 def initialize_deepspeed(policy, ds_config: dict, config: GRPOConfig, total_updates: int):

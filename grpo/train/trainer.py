@@ -26,6 +26,7 @@ from grpo.checkpoint.final_model import save_final_model
 from grpo.model.loading import load_policy, load_reference, reference_mode
 from grpo.rollout.collect import RolloutCollector
 from grpo.rollout.dynamic_sampling import RolloutRound
+from grpo.rollout.episodes import episode_metrics
 from grpo.rollout.engines import build_rollout_engine, engine_dtype, engine_holds_weights
 from grpo.runtime import distributed as dist_utils
 from grpo.runtime.deepspeed_config import default_dtype, load_deepspeed_config, zero_stage
@@ -74,6 +75,9 @@ class GRPOTrainer:
         self.model_path, self.tokenizer, self.vision = data.model_path, data.tokenizer, data.vision
         self.rewards, self.train_set, self.eval_set = data.rewards, data.train_set, data.eval_set
         self.total_steps = data.total_steps
+        # the longest a completion may be: seq_mean_token_sum_norm's constant
+        self.max_completion_tokens = config.episode_token_budget if data.episode_datasets else \
+            config.rollout_max_new_tokens
         self.prompts_per_step = config.per_device_train_batch_size * config.gradient_accumulation_steps
 
         # --- models, DeepSpeed, rollout engine --------------------------------------------------------
@@ -89,7 +93,8 @@ class GRPOTrainer:
         engine = build_rollout_engine(config, self.model_path, self.engine.module, self.tokenizer, self.vision,
                                       self.rank, self.dtype)
         self.rollouts = RolloutCollector(config, engine, self.tokenizer, self.rewards, self.vision, self.train_set,
-                                         data.order, self.total_steps, sync_weights=self._sync_rollout_weights)
+                                         data.order, self.total_steps, sync_weights=self._sync_rollout_weights,
+                                         episode_datasets=data.episode_datasets)
         try:
             self._restore_and_sync()
         except BaseException:
@@ -180,7 +185,7 @@ class GRPOTrainer:
             rewards = kl_penalized_rewards(rewards, policy_logprobs.cpu(), ref_logprobs.cpu(),
                                            batch.completion_mask, self.config.kl_beta)
         step = StepData(batch, micro_batches, self._advantages(rewards), rewards=rewards,
-                        normaliser=step_normaliser(batch, self.config), ref_logprobs=ref_logprobs,
+                        normaliser=step_normaliser(batch, self.config, self.max_completion_tokens), ref_logprobs=ref_logprobs,
                         stale=rollout.stats.get("rollout/staleness", 0) > 0)
         return step, seconds
 
@@ -283,10 +288,20 @@ class GRPOTrainer:
         samples = eval_sample_rows(rows, texts, completions, result) if rows else []
         all_samples = [s for part in dist_utils.gather_objects(samples) for s in part]
         metrics = eval_metrics(all_samples)
+        if self.rollouts.episode_datasets:
+            metrics.update(self._eval_episode_metrics())
         if reporter is not None:
             reporter.log_eval(self.state.step, metrics, all_samples)
             self._plot()
         return metrics
+
+    def _eval_episode_metrics(self) -> dict:
+        """eval/episodes/...: episode_metrics over every rank's eval episodes (collective)."""
+        episodes = self.rollouts.eval_episodes
+        local = episode_metrics(episodes)
+        totals = dist_utils.all_sum([value * len(episodes) for value in local.values()] + [float(len(episodes))])
+        count = totals[-1]
+        return {f"eval/{key}": total / count for key, total in zip(local, totals)} if count else {}
 
     # -------------------------------------------------------------------------------------- internals
     def close(self) -> None:
