@@ -75,9 +75,9 @@ class GRPOTrainer:
         self.model_path, self.tokenizer, self.vision = data.model_path, data.tokenizer, data.vision
         self.rewards, self.train_set, self.eval_set = data.rewards, data.train_set, data.eval_set
         self.total_steps = data.total_steps
-        # the longest a completion may be: seq_mean_token_sum_norm's constant
-        self.max_completion_tokens = config.episode_token_budget if data.episode_datasets else \
-            config.rollout_max_new_tokens
+        # the longest a training completion may be: seq_mean_token_sum_norm's constant
+        episodes = any(name in data.episode_datasets for name in config.dataset_names)
+        self.max_completion_tokens = config.episode_token_budget if episodes else config.rollout_max_new_tokens
         self.prompts_per_step = config.per_device_train_batch_size * config.gradient_accumulation_steps
 
         # --- models, DeepSpeed, rollout engine --------------------------------------------------------
