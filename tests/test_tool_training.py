@@ -280,3 +280,23 @@ def test_bad_tool_setups_fail_before_any_model_loads(problem, fragments, tmp_pat
     for fragment in fragments:
         assert fragment in error[0], error[0]
     assert "no_model_here" not in error[0]
+
+
+def test_tool_datasets_are_refused_in_server_mode_and_with_images(tmp_path):
+    """Episodes run with colocated engines: a tool dataset in server mode (or with images) is one ConfigError, given
+    before the tokenizer loads. (check_episode_datasets reads only these options; GRPOConfig itself needs a job of
+    several ranks for server mode.)"""
+    from types import SimpleNamespace
+
+    registry = tool_registry(tmp_path)
+    options = dict(tool_module=str(tmp_path / "my_tools.py"), dataset_config_path=registry)
+    with pytest.raises(ConfigError, match="dataset 'calc_toy'.*colocated engines only.*server mode"):
+        check_episode_datasets(SimpleNamespace(rollout_mode="server", **options), load_dataset_registry(registry),
+                               ["toy", "calc_toy"])
+    add_dataset(registry, "calc_images", CALC_ROWS, tools=["calculator"], image_field="image")
+    with pytest.raises(ConfigError, match="dataset 'calc_images'.*\"image_field\""):
+        check_episode_datasets(SimpleNamespace(rollout_mode="colocate", **options), load_dataset_registry(registry),
+                               ["calc_images"])
+    # plain datasets pass in any mode
+    assert check_episode_datasets(SimpleNamespace(rollout_mode="server", **options), load_dataset_registry(registry),
+                                  ["toy"]) == {}
