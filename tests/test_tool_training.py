@@ -1,5 +1,6 @@
 """Multi-turn tool episodes in training: train_grpo.py runs them end to end (HF engine, tiny model), environment tokens
 carry no gradient while the sampled ids reach the loss exactly, and bad tool set-ups stop before any model loads."""
+import json
 import os
 import subprocess
 import sys
@@ -131,6 +132,11 @@ def test_train_grpo_runs_tool_episodes(stopping_model, tmp_path):
         assert row["episodes/tool_errors"] == row["episodes/tool_timeouts"] == 0
         assert row["rewards/tool_said_the_answer"] == row["episodes/tool_calls"]  # the calculator was right each time
         assert row["advantage/abs_mean"] > 0
+    logged = [json.loads(line) for line in open(out / "completions" / "rank0.jsonl")]
+    episodes = [r for r in logged if r["data_source"] == "calc_toy"]
+    # the tool's turn as inserted (the tiny vocabulary has no word "tool"), the calculator's result in it
+    assert episodes and all(f"<|im_start|> <unk> {r['answer']} <|im_end|>" in r["episode"] for r in episodes)
+    assert all("episode" not in r for r in logged if r["data_source"] == "toy")
     evals = [r for r in read_metrics(str(out / "metrics.jsonl")) if "eval/episodes/turns" in r]
     assert max(row["grad_norm"] for row in rows) > 0  # the model tokens' loss moves the policy
     assert [r["step"] for r in evals] == [0, 2]  # greedy episodes, before and after training
@@ -172,6 +178,22 @@ def test_environment_tokens_get_no_gradient_and_sampled_ids_reach_the_loss(tmp_p
     environment = torch.tensor(mask) == 0
     assert torch.all(logprobs.grad[0, environment] == 0) and torch.all(entropy.grad[0, environment] == 0)
     assert torch.all(logprobs.grad[0, ~environment] != 0) and torch.all(entropy.grad[0, ~environment] != 0)
+
+
+def test_episode_masks_follow_their_rows_through_dynamic_sampling():
+    """Groups picked from several rounds keep each completion's mask (the batch is built from them)."""
+    from grpo.rewards import RewardResult
+    from grpo.rollout.dynamic_sampling import RolloutRound, concat_rounds, pick_groups
+
+    def round_of(masks, rewards):
+        completions = [Completion(0, [5] * (len(m) if m else 2), [], "stop", mask=m) for m in masks]
+        return RolloutRound([{"index": len(masks)}], completions, [""] * len(masks), RewardResult(rewards, {}))
+
+    drawn = concat_rounds([round_of([[1, 0], [1, 1]], [0.0, 0.0]), round_of([[1, 0, 0], None], [1.0, 0.0])], 2)
+    kept = pick_groups(drawn, [1], 2)
+    assert [c.mask for c in kept.completions] == [[1, 0, 0], None]
+    batch = build_rollout_batch([[1, 2]], kept.completions, pad_id=0)
+    assert batch.completion_mask.tolist() == [[1.0, 0.0, 0.0], [1.0, 1.0, 0.0]]
 
 
 def test_constant_length_aggregation_counts_the_episode_budget(tmp_path):

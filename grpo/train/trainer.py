@@ -148,7 +148,7 @@ class GRPOTrainer:
 
                 metrics = self._step_metrics(step, drawn, {**rollout.stats, **train_metrics}, times)
                 reporter.log_step(self.state.step, metrics)
-                self._log_completions(rollout.prompts, rollout.texts, rollout.rewards)
+                self._log_completions(rollout.prompts, rollout.texts, rollout.rewards, rollout.completions)
                 if cfg.eval_steps and self.state.step % cfg.eval_steps == 0:
                     self.evaluate(reporter)
                 stop = dist_utils.any_rank(signals.requested is not None)
@@ -335,16 +335,20 @@ class GRPOTrainer:
                 local["memory/vllm_sleep_freed_gib"] = freed / 2**30
         return mean_over_ranks(local)
 
-    def _log_completions(self, prompts, texts, rewards) -> None:
-        """One rollout sample per prompt and rank each step, for reading what the model writes."""
+    def _log_completions(self, prompts, texts, rewards, completions) -> None:
+        """One rollout sample per prompt and rank each step, for reading what the model writes (a multi-turn episode:
+        its last message as "completion", the whole episode, tool calls and results included, as "episode")."""
         path = os.path.join(self.config.output_dir, "completions", f"rank{self.rank}.jsonl")
         os.makedirs(os.path.dirname(path), exist_ok=True)
         k = self.config.k_samples
         with open(path, "a") as fh:
             for i, p in enumerate(prompts):
-                fh.write(json.dumps({"step": self.state.step, "index": p["index"], "data_source": p["data_source"],
-                                     "prompt": p["prompt_text"], "completion": texts[i * k],
-                                     "reward": rewards[i * k].item(), "answer": p["answer"]}) + "\n")
+                row = {"step": self.state.step, "index": p["index"], "data_source": p["data_source"],
+                       "prompt": p["prompt_text"], "completion": texts[i * k], "reward": rewards[i * k].item(),
+                       "answer": p["answer"]}
+                if completions[i * k].mask is not None:
+                    row["episode"] = self.tokenizer.decode(completions[i * k].token_ids)
+                fh.write(json.dumps(row) + "\n")
 
     @phase("save", after_step=True)
     def _save_checkpoint(self) -> None:
