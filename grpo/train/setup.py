@@ -86,6 +86,9 @@ def load_run_data(config: GRPOConfig, reward_funcs: Sequence[Callable], rank: in
         raise ConfigError(f"--model_name_or_path: cannot load '{config.model_name_or_path}' ({exc}); give a "
                           f"local model folder, a reachable hub id, or '{EMBEDDED_MODEL}'") from exc
     vision = load_vision_processor(model_path, tokenizer, config, train_rows)
+    if vision and episode_datasets:
+        raise ConfigError(f"dataset(s) {', '.join(sorted(episode_datasets))}: multi-turn episodes (tools, "
+                          "environments) are for text models; this model is a vision-language model")
 
     def render(rows, split):
         if vision:
