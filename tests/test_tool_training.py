@@ -104,6 +104,15 @@ def tool_registry(folder, **calc_entry) -> str:
     return registry
 
 
+@pytest.fixture(scope="module")
+def shared_tools(tmp_path_factory):
+    """A folder of the registry and user files for the tests that import the tool module in this process: one file
+    for all of them, since two files may not register the same environment name."""
+    folder = tmp_path_factory.mktemp("shared_tools")
+    tool_registry(folder)
+    return folder
+
+
 def run_train_grpo(*args, timeout=900):
     return subprocess.run([sys.executable, os.path.join(ROOT, "train_grpo.py"), *args], capture_output=True,
                           text=True, cwd=ROOT, env=child_env(), timeout=timeout)
@@ -242,16 +251,16 @@ def test_shipped_arith_calc_offers_the_calculator_in_its_system_prompt(tmp_path)
     assert rendered[1]["messages"][0]["content"] == "Solve it.\n\n" + tools_system_prompt(tool_schemas(["calculator"]))
 
 
-def test_a_template_that_shows_tools_gets_them_as_tools(tmp_path):
+def test_a_template_that_shows_tools_gets_them_as_tools(shared_tools, tmp_path):
     import datasets
 
     from grpo.data.render import render_prompts
     from .test_episodes import make_tool_tokenizer
 
     tokenizer = make_tool_tokenizer()
-    registry = tool_registry(tmp_path)
+    registry = str(shared_tools / "registry.json")
     config = GRPOConfig(output_dir=str(tmp_path), dataset_config_path=registry, dataset_names=["calc_toy"],
-                        tool_module=str(tmp_path / "my_tools.py"))
+                        tool_module=str(shared_tools / "my_tools.py"))
     found = check_episode_datasets(config, load_dataset_registry(registry), ["calc_toy"])
     rows = datasets.Dataset.from_list([{"messages": [{"role": "user", "content": "What is 6 * 7?"}], "answer": "42",
                                         "data_source": "calc_toy"}])
@@ -304,14 +313,16 @@ def test_bad_tool_setups_fail_before_any_model_loads(problem, fragments, tmp_pat
     assert "no_model_here" not in error[0]
 
 
-def test_tool_datasets_are_refused_in_server_mode_and_with_images(tmp_path):
+def test_tool_datasets_are_refused_in_server_mode_and_with_images(shared_tools, tmp_path):
     """Episodes run with colocated engines: a tool dataset in server mode (or with images) is one ConfigError, given
     before the tokenizer loads. (check_episode_datasets reads only these options; GRPOConfig itself needs a job of
     several ranks for server mode.)"""
     from types import SimpleNamespace
 
-    registry = tool_registry(tmp_path)
-    options = dict(tool_module=str(tmp_path / "my_tools.py"), dataset_config_path=registry)
+    registry = str(tmp_path / "registry.json")
+    with open(shared_tools / "registry.json") as src, open(registry, "w") as dst:
+        dst.write(src.read())
+    options = dict(tool_module=str(shared_tools / "my_tools.py"), dataset_config_path=registry)
     with pytest.raises(ConfigError, match="dataset 'calc_toy'.*colocated engines only.*server mode"):
         check_episode_datasets(SimpleNamespace(rollout_mode="server", **options), load_dataset_registry(registry),
                                ["toy", "calc_toy"])
