@@ -14,7 +14,7 @@ from grpo.data.registry import load_dataset_registry
 from grpo.errors import ConfigError, DatasetError
 from grpo.rewards import RewardRouter
 from grpo.rollout.engine import Completion
-from grpo.tools import ToolError, tool_schemas, tools_system_prompt
+from grpo.tools import tool_schemas, tools_system_prompt
 from grpo.train.logprobs import completion_logprobs
 from grpo.train.reporting import read_metrics
 from grpo.train.step_data import build_rollout_batch
