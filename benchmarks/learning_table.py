@@ -3,8 +3,9 @@
     python benchmarks/learning_table.py outputs/bench/learning/*/
 
 Each run folder holds metrics.jsonl (written by the trainer) and bench.json (written by learning.sh: dataset,
-strategy, seed, learning rate, accuracy key, wall seconds, GPU). Below the table: qlora's final accuracy against
-lora's, per dataset, tag and seed, and as a mean over the seeds that both have.
+strategy, seed, learning rate, accuracy key, wall seconds, GPU). Below the table: for datasets with tools, the share of
+held-out episodes that called a tool at step 0 and at the end; qlora's final accuracy against lora's, per dataset, tag
+and seed, and as a mean over the seeds that both have.
 """
 import json
 import os
@@ -25,6 +26,9 @@ def summarize(run_dir: str) -> dict:
     last = evals[-1] if evals and evals[-1]["step"] > 0 else None
     return {**info, "acc_start": first[key] if first else None, "acc_end": last[key] if last else None,
             "len_end": last.get("eval/completion/length_mean") if last else None,
+            # datasets with tools: the share of held-out episodes that called a tool
+            "calls_start": first.get("eval/episodes/called_a_tool") if first else None,
+            "calls_end": last.get("eval/episodes/called_a_tool") if last else None,
             "steps": train[-1]["step"] if train else 0,
             "train_s": sum(r.get("time/step", 0.0) for r in train),
             "reward_first": train[0]["reward/mean"] if train else None,
@@ -68,6 +72,12 @@ def main(paths: list[str]) -> None:
               f"**{fmt(r['acc_end'])}** | {fmt(r['len_end'], '.1f')} | {r['steps']} | "
               f"{fmt(r['reward_first'], '.2f')} -> {fmt(r['reward_last5'], '.2f')} | {r['train_s']:.0f} | "
               f"{r['wall_s']:.0f} | {r['gpu']} |")
+    tool_runs = [r for r in runs if r["calls_start"] is not None or r["calls_end"] is not None]
+    if tool_runs:
+        print()
+    for r in tool_runs:
+        print(f"{r['dataset']} {r['strategy']} seed {r['seed']}: held-out episodes that called a tool "
+              f"{fmt(r['calls_start'])} at step 0 -> {fmt(r['calls_end'])} at the end")
     comparison = qlora_against_lora(runs)
     if comparison:
         print()

@@ -7,6 +7,7 @@ import argparse
 import difflib
 import json
 import os
+import re
 import sys
 from dataclasses import fields
 from typing import Optional
@@ -17,7 +18,7 @@ from grpo.errors import ConfigError
 # --help sections, in order (docs/flags.md follows them too)
 GROUP_TITLES = {"model": "Model and tuning strategy", "data": "Data and rewards", "training": "Optimisation",
                 "grpo": "GRPO algorithm", "rollout": "Rollout engine", "logging": "Eval, checkpoints, logging",
-                "distributed": "Distributed",
+                "distributed": "Distributed", "tools": "Tools and multi-turn episodes",
                 "experimental": "Experimental (4-bit base rounding, vLLM sleep level, log-prob checks)"}
 
 
@@ -35,6 +36,8 @@ def build_parser():
             # the negative of a boolean flag: say what it does (its default is the positive flag's)
             action.help = f"Turn --{action.dest} off (the same as --{action.dest} false)."
             action.default = argparse.SUPPRESS
+        if action.help and action.help is not argparse.SUPPRESS:  # argparse %-formats help: a plain "%" stays one
+            action.help = re.sub(r"%(?!\()", "%%", action.help)
         group = FLAG_GROUPS.get(action.dest)
         if group is not None:  # moved from "options" into its section (argparse keeps one list per group)
             parser._optionals._group_actions.remove(action)

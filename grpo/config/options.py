@@ -269,6 +269,18 @@ class GRPOConfig:
     vllm_enforce_eager: bool = _opt(False, "Run vLLM without CUDA graphs / torch.compile (starts faster).",
                                     "rollout")
 
+    # --- tools and multi-turn episodes ------------------------------------------------------------
+    tool_module: Optional[str] = _opt(
+        None, "Python file whose @register_tool / @register_environment functions become usable in the dataset "
+              "config's \"tools\" and \"environment\" (docs/tools.md).", "tools")
+    max_turns: int = _opt(
+        4, "Datasets with tools or an environment: model turns per episode (each at most --rollout_max_new_tokens).",
+        "tools")
+    max_episode_tokens: Optional[int] = _opt(
+        None, "Datasets with tools or an environment: completion tokens per episode, the model's and the "
+              "environment's together (the prompt comes on top). Default: --max_seq_length - --max_prompt_length.",
+        "tools")
+
     # --- eval, checkpoints, logging -------------------------------------------------------------
     eval_steps: int = _opt(0, "Evaluate on the held-out split every N steps (0: only at the end).", "logging")
     eval_on_start: bool = _opt(True, "Evaluate before the first step (logged as step 0) when there is an eval set.",
@@ -402,6 +414,13 @@ class GRPOConfig:
     def is_correction(self) -> bool:
         """--rollout_is_correction as given, or on by default exactly when the rollouts are a step behind."""
         return self.async_rollout if self.rollout_is_correction is None else self.rollout_is_correction
+
+    @property
+    def episode_token_budget(self) -> int:
+        """--max_episode_tokens as given, or what --max_seq_length leaves after the prompt."""
+        if self.max_episode_tokens is not None:
+            return self.max_episode_tokens
+        return self.max_seq_length - self.max_prompt_length
 
     @property
     def uses_vllm(self) -> bool:

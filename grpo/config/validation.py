@@ -143,6 +143,7 @@ def validate(cfg) -> None:
          "give comma-separated module names, e.g. v_proj,down_proj")
     if cfg.lora_exclude_modules is not None:
         _validate_lora_exclude(cfg, need)
+    _validate_episodes(cfg, need)
     need(cfg.vllm_sleep_level in (1, 2), "vllm_sleep_level", f"got {cfg.vllm_sleep_level}, choose 1 or 2")
     need(cfg.qlora_quant_type in QLORA_QUANT_TYPES, "qlora_quant_type",
          f"got '{cfg.qlora_quant_type}', choose one of {', '.join(QLORA_QUANT_TYPES)}")
@@ -161,6 +162,18 @@ def validate(cfg) -> None:
         need(cfg.tuning_strategy == "qlora", "qlora_init", "loftq needs --tuning_strategy qlora")
         need(not cfg.lora_adapter_path, "qlora_init",
              "loftq sets a new adapter; a continued one (--lora_adapter_path) keeps its own weights: drop one")
+
+
+def _validate_episodes(cfg, need) -> None:
+    need(cfg.max_turns >= 1, "max_turns", f"must be >= 1, got {cfg.max_turns}")
+    need(cfg.max_episode_tokens is None or cfg.max_episode_tokens >= 1, "max_episode_tokens",
+         f"must be >= 1, got {cfg.max_episode_tokens}")
+    need(cfg.max_prompt_length + cfg.episode_token_budget <= cfg.max_seq_length, "max_episode_tokens",
+         f"the prompt and an episode must fit --max_seq_length: --max_prompt_length {cfg.max_prompt_length} + "
+         f"--max_episode_tokens {cfg.episode_token_budget} > {cfg.max_seq_length}; lower it or raise "
+         "--max_seq_length")
+    need(cfg.tool_module is None or bool(cfg.tool_module.strip()), "tool_module", "give a Python file's path")
+
 
 def _validate_lora_exclude(cfg, need) -> None:
     need(cfg.tuning_strategy in ("lora", "qlora"), "lora_exclude_modules",

@@ -33,6 +33,8 @@ class DatasetSpec:
     max_samples: Optional[int] = None
     image_field: Optional[str] = None   # a column of image paths / bytes (see grpo/images.py)
     image_root: Optional[str] = None    # folder relative image paths are read from (default: the registry's)
+    tools: list[str] = field(default_factory=list)  # tool names the model may call (multi-turn episodes)
+    environment: Optional[str] = None   # a registered environment that answers the model's turns (docs/tools.md)
     registry_folder: Optional[str] = field(default=None, compare=False, repr=False)  # set by the parser
 
     @property
@@ -93,6 +95,7 @@ def _parse_entry(name: str, entry, folder: str, registry_path: str) -> DatasetSp
         raise DatasetError(f"{where}: \"max_samples\" must be a positive integer or null, got "
                            f"{json.dumps(max_samples)}")
     _check_extractor(where, values.get("answer_extractor", "none"))
+    _check_episode_keys(where, values)
     template = values.get("prompt_template")
     if template is not None and "{prompt}" not in template:
         raise DatasetError(f"{where}: \"prompt_template\" must contain the placeholder {{prompt}} (where the "
@@ -104,6 +107,21 @@ def _parse_entry(name: str, entry, folder: str, registry_path: str) -> DatasetSp
         spec.image_root = os.path.normpath(os.path.join(folder, os.path.expanduser(spec.image_root)))
     spec.registry_folder = folder
     return spec
+
+
+def _check_episode_keys(where: str, values: dict) -> None:
+    """"tools": a list of tool names; "environment": a name. Whether they are registered is checked once
+    --tool_module is imported (grpo.train.tool_setup)."""
+    tools = values.get("tools", [])
+    if not isinstance(tools, list) or not all(isinstance(t, str) and t for t in tools):
+        raise DatasetError(f"{where}: \"tools\" must be a list of tool names, e.g. [\"calculator\"]; got "
+                           f"{json.dumps(tools)}")
+    if len(set(tools)) != len(tools):
+        raise DatasetError(f"{where}: \"tools\" names a tool more than once: {json.dumps(tools)}")
+    environment = values.get("environment")
+    if environment is not None and (not isinstance(environment, str) or not environment.strip()):
+        raise DatasetError(f"{where}: \"environment\" must be the name of a registered environment; got "
+                           f"{json.dumps(environment)}")
 
 
 def _check_extractor(where: str, extractor: str) -> None:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from typing import Optional
 
 import datasets
 
@@ -13,15 +14,17 @@ logger = logging.getLogger("grpo")
 
 
 def render_prompts(dataset: datasets.Dataset, tokenizer, max_prompt_length: int, filter_overlong: bool = False,
-                   split: str = "train") -> datasets.Dataset:
+                   split: str = "train", tools_by_source: Optional[dict] = None) -> datasets.Dataset:
     """Add prompt_text and prompt_ids: the tokenizer's chat template when it has one, else the message contents
     joined by blank lines. Prompts over max_prompt_length tokens raise DatasetError, or with `filter_overlong` are
-    dropped, with one log line per dataset (`split` names the rows in it: train or eval)."""
+    dropped, with one log line per dataset (`split` names the rows in it: train or eval). `tools_by_source`: the
+    tool schemas the chat template shows the rows of each dataset (its `tools=`)."""
+    tools_by_source = tools_by_source or {}
     has_template = bool(getattr(tokenizer, "chat_template", None))
 
     def render(batch):
         if has_template:
-            texts = [_apply_template(tokenizer, messages, source)
+            texts = [_apply_template(tokenizer, messages, source, tools_by_source.get(source))
                      for messages, source in zip(batch["messages"], batch["data_source"])]
         else:
             texts = ["\n\n".join(m["content"] for m in messages) + "\n" for messages in batch["messages"]]
@@ -47,8 +50,10 @@ def enforce_prompt_length(rendered: datasets.Dataset, max_prompt_length: int, fi
     return rendered
 
 
-def _apply_template(tokenizer, messages: list[dict], source: str) -> str:
+def _apply_template(tokenizer, messages: list[dict], source: str, tools: Optional[list] = None) -> str:
     try:
+        if tools:
+            return tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
         return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     except Exception as exc:  # jinja raises on role orders a template forbids
         raise DatasetError(f"dataset '{source}': the tokenizer's chat template rejects a prompt "

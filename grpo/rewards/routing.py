@@ -1,6 +1,7 @@
 """Routing: each dataset's rewards (with weights and kwargs) applied to its own rows, checked and summed."""
 from __future__ import annotations
 
+import inspect
 import math
 import numbers
 from dataclasses import dataclass
@@ -40,6 +41,19 @@ class _Route(NamedTuple):
 
 
 _ROW_ARGS = ("completions", "answers", "prompts", "data_source")  # passed by the router, never configurable
+# passed only to functions that name them (or take **kwargs): rewards written before they existed keep working
+OPTIONAL_ROW_ARGS = ("messages",)
+
+
+def _accepted_optional_args(fn) -> set[str]:
+    """The OPTIONAL_ROW_ARGS `fn` takes: those it names, or all of them when it takes **kwargs."""
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # a callable without a readable signature: give it everything, as before
+        return set(OPTIONAL_ROW_ARGS)
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return set(OPTIONAL_ROW_ARGS)
+    return {p.name for p in parameters} & set(OPTIONAL_ROW_ARGS)
 
 
 class RewardRouter:
@@ -138,7 +152,9 @@ class RewardRouter:
     def _apply(route: _Route, source: str, rows: list[int], columns: dict, total: list[float],
                per_function: dict) -> None:
         """Call one function on `rows`, check what it returned, add weight * value to the totals."""
-        picked = {key: [values[i] for i in rows] for key, values in columns.items()}
+        accepted = _accepted_optional_args(route.fn)
+        picked = {key: [values[i] for i in rows] for key, values in columns.items()
+                  if key not in OPTIONAL_ROW_ARGS or key in accepted}
         clash = sorted(set(route.kwargs) & set(picked))
         if clash:
             raise RewardError(f"reward '{route.name}' (dataset '{source}'): its reward_kwargs {', '.join(clash)} "

@@ -5,6 +5,11 @@ their rewards, with the engine woken before and put to sleep after; and the same
 of state it owns: with --async_rollout, the next step's request in flight. The trainer passes its `TrainerState` in
 (the step and the resumable data position, which drawing prompts advances) and gives a `sync_weights` callable, the
 one way back into training: an engine whose weights were dropped gets the policy again before it generates.
+
+Rows of a dataset with tools or an environment (`episode_datasets`) run as multi-turn episodes
+(grpo.rollout.episodes): their completion is the whole episode, model and environment tokens with a mask that keeps
+the environment's out of the loss; their rewards read the model's last message (and get the conversation as
+`messages`). Other rows of the same step generate as usual.
 """
 from __future__ import annotations
 
@@ -12,14 +17,15 @@ import time
 from typing import Callable, Optional
 
 from grpo.rollout.dynamic_sampling import PendingRollouts, RolloutRound, dynamic_rollouts
-from grpo.rollout.engine import RolloutEngine, SamplingSettings
+from grpo.rollout.engine import Completion, RolloutEngine, SamplingSettings
+from grpo.rollout.episodes import Episode, EpisodeLimits, EpisodePrompt, episode_metrics, run_episodes
 from grpo.runtime import distributed as dist_utils
 from grpo.runtime.failures import phase
 
 
 class RolloutCollector:
     def __init__(self, config, engine: RolloutEngine, tokenizer, rewards, vision, train_set, order,
-                 total_steps: int, sync_weights: Callable[[], float]):
+                 total_steps: int, sync_weights: Callable[[], float], episode_datasets: Optional[dict] = None):
         self.config = config
         self.engine = engine
         self.tokenizer = tokenizer
@@ -32,6 +38,9 @@ class RolloutCollector:
         self.pending: Optional[PendingRollouts] = None  # --async_rollout: the next step's, in flight
         self.position_before_pending = (0, 0)          # the data position before `pending` was drawn
         self.sizes: dict = {}                          # the step's sizes, for an out-of-memory message
+        self.episode_datasets = episode_datasets or {}  # {dataset: grpo.train.tool_setup.EpisodeDataset}
+        self.episodes_drawn: list[Episode] = []         # this step's episodes, every round (for their metrics)
+        self.eval_episodes: list[Episode] = []          # the last evaluation's, on this rank
 
     # ------------------------------------------------------------------------------------------- training
     def collect(self, state) -> tuple[RolloutRound, RolloutRound]:
@@ -40,6 +49,7 @@ class RolloutCollector:
         Returns (kept, drawn): what the step trains on, and every completion sampled (for reward metrics)."""
         cfg = self.config
         wake = self._switch_engine(awake=True)  # once for all rounds: each sleep drops the KV cache and weights
+        self.episodes_drawn = []
         prompts_per_step = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps
         if not cfg.filter_zero_std_groups:
             kept = drawn = self._round(state)
@@ -47,6 +57,8 @@ class RolloutCollector:
             kept, drawn = dynamic_rollouts(lambda: self._round(state), cfg.k_samples, prompts_per_step,
                                            cfg.max_generation_rounds, dist_utils.any_rank)
         sleep = self._switch_engine(awake=False)
+        if self.episodes_drawn:
+            kept.stats.update(episode_metrics(self.episodes_drawn))
         kept.times.update(rollout=kept.times["rollout"] + wake + sleep, rollout_wake=wake, rollout_sleep=sleep)
         return kept, drawn
 
@@ -85,8 +97,8 @@ class RolloutCollector:
         if self.config.async_rollout and state.step + 1 < self.total_steps:
             self.position_before_pending = (state.epoch, state.position)
             self.pending = self._request(self._next_prompts(state), state.step, steps_ahead=1)
-        completions, texts, times = self._receive(pending)
-        result, times["reward"] = self._score(pending.prompts, texts, completions, self.config.k_samples)
+        completions, texts, messages, times = self._receive(pending)
+        result, times["reward"] = self._score(pending.prompts, texts, completions, self.config.k_samples, messages)
         stats = {"rollout/staleness": float(state.step - pending.policy_step)} if self.config.async_rollout else {}
         return RolloutRound(pending.prompts, completions, texts, result, pending.images, times, stats)
 
@@ -111,36 +123,93 @@ class RolloutCollector:
         images = self.prompt_images(prompts)  # each prompt's pixels once, shared by its k samples
         pending = PendingRollouts(prompts, images, sampling, policy_step=step)
         images_done = time.perf_counter()
-        pending.ticket = self.engine.submit([p["prompt_ids"] for p in prompts], sampling, images)
+        if not self.episode_datasets:  # episodes generate turn by turn when received
+            pending.ticket = self.engine.submit([p["prompt_ids"] for p in prompts], sampling, images)
         pending.seconds = {"rollout_images": images_done - start, "rollout_submit": time.perf_counter() - images_done}
         return pending
 
     @phase("rollout")
     def _receive(self, pending: PendingRollouts):
-        """The k completions per prompt (grouped by prompt), their texts, and where the time went."""
+        """The k completions per prompt (grouped by prompt), their texts (an episode's: the model's last message), each
+        completion's conversation, and where the time went."""
         cfg = self.config
         self.sizes = {"prompts per rank": len(pending.prompts),
                       "completions per rank": len(pending.prompts) * cfg.k_samples,
                       "--rollout_max_new_tokens": cfg.rollout_max_new_tokens}
         start = time.perf_counter()
-        completions = self.engine.collect(pending.ticket)  # server mode: waits for the rollout ranks
+        if pending.ticket is not None:
+            completions = self.engine.collect(pending.ticket)  # server mode: waits for the rollout ranks
+            episodes = [None] * len(completions)
+        else:
+            completions, episodes = self._generate(pending.prompts, pending.sampling, pending.images)
         generated = time.perf_counter()
-        texts = self._decode(completions)
+        texts, messages = self._texts_and_messages(pending.prompts, completions, episodes, pending.sampling.n)
         # time/rollout_images, _submit, _generate (the wait, in server mode), _decode (+ _wake, _sleep)
         parts = {**pending.seconds, "rollout_generate": generated - start,
                  "rollout_decode": time.perf_counter() - generated}
         tokens = sum(len(c.token_ids) for c in completions)
-        return completions, texts, {"rollout": sum(parts.values()), **parts, "_rollout_tokens": tokens}
+        return completions, texts, messages, {"rollout": sum(parts.values()), **parts, "_rollout_tokens": tokens}
+
+    def _generate(self, prompts: list[dict], sampling: SamplingSettings, images: Optional[list]):
+        """`sampling.n` completions per prompt, grouped by prompt, and per completion its Episode (None for a row
+        that generates in one turn). Rows of episode datasets run as episodes, the others in one generate call;
+        with a collective engine every rank takes part in both, rows of its own or not."""
+        single = [i for i, p in enumerate(prompts) if p["data_source"] not in self.episode_datasets]
+        multi = [i for i, p in enumerate(prompts) if p["data_source"] in self.episode_datasets]
+        collective = self.engine.collective_generate
+        by_prompt: list[list] = [[] for _ in prompts]
+        if single or collective:
+            pick = (lambda values: [values[i] for i in single]) if images else (lambda values: None)
+            for c in self.engine.generate([prompts[i]["prompt_ids"] for i in single], sampling, pick(images)):
+                by_prompt[single[c.prompt_index]].append((c, None))
+        if multi or (collective and self.episode_datasets):
+            episode_prompts = [self._episode_prompt(prompts[i]) for i in multi]
+            for e in run_episodes(self.engine, self.tokenizer, episode_prompts, sampling, self._episode_limits(),
+                                  any_rank=dist_utils.any_rank):
+                by_prompt[multi[e.prompt_index]].append((e.as_completion(), e))
+            self.episodes_drawn += [e for group in by_prompt for _, e in group if e is not None]
+        completions, episodes = [], []
+        for index, group in enumerate(by_prompt):
+            for completion, episode in group:
+                completions.append(Completion(index, completion.token_ids, completion.logprobs,
+                                              completion.finish_reason, completion.mask))
+                episodes.append(episode)
+        return completions, episodes
+
+    def _episode_prompt(self, row: dict) -> EpisodePrompt:
+        dataset = self.episode_datasets[row["data_source"]]
+        fields = {"tools": list(dataset.tools), "answer": row["answer"], "data_source": row["data_source"]}
+        return EpisodePrompt(list(row["prompt_ids"]), [dict(m) for m in row["messages"]], fields,
+                             environment=dataset.environment)
+
+    def _episode_limits(self) -> EpisodeLimits:
+        return EpisodeLimits(max_turns=self.config.max_turns, max_episode_tokens=self.config.episode_token_budget)
+
+    def _texts_and_messages(self, prompts: list[dict], completions: list, episodes: list, per_prompt: int):
+        """What rewards read: the completion's text (an episode's final message), and the conversation (the prompt's
+        messages, then every turn; a one-turn completion is one assistant message)."""
+        decoded = iter(self._decode([c for c, e in zip(completions, episodes) if e is None]))
+        texts, messages = [], []
+        for i, (completion, episode) in enumerate(zip(completions, episodes)):
+            if episode is not None:
+                texts.append(episode.final_text)
+                messages.append(episode.messages)
+            else:
+                text = next(decoded)
+                texts.append(text)
+                prompt_messages = prompts[i // per_prompt].get("messages") or []
+                messages.append([dict(m) for m in prompt_messages] + [{"role": "assistant", "content": text}])
+        return texts, messages
 
     @phase("rewards")
-    def _score(self, prompts: list[dict], texts: list[str], completions: list, per_prompt: int):
+    def _score(self, prompts: list[dict], texts: list[str], completions: list, per_prompt: int, messages: list):
         """The reward of each completion (grouped by prompt, `per_prompt` each), and the seconds it took."""
         start = time.perf_counter()
         rows = [p for p in prompts for _ in range(per_prompt)]
         result = self.rewards(texts, [p["answer"] for p in rows], [p["data_source"] for p in rows],
                               prompts=[p["prompt_text"] for p in rows],
                               completion_ids=[c.token_ids for c in completions],
-                              prompt_messages=[p.get("messages") for p in rows])
+                              prompt_messages=[p.get("messages") for p in rows], messages=messages)
         return result, time.perf_counter() - start
 
     def _decode(self, completions: list) -> list[str]:
@@ -159,14 +228,20 @@ class RolloutCollector:
         cfg = self.config
         self.restore_engine_weights()  # on every rank, with or without eval rows
         completions: list = []
+        self.eval_episodes = []
         if rows or self.engine.collective_generate:  # all ranks generate together
             self.engine.wake()
             sampling = SamplingSettings(n=1, max_new_tokens=cfg.rollout_max_new_tokens, temperature=cfg.temperature,
                                         top_p=cfg.top_p, greedy=cfg.eval_greedy, logprobs=False)
-            completions = self.engine.generate([r["prompt_ids"] for r in rows], sampling, self.prompt_images(rows))
+            if self.episode_datasets:
+                completions, episodes = self._generate(rows, sampling, self.prompt_images(rows))
+                self.eval_episodes = [e for e in episodes if e is not None]
+            else:
+                completions = self.engine.generate([r["prompt_ids"] for r in rows], sampling, self.prompt_images(rows))
+                episodes = [None] * len(completions)
             self.engine.sleep(keep_weights=True)  # no sync follows: the next rollout needs these weights
         if not rows:
             return [], [], None
-        texts = self._decode(completions)
-        result, _ = self._score(rows, texts, completions, per_prompt=1)
+        texts, messages = self._texts_and_messages(rows, completions, episodes, per_prompt=1)
+        result, _ = self._score(rows, texts, completions, per_prompt=1, messages=messages)
         return completions, texts, result

@@ -30,6 +30,9 @@ class Completion:
     logprobs: list[float]       # log-prob of each token under softmax(logits / temperature), no top-p renormalising;
                                 # empty when the sampling settings did not ask for them
     finish_reason: str          # "stop" | "length"
+    # a multi-turn episode's (grpo.rollout.episodes): 1 on the model's tokens, 0 on the environment's (out of the
+    # loss); None: every token is the model's
+    mask: Optional[list[int]] = None
 
 
 @dataclass

@@ -65,9 +65,9 @@ class Episode:
         return next((m["content"] for m in reversed(self.messages) if m["role"] == "assistant"), "")
 
     def as_completion(self) -> Completion:
-        """The episode in the engine protocol's shape (a cut episode counts as truncated); `mask` goes beside it."""
+        """The episode in the engine protocol's shape (a cut episode counts as truncated), its mask with it."""
         finish = "length" if self.finish_reason in ("length", "budget") else "stop"
-        return Completion(self.prompt_index, self.completion_ids, self.logprobs, finish)
+        return Completion(self.prompt_index, self.completion_ids, self.logprobs, finish, mask=list(self.mask))
 
 
 def run_episodes(engine: RolloutEngine, tokenizer, prompts: list[EpisodePrompt], sampling: SamplingSettings,
@@ -166,11 +166,12 @@ def _add_environment_turn(episode: Episode, step: EnvironmentStep, turns: Enviro
 
 
 def episode_metrics(episodes: list[Episode]) -> dict:
-    """Per-episode means for logging: turns, tool calls, tool errors and timeouts; the share cut by the token budget
-    and the share stopped at max_turns."""
+    """Per-episode means for logging: turns, tool calls, tool errors and timeouts; the share that called a tool at
+    least once, the share cut by the token budget and the share stopped at max_turns."""
     n = max(1, len(episodes))
     return {"episodes/turns": sum(e.turns for e in episodes) / n,
             "episodes/tool_calls": sum(e.tool_calls for e in episodes) / n,
+            "episodes/called_a_tool": sum(e.tool_calls > 0 for e in episodes) / n,
             "episodes/tool_errors": sum(e.tool_errors for e in episodes) / n,
             "episodes/tool_timeouts": sum(e.tool_timeouts for e in episodes) / n,
             "episodes/cut_by_budget": sum(e.cut_by_budget for e in episodes) / n,

@@ -12,7 +12,7 @@ import importlib.util
 import logging
 import logging.handlers
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 from grpo.config.options import EMBEDDED_MODEL, GRPOConfig
@@ -82,6 +82,7 @@ class RunData:
     order: object                # grpo.data.sampler.PromptOrder
     total_steps: int
     ds_config: dict
+    episode_datasets: dict = field(default_factory=dict)  # {name: EpisodeDataset}: rows that run as episodes
 
 
 def prepare_run(config: GRPOConfig, reward_funcs: Sequence[Callable] = ()) -> RunData:
@@ -109,8 +110,11 @@ def prepare_run(config: GRPOConfig, reward_funcs: Sequence[Callable] = ()) -> Ru
 def load_run_data(config: GRPOConfig, rewards, rank: int, world: int) -> RunData:
     """Data, the DeepSpeed config and the tokenizer, each checked; also the base checkpoint's readability when
     qlora's re-quantization or loftq will need its 16-bit weights. No model is loaded here."""
-    from grpo.data import load_prompt_datasets
+    from grpo.data import load_dataset_registry, load_prompt_datasets
+    from grpo.train.tool_setup import check_episode_datasets, prompts_with_tools
 
+    registry = load_dataset_registry(config.dataset_config_path)
+    episode_datasets = check_episode_datasets(config, registry, config.dataset_names + config.eval_dataset_names)
     train_rows, eval_rows = load_prompt_datasets(config.dataset_config_path, config.dataset_names,
                                                  config.effective_train_split_ratio, config.seed,
                                                  eval_names=config.eval_dataset_names,
@@ -135,12 +139,17 @@ def load_run_data(config: GRPOConfig, rewards, rank: int, world: int) -> RunData
         raise ConfigError(f"--model_name_or_path: cannot load '{config.model_name_or_path}' ({exc}); give a "
                           f"local model folder, a reachable hub id, or '{EMBEDDED_MODEL}'") from exc
     vision = load_vision_processor(model_path, tokenizer, config, train_rows)
+    if vision and episode_datasets:
+        raise ConfigError(f"dataset(s) {', '.join(sorted(episode_datasets))}: multi-turn episodes (tools, "
+                          "environments) are for text models; this model is a vision-language model")
 
     def render(rows, split):
         if vision:
             return render_vision_prompts(rows, vision, config.max_prompt_length, config.filter_overlong_prompts,
                                          split)
-        return render_prompts(rows, tokenizer, config.max_prompt_length, config.filter_overlong_prompts, split)
+        rows, tools_by_source = prompts_with_tools(rows, tokenizer, episode_datasets)
+        return render_prompts(rows, tokenizer, config.max_prompt_length, config.filter_overlong_prompts, split,
+                              tools_by_source=tools_by_source)
 
     train_set = render(train_rows, "train")
     # held-out rows, then eval datasets; the first --eval_max_prompts of each dataset
@@ -156,7 +165,8 @@ def load_run_data(config: GRPOConfig, rewards, rank: int, world: int) -> RunData
             f"needs {prompts_per_step} per rank x {world} ranks; lower the batch size or "
             f"--gradient_accumulation_steps, or raise --train_split_ratio")
     total_steps = config.max_steps if config.max_steps > 0 else config.epochs * order.steps_per_epoch
-    return RunData(model_path, tokenizer, vision, rewards, train_set, eval_set, order, total_steps, ds_config)
+    return RunData(model_path, tokenizer, vision, rewards, train_set, eval_set, order, total_steps, ds_config,
+                   episode_datasets)
 
 
 def initialize_deepspeed(policy, ds_config: dict, config: GRPOConfig, total_updates: int):

@@ -2,7 +2,8 @@
 
     input_ids        # [N, P+T]  prompt | completion, N = prompts x k_samples
     attention_mask   # [N, P+T]
-    completion_mask  # [N, T]    1 on completion tokens that enter the loss
+    completion_mask  # [N, T]    1 on completion tokens that enter the loss (a multi-turn episode's environment
+                                 tokens are 0: they are not the policy's actions)
     prompt_index     # [N]      which prompt of the step each row completes
     images           # per prompt: its processed images (vision-language models) or None; shared by its k rows
 Every completion starts at column P, so one forward with `logits_to_keep=T+1` yields exactly the logits
@@ -93,11 +94,18 @@ def build_rollout_batch(prompt_ids: list[list[int]], completions: list[Completio
                 rollout_lp[i, :t] = torch.tensor(c.logprobs, dtype=torch.float32)
         truncated[i] = c.finish_reason == "length"
         if not (mask_truncated and truncated[i]):
-            comp_mask[i, :t] = 1.0
+            comp_mask[i, :t] = 1.0 if c.mask is None else _episode_mask(c)
     prompt_index = torch.tensor([c.prompt_index for c in completions], dtype=torch.long)
     has_images = images is not None and any(p is not None for p in images)
     return RolloutBatch(input_ids, attention, comp_ids, comp_mask, rollout_lp, truncated, prompt_index,
                         images if has_images else None)
+
+
+def _episode_mask(completion: Completion) -> torch.Tensor:
+    if len(completion.mask) != len(completion.token_ids):
+        raise ValueError(f"a completion's mask has {len(completion.mask)} entries for {len(completion.token_ids)} "
+                         "tokens")
+    return torch.tensor(completion.mask, dtype=torch.float32)
 
 
 def position_ids_for(attention_mask: torch.Tensor) -> torch.Tensor:

@@ -28,6 +28,7 @@ from grpo.checkpoint.final_model import save_final_model
 from grpo.model.loading import load_policy, load_reference, reference_mode
 from grpo.rollout.collect import RolloutCollector
 from grpo.rollout.dynamic_sampling import RolloutRound
+from grpo.rollout.episodes import episode_metrics
 from grpo.rollout.engines import build_rollout_engine, engine_dtype, engine_holds_weights
 from grpo.runtime import distributed as dist_utils
 from grpo.runtime.deepspeed_config import default_dtype, zero_stage
@@ -73,6 +74,9 @@ class GRPOTrainer:
         self.model_path, self.tokenizer, self.vision = data.model_path, data.tokenizer, data.vision
         self.rewards, self.train_set, self.eval_set = data.rewards, data.train_set, data.eval_set
         self.total_steps = data.total_steps
+        # the longest a training completion may be: seq_mean_token_sum_norm's constant
+        episodes = any(name in data.episode_datasets for name in config.dataset_names)
+        self.max_completion_tokens = config.episode_token_budget if episodes else config.rollout_max_new_tokens
         self.prompts_per_step = config.per_device_train_batch_size * config.gradient_accumulation_steps
         self.resume_path = self._checkpoint_to_resume()  # verified, and for lora / qlora on its base: before loading
 
@@ -90,7 +94,8 @@ class GRPOTrainer:
         engine = build_rollout_engine(config, self.model_path, self.engine.module, self.tokenizer, self.vision,
                                       self.rank, self.dtype)
         self.rollouts = RolloutCollector(config, engine, self.tokenizer, self.rewards, self.vision, self.train_set,
-                                         data.order, self.total_steps, sync_weights=self._sync_rollout_weights)
+                                         data.order, self.total_steps, sync_weights=self._sync_rollout_weights,
+                                         episode_datasets=data.episode_datasets)
         try:
             self._restore_and_sync()
         except BaseException:
@@ -169,7 +174,7 @@ class GRPOTrainer:
 
                 metrics = self._step_metrics(step, drawn, {**rollout.stats, **train_metrics}, times)
                 reporter.log_step(self.state.step, metrics)
-                self._log_completions(rollout.prompts, rollout.texts, rollout.rewards)
+                self._log_completions(rollout.prompts, rollout.texts, rollout.rewards, rollout.completions)
                 if cfg.eval_steps and self.state.step % cfg.eval_steps == 0:
                     self.evaluate(reporter)
                 stop = dist_utils.any_rank(signals.requested is not None)
@@ -206,7 +211,7 @@ class GRPOTrainer:
             rewards = kl_penalized_rewards(rewards, policy_logprobs.cpu(), ref_logprobs.cpu(),
                                            batch.completion_mask, self.config.kl_beta)
         step = StepData(batch, micro_batches, self._advantages(rewards), rewards=rewards,
-                        normaliser=step_normaliser(batch, self.config), ref_logprobs=ref_logprobs,
+                        normaliser=step_normaliser(batch, self.config, self.max_completion_tokens), ref_logprobs=ref_logprobs,
                         stale=rollout.stats.get("rollout/staleness", 0) > 0)
         return step, seconds
 
@@ -309,10 +314,20 @@ class GRPOTrainer:
         samples = eval_sample_rows(rows, texts, completions, result) if rows else []
         all_samples = [s for part in dist_utils.gather_objects(samples) for s in part]
         metrics = eval_metrics(all_samples)
+        if self.rollouts.episode_datasets:
+            metrics.update(self._eval_episode_metrics())
         if reporter is not None:
             reporter.log_eval(self.state.step, metrics, all_samples)
             self._plot()
         return metrics
+
+    def _eval_episode_metrics(self) -> dict:
+        """eval/episodes/...: episode_metrics over every rank's eval episodes (collective)."""
+        episodes = self.rollouts.eval_episodes
+        local = episode_metrics(episodes)
+        totals = dist_utils.all_sum([value * len(episodes) for value in local.values()] + [float(len(episodes))])
+        count = totals[-1]
+        return {f"eval/{key}": total / count for key, total in zip(local, totals)} if count else {}
 
     # -------------------------------------------------------------------------------------- internals
     def close(self) -> None:
@@ -346,16 +361,20 @@ class GRPOTrainer:
                 local["memory/vllm_sleep_freed_gib"] = freed / 2**30
         return mean_over_ranks(local)
 
-    def _log_completions(self, prompts, texts, rewards) -> None:
-        """One rollout sample per prompt and rank each step, for reading what the model writes."""
+    def _log_completions(self, prompts, texts, rewards, completions) -> None:
+        """One rollout sample per prompt and rank each step, for reading what the model writes (a multi-turn episode:
+        its last message as "completion", the whole episode, tool calls and results included, as "episode")."""
         path = os.path.join(self.config.output_dir, "completions", f"rank{self.rank}.jsonl")
         os.makedirs(os.path.dirname(path), exist_ok=True)
         k = self.config.k_samples
         with open(path, "a") as fh:
             for i, p in enumerate(prompts):
-                fh.write(json.dumps({"step": self.state.step, "index": p["index"], "data_source": p["data_source"],
-                                     "prompt": p["prompt_text"], "completion": texts[i * k],
-                                     "reward": rewards[i * k].item(), "answer": p["answer"]}) + "\n")
+                row = {"step": self.state.step, "index": p["index"], "data_source": p["data_source"],
+                       "prompt": p["prompt_text"], "completion": texts[i * k], "reward": rewards[i * k].item(),
+                       "answer": p["answer"]}
+                if completions[i * k].mask is not None:
+                    row["episode"] = self.tokenizer.decode(completions[i * k].token_ids)
+                fh.write(json.dumps(row) + "\n")
 
     @phase("save", after_step=True)
     def _save_checkpoint(self) -> None:

@@ -16,6 +16,7 @@ import contextlib
 import math
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 
@@ -35,9 +36,12 @@ def step_micro_batches(batch: RolloutBatch, cfg: GRPOConfig, device=None) -> lis
     return form_micro_batches(batch, groups, count, device)
 
 
-def step_normaliser(batch: RolloutBatch, cfg: GRPOConfig) -> float:
-    """The denominator D of the step's loss aggregate: this rank's completions plus every other rank's (collective)."""
-    local = aggregation_normaliser(batch.completion_mask, cfg.loss_aggregation, cfg.rollout_max_new_tokens)
+def step_normaliser(batch: RolloutBatch, cfg: GRPOConfig, max_completion_length: Optional[int] = None) -> float:
+    """The denominator D of the step's loss aggregate: this rank's completions plus every other rank's (collective).
+    `max_completion_length`: seq_mean_token_sum_norm's constant, the longest a completion may be (default
+    --rollout_max_new_tokens; a run with multi-turn episodes passes its episode budget)."""
+    local = aggregation_normaliser(batch.completion_mask, cfg.loss_aggregation,
+                                   max_completion_length or cfg.rollout_max_new_tokens)
     return dist_utils.all_sum([local])[0]
 
 
