@@ -11,8 +11,6 @@ import datasets
 from grpo.data.files import quiet_progress
 from grpo.data.registry import DatasetSpec
 from grpo.errors import ConfigError
-from grpo.tools import ToolError, check_environment, check_tools, template_shows_tools, tools_system_prompt
-from grpo.tools.registry import load_tool_module
 
 
 @dataclass
@@ -26,14 +24,20 @@ class EpisodeDataset:
 def check_episode_datasets(config, registry: dict[str, DatasetSpec], names) -> dict[str, EpisodeDataset]:
     """{dataset name: EpisodeDataset} of the named datasets that have tools or an environment; --tool_module
     imported. Unknown tools or environments, a missing module, and what does not work with episodes yet are one
-    clear error each, raised before the tokenizer or any model loads."""
+    clear error each, raised before the tokenizer or any model loads. grpo.tools (whose built-in tools describe
+    themselves through transformers) is imported only for a run that has tools."""
+    episodes = [name for name in dict.fromkeys(names)
+                if registry.get(name) is not None and (registry[name].tools or registry[name].environment)]
+    if not (episodes or config.tool_module):
+        return {}
+    from grpo.tools import ToolError, check_environment, check_tools
+    from grpo.tools.registry import load_tool_module
+
     if config.tool_module:
         load_tool_module(config.tool_module)  # also for a module of environments only, or imported for its side
     out: dict[str, EpisodeDataset] = {}
-    for name in dict.fromkeys(names):
-        spec = registry.get(name)
-        if spec is None or not (spec.tools or spec.environment):
-            continue
+    for name in episodes:
+        spec = registry[name]
         where = f"dataset '{name}' in {config.dataset_config_path}"
         try:
             tools = check_tools(spec.tools)
@@ -61,6 +65,8 @@ def prompts_with_tools(rows: datasets.Dataset, tokenizer, episode_datasets: dict
     the same instructions (grpo.tools.tools_system_prompt) appended to the system message of that dataset's rows."""
     if not episode_datasets or len(rows) == 0:
         return rows, {}
+    from grpo.tools import template_shows_tools, tools_system_prompt
+
     if not getattr(tokenizer, "chat_template", None):
         raise ConfigError(f"dataset(s) {', '.join(sorted(episode_datasets))}: multi-turn episodes need a tokenizer "
                           "with a chat template (to render the tool results and the model's next turn); this model's "
