@@ -17,17 +17,11 @@ from grpo.config.choices import (  # noqa: F401 (the qlora constants are also re
     QLORA_BLOCK_SIZES, QLORA_INITS, QLORA_QUANT_TYPES, REGEX_CHARS, REWARD_SCALES, ROLLOUT_ENGINES, ROLLOUT_MODES,
     ROLLOUT_WEIGHTS, SCHEDULERS, STOCK_4BIT_OPTIONS, STRATEGIES)
 from grpo.config.validation import validate
+from grpo.config.renamed import RENAMED_OPTIONS, upgrade_saved_options  # noqa: F401 (read from here too)
 from grpo.errors import ConfigError
 
 DEFAULT_LEARNING_RATE = {"lora": 2e-5, "qlora": 2e-5, "full": 1e-6}
 
-# merged options: old name -> what to pass instead (the old name is an error that says so)
-RENAMED_OPTIONS = {
-    "use_vllm_rollout": "--rollout_engine vllm",
-    "vllm_mode": "--rollout_mode (colocate or server)",
-    "learning_rate_lora": "--learning_rate (one flag for every strategy; its default depends on the strategy)",
-    "use_kl_penalty": "--kl_beta with a value > 0 (0, the default, means no KL term)",
-}
 
 
 _groups_in_order: list[str] = []  # one entry per field, in definition order (fields() keeps that order)
@@ -454,23 +448,3 @@ def _init_refusing_old_names(self, *args, **kwargs):
 
 
 GRPOConfig.__init__ = _init_refusing_old_names  # a clear error instead of "unexpected keyword argument"
-
-
-def upgrade_saved_options(values: dict) -> dict:
-    """A run's saved grpo_config.json in today's option names: runs saved before options were merged resume with
-    the options they had."""
-    values = dict(values)
-    if "use_kl_penalty" in values:
-        if not values.pop("use_kl_penalty"):
-            values["kl_beta"] = 0.0
-    if "learning_rate_lora" in values:
-        lora_rate = values.pop("learning_rate_lora")
-        if values.get("tuning_strategy", "lora") in ("lora", "qlora"):
-            values["learning_rate"] = lora_rate
-    if "use_vllm_rollout" in values:
-        values["rollout_engine"] = "vllm" if values.pop("use_vllm_rollout") else "hf"
-    if "vllm_mode" in values:
-        values["rollout_mode"] = values.pop("vllm_mode")
-    return values
-
-
