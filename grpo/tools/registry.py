@@ -2,14 +2,11 @@
 (--tool_module), and the check that the tools a run names exist (before any model loads)."""
 from __future__ import annotations
 
-import hashlib
-import importlib.util
-import os
 import re
-import sys
 from dataclasses import dataclass
 from typing import Callable, Iterable, Optional
 
+from grpo.rewards.registry import import_user_file, qualified_name
 from grpo.tools.errors import ToolError
 
 DEFAULT_TOOL_TIMEOUT = 30.0  # seconds a tool may run before its call becomes a timeout message
@@ -70,10 +67,6 @@ def function_schema(fn: Callable, name: str) -> dict:
     return schema
 
 
-def qualified_name(fn) -> str:
-    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', type(fn).__name__)}"
-
-
 def registered_tools() -> list[str]:
     """Names usable in dataset_config.json's "tools", sorted."""
     return sorted(_TOOLS)
@@ -95,23 +88,7 @@ def tool_schemas(names: Iterable[str]) -> list[dict]:
 def load_tool_module(path: str) -> None:
     """--tool_module: import a user's Python file by path so that its @register_tool / @register_environment
     decorators run."""
-    if not os.path.isfile(path):
-        raise ToolError(f"--tool_module: file not found: {path}")
-    absolute = os.path.abspath(path)
-    stem = re.sub(r"\W", "_", os.path.splitext(os.path.basename(path))[0])
-    # the same file always gets the same module name (importing it twice re-registers the same functions), while two
-    # files sharing a base name in different folders stay distinct (and clash if their tool names collide)
-    module_name = f"grpo_user_tools_{stem}_{hashlib.sha1(absolute.encode()).hexdigest()[:8]}"
-    spec = importlib.util.spec_from_file_location(module_name, absolute)
-    if spec is None or spec.loader is None:
-        raise ToolError(f"--tool_module: {path} is not an importable Python file (expected a .py file)")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[module_name] = module  # dataclasses and pickling look the module up while it executes
-    try:
-        spec.loader.exec_module(module)
-    except (Exception, SystemExit) as exc:
-        sys.modules.pop(module_name, None)
-        raise ToolError(f"--tool_module: importing {path} failed: {type(exc).__name__}: {exc}") from exc
+    import_user_file(path, "--tool_module", "grpo_user_tools", ToolError)
 
 
 def check_tools(names: Iterable[str], module: Optional[str] = None) -> list[Tool]:
