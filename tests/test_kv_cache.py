@@ -107,6 +107,9 @@ def test_engine_kv_cache_bytes_from_flags(tmp_path, monkeypatch):
     # 2 x 3 prompts x 4 samples = 24 sequences of at most 128 + 64 tokens, +25% = 5,760 tokens
     size = 5_760 * per_token
     assert engine_kv_cache_bytes(cfg, model, gpu_total_bytes=2**30) == size
+    # multi-turn episodes grow to their token budget: 24 x (128 + 256) tokens, +25% = 11,520; never past the sequence
+    assert engine_kv_cache_bytes(cfg, model, gpu_total_bytes=2**30, completion_tokens=256) == 11_520 * per_token
+    assert engine_kv_cache_bytes(cfg, model, gpu_total_bytes=2**30, completion_tokens=10_000) == 15_360 * per_token
     # a GPU where that is more than half of what the 0.3 share leaves after the weights: the share instead
     weights = checkpoint_weight_bytes(model)
     small_gpu = int((2 * size + weights) / 0.3) - 1000

@@ -470,9 +470,15 @@ def test_rollout_weights_auto_picks_adapter_only_where_the_16bit_copy_crowds_the
                           rollout_weights="adapter")
     with pytest.raises(ConfigError, match="vision-language"):
         engines.engine_weights(explicit, policy, vision=object())
-    assert GRPOConfig(model_name_or_path=model_dir, tuning_strategy="lora", rollout_engine="vllm").engine_weights \
-        == "merged"
+    lora = GRPOConfig(model_name_or_path=model_dir, tuning_strategy="lora", rollout_engine="vllm", lora_rank=4,
+                      lora_alpha=8, lora_dropout=0.0)
+    assert lora.engine_weights == "adapter"  # lora by the same rule: its adapter engine shares the trainer's base
+    lora_policy = trained_policy(model_dir, "lora")
+    assert engines.engine_weights(lora, lora_policy, vision=None) == "adapter"  # the small GPU set above
+    monkeypatch.setattr(engines, "gpu_memory_bytes", lambda cap=None: 10**15)
+    assert engines.engine_weights(lora, lora_policy, vision=None) == "merged"
     monkeypatch.setenv("WORLD_SIZE", "2")
+    assert GRPOConfig(**{**lora.__dict__, "vllm_tp": 2}).engine_weights == "merged"
     with pytest.raises(ConfigError, match="rollout_weights.*--vllm_tp 1"):
         GRPOConfig(model_name_or_path=model_dir, tuning_strategy="qlora", rollout_engine="vllm", vllm_tp=2,
                    rollout_weights="adapter")
@@ -513,3 +519,96 @@ def test_a_checkpoint_saved_in_4bit_trains_with_qlora_as_it_is(model_dir, tmp_pa
         with pytest.raises(ConfigError, match=message):
             check_checkpoint_weights(GRPOConfig(**{"model_name_or_path": folder, "tuning_strategy": "qlora",
                                                    **options}), folder)
+
+
+def test_server_mode_takes_the_adapter_from_a_4bit_base_written_beside_the_run(model_dir, tmp_path, monkeypatch):
+    """--rollout_mode server with vLLM: the rollout ranks may hold the base once and take adapters too (auto picks
+    it by the same rule as colocated engines); their qlora base is training rank 0's own 4-bit base, written into
+    --output_dir where they read it, and gone once they have loaded it. The HF engine takes merged weights only."""
+    from grpo.model.base_weights import saved_4bit
+    from grpo.model.quantized_checkpoint import write_4bit_checkpoint
+    from grpo.rollout import engines
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    server = dict(model_name_or_path=model_dir, rollout_mode="server", rollout_gpus=1, rollout_engine="vllm",
+                  lora_rank=4, lora_alpha=8, lora_dropout=0.0)
+    assert GRPOConfig(tuning_strategy="qlora", **server).engine_weights == "adapter"
+    assert GRPOConfig(tuning_strategy="lora", rollout_weights="merged", **server).engine_weights == "merged"
+    assert GRPOConfig(tuning_strategy="qlora", qlora_init="loftq", **server).engine_weights == "merged"
+    with pytest.raises(ConfigError, match="rollout_weights.*needs --rollout_engine vllm"):
+        GRPOConfig(tuning_strategy="lora", rollout_weights="adapter", **{**server, "rollout_engine": "hf"})
+    cfg = GRPOConfig(tuning_strategy="qlora", **server)
+    policy = trained_policy(model_dir, "qlora")
+    out = tmp_path / "run"
+    with engines._engine_base(cfg, policy, model_dir, str(out)) as folder:
+        assert os.path.dirname(folder) == str(out) and saved_4bit(folder)
+        kept = folder
+    assert not os.path.exists(kept) and os.listdir(out) == []
+    with engines._engine_base(cfg, policy, None, str(out)) as nothing:  # ranks other than 0 write nothing
+        assert nothing is None
+    saved = str(tmp_path / "saved-4bit")
+    write_4bit_checkpoint(policy, saved, dtype=torch.float32)
+    with engines._engine_base(cfg, policy, saved, str(out)) as folder:  # a checkpoint saved in 4 bits, as it is
+        assert folder == saved
+    assert saved_4bit(saved) and os.listdir(out) == []
+
+
+def vllm_layout(model_dir: str, vocab_rows: int) -> torch.nn.Module:
+    """The checkpoint's weights as vLLM 0.26 holds a Llama with LoRA enabled: q/k/v and gate/up fused by rows
+    (packed_modules_mapping), each wrapped layer's weight under `base_layer`, the vocabulary padded to `vocab_rows`."""
+    from safetensors.torch import load_file
+
+    weights = load_file(os.path.join(model_dir, "model.safetensors"))
+    engine = {}
+    for name, tensor in weights.items():
+        for fused, parts in VLLM_PACKED.items():
+            if f".{parts[0]}." in name:
+                engine[name.replace(parts[0], fused).replace(".weight", ".base_layer.weight")] = torch.cat(
+                    [weights[name.replace(parts[0], p)] for p in parts])
+        if any(f".{p}." in name for parts in VLLM_PACKED.values() for p in parts):
+            continue
+        if name.endswith(("embed_tokens.weight", "lm_head.weight")):
+            tensor = torch.cat([tensor, torch.zeros(vocab_rows - tensor.shape[0], tensor.shape[1])])
+        engine[name.replace("proj.weight", "proj.base_layer.weight")] = tensor.clone()
+    root = torch.nn.Module()
+    for name, tensor in engine.items():
+        module = root
+        *path, leaf = name.split(".")
+        for part in path:
+            if not hasattr(module, part):
+                module.add_module(part, torch.nn.Module())
+            module = getattr(module, part)
+        module.register_parameter(leaf, torch.nn.Parameter(tensor, requires_grad=False))
+    return root
+
+
+VLLM_PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+
+
+def test_lora_shares_one_base_with_the_engine(model_dir):
+    """lora with an engine that takes the adapter: every frozen base tensor of the trainer becomes a view of the
+    engine's equal block (fused layers by their rows, padded vocabularies by their first rows), so the base is held
+    once and the policy computes exactly as before; a block that differs keeps the trainer's own copy."""
+    from grpo.model.shared_base import engine_blocks, share_base_weights
+
+    policy = trained_policy(model_dir, "lora").eval()
+    with torch.no_grad():
+        before = policy(IDS).logits
+    engine = vllm_layout(model_dir, vocab_rows=64 * -(-policy.config.vocab_size // 64) + 64)
+    frozen = [(n, p) for n, p in policy.named_parameters() if not p.requires_grad]
+    q = policy.base_model.model.model.layers[1].self_attn.k_proj.base_layer.weight
+    blocks = engine_blocks(engine, VLLM_PACKED, {checkpoint_name(n): p.shape for n, p in frozen})
+    fused, first = blocks["model.layers.1.self_attn.k_proj.weight"]
+    assert fused is engine.get_parameter("model.layers.1.self_attn.qkv_proj.base_layer.weight") and first == 64  # after q's 64 rows
+    with torch.no_grad():
+        engine.get_parameter("model.layers.0.mlp.down_proj.base_layer.weight")[0, 0] += 1.0  # not the checkpoint's any more
+    result = share_base_weights(policy, engine, VLLM_PACKED)
+    assert (result.shared, result.kept) == (len(frozen) - 1, 1)
+    assert result.shared_bytes == sum(p.numel() * 4 for _, p in frozen) - 128 * 64 * 4
+    storage = fused.untyped_storage().data_ptr()
+    assert q.untyped_storage().data_ptr() == storage and q.data_ptr() == storage + 64 * 64 * 4
+    assert policy.base_model.model.lm_head.weight.data_ptr() == engine.lm_head.weight.data_ptr()
+    down = policy.base_model.model.model.layers[0].mlp.down_proj.base_layer.weight
+    assert down.data_ptr() != engine.get_parameter("model.layers.0.mlp.down_proj.base_layer.weight").data_ptr()
+    with torch.no_grad():
+        torch.testing.assert_close(policy(IDS).logits, before, atol=0, rtol=0)

@@ -226,10 +226,10 @@ class GRPOConfig:
                     "them after every step.", "rollout", choices=ROLLOUT_MODES)
     rollout_weights: str = _opt(
         "auto", "What the vLLM engine holds of a lora / qlora policy. merged: a 16-bit copy of the whole model, the "
-                "adapter merged in at every sync. adapter: the base once (qlora: the trainer's own 4-bit base) plus "
-                "the adapter, which is all a sync sends. auto: adapter for qlora once the 16-bit copy would take over "
-                "40 percent of the GPU (merged is faster where both fit), merged otherwise (lora, vision-language models, "
-                "--vllm_tp > 1 with qlora, --qlora_init loftq).", "rollout",
+                "adapter merged in at every sync. adapter: the base once (lora: shared with the trainer; qlora: the "
+                "trainer's 4-bit base) plus the adapter, which is all a sync sends. auto: adapter once the 16-bit copy would take over 40 percent "
+                "of the GPU (merged is faster where both fit), merged otherwise (and for vision-language models, "
+                "--vllm_tp > 1, --qlora_init loftq).", "rollout",
         choices=ROLLOUT_WEIGHTS)
     async_rollout: bool = _opt(
         False, "With --rollout_mode server: the rollout ranks generate the next step's rollouts while this step trains "
@@ -376,8 +376,8 @@ class GRPOConfig:
         may still fall back to merged for a model vLLM's LoRA cannot take (grpo.rollout.engines)."""
         if self.rollout_weights != "auto":
             return self.rollout_weights
-        adapter = (self.tuning_strategy == "qlora" and self.uses_vllm and self.rollout_mode == "colocate"
-                   and self.vllm_tp == 1 and self.qlora_init != "loftq")
+        adapter = (self.uses_lora and self.uses_vllm and self.vllm_tp == 1
+                   and not (self.tuning_strategy == "qlora" and self.qlora_init == "loftq"))
         return "adapter" if adapter else "merged"
 
     @property

@@ -111,8 +111,8 @@ def validate(cfg) -> None:
     if cfg.rollout_weights == "adapter":
         need(cfg.tuning_strategy in ("lora", "qlora"), "rollout_weights",
              "adapter is for --tuning_strategy lora / qlora (a full run has no adapter): use merged")
-        need(cfg.rollout_engine == "vllm" and cfg.rollout_mode == "colocate", "rollout_weights",
-             "adapter needs --rollout_engine vllm colocated (the HF engine samples the live policy; server mode "
+        need(cfg.rollout_engine == "vllm", "rollout_weights",
+             "adapter needs --rollout_engine vllm (the HF engine samples the live policy, or on a rollout rank "
              "takes merged weights): use merged")
         need(not (cfg.tuning_strategy == "qlora" and cfg.vllm_tp > 1), "rollout_weights",
              f"adapter with qlora runs the 4-bit base on one GPU per engine (vLLM 0.26 cannot split a pre-quantized "

@@ -1,7 +1,9 @@
 """Which rollout engine a training rank gets, and what it computes in."""
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import tempfile
 
 import torch
@@ -31,35 +33,69 @@ def engine_dtype(config, trainer_dtype: torch.dtype) -> torch.dtype:
     return torch.bfloat16 if config.uses_vllm else trainer_dtype
 
 
-def build_rollout_engine(config, model_path: str, policy, tokenizer, vision, rank: int, trainer_dtype: torch.dtype):
+def build_rollout_engine(config, model_path: str, policy, tokenizer, vision, rank: int, trainer_dtype: torch.dtype,
+                         completion_tokens: int | None = None):
     """Server mode: the rollout ranks, reached through RemoteRolloutEngine; otherwise a colocated vLLM engine, or
-    the HF engine over the policy module itself."""
+    the HF engine over the policy module itself. `completion_tokens`: the longest completion (a multi-turn
+    episode's budget), which a colocated engine's KV cache is sized for."""
     stops = stop_token_ids(policy, tokenizer)
+    adapter = config.uses_vllm and engine_weights(config, policy, vision, model_path) == "adapter"
+    lora_rank = adapter_rank(policy) if adapter else None
     if config.rollout_mode == "server":
         from grpo.rollout.remote import RemoteRolloutEngine
+        from grpo.runtime import distributed as dist_utils
 
         spec = dict(dtype=str(engine_dtype(config, trainer_dtype)).removeprefix("torch."), stop_token_ids=stops,
                     max_images_per_prompt=config.max_images_per_prompt if vision else 0,
                     image_token_id=vision.image_token_id if vision else None,
-                    suppress_token_ids=vision.placeholder_token_ids if vision else None)
+                    suppress_token_ids=vision.placeholder_token_ids if vision else None, lora_rank=lora_rank)
         logger.info(f"waiting for {config.rollout_gpus} rollout rank(s) to start their engines")
-        return RemoteRolloutEngine(spec, config.rollout_gpus, config.ddp_timeout_minutes,
-                                   images_as_decoded=config.uses_vllm)
+        # qlora: the rollout ranks load training rank 0's 4-bit base from a folder in --output_dir, which they
+        # must see (on another node: shared storage); it goes once their engines hold the weights
+        writes = adapter and config.tuning_strategy == "qlora" and dist_utils.is_main()
+        with _engine_base(config, policy, model_path if writes else None, config.output_dir) as base:
+            if base is not None:
+                spec.update(model_path=base, quantized=True)
+            return RemoteRolloutEngine(spec, config.rollout_gpus, config.ddp_timeout_minutes,
+                                       images_as_decoded=config.uses_vllm)
     if config.uses_vllm:
-        adapter = engine_weights(config, policy, vision, model_path) == "adapter"
-        if adapter and config.tuning_strategy == "qlora" and saved_4bit(model_path):  # the trainer's base as it is
-            return _vllm_engine(config, model_path, rank, vision, stops, lora_rank=adapter_rank(policy),
-                                quantized=True)
-        if adapter and config.tuning_strategy == "qlora":
-            with tempfile.TemporaryDirectory(prefix="grpo-4bit-base-") as folder:  # vLLM keeps the weights, not it
-                from grpo.model.quantized_checkpoint import write_4bit_checkpoint
-
-                write_4bit_checkpoint(policy, folder)
-                return _vllm_engine(config, folder, rank, vision, stops, lora_rank=adapter_rank(policy),
-                                    quantized=True)
-        return _vllm_engine(config, model_path, rank, vision, stops,
-                            lora_rank=adapter_rank(policy) if adapter else None)
+        if not (adapter and config.tuning_strategy == "qlora"):
+            engine = _vllm_engine(config, model_path, rank, vision, stops, lora_rank=lora_rank,
+                                  completion_tokens=completion_tokens)
+            if adapter:  # lora: both loaded the same 16-bit base; keep one
+                _share_base(engine, policy)
+            return engine
+        with _engine_base(config, policy, model_path) as base:  # vLLM keeps the weights, not the folder
+            return _vllm_engine(config, base, rank, vision, stops, lora_rank=lora_rank, quantized=True,
+                                completion_tokens=completion_tokens)
     return HFRolloutEngine(policy, tokenizer, suppress_token_ids=vision.placeholder_token_ids if vision else None)
+
+
+def _share_base(engine, policy) -> None:
+    shared = engine.share_base(policy)
+    if shared is None or not shared.shared:
+        logger.info("vLLM and the trainer each hold the 16-bit base (its tensors could not be shared here)")
+        return
+    logger.info(f"the trainer's frozen base is the vLLM engine's own: {shared.shared_bytes / 2**30:.2f} GiB held once "
+                f"({shared.shared} tensors shared, {shared.kept} kept); the engine's sleeps drop its KV cache only")
+
+
+@contextlib.contextmanager
+def _engine_base(config, policy, model_path: str | None, parent: str | None = None):
+    """The folder an adapter-taking engine loads the qlora base from: a checkpoint saved in 4 bits as it is, else the
+    trainer's own 4-bit base written for the purpose (removed on exit). None for `model_path` None."""
+    if model_path is None:
+        yield None
+    elif saved_4bit(model_path):
+        yield model_path
+    else:
+        from grpo.model.quantized_checkpoint import write_4bit_checkpoint
+
+        if parent:
+            os.makedirs(parent, exist_ok=True)
+        with tempfile.TemporaryDirectory(prefix=".grpo-4bit-base-", dir=parent) as folder:
+            write_4bit_checkpoint(policy, folder)
+            yield folder
 
 
 def engine_weights(config, policy, vision, model_path: str | None = None) -> str:
@@ -117,14 +153,15 @@ def adapter_rank(policy) -> int:
 
 
 def _vllm_engine(config, model_path: str, rank: int, vision, stops, lora_rank: int | None = None,
-                 quantized: bool = False):
+                 quantized: bool = False, completion_tokens: int | None = None):
     from grpo.rollout.vllm import VLLMRolloutEngine
 
     # ranks of one tensor-parallel group share a seed: they must sample the same completions
     return VLLMRolloutEngine(model_path, tensor_parallel_size=config.vllm_tp,
                                  gpu_memory_utilization=engine_memory_share(config.vllm_memory_share,
                                                                             config.gpu_memory_gib),
-                                 kv_cache_bytes=engine_kv_cache_bytes(config, model_path),
+                                 kv_cache_bytes=engine_kv_cache_bytes(config, model_path,
+                                                                      completion_tokens=completion_tokens),
                                  max_model_len=config.max_seq_length, seed=config.seed + rank // config.vllm_tp,
                                  enable_sleep=config.vllm_sleep,
                                  sleep_level=config.vllm_sleep_level, enforce_eager=config.vllm_enforce_eager,

@@ -97,10 +97,12 @@ def checkpoint_weight_bytes(model_path: str, tensor_parallel_size: int = 1, floa
     return total // tensor_parallel_size
 
 
-def engine_kv_cache_bytes(config, model_path: str, gpu_total_bytes: int | None = None) -> int | None:
+def engine_kv_cache_bytes(config, model_path: str, gpu_total_bytes: int | None = None,
+                          completion_tokens: int | None = None) -> int | None:
     """--vllm_kv_cache_gib in bytes per GPU: a number as given; auto sized to a colocated step's rollouts when that
     stays well within the memory share (module docstring); None leaves vLLM the --vllm_gpu_memory_utilization share.
-    `gpu_total_bytes`: this GPU's memory (default: asked of CUDA)."""
+    `gpu_total_bytes`: this GPU's memory (default: asked of CUDA). `completion_tokens`: the longest a completion may
+    grow (a multi-turn episode's token budget; default --rollout_max_new_tokens)."""
     choice = config.vllm_kv_cache
     if choice == "share":
         return None
@@ -117,7 +119,8 @@ def engine_kv_cache_bytes(config, model_path: str, gpu_total_bytes: int | None =
         return None
     sequences = config.vllm_tp * config.per_device_train_batch_size * config.gradient_accumulation_steps \
         * config.k_samples
-    longest = min(config.max_seq_length, config.max_prompt_length + config.rollout_max_new_tokens)
+    completion = completion_tokens or config.rollout_max_new_tokens
+    longest = min(config.max_seq_length, config.max_prompt_length + completion)
     size = auto_kv_cache_bytes(per_token, sequences, longest, config.max_seq_length)
     if gpu_total_bytes is None and torch.cuda.is_available():
         gpu_total_bytes = torch.cuda.mem_get_info()[1]

@@ -38,6 +38,7 @@ class RemoteRolloutEngine(RolloutEngine):
         the engines take the decoded images only (vLLM runs its own image processor), so the processed pixels,
         several MB per image, stay here."""
         self.count = rollout_ranks
+        self.takes_adapter = spec.get("lora_rank") is not None  # the rollout ranks hold the base and take adapters
         self.images_as_decoded = images_as_decoded
         self.bridge: Optional[RolloutBridge] = None
         if dist_utils.is_main():
@@ -89,6 +90,15 @@ class RemoteRolloutEngine(RolloutEngine):
             return
         numbers = self._post_all(("weights", layout(tensors)))
         self.bridge.broadcast_weights(tensors)
+        self._answers(numbers)
+
+    def load_adapter(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Rank 0 sends the adapter (adapter bytes only) to every rollout rank, which hands it to its engine."""
+        if self.bridge is None:
+            return
+        named = list(tensors.items())
+        numbers = self._post_all(("adapter", layout(named)))
+        self.bridge.broadcast_weights(named)
         self._answers(numbers)
 
     def close(self) -> None:

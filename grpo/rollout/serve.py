@@ -1,7 +1,7 @@
 """A rollout rank's life in --rollout_mode server: build an engine, then answer training rank 0 until it says stop.
 
 Messages (see bridge.py): ("start", spec) once, then ("generate", (prompt ids, sampling, images)),
-("weights", layout) followed by the tensors over the weight group, and ("stop", None). Every message gets a reply:
+("weights", layout) or ("adapter", layout) followed by the tensors over the weight group, and ("stop", None). Every message gets a reply:
 {"ok": ...} or {"error": text}; after an error the rank only waits for the stop, so that training rank 0 can print
 the error before the launcher ends the job.
 """
@@ -15,7 +15,7 @@ from datetime import timedelta
 import torch
 
 from grpo.runtime import distributed as dist_utils
-from grpo.errors import GRPOError
+from grpo.errors import ConfigError, GRPOError
 from grpo.runtime.roles import job_rank, rollout_index, rollout_ranks_of
 from grpo.runtime.distributed import seed_everything
 from grpo.rollout.bridge import BridgeClosed, RolloutBridge, connect_store
@@ -53,7 +53,7 @@ def _serve(bridge: RolloutBridge, config, index: int, count: int, device: torch.
             bridge.close()
             return 1 if failure else 0
         if failure:  # only the stop is awaited now
-            for _ in bridge.receive_weights(payload) if kind == "weights" else ():
+            for _ in bridge.receive_weights(payload) if kind in ("weights", "adapter") else ():
                 pass  # (the sender's broadcast must not be left waiting)
             bridge.reply(index, number, {"error": failure})
             continue
@@ -73,6 +73,9 @@ def _serve(bridge: RolloutBridge, config, index: int, count: int, device: torch.
                     for _ in tensors:
                         pass
                 answer = True
+            elif kind == "adapter":  # a dict: every tensor arrives before the engine swaps its adapter
+                engine.load_adapter(dict(bridge.receive_weights(payload)))
+                answer = True
             else:
                 raise RuntimeError(f"unknown message {kind!r}")
             bridge.reply(index, number, {"ok": answer})
@@ -90,6 +93,11 @@ def _build_engine(config, spec: dict, index: int, count: int, device: torch.devi
     from grpo.model.embedded import resolve_model_path
 
     model_path = resolve_model_path(config.model_name_or_path)  # this node's copy (the embedded one is converted here)
+    if spec.get("model_path"):  # qlora with the adapter: training rank 0's 4-bit base
+        model_path = spec["model_path"]
+        if not os.path.isfile(os.path.join(model_path, "config.json")):
+            raise ConfigError(f"the trainer's 4-bit base was written to {model_path}, which this rollout rank cannot "
+                              "read: put --output_dir on storage every node sees, or use --rollout_weights merged")
     seed_everything(config.seed + rank)
     if config.uses_vllm:
         import torch.distributed as dist
@@ -110,7 +118,8 @@ def _build_engine(config, spec: dict, index: int, count: int, device: torch.devi
                                  enable_sleep=False, enforce_eager=config.vllm_enforce_eager,
                                  stop_token_ids=spec["stop_token_ids"],
                                  max_images_per_prompt=spec["max_images_per_prompt"],
-                                 image_token_id=spec["image_token_id"])
+                                 image_token_id=spec["image_token_id"], lora_rank=spec.get("lora_rank"),
+                                 quantized=spec.get("quantized", False))
     from grpo.model.loading import load_base_model, load_tokenizer
     from grpo.rollout.hf import HFRolloutEngine
 

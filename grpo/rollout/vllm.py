@@ -29,12 +29,15 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
 
 import torch
 
 from grpo.errors import ConfigError
 from grpo.rollout.engine import Completion, RolloutEngine, SamplingSettings
+
+if TYPE_CHECKING:
+    from grpo.model.shared_base import SharedBase
 
 logger = logging.getLogger("grpo")
 INSTALL_HINT = "--rollout_engine vllm needs vLLM: pip install .[vllm] (tested with vllm 0.26.0)"
@@ -107,6 +110,7 @@ class VLLMRolloutEngine(RolloutEngine):
             # log-probs after temperature, like the trainer's log_softmax(logits / T) (vllm/v1/sample/sampler.py)
             logprobs_mode="processed_logprobs", kv_cache_memory_bytes=kv_cache_bytes, **multimodal, **adapter)
         self._asleep: set[str] = set()  # vLLM allocation tags now released: "weights", "kv_cache"
+        self.shares_base = False  # the trainer's base tensors view this engine's: it never releases its weights
         self.last_sleep_freed_bytes = 0
         self._sleeps = 0
         self._warned_top_p = False
@@ -214,18 +218,39 @@ class VLLMRolloutEngine(RolloutEngine):
         self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old adapter
 
     # ------------------------------------------------------------------------------------------ memory
+    def share_base(self, policy) -> "SharedBase | None":
+        """Adapter mode, lora, one GPU per engine: the policy's frozen base tensors become views of this engine's
+        weights (grpo.model.shared_base), so the GPU holds the base once; from then on a sleep drops the KV cache
+        only. None where nothing can be shared."""
+        from grpo.model.shared_base import share_base_weights
+        from grpo.rollout.vllm_memory import engine_model
+
+        if not self.takes_adapter or self.tp > 1:
+            return None
+        model = engine_model(self.llm)
+        result = share_base_weights(policy, model, getattr(model, "packed_modules_mapping", None))
+        self.shares_base = result.shared > 0
+        return result
+
     def sleep(self, keep_weights: bool = False) -> None:
         """Free the KV cache and the weights (level 2: dropped; level 1: parked in CPU memory) while the trainer
-        uses the GPU. `keep_weights`: level 1 this time, for a sleep that no sync follows (after an evaluation)."""
+        uses the GPU. `keep_weights`: level 1 this time, for a sleep that no sync follows (after an evaluation).
+        An engine that shares its base with the trainer frees its KV cache only."""
         if not self.enable_sleep or self._asleep:
             return
         level = 1 if keep_weights else self.sleep_level
         torch.cuda.synchronize()
         before = torch.cuda.mem_get_info()[0]
         # marked first: an interrupt inside llm.sleep must not leave the engine believed awake and whole
-        self._asleep = {"weights", "kv_cache"}
-        self.weights_dropped = level == 2
-        self.llm.sleep(level=level)
+        self._asleep = {"kv_cache"} if self.shares_base else {"weights", "kv_cache"}
+        self.weights_dropped = level == 2 and not self.shares_base
+        if self.shares_base:
+            from grpo.rollout.vllm_memory import release_kv_cache
+
+            self.llm.reset_prefix_cache()  # the cached blocks' contents are about to go
+            release_kv_cache()
+        else:
+            self.llm.sleep(level=level)
         torch.cuda.synchronize()
         self.last_sleep_freed_bytes = torch.cuda.mem_get_info()[0] - before
         self._sleeps += 1
@@ -241,7 +266,12 @@ class VLLMRolloutEngine(RolloutEngine):
                                "generating")
         if self._asleep:
             release_cached_blocks()
-            self.llm.wake_up(tags=sorted(self._asleep, key=["weights", "kv_cache"].index))
+            if self.shares_base:
+                from grpo.rollout.vllm_memory import restore_kv_cache
+
+                restore_kv_cache()
+            else:
+                self.llm.wake_up(tags=sorted(self._asleep, key=["weights", "kv_cache"].index))
             self._asleep = set()
         if self._pending_adapter is not None:
             self._apply_adapter(self._pending_adapter)

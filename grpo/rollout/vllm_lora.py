@@ -32,8 +32,9 @@ def engine_lora_rank(rank: int) -> int:
 
 def lora_manager(llm):
     """The worker's LoRA manager of an in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
-    runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
-    return runner.lora_manager
+    from grpo.rollout.vllm_memory import model_runner
+
+    return model_runner(llm).lora_manager
 
 
 def lora_request():

@@ -15,7 +15,8 @@ With --tp 2 (two ranks), both ranks train the same sequence (data parallel) and 
 them, so each rank's sync must land in its own shard; rank 0 writes the result.
 With --rollout_weights adapter (lora / qlora), the engine holds the base once (qlora: the trainer's own 4-bit base,
 written as a pre-quantized folder) and each sync sends the adapter alone; it sleeps at level 1, so a wake without a
-sync is allowed and samples the last synced adapter.
+sync is allowed and samples the last synced adapter. With lora the trainer's frozen base then becomes views of the
+engine's weights (held once), and the engine's sleeps drop its KV cache only.
 """
 import argparse
 import json
@@ -100,6 +101,15 @@ def main():
                              quantized=adapter and args.strategy == "qlora")
     main_rank = dist_utils.rank() == 0
     engine_start_s = time.perf_counter() - start
+    shared = None
+    if adapter and args.strategy == "lora":  # as the trainer does: its frozen base becomes the engine's own
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        shared = vllm.share_base(engine.module)
+        torch.cuda.synchronize()
+        shared = shared and {"shared_tensors": shared.shared, "kept_tensors": shared.kept,
+                             "shared_gib": shared.shared_bytes / 2**30,
+                             "freed_gib": (before - torch.cuda.memory_allocated()) / 2**30}
 
     sequence = torch.randint(3, 32000, (1, 96), generator=torch.Generator().manual_seed(1))
     ids = sequence.to(device)
@@ -120,7 +130,7 @@ def main():
     first = sync_weights(vllm, engine.module, args.strategy, zero3=args.zero == 3, first_sync=True)
     previous = vllm_logprobs()
     rows = [{"step": 0, "synced": gap(previous, current), "never_synced": gap(initial, current),
-             "engine_start_s": engine_start_s, "sync_s": first.seconds, "sync_mib": first.bytes / 2**20,
+             "engine_start_s": engine_start_s, "shared_base": shared, "sync_s": first.seconds, "sync_mib": first.bytes / 2**20,
              "sync_tensors": first.tensors}]
     if main_rank:
         print(json.dumps(rows[-1]), flush=True)

@@ -1,6 +1,7 @@
 """On two GPUs with vLLM: --rollout_mode server, one training rank and one vLLM rollout rank, on the embedded
 SmolLM2 and `arith`. After every step the rollout rank's sampling log-probs match the trainer's (bf16 on both sides),
-for full, lora and qlora; with --async_rollout the job runs one step behind and logs it."""
+for full, lora and qlora (lora and qlora also with the adapter alone synced); with --async_rollout the job runs one
+step behind and logs it."""
 import importlib.util
 import subprocess
 
@@ -49,10 +50,12 @@ def mean_logprob_change(before: str, after: str) -> float:
     return (out[0] - out[1]).abs().mean().item()
 
 
-@pytest.mark.parametrize("strategy", ["full", "lora", "qlora"])
-def test_the_rollout_rank_samples_the_policy_after_every_step(strategy, tmp_path):
+@pytest.mark.parametrize("strategy, weights", [("full", "merged"), ("lora", "merged"), ("qlora", "merged"),
+                                               ("lora", "adapter"), ("qlora", "adapter")])
+def test_the_rollout_rank_samples_the_policy_after_every_step(strategy, weights, tmp_path):
+    """adapter: the rollout rank holds the base once (qlora: training rank 0's 4-bit base) and takes the adapter."""
     rows = run(tmp_path / "out", 29561, "--tuning_strategy", strategy,
-               *(("--learning_rate", "1e-4") if strategy == "full" else ()))
+               *(("--learning_rate", "1e-4") if strategy == "full" else ("--rollout_weights", weights)))
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     gaps = [round(r["rollout/logprob_diff_mean"], 4) for r in rows]
     assert all(g < SYNCED_MAX for g in gaps), f"engine vs trainer log-prob gap per step: {gaps}"

@@ -1,0 +1,49 @@
+"""What grpo reaches inside an in-process vLLM engine (VLLM_ENABLE_V1_MULTIPROCESSING=0), tested with vllm 0.26.0:
+its model runner, and a sleep that drops the KV cache alone.
+
+vLLM's own sleep releases every allocation of its memory pool, the weights included (level 1 parks them in CPU
+memory). When the trainer's base tensors are views of the engine's weights (grpo.model.shared_base) those must stay,
+so the engine sleeps by releasing the allocations tagged "kv_cache" only, and maps them again at wake, at the same
+addresses (so its CUDA graphs stay valid); what the cache held is gone, as after vLLM's own sleep.
+"""
+from __future__ import annotations
+
+import gc
+
+import torch
+
+KV_CACHE_TAG = "kv_cache"  # the tag vLLM's worker allocates its KV cache under (vllm/v1/worker/gpu_worker.py)
+
+
+def model_runner(llm):
+    """The worker's model runner of an in-process engine."""
+    return llm.llm_engine.model_executor.driver_worker.worker.model_runner
+
+
+def engine_model(llm) -> torch.nn.Module:
+    """The model the engine runs (unwrapped from its CUDA-graph wrapper), with its LoRA layers if any."""
+    return model_runner(llm).get_model()
+
+
+def release_kv_cache() -> int:
+    """Unmap the KV cache's GPU memory (the weights stay); the bytes released."""
+    from vllm.device_allocator.cumem import CuMemAllocator, unmap_and_release
+
+    released = 0
+    for data in CuMemAllocator.get_instance().pointer_to_data.values():
+        if data.tag == KV_CACHE_TAG and not data.is_asleep:
+            unmap_and_release(data.handle)
+            data.is_asleep = True
+            released += data.handle[1]
+    gc.collect()
+    torch.cuda.empty_cache()
+    return released
+
+
+def restore_kv_cache() -> None:
+    """Map the KV cache's memory again (empty) where it was."""
+    from vllm.device_allocator.cumem import CuMemAllocator
+
+    allocator = CuMemAllocator.get_instance()
+    if any(d.tag == KV_CACHE_TAG and d.is_asleep for d in allocator.pointer_to_data.values()):
+        allocator.wake_up(tags=[KV_CACHE_TAG])
