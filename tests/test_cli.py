@@ -283,5 +283,6 @@ def test_micro_batch_token_budget_parses_auto_or_a_number(tmp_path):
         with pytest.raises(ConfigError, match=f"--max_tokens_per_micro_batch: got '{bad}'; give auto"):
             parse_args(["--max_tokens_per_micro_batch", bad])
     help_text = " ".join(build_parser().format_help().split())
-    flag = help_text[help_text.index("--max_tokens_per_micro_batch"):help_text.index("--logprob_chunk_tokens")]
+    start = help_text.index("--max-tokens-per-micro-batch MAX_TOKENS_PER_MICRO_BATCH Token budget")
+    flag = help_text[start:help_text.index("--logprob_chunk_tokens", start)]
     assert "auto: 16384 on CPU" in flag and "(default: auto)" in flag
