@@ -5,7 +5,7 @@ import pytest
 from grpo.errors import ConfigError
 from grpo.train.token_budget import (GIB, MIB, GpuFigures, ModelShape, activation_bytes_per_token,
                                      logprob_chunk_bytes, micro_batch_bytes, micro_batch_token_budget, model_shape,
-                                     resolve_token_budget)
+                                     resolve_token_budget, training_estimate)
 
 TINY = ModelShape(hidden=8, intermediate=16, layers=2, q_dim=8, vocab=32)
 
@@ -38,6 +38,26 @@ def test_model_shape_from_a_transformers_config():
     cfg = Qwen2Config(hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_attention_heads=4,
                       num_key_value_heads=2, vocab_size=100)
     assert model_shape(cfg) == ModelShape(hidden=64, intermediate=160, layers=3, q_dim=64, vocab=100)
+
+
+def test_the_estimate_reads_the_model_as_it_is_trained():
+    from peft import LoraConfig, get_peft_model
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from grpo.config import GRPOConfig
+    from grpo.model.loading import _enable_checkpointing
+
+    cfg = Qwen2Config(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=100, tie_word_embeddings=False)
+    model = get_peft_model(Qwen2ForCausalLM(cfg), LoraConfig(r=2, lora_dropout=0.05, target_modules="all-linear"))
+    config = GRPOConfig(logprob_chunk_tokens=8)
+    # fp32 here: a = b = 4, d = 1; layer = 8 x 64 + 4 x 64 x 4 + 3 x 160 x 4 + 5 (5 x 64 + 64 + 160) = 6176,
+    # ends = 64 x 12 = 768, backward = 4 x 160 x 4 = 2560, chunk = 16 x 8 x 100
+    assert training_estimate(config, model) == (2 * 6176 + 768, 2560, 12800, False)
+    _enable_checkpointing(model)
+    assert training_estimate(config, model) == (2 * 64 * 4 + 768, 6176 + 2560, 12800, True)
+    # full logits (--logprob_chunk_tokens 0): 14 V per token kept, no chunk
+    assert training_estimate(GRPOConfig(logprob_chunk_tokens=0), model) == (1280 + 1400, 8736, 0, True)
 
 
 def figures(free_gib, usable_gib=80, cached_gib=0.0, to_come_gib=0.0):

@@ -142,16 +142,10 @@ def resolve_token_budget(gpu: GpuFigures, kept: int, transient: int, chunk: int,
     return budget, f"micro-batches of up to {budget} tokens (--max_tokens_per_micro_batch auto): {figures}"
 
 
-def micro_batch_token_budget(config, model, engine, device: torch.device) -> int:
-    """--max_tokens_per_micro_batch for this run: as given, 16384 for auto on CPU, else resolved on the GPU (the
-    least any rank fits, so every rank trains alike; a rank that cannot fit one row stops every rank)."""
-    value = config.max_tokens_per_micro_batch
-    if value != "auto":
-        return value
-    if device.type != "cuda":
-        return MICRO_BATCH_TOKENS
-    from grpo.runtime import distributed as dist_utils
-    from grpo.runtime.gpu_budget import usable_gpu_bytes
+def training_estimate(config, model) -> tuple[int, int, int, bool]:
+    """(kept, transient, chunk, checkpointing) for `model` (a DeepSpeed engine, peft or transformers model) as this
+    run trains it: its shape, the dtypes of its embeddings and adapters, whether its layers are checkpointed, and
+    whether its log-probs take the hidden-state path (see grpo.train.update.score)."""
     from grpo.train.logprobs import decoder_and_head
 
     zero3 = getattr(model, "zero_optimization_stage", lambda: 0)() == 3
@@ -165,6 +159,21 @@ def micro_batch_token_budget(config, model, engine, device: torch.device) -> int
         shape, checkpointing, act_bytes=base.get_input_embeddings().weight.element_size(),
         adapter_bytes=adapters[0].element_size() if adapters else 0,
         dropout=bool(adapters) and config.lora_dropout > 0, full_logits=full_logits)
+    return kept, transient, logprob_chunk_bytes(config.logprob_chunk_tokens, shape.vocab, full_logits), checkpointing
+
+
+def micro_batch_token_budget(config, model, engine, device: torch.device) -> int:
+    """--max_tokens_per_micro_batch for this run: as given, 16384 for auto on CPU, else resolved on the GPU (the
+    least any rank fits, so every rank trains alike; a rank that cannot fit one row stops every rank)."""
+    value = config.max_tokens_per_micro_batch
+    if value != "auto":
+        return value
+    if device.type != "cuda":
+        return MICRO_BATCH_TOKENS
+    from grpo.runtime import distributed as dist_utils
+    from grpo.runtime.gpu_budget import usable_gpu_bytes
+
+    kept, transient, chunk, checkpointing = training_estimate(config, model)
     engine.sleep(keep_weights=True)  # as during an update; woken at once, so the engine is left as it was
     try:
         torch.cuda.synchronize(device)
@@ -174,7 +183,6 @@ def micro_batch_token_budget(config, model, engine, device: torch.device) -> int
         engine.wake()
     to_come = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad and p.grad is None)
     gpu = GpuFigures(free, cached, total, usable_gpu_bytes(config.gpu_memory_gib, device), to_come)
-    chunk = logprob_chunk_bytes(config.logprob_chunk_tokens, shape.vocab, full_logits)
     try:
         budget, line = resolve_token_budget(gpu, kept, transient, chunk, config.max_seq_length, checkpointing)
     except ConfigError as exc:
