@@ -265,3 +265,24 @@ def test_server_mode_needs_rollout_and_training_ranks():
     proc, _ = run_cli("--rollout_mode", "server", "--rollout_gpus", "1", "--async_rollout", "true",
                       "--filter_zero_std_groups", "true", env={"WORLD_SIZE": "2"})
     assert_clean_failure(proc, "--async_rollout", "--filter_zero_std_groups do not combine")
+
+
+def test_micro_batch_token_budget_parses_auto_or_a_number(tmp_path):
+    from grpo.config import parse_args
+    from grpo.config.cli import build_parser
+    from grpo.errors import ConfigError
+
+    assert parse_args([]).max_tokens_per_micro_batch == "auto"
+    assert parse_args(["--max_tokens_per_micro_batch", "AUTO"]).max_tokens_per_micro_batch == "auto"
+    assert parse_args(["--max_tokens_per_micro_batch", "8192"]).max_tokens_per_micro_batch == 8192
+    assert parse_args(["--max_tokens_per_micro_batch", "0"]).max_tokens_per_micro_batch == 0
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps({"max_tokens_per_micro_batch": 4096}))
+    assert parse_args(["--config", str(path)]).max_tokens_per_micro_batch == 4096
+    for bad in ("-1", "8k", "1e4"):
+        with pytest.raises(ConfigError, match=f"--max_tokens_per_micro_batch: got '{bad}'; give auto"):
+            parse_args(["--max_tokens_per_micro_batch", bad])
+    help_text = " ".join(build_parser().format_help().split())
+    start = help_text.index("--max-tokens-per-micro-batch MAX_TOKENS_PER_MICRO_BATCH Token budget")
+    flag = help_text[start:help_text.index("--logprob_chunk_tokens", start)]
+    assert "auto: 16384 on CPU" in flag and "(default: auto)" in flag

@@ -20,6 +20,8 @@ ROLLOUT_ENGINES = ("hf", "vllm")
 ROLLOUT_MODES = ("colocate", "server")
 ROLLOUT_WEIGHTS = ("auto", "merged", "adapter")
 SCHEDULERS = ("constant", "linear", "cosine")
+# --max_tokens_per_micro_batch auto: this on CPU; on a GPU the most that fits, never more than this
+MICRO_BATCH_TOKENS = 16384
 DEFAULT_SPLIT_RATIO = 0.95
 # a --lora_exclude_modules value with any of these is a regex; '.' is not one: module names are dotted paths
 REGEX_CHARS = set("*+?[]()|^$\\{}")

@@ -23,7 +23,6 @@ from grpo.errors import ConfigError
 DEFAULT_LEARNING_RATE = {"lora": 2e-5, "qlora": 2e-5, "full": 1e-6}
 
 
-
 _groups_in_order: list[str] = []  # one entry per field, in definition order (fields() keeps that order)
 
 
@@ -142,11 +141,12 @@ class GRPOConfig:
     gradient_accumulation_steps: int = _opt(
         1, "Multiplies the prompts per rank per step (this x --per_device_train_batch_size); how they are split "
            "into micro-batches is --max_tokens_per_micro_batch's job.", "training")
-    max_tokens_per_micro_batch: int = _opt(
-        16384, "Token budget (prompt + completion, padding included) of one micro-batch per rank: a step's "
-               "completions are packed longest first into as many micro-batches as needed. 0: micro-batches of "
-               "--per_device_train_batch_size x --k_samples rows. The step's loss and gradient do not depend on "
-               "the split.", "training")
+    max_tokens_per_micro_batch: str = _opt(
+        "auto", "Token budget (prompt + completion, padding included) of one micro-batch per rank: a step's rows are "
+                "packed longest first into as many as needed (the step's loss does not depend on the split). auto: "
+                "16384 on CPU; on a GPU the most that fits beside the model and the sleeping rollout engine, in steps "
+                "of 1024 up to 16384, else an error before the first rollout. 0: --per_device_train_batch_size x "
+                "--k_samples rows.", "training")
     logprob_chunk_tokens: int = _opt(
         1024, "Completion tokens whose logits exist at once: log-probs are computed from hidden states through "
               "the output layer in chunks of this size (never a full [N, T, vocab] logits tensor). 0: the "

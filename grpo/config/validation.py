@@ -14,7 +14,8 @@ from grpo.runtime.roles import job_world_size
 
 
 def validate(cfg) -> None:
-    """Every value and combination checked; a ConfigError names the flag and what to give instead."""
+    """Every value and combination checked; a ConfigError names the flag and what to give instead. A number given
+    as text (--max_tokens_per_micro_batch from the command line) becomes the number."""
     def need(cond: bool, flag: str, msg: str):
         if not cond:
             raise ConfigError(f"--{flag}: {msg}")
@@ -55,9 +56,7 @@ def validate(cfg) -> None:
     need(cfg.max_steps == -1 or cfg.max_steps > 0, "max_steps", "must be -1 (use --epochs) or > 0")
     need(cfg.per_device_train_batch_size >= 1, "per_device_train_batch_size", "must be >= 1")
     need(cfg.gradient_accumulation_steps >= 1, "gradient_accumulation_steps", "must be >= 1")
-    need(cfg.max_tokens_per_micro_batch >= 0, "max_tokens_per_micro_batch",
-         f"must be >= 0 (0: micro-batches of --per_device_train_batch_size prompts); got "
-         f"{cfg.max_tokens_per_micro_batch}")
+    cfg.max_tokens_per_micro_batch = token_budget(cfg.max_tokens_per_micro_batch)
     need(cfg.logprob_chunk_tokens >= 0, "logprob_chunk_tokens",
          f"must be >= 0 (0: full logits); got {cfg.logprob_chunk_tokens}")
     need(not cfg.padding_free or cfg.logprob_chunk_tokens > 0, "padding_free",
@@ -193,3 +192,20 @@ def _validate_lora_exclude(cfg, need) -> None:
 def reward_model_name(path: str) -> str:
     """The reward name a --reward_model folder registers under: its folder name."""
     return os.path.basename(os.path.normpath(path))
+
+
+def token_budget(value) -> "str | int":
+    """--max_tokens_per_micro_batch as "auto" or a whole number of tokens >= 0 (text from the command line or a
+    JSON file becomes the number)."""
+    text = str(value).strip().lower()
+    if text == "auto":
+        return "auto"
+    try:
+        tokens = int(text)
+    except ValueError:
+        tokens = -1
+    if tokens < 0:
+        raise ConfigError(f"--max_tokens_per_micro_batch: got {value!r}; give auto (the most that fits the GPU, "
+                          f"16384 on CPU), a number of tokens (e.g. 8192), or 0 (micro-batches of "
+                          f"--per_device_train_batch_size prompts)")
+    return tokens

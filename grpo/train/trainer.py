@@ -42,6 +42,7 @@ from grpo.train.micro_batches import MicroBatch
 from grpo.train.reporting import RunReporter, plot_training_curves, read_metrics
 from grpo.train.setup import RunData, initialize_deepspeed, prepare_run
 from grpo.train.step_data import RolloutBatch, StepData, build_rollout_batch
+from grpo.train.token_budget import micro_batch_token_budget
 from grpo.train.update import has_dropout, score, step_micro_batches, step_normaliser, update
 
 logger = logging.getLogger("grpo")
@@ -98,6 +99,7 @@ class GRPOTrainer:
                                          episode_datasets=data.episode_datasets)
         try:
             self._restore_and_sync()
+            self.micro_batch_tokens = micro_batch_token_budget(config, self.engine, engine, self.device)
         except BaseException:
             self.close()  # server mode: the rollout ranks stop with us
             raise
@@ -223,11 +225,11 @@ class GRPOTrainer:
     @phase("micro-batches")
     def _micro_batches(self, batch: RolloutBatch) -> list[MicroBatch]:
         """The step's rows grouped by --max_tokens_per_micro_batch; every rank gets the same number of groups."""
-        micro_batches = step_micro_batches(batch, self.config, self.device)
+        micro_batches = step_micro_batches(batch, self.config, self.device, self.micro_batch_tokens)
         self._sizes = {"longest completion": batch.completion_width, "micro-batches": len(micro_batches),
                        "tokens per micro-batch (padded, largest)": max(mb.batch.input_ids.numel()
                                                                        for mb in micro_batches),
-                       "--max_tokens_per_micro_batch": self.config.max_tokens_per_micro_batch}
+                       "--max_tokens_per_micro_batch": self.micro_batch_tokens}
         return micro_batches
 
     def memory_sizes(self) -> dict:

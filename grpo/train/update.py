@@ -23,15 +23,19 @@ import torch
 from grpo.runtime import distributed as dist_utils
 from grpo.algorithm import LossSettings, aggregation_normaliser, masked_mean, policy_loss
 from grpo.train.step_data import RolloutBatch, StepData
+from grpo.config.choices import MICRO_BATCH_TOKENS
 from grpo.config.options import GRPOConfig
 from grpo.train.micro_batches import MicroBatch, form_micro_batches, micro_batch_groups
 from grpo.train.logprobs import completion_logprobs
 
 
-def step_micro_batches(batch: RolloutBatch, cfg: GRPOConfig, device=None) -> list[MicroBatch]:
-    """This rank's micro-batches of the step, as many as the rank with the most has (collective)."""
-    groups = micro_batch_groups(batch, cfg.max_tokens_per_micro_batch,
-                                cfg.per_device_train_batch_size * cfg.k_samples)
+def step_micro_batches(batch: RolloutBatch, cfg: GRPOConfig, device=None,
+                       max_tokens: Optional[int] = None) -> list[MicroBatch]:
+    """This rank's micro-batches of the step, as many as the rank with the most has (collective). `max_tokens`: the
+    token budget --max_tokens_per_micro_batch auto resolved to (grpo.train.token_budget); unresolved, auto is 16384."""
+    if max_tokens is None:
+        max_tokens = MICRO_BATCH_TOKENS if cfg.max_tokens_per_micro_batch == "auto" else cfg.max_tokens_per_micro_batch
+    groups = micro_batch_groups(batch, max_tokens, cfg.per_device_train_batch_size * cfg.k_samples)
     count = int(dist_utils.all_max([float(len(groups))])[0])
     return form_micro_batches(batch, groups, count, device)
 

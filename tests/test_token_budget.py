@@ -1,0 +1,123 @@
+"""--max_tokens_per_micro_batch auto: the activation estimate against numbers worked by hand, and the budget it
+resolves to for given GPU figures (no GPU needed: the figures are passed in)."""
+import pytest
+
+from grpo.errors import ConfigError
+from grpo.train.token_budget import (GIB, MIB, GpuFigures, ModelShape, activation_bytes_per_token,
+                                     logprob_chunk_bytes, micro_batch_bytes, micro_batch_token_budget, model_shape,
+                                     resolve_token_budget, training_estimate)
+
+TINY = ModelShape(hidden=8, intermediate=16, layers=2, q_dim=8, vocab=32)
+
+
+def test_activation_estimate_worked_by_hand():
+    # bf16 activations and adapters, dropout: layer = 8H + 4qa + 3Ia + (b + 1)(5H + q + I)
+    #   = 64 + 64 + 96 + 3 x 64 = 416; backward = 4Ia = 128; ends = H(2a + 4) = 64
+    assert activation_bytes_per_token(TINY, True, 2, 2, True, False) == (2 * 8 * 2 + 64, 416 + 128)  # (96, 544)
+    assert activation_bytes_per_token(TINY, False, 2, 2, True, False) == (2 * 416 + 64, 128)         # (896, 128)
+    # full fine-tuning: the trained weights' inputs a(2H + q + I) = 80 in place of the adapters' 192
+    assert activation_bytes_per_token(TINY, True, 2, 0, False, False) == (96, 224 + 80 + 128)
+    # qlora's fp32 residual stream and adapters, no dropout: layer = 64 + 128 + 192 + 4 x 64 = 640,
+    # backward 256, ends 8 x 12 = 96, kept L H a + ends = 64 + 96
+    assert activation_bytes_per_token(TINY, True, 4, 4, False, False) == (160, 640 + 256)
+    # the full-logits path keeps 14 V per token more
+    assert activation_bytes_per_token(TINY, True, 2, 2, True, True) == (96 + 14 * 32, 544)
+
+
+def test_logprob_chunk_and_peak_worked_by_hand():
+    assert logprob_chunk_bytes(4, 32, full_logits=False) == 16 * 4 * 32
+    assert logprob_chunk_bytes(4, 32, full_logits=True) == 0
+    # t kept + max(chunk, t transient): the chunk's logits or one layer's backward, whichever is larger
+    assert micro_batch_bytes(10, 96, 544, 2048) == 960 + 5440
+    assert micro_batch_bytes(2, 96, 544, 2048) == 192 + 2048
+
+
+def test_model_shape_from_a_transformers_config():
+    from transformers import Qwen2Config
+
+    cfg = Qwen2Config(hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=100)
+    assert model_shape(cfg) == ModelShape(hidden=64, intermediate=160, layers=3, q_dim=64, vocab=100)
+
+
+def test_the_estimate_reads_the_model_as_it_is_trained():
+    from peft import LoraConfig, get_peft_model
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from grpo.config import GRPOConfig
+    from grpo.model.loading import _enable_checkpointing
+
+    cfg = Qwen2Config(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=100, tie_word_embeddings=False)
+    model = get_peft_model(Qwen2ForCausalLM(cfg), LoraConfig(r=2, lora_dropout=0.05, target_modules="all-linear"))
+    config = GRPOConfig(logprob_chunk_tokens=8)
+    # fp32 here: a = b = 4, d = 1; layer = 8 x 64 + 4 x 64 x 4 + 3 x 160 x 4 + 5 (5 x 64 + 64 + 160) = 6176,
+    # ends = 64 x 12 = 768, backward = 4 x 160 x 4 = 2560, chunk = 16 x 8 x 100
+    assert training_estimate(config, model) == (2 * 6176 + 768, 2560, 12800, False)
+    _enable_checkpointing(model)
+    assert training_estimate(config, model) == (2 * 64 * 4 + 768, 6176 + 2560, 12800, True)
+    # full logits (--logprob_chunk_tokens 0): 14 V per token kept, no chunk
+    assert training_estimate(GRPOConfig(logprob_chunk_tokens=0), model) == (1280 + 1400, 8736, 0, True)
+
+
+def figures(free_gib, usable_gib=80, cached_gib=0.0, to_come_gib=0.0):
+    return GpuFigures(free=int(free_gib * GIB), cached=int(cached_gib * GIB), total=80 * GIB,
+                      usable=int(usable_gib * GIB), to_come=int(to_come_gib * GIB))
+
+
+def test_plenty_of_memory_keeps_the_cap():
+    # room = 79 - 4 (5% of 80 kept back) = 75 GiB; / 1.25 = 60 GiB; / 2 MiB per token = 30720 -> capped
+    budget, line = resolve_token_budget(figures(79), MIB, MIB, GIB, 768, True)
+    assert budget == 16384
+    assert "16384 tokens" in line and "75.0 GiB free for training" in line
+
+
+def test_tight_memory_picks_a_smaller_multiple_of_1024():
+    # room = 40 - 4 = 36 GiB; / 1.25 = 28.8 GiB; / 2 MiB = 14745 tokens -> 14336
+    assert resolve_token_budget(figures(40), MIB, MIB, GIB, 768, True)[0] == 14336
+    # --gpu_memory_gib 24 on the 80 GiB GPU: room = 70 - 56 - 1.2 = 12.8 GiB; / 1.25 / 2 MiB = 5242 -> 5120,
+    # the same with 4 of the 70 GiB held in torch's cache; gradients to come (1 GiB): 9.44 GiB -> 4833 -> 4096
+    assert resolve_token_budget(figures(70, usable_gib=24), MIB, MIB, GIB, 768, True)[0] == 5120
+    assert resolve_token_budget(figures(66, usable_gib=24, cached_gib=4), MIB, MIB, GIB, 768, True)[0] == 5120
+    assert resolve_token_budget(figures(70, usable_gib=24, to_come_gib=1), MIB, MIB, GIB, 768, True)[0] == 4096
+    # the chunk binds: room 16 GiB / 1.25 = 12.8; (12.8 - 10 GiB) / 1 MiB kept = 2867 -> 2048
+    assert resolve_token_budget(figures(20), MIB, 0, 10 * GIB, 768, True)[0] == 2048
+    # 900 tokens fit (room 2250 MiB / 1.25 / 2 MiB), less than 1024: one row of 768
+    assert resolve_token_budget(figures(4 + 2250 / 1024), MIB, MIB, 0, 768, True)[0] == 768
+
+
+def test_one_row_that_does_not_fit_is_an_error_with_the_figures_and_the_remedies():
+    # room = 58 - 56 - 1.2 = 0.8 GiB; one row of 768 tokens: 1.25 x (768 MiB kept + max(1 GiB, 768 MiB)) = 2.2 GiB
+    with pytest.raises(ConfigError) as err:
+        resolve_token_budget(figures(58, usable_gib=24), MIB, MIB, GIB, 768, False)
+    message = str(err.value)
+    for part in ("--max_tokens_per_micro_batch auto", "--max_seq_length 768", "needs about 2.2 GiB",
+                 "0.8 GiB is free for training", "24.0 GiB usable", "--gradient_checkpointing true",
+                 "--gpu_memory_gib", "--rollout_weights adapter", "checkpointing off"):
+        assert part in message, part
+    with pytest.raises(ConfigError) as err:  # already on: not suggested
+        resolve_token_budget(figures(58, usable_gib=24), MIB, MIB, GIB, 768, True)
+    assert "--gradient_checkpointing true" not in str(err.value)
+
+
+def test_qwen_7b_qlora_within_24_gib_comes_out_at_the_measured_budget():
+    # the calibration run: Qwen2.5-7B's shape, qlora (fp32 residual stream and adapters, dropout), checkpointing,
+    # --gpu_memory_gib 24, about 9.3 GiB in use with the engine asleep: 16384 ran out of memory, 8192 ran
+    shape = ModelShape(hidden=3584, intermediate=18944, layers=28, q_dim=3584, vocab=151936)
+    kept, transient = activation_bytes_per_token(shape, True, 4, 4, True, False)
+    chunk = logprob_chunk_bytes(1024, shape.vocab, False)
+    budget, _ = resolve_token_budget(figures(80 - 9.3, usable_gib=24, to_come_gib=0.15), kept, transient, chunk,
+                                     768, True)
+    assert budget == 8192
+    assert 9.3 + micro_batch_bytes(16384, kept, transient, chunk) / GIB > 24
+
+
+def test_cpu_and_explicit_values_are_kept():
+    import torch
+
+    from grpo.config import GRPOConfig
+
+    cpu = torch.device("cpu")
+    assert micro_batch_token_budget(GRPOConfig(), None, None, cpu) == 16384
+    assert micro_batch_token_budget(GRPOConfig(max_tokens_per_micro_batch=4096), None, None, cpu) == 4096
+    assert micro_batch_token_budget(GRPOConfig(max_tokens_per_micro_batch=0), None, None, cpu) == 0
