@@ -313,23 +313,25 @@ def test_bad_tool_setups_fail_before_any_model_loads(problem, fragments, tmp_pat
     assert "no_model_here" not in error[0]
 
 
-def test_tool_datasets_are_refused_in_server_mode_and_with_images(shared_tools, tmp_path):
-    """Episodes run with colocated engines: a tool dataset in server mode (or with images) is one ConfigError, given
-    before the tokenizer loads. (check_episode_datasets reads only these options; GRPOConfig itself needs a job of
-    several ranks for server mode.)"""
+def test_tool_datasets_are_refused_with_async_rollouts_and_with_images(shared_tools, tmp_path):
+    """Episodes run turn by turn as a step's rollouts are collected (server mode included): a tool dataset with
+    --async_rollout (or with images) is one ConfigError, given before the tokenizer loads. (check_episode_datasets
+    reads only these options; GRPOConfig itself needs a job of several ranks for server mode.)"""
     from types import SimpleNamespace
 
     registry = str(tmp_path / "registry.json")
     with open(shared_tools / "registry.json") as src, open(registry, "w") as dst:
         dst.write(src.read())
     options = dict(tool_module=str(shared_tools / "my_tools.py"), dataset_config_path=registry)
-    with pytest.raises(ConfigError, match="dataset 'calc_toy'.*colocated engines only.*server mode"):
-        check_episode_datasets(SimpleNamespace(rollout_mode="server", **options), load_dataset_registry(registry),
-                               ["toy", "calc_toy"])
+    with pytest.raises(ConfigError, match="dataset 'calc_toy'.*turn by turn.*drop --async_rollout"):
+        check_episode_datasets(SimpleNamespace(rollout_mode="server", async_rollout=True, **options),
+                               load_dataset_registry(registry), ["toy", "calc_toy"])
+    server = SimpleNamespace(rollout_mode="server", async_rollout=False, **options)
+    assert list(check_episode_datasets(server, load_dataset_registry(registry), ["toy", "calc_toy"])) == ["calc_toy"]
     add_dataset(registry, "calc_images", CALC_ROWS, tools=["calculator"], image_field="image")
     with pytest.raises(ConfigError, match="dataset 'calc_images'.*\"image_field\""):
-        check_episode_datasets(SimpleNamespace(rollout_mode="colocate", **options), load_dataset_registry(registry),
-                               ["calc_images"])
+        check_episode_datasets(SimpleNamespace(rollout_mode="colocate", async_rollout=False, **options),
+                               load_dataset_registry(registry), ["calc_images"])
     # plain datasets pass in any mode
-    assert check_episode_datasets(SimpleNamespace(rollout_mode="server", **options), load_dataset_registry(registry),
-                                  ["toy"]) == {}
+    assert check_episode_datasets(SimpleNamespace(rollout_mode="server", async_rollout=True, **options),
+                                  load_dataset_registry(registry), ["toy"]) == {}
