@@ -152,6 +152,60 @@ def test_train_grpo_runs_tool_episodes(stopping_model, tmp_path):
     assert evals[0]["eval/episodes/turns"] == 2 and evals[0]["eval/calc_toy/rewards/tool_said_the_answer"] == 1
 
 
+# an environment that asks again after every model turn and never ends the episode: it ends at --max_turns
+ASK_AGAIN_MODULE = '''
+from grpo.tools import EnvironmentStep, register_environment
+
+
+@register_environment("ask_again")
+def ask_again(messages, **fields):
+    return EnvironmentStep([{"role": "user", "content": "What is 2 + 2 ?"}])
+'''
+
+
+def make_quick_stopping_model_dir(path: str) -> str:
+    """The tiny random model, its turns also ended by the number tokens 0-24 (the generation config's EOS list): a
+    turn of at most 16 tokens almost always ends with a stop token (and the environment answers it), while every
+    log-prob stays a function of the whole context, the environment's tokens included."""
+    from transformers import AutoTokenizer, GenerationConfig
+
+    make_tiny_model_dir(path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    stops = [tokenizer.eos_token_id] + tokenizer.convert_tokens_to_ids([str(i) for i in range(25)])
+    GenerationConfig(eos_token_id=stops, pad_token_id=tokenizer.pad_token_id).save_pretrained(path)
+    return path
+
+
+def test_engine_logprobs_of_multi_turn_episodes_match_the_trainer(tmp_path):
+    """The CPU twin of tests/gpu/test_multi_turn_sync.py: train_grpo.py on the HF engine in fp32, episodes of up to
+    three model turns with the environment's tokens between them, the engine's log-probs asked for at every step. The
+    HF engine samples from the policy being trained itself, so the trainer's log-probs of the model's tokens equal
+    the engine's up to the float rounding of a cached decode against a full forward (measured: 3e-7 per token on
+    average, 1.4e-6 at most); a next turn scored in another context than the one it was sampled in would be 0.08-0.5
+    nats per token off (this model: one environment token too many or too few, none at all, a shift by one)."""
+    model = make_quick_stopping_model_dir(str(tmp_path / "model"))
+    registry = write_prompt_registry(str(tmp_path / "data"))
+    add_dataset(registry, "ask_toy", CALC_ROWS, environment="ask_again", rewards={"length_penalty": 1.0},
+                reward_kwargs={"length_penalty": {"target_chars": 2, "max_chars": 30}})  # differs within groups
+    module = tmp_path / "data" / "ask_again.py"
+    module.write_text(ASK_AGAIN_MODULE)
+    out = tmp_path / "out"
+    proc = run_train_grpo(
+        "--model_name_or_path", model, "--dataset_config_path", registry, "--dataset_names", "ask_toy",
+        "--tool_module", str(module), "--output_dir", str(out), "--rollout_engine", "hf", "--max_steps", "2",
+        "--per_device_train_batch_size", "4", "--k_samples", "4", "--rollout_max_new_tokens", "16", "--max_turns",
+        "3", "--max_prompt_length", "32", "--max_seq_length", "128", "--logprob_check_steps", "1",
+        "--train_split_ratio", "0.9", "--eval_max_prompts", "2", "--eval_on_start", "false", "--save_steps", "0",
+        "--lora_rank", "4", "--lora_alpha", "8", "--lora_dropout", "0", "--learning_rate", "1e-2", "--seed", "0")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = train_rows(out)
+    assert [r["step"] for r in rows] == [1, 2]
+    for row in rows:
+        assert row["episodes/turns"] >= 2.0 and row["episodes/max_turns"] > 0.5, row  # multi-turn, as a rule
+        assert row["rollout/logprob_diff_mean"] < 1e-4 and row["rollout/logprob_diff_max"] < 1e-3, row
+    assert rows[0]["grad_norm"] > 0  # step 2 samples from an updated adapter
+
+
 def test_environment_tokens_get_no_gradient_and_sampled_ids_reach_the_loss(tmp_path):
     """A hand-built episode (model turn, environment turn, model turn) through build_rollout_batch and the loss with
     KL and entropy terms: the loss's gradient with respect to the environment tokens' log-probs is exactly 0, the
