@@ -612,3 +612,8 @@ def test_lora_shares_one_base_with_the_engine(model_dir):
     assert down.data_ptr() != engine.get_parameter("model.layers.0.mlp.down_proj.base_layer.weight").data_ptr()
     with torch.no_grad():
         torch.testing.assert_close(policy(IDS).logits, before, atol=0, rtol=0)
+    # under ZeRO-3 a rank holds an empty partition of each tensor: nothing to share, every copy stays
+    partitioned = trained_policy(model_dir, "lora")
+    for _, param in partitioned.named_parameters():
+        param.data, param.ds_id = torch.empty(0), 0
+    assert share_base_weights(partitioned, engine, VLLM_PACKED).shared == 0

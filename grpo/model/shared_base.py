@@ -80,6 +80,8 @@ def share_base_weights(policy: torch.nn.Module, engine_model: torch.nn.Module,
 def _equal_block(param: torch.Tensor, engine_tensor: torch.Tensor, first: int) -> Optional[torch.Tensor]:
     """engine_tensor's rows [first, first + len(param)) if they are param's values exactly, else None."""
     rows = param.shape[0] if param.dim() else 0
+    if param.numel() == 0 or hasattr(param, "ds_id"):  # a ZeRO-3 partition: the full tensor is not this one
+        return None
     if (engine_tensor.dtype != param.dtype or engine_tensor.device != param.device
             or engine_tensor.shape[1:] != param.shape[1:] or first + rows > engine_tensor.shape[0]):
         return None

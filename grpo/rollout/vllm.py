@@ -269,7 +269,7 @@ class VLLMRolloutEngine(RolloutEngine):
             if self.shares_base:
                 from grpo.rollout.vllm_memory import restore_kv_cache
 
-                restore_kv_cache()
+                restore_kv_cache(self.llm)
             else:
                 self.llm.wake_up(tags=sorted(self._asleep, key=["weights", "kv_cache"].index))
             self._asleep = set()

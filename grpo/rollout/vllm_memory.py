@@ -3,8 +3,9 @@ its model runner, and a sleep that drops the KV cache alone.
 
 vLLM's own sleep releases every allocation of its memory pool, the weights included (level 1 parks them in CPU
 memory). When the trainer's base tensors are views of the engine's weights (grpo.model.shared_base) those must stay,
-so the engine sleeps by releasing the allocations tagged "kv_cache" only, and maps them again at wake, at the same
-addresses (so its CUDA graphs stay valid); what the cache held is gone, as after vLLM's own sleep.
+so the engine sleeps by releasing the allocations tagged "kv_cache" only, and wakes them through the worker's own
+wake-up for that tag (same addresses, so its CUDA graphs stay valid; the block tables rebuilt); what the cache held
+is gone, as after vLLM's own sleep.
 """
 from __future__ import annotations
 
@@ -40,10 +41,10 @@ def release_kv_cache() -> int:
     return released
 
 
-def restore_kv_cache() -> None:
-    """Map the KV cache's memory again (empty) where it was."""
+def restore_kv_cache(llm) -> None:
+    """Map the KV cache's memory again where it was, through the worker's own wake-up for that tag: it also rebuilds
+    what lives in that memory besides the cache (the block tables' layout tensors)."""
     from vllm.device_allocator.cumem import CuMemAllocator
 
-    allocator = CuMemAllocator.get_instance()
-    if any(d.tag == KV_CACHE_TAG and d.is_asleep for d in allocator.pointer_to_data.values()):
-        allocator.wake_up(tags=[KV_CACHE_TAG])
+    if any(d.tag == KV_CACHE_TAG and d.is_asleep for d in CuMemAllocator.get_instance().pointer_to_data.values()):
+        llm.llm_engine.model_executor.driver_worker.worker.wake_up(tags=[KV_CACHE_TAG])
