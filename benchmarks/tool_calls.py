@@ -47,6 +47,7 @@ def main():
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--samples", type=int, default=4, help="episodes per prompt")
     parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--greedy", action="store_true", help="argmax decoding (use with --samples 1)")
     parser.add_argument("--max_new_tokens", type=int, default=128, help="per model turn")
     parser.add_argument("--max_turns", type=int, default=3)
     parser.add_argument("--max_episode_tokens", type=int, default=320)
@@ -93,7 +94,7 @@ def main():
     start = time.perf_counter()
     episodes = run_episodes(engine, tokenizer, prompts,
                             SamplingSettings(n=args.samples, max_new_tokens=args.max_new_tokens,
-                                             temperature=args.temperature),
+                                             temperature=args.temperature, greedy=args.greedy),
                             EpisodeLimits(max_turns=args.max_turns, max_episode_tokens=args.max_episode_tokens))
     seconds = time.perf_counter() - start
     counts = [episode_counts(e, rows[e.prompt_index]["answer"]) for e in episodes]
