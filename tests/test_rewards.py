@@ -369,3 +369,46 @@ def test_reward_model_without_classification_head_is_refused(tmp_path):
         register_reward_models([path], torch.device("cpu"))
     with pytest.raises(ConfigError, match="not a model folder"):
         register_reward_models([str(tmp_path / "missing")], torch.device("cpu"))
+
+
+def _episode(*turns):
+    """A conversation: the prompt, then the model's turns, each followed by what the tools environment answers."""
+    from grpo.tools import tool_environment
+
+    messages = [{"role": "user", "content": "What is 6 * 7?"}]
+    for text in turns:
+        messages.append({"role": "assistant", "content": text})
+        messages += tool_environment(messages, tools=["calculator"]).messages
+    return messages
+
+
+def test_tool_call_reward_pays_a_call_that_ran():
+    from grpo.rewards import tool_call_reward
+
+    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "6 * 7"}}</tool_call>'
+    episodes = [
+        _episode(call, "\\boxed{42}"),                                             # ran, then answered
+        _episode("\\boxed{42}"),                                                   # no call
+        _episode('<tool_call>{"name": "calculator", "arguments": {"expression": "6 *"}</tool_call>'),  # bad JSON
+        _episode('<tool_call>{"name": "search", "arguments": {"q": "6 * 7"}}</tool_call>'),  # a tool not offered
+        _episode('<tool_call>{"name": "calculator", "arguments": {"x": "6 * 7"}}</tool_call>'),  # wrong arguments
+        _episode('<tool_call>{"name": "calculator", "arguments": {"expression": "6 ^ 7"}}</tool_call>', call),
+    ]
+    assert episodes[0][2] == {"role": "tool", "content": "42", "name": "calculator"}  # the result the model read
+    assert all(m["content"].startswith("Error:") for e in episodes[2:5] for m in e if m["role"] == "tool")
+    assert tool_call_reward(["\\boxed{42}"] * 6, ["42"] * 6, messages=episodes) == [1.0, 0.0, 0.0, 0.0, 0.0, 1.0]
+
+
+def test_tool_call_reward_through_the_router_and_its_errors():
+    from grpo.rewards import tool_call_reward
+
+    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "6 * 7"}}</tool_call>'
+    router = RewardRouter({"calc": {"boxed_accuracy": 1.0, "tool_call": 0.2}})
+    result = router(["\\boxed{42}", "\\boxed{42}"], ["42", "42"], ["calc", "calc"],
+                    messages=[_episode(call, "\\boxed{42}"), _episode("\\boxed{42}")])
+    assert result.total == pytest.approx([1.2, 1.0])
+    assert result.per_function["tool_call"] == [1.0, 0.0]
+    with pytest.raises(RewardError, match="messages"):
+        tool_call_reward(["\\boxed{42}"], ["42"])
+    with pytest.raises(RewardError, match="2 conversations for 1 completions"):
+        tool_call_reward(["\\boxed{42}"], ["42"], messages=[[], []])

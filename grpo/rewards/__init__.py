@@ -12,6 +12,7 @@ from grpo.rewards.math import (boxed_accuracy, extract_gsm8k_prediction, gsm8k_a
                                math_equal, normalize_math, number_accuracy, numbers_equal, parse_number)
 from grpo.rewards.registry import RewardFn, get_reward, load_reward_module, register_reward, registered_rewards
 from grpo.rewards.routing import RewardResult, RewardRouter
+from grpo.rewards.tool_use import ran_a_tool, tool_call_reward
 from grpo.rewards.verified_math import math_verify_accuracy
 from grpo.rewards.vision import (box_iou, choice_accuracy, iou_reward, normalize_text, parse_box, parse_choice,
                                  vqa_accuracy)
@@ -22,4 +23,5 @@ __all__ = [
     "normalize_math", "math_equal", "gsm8k_accuracy", "boxed_accuracy", "number_accuracy", "format_reward",
     "length_penalty", "DEFAULT_FORMAT_PATTERN", "vqa_accuracy", "choice_accuracy", "iou_reward", "normalize_text",
     "parse_choice", "parse_box", "box_iou", "overlong_penalty", "overlong_penalty_value", "math_verify_accuracy",
+    "tool_call_reward", "ran_a_tool",
 ]
