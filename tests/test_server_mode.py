@@ -200,3 +200,31 @@ def test_a_rollout_rank_building_a_trainer_is_told_what_to_run(monkeypatch):
     config = GRPOConfig(rollout_mode="server", rollout_gpus=1)
     with pytest.raises(ConfigError, match=r"rollout rank 0 \(job rank 2\).*grpo.serve_rollouts\(config\)"):
         GRPOTrainer(config)
+
+
+@needs_launcher
+def test_two_training_ranks_run_multi_turn_episodes_on_one_rollout_rank(tmp_path):
+    """Tool episodes in server mode: every turn of every episode is generated on the rollout rank, each training
+    rank takes part in every turn until no rank has a live episode (their episodes end after different numbers of
+    turns), and the sampled log-probs of the model's tokens equal the trainer's (fp32)."""
+    from .test_tool_training import ASK_AGAIN_MODULE, CALC_ROWS, make_quick_stopping_model_dir
+    from .trainer_setup import add_dataset, write_prompt_registry
+
+    model = make_quick_stopping_model_dir(str(tmp_path / "model"))
+    registry = write_prompt_registry(str(tmp_path / "data"))
+    add_dataset(registry, "ask_toy", CALC_ROWS, environment="ask_again", rewards={"length_penalty": 1.0},
+                reward_kwargs={"length_penalty": {"target_chars": 2, "max_chars": 30}})
+    module = tmp_path / "data" / "ask_again.py"
+    module.write_text(ASK_AGAIN_MODULE)
+    out = tmp_path / "out"
+    proc = launch(tmp_path, model, registry, out, 29545, *SERVER, "--dataset_names", "ask_toy", "--tool_module",
+                  str(module), "--tuning_strategy", "lora", "--lora_dropout", "0", "--max_turns", "3",
+                  "--rollout_max_new_tokens", "16", "--max_seq_length", "128", "--max_steps", "2",
+                  "--eval_on_start", "false", "--eval_max_prompts", "1", "--train_split_ratio", "0.9", ranks=3)
+    both = proc.stdout + proc.stderr
+    assert proc.returncode == 0, both[-4000:]
+    rows = train_rows(out)
+    assert [r["step"] for r in rows] == [1, 2]
+    for row in rows:
+        assert row["episodes/turns"] > 1.5, row  # multi-turn, as a rule
+        assert row["rollout/logprob_diff_mean"] < 1e-4 and row["rollout/logprob_diff_max"] < 1e-3, row
