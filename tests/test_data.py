@@ -351,16 +351,18 @@ def test_too_long_prompts_name_datasets_counts_and_fix(jsonl):
 
 
 @pytest.fixture
-def grpo_log(monkeypatch):
+def grpo_log():
     """The lines the "grpo" logger writes (the trainer turns its propagation off)."""
     lines = []
     handler = logging.Handler(logging.INFO)
     handler.emit = lambda record: lines.append(record.getMessage())
     logger = logging.getLogger("grpo")
-    monkeypatch.setattr(logger, "level", logging.INFO)
+    level = logger.level
+    logger.setLevel(logging.INFO)  # setLevel, not the attribute: it clears what isEnabledFor has cached
     logger.addHandler(handler)
     yield lines
     logger.removeHandler(handler)
+    logger.setLevel(level)
 
 
 def test_filter_overlong_prompts_drops_reports_and_refuses_an_emptied_dataset(jsonl, grpo_log):

@@ -397,6 +397,9 @@ def test_tool_call_reward_pays_a_call_that_ran():
     assert episodes[0][2] == {"role": "tool", "content": "42", "name": "calculator"}  # the result the model read
     assert all(m["content"].startswith("Error:") for e in episodes[2:5] for m in e if m["role"] == "tool")
     assert tool_call_reward(["\\boxed{42}"] * 6, ["42"] * 6, messages=episodes) == [1.0, 0.0, 0.0, 0.0, 0.0, 1.0]
+    # partial credit for calls written that all failed (bad JSON, a tool not offered, wrong arguments), none for none
+    assert tool_call_reward(["\\boxed{42}"] * 6, ["42"] * 6, messages=episodes, attempt=0.5) == \
+        [1.0, 0.0, 0.5, 0.5, 0.5, 1.0]
 
 
 def test_tool_call_reward_through_the_router_and_its_errors():

@@ -20,9 +20,17 @@ def ran_a_tool(conversation: list[dict]) -> bool:
                for m in conversation)
 
 
+def attempted_a_tool(conversation: list[dict]) -> bool:
+    """Whether the conversation holds a `tool` message at all: a call was written, even one that failed."""
+    return any(m.get("role") == "tool" for m in conversation)
+
+
 @register_reward("tool_call")
-def tool_call_reward(completions: list[str], answers: list, messages: Optional[list] = None, **_) -> list[float]:
-    """1.0 when the episode holds a tool call that ran (its result is not an error), else 0.0.
+def tool_call_reward(completions: list[str], answers: list, messages: Optional[list] = None, attempt: float = 0.0,
+                     **_) -> list[float]:
+    """1.0 when the episode holds a tool call that ran (its result is not an error); `attempt` (0 by default) when it
+    holds calls that all failed (each answered with an error: bad JSON, a tool not offered, wrong arguments), a step
+    towards a call that runs for a model that has yet to write one; else 0.0.
 
     Reads the whole conversation (`messages`), which the trainer passes for every row; a one-turn completion has
     no tool messages and gets 0.0."""
@@ -31,4 +39,5 @@ def tool_call_reward(completions: list[str], answers: list, messages: Optional[l
                           "reward router yourself, pass messages=[...] (one conversation per completion)")
     if len(messages) != len(completions):
         raise RewardError(f"tool_call: got {len(messages)} conversations for {len(completions)} completions")
-    return [1.0 if ran_a_tool(conversation) else 0.0 for conversation in messages]
+    return [1.0 if ran_a_tool(conversation) else float(attempt) if attempted_a_tool(conversation) else 0.0
+            for conversation in messages]
