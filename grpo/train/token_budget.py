@@ -27,11 +27,11 @@ BUDGET_STEP = 1024
 # What the equation leaves out (allocator fragmentation, fused kernels' temporaries), on top of it. The equation was
 # checked against three measured runs: Qwen2.5-1.5B's shape, lora, checkpointing, 16384 tokens: 4.4 GiB of
 # activations measured (benchmarks/train_memory.py), 4.7 estimated; a 0.68B Llama, lora, no checkpointing: 22.5
-# measured, 28 estimated. The margin is calibrated on Qwen2.5-7B's shape, qlora, checkpointing, --gpu_memory_gib 24
-# on one H100 (benchmarks/RESULTS.md, 2026-11-25): 16384 tokens ran out of memory in the first update, 8192 ran
-# with a 19.0 GiB peak for the whole process. The equation gives 9.6 GiB for 8192 tokens there (with ~9.3 GiB of
-# 4-bit base, fp32 embeddings and output layer, adapter state, context and sleeping engine: 18.9) and 19.3 GiB for
-# 16384 (past the cap); with the margin, 24 GiB comes out at 8192 tokens, the measured point.
+# measured, 28 estimated. The margin was set on Qwen2.5-7B's shape, qlora, checkpointing, --gpu_memory_gib 24 on one
+# H100 (benchmarks/RESULTS.md, 2026-11-26): 16384 tokens ran out of memory in the first update, 8192 ran with a
+# 19.0 GiB peak, taking the residual stream as fp32 (peft's upcast of the embeddings). On a GPU DeepSpeed's bf16
+# engine casts those back to bf16, and the estimate reads the dtype as trained (a = 2 there), which gives about
+# half as much kept per token: whether auto still resolves to 8192 at that point is not measured yet.
 ESTIMATE_MARGIN = 1.25
 
 
@@ -58,7 +58,7 @@ def activation_bytes_per_token(s: ModelShape, checkpointing: bool, act_bytes: in
                                dropout: bool, full_logits: bool) -> tuple[int, int]:
     """(kept, transient): training memory of one token of a micro-batch, in bytes; `kept` lives through the whole
     backward, `transient` only while one layer's backward runs. a = act_bytes (2 for bf16 activations, 4 where the
-    residual stream is fp32, as behind qlora's fp32 embeddings), b = adapter_bytes (the LoRA input copies' element
+    residual stream is fp32, as behind fp32 embeddings), b = adapter_bytes (the LoRA input copies' element
     size, fp32 adapters 4; 0 for full fine-tuning), d = 1 with LoRA dropout, else 0:
 
         layer    = 8 H                          two RMSNorms, each keeping its fp32 upcast input
