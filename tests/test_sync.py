@@ -612,6 +612,10 @@ def test_lora_shares_one_base_with_the_engine(model_dir):
     assert down.data_ptr() != engine.get_parameter("model.layers.0.mlp.down_proj.base_layer.weight").data_ptr()
     with torch.no_grad():
         torch.testing.assert_close(policy(IDS).logits, before, atol=0, rtol=0)
+    # a GPU policy's base waits in CPU memory while the engine loads (tests/gpu/sync_check.py); on CPU nothing moves
+    from grpo.model.shared_base import park_frozen_base
+
+    assert park_frozen_base(policy) == {}
     # under ZeRO-3 a rank holds an empty partition of each tensor: nothing to share, every copy stays
     partitioned = trained_policy(model_dir, "lora")
     for _, param in partitioned.named_parameters():

@@ -11,6 +11,7 @@ an engine tensor:
 
 Rows of a row-major tensor are contiguous, so every view is a plain dense tensor. A tensor is shared only if the
 engine's block has its shape and dtype and is equal to it element for element; anything else keeps its own copy.
+While the engine loads, the trainer's base waits in CPU memory (park_frozen_base), so the GPU never holds two.
 The engine must then never release its weights (it sleeps by dropping its KV cache only), and the base is never
 synced: the adapter is all that changes.
 """
@@ -57,12 +58,41 @@ def engine_blocks(engine_model: torch.nn.Module, packed: dict[str, list[str]], s
     return blocks
 
 
+def frozen_base(policy: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    """checkpoint name -> the policy's frozen base tensor (LoRA's own parameters left out)."""
+    return {checkpoint_name(name): p for name, p in policy.named_parameters()
+            if not p.requires_grad and "lora_" not in name}
+
+
+def park_frozen_base(policy: torch.nn.Module) -> dict[str, torch.device]:
+    """Move the frozen base to CPU memory while the engine loads its own copy, so that the GPU never holds both;
+    share_base_weights then puts each tensor back as a view of the engine's (or, if it has no equal one, back where
+    it was). Returns where each moved tensor was. A ZeRO-3 partition stays: it is not the whole tensor."""
+    parked = {}
+    for name, param in frozen_base(policy).items():
+        if param.device.type != "cpu" and param.numel() and not hasattr(param, "ds_id"):
+            parked[name] = param.device
+            param.data = param.data.to("cpu")
+    if parked and torch.cuda.is_available():
+        torch.cuda.empty_cache()  # the engine about to load takes this memory
+    return parked
+
+
+def restore_parked(policy: torch.nn.Module, parked: dict[str, torch.device]) -> None:
+    """Put the tensors park_frozen_base moved back where they were (the engine did not come up)."""
+    for name, param in frozen_base(policy).items():
+        if name in parked:
+            param.data = param.data.to(parked[name])
+
+
 def share_base_weights(policy: torch.nn.Module, engine_model: torch.nn.Module,
-                       packed: Optional[dict[str, list[str]]] = None) -> SharedBase:
-    """Make the policy's frozen base tensors views of `engine_model`'s equal ones; the trainer's copies are freed."""
-    frozen = {checkpoint_name(name): p for name, p in policy.named_parameters()
-              if not p.requires_grad and "lora_" not in name}
+                       packed: Optional[dict[str, list[str]]] = None,
+                       parked: Optional[dict[str, torch.device]] = None) -> SharedBase:
+    """Make the policy's frozen base tensors views of `engine_model`'s equal ones; the trainer's copies are freed.
+    `parked`: tensors park_frozen_base moved to CPU memory; those with no equal block go back to their device."""
+    frozen = frozen_base(policy)
     blocks = engine_blocks(engine_model, packed or {}, {name: p.shape for name, p in frozen.items()})
+    parked = dict(parked or {})
     result = SharedBase()
     for name, param in frozen.items():
         view = _equal_block(param, *blocks[name]) if name in blocks else None
@@ -72,6 +102,8 @@ def share_base_weights(policy: torch.nn.Module, engine_model: torch.nn.Module,
         result.shared_bytes += param.numel() * param.element_size()
         param.data = view
         result.shared += 1
+        parked.pop(name, None)
+    restore_parked(policy, parked)  # what has no equal block in the engine goes back where it was
     if torch.cuda.is_available():
         torch.cuda.empty_cache()  # the freed copies go back to the device, for activations and the KV cache
     return result
@@ -82,10 +114,11 @@ def _equal_block(param: torch.Tensor, engine_tensor: torch.Tensor, first: int) -
     rows = param.shape[0] if param.dim() else 0
     if param.numel() == 0 or hasattr(param, "ds_id"):  # a ZeRO-3 partition: the full tensor is not this one
         return None
-    if (engine_tensor.dtype != param.dtype or engine_tensor.device != param.device
-            or engine_tensor.shape[1:] != param.shape[1:] or first + rows > engine_tensor.shape[0]):
+    if (engine_tensor.dtype != param.dtype or engine_tensor.shape[1:] != param.shape[1:]
+            or first + rows > engine_tensor.shape[0]):
         return None
     view = engine_tensor.detach()[first:first + rows] if param.dim() else engine_tensor.detach()
-    if view.shape != param.shape or not torch.equal(view, param.data):
+    # (a parked tensor is compared on the engine's device, one at a time)
+    if view.shape != param.shape or not torch.equal(view, param.data.to(view.device)):
         return None
     return view

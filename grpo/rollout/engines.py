@@ -10,6 +10,7 @@ import torch
 
 from grpo.errors import ConfigError
 from grpo.model.base_weights import saved_4bit
+from grpo.model.shared_base import park_frozen_base, restore_parked
 from grpo.runtime.gpu_budget import engine_memory_share
 from grpo.rollout.hf import HFRolloutEngine, stop_token_ids
 from grpo.rollout.kv_cache import engine_kv_cache_bytes
@@ -60,10 +61,17 @@ def build_rollout_engine(config, model_path: str, policy, tokenizer, vision, ran
                                        images_as_decoded=config.uses_vllm)
     if config.uses_vllm:
         if not (adapter and config.tuning_strategy == "qlora"):
-            engine = _vllm_engine(config, model_path, rank, vision, stops, lora_rank=lora_rank,
-                                  completion_tokens=completion_tokens)
-            if adapter:  # lora: both loaded the same 16-bit base; keep one
-                _share_base(engine, policy)
+            # lora: both hold the same 16-bit base; the trainer's waits in CPU memory while the engine loads its
+            # own, then views it
+            parked = park_frozen_base(policy) if adapter and config.vllm_tp == 1 else {}
+            try:
+                engine = _vllm_engine(config, model_path, rank, vision, stops, lora_rank=lora_rank,
+                                      completion_tokens=completion_tokens)
+            except BaseException:
+                restore_parked(policy, parked)
+                raise
+            if adapter:
+                _share_base(engine, policy, parked)
             return engine
         with _engine_base(config, policy, model_path) as base:  # vLLM keeps the weights, not the folder
             return _vllm_engine(config, base, rank, vision, stops, lora_rank=lora_rank, quantized=True,
@@ -71,8 +79,8 @@ def build_rollout_engine(config, model_path: str, policy, tokenizer, vision, ran
     return HFRolloutEngine(policy, tokenizer, suppress_token_ids=vision.placeholder_token_ids if vision else None)
 
 
-def _share_base(engine, policy) -> None:
-    shared = engine.share_base(policy)
+def _share_base(engine, policy, parked: dict) -> None:
+    shared = engine.share_base(policy, parked)
     if shared is None or not shared.shared:
         logger.info("vLLM and the trainer each hold the 16-bit base (its tensors could not be shared here)")
         return

@@ -218,17 +218,19 @@ class VLLMRolloutEngine(RolloutEngine):
         self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old adapter
 
     # ------------------------------------------------------------------------------------------ memory
-    def share_base(self, policy) -> "SharedBase | None":
+    def share_base(self, policy, parked: dict | None = None) -> "SharedBase | None":
         """Adapter mode, lora, one GPU per engine: the policy's frozen base tensors become views of this engine's
         weights (grpo.model.shared_base), so the GPU holds the base once; from then on a sleep drops the KV cache
-        only. None where nothing can be shared."""
-        from grpo.model.shared_base import share_base_weights
+        only. `parked`: the tensors grpo.model.shared_base.park_frozen_base moved to CPU memory before this engine
+        loaded. None where nothing can be shared (the parked tensors then go back)."""
+        from grpo.model.shared_base import restore_parked, share_base_weights
         from grpo.rollout.vllm_memory import engine_model
 
         if not self.takes_adapter or self.tp > 1:
+            restore_parked(policy, parked or {})
             return None
         model = engine_model(self.llm)
-        result = share_base_weights(policy, model, getattr(model, "packed_modules_mapping", None))
+        result = share_base_weights(policy, model, getattr(model, "packed_modules_mapping", None), parked)
         self.shares_base = result.shared > 0
         return result
 

@@ -96,20 +96,22 @@ def main():
 
         engine_path = f"{MODEL_DIR}.4bit.rank{dist_utils.rank()}"
         write_4bit_checkpoint(engine.module, engine_path)
+    parked = {}
+    if adapter and args.strategy == "lora" and args.tp == 1:  # as the trainer does: its base waits in CPU memory
+        from grpo.model.shared_base import park_frozen_base
+
+        parked = park_frozen_base(engine.module)
     vllm = VLLMRolloutEngine(engine_path, tensor_parallel_size=args.tp, gpu_memory_utilization=0.3, max_model_len=512,
                              seed=0, enforce_eager=True, lora_rank=16 if adapter else None,
                              quantized=adapter and args.strategy == "qlora")
     main_rank = dist_utils.rank() == 0
     engine_start_s = time.perf_counter() - start
     shared = None
-    if adapter and args.strategy == "lora":  # as the trainer does: its frozen base becomes the engine's own
-        torch.cuda.synchronize()
-        before = torch.cuda.memory_allocated()
-        shared = vllm.share_base(engine.module)
-        torch.cuda.synchronize()
+    if adapter and args.strategy == "lora":  # ... then its frozen base becomes views of the engine's own
+        shared = vllm.share_base(engine.module, parked)
         shared = shared and {"shared_tensors": shared.shared, "kept_tensors": shared.kept,
-                             "shared_gib": shared.shared_bytes / 2**30,
-                             "freed_gib": (before - torch.cuda.memory_allocated()) / 2**30}
+                             "shared_gib": shared.shared_bytes / 2**30, "parked_tensors": len(parked),
+                             "base_on_gpu": all(p.is_cuda for p in engine.module.parameters())}
 
     sequence = torch.randint(3, 32000, (1, 96), generator=torch.Generator().manual_seed(1))
     ids = sequence.to(device)
