@@ -13,7 +13,7 @@ from grpo.checkpoint.store import list_checkpoints
 from grpo.errors import CheckpointError
 from grpo.train.trainer import GRPOTrainer
 
-from .trainer_setup import even_tokens, tiny_config
+from .trainer_setup import assert_same_weights, even_tokens, tiny_config
 
 @pytest.fixture(scope="module")
 def tied_model(tiny_model, tmp_path_factory):
@@ -126,7 +126,4 @@ def test_zero3_adapter_checkpoints_resume_exactly(tied_model, registry, tmp_path
                                       **common), reward_funcs=[even_tokens])
     assert resumed.state.step == 1
     resumed.train()
-    got = gathered_trainable_weights(resumed)
-    assert got.keys() == expected.keys()
-    for name in expected:
-        torch.testing.assert_close(got[name], expected[name], rtol=0, atol=1e-6, msg=name)
+    assert_same_weights(gathered_trainable_weights(resumed), expected)

@@ -12,7 +12,7 @@ from grpo.errors import CheckpointError, ConfigError, TrainingError
 from grpo.checkpoint.manifest import MANIFEST_FILE, quick_problem, verify_checkpoint, write_manifest
 from grpo.train.trainer import GRPOTrainer
 
-from .trainer_setup import even_tokens, tiny_config, trainable_weights
+from .trainer_setup import assert_same_weights, even_tokens, tiny_config, trainable_weights
 
 ENGINE_FILE = "engine/mp_rank_00_model_states.pt"
 
@@ -125,10 +125,7 @@ def test_latest_skips_a_damaged_checkpoint_and_continues_exactly(saved_run, tiny
     log = open(os.path.join(out, "train.log")).read()
     assert "checkpoint-3 is damaged" in log and f"{ENGINE_FILE} is" in log and "checkpoint-2" in log
     resumed.train()
-    got = trainable_weights(resumed)
-    assert expected.keys() == got.keys()
-    for name in expected:
-        torch.testing.assert_close(got[name], expected[name], rtol=0, atol=1e-6, msg=name)
+    assert_same_weights(trainable_weights(resumed), expected)
     # step 3 was saved again over the damaged checkpoint: every checkpoint verifies now
     assert [step for step, _ in list_checkpoints(out)] == [2, 3, 4]
     assert all(verify_checkpoint(path) is None for _, path in list_checkpoints(out))

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from .trainer_setup import ROOT, child_env
+from .trainer_setup import ROOT, child_env, one_dataset_registry
 
 REQUIRED_FLAGS = """--model_name_or_path --output_dir --resume_from_checkpoint --dataset_config_path --dataset_names
 --train_split_ratio --epochs --max_steps --per_device_train_batch_size --gradient_accumulation_steps
@@ -173,24 +173,20 @@ def test_malformed_registry_fails_with_line(tmp_path):
 
 
 def test_missing_data_file_and_field(tmp_path):
-    registry = tmp_path / "datasets.json"
-    registry.write_text(json.dumps({"mine": {"path": "missing.jsonl", "prompt_field": "q", "answer_field": "a",
-                                              "rewards": {"boxed_accuracy": 1.0}}}))
-    proc, _ = run_cli("--dataset_config_path", str(registry), "--dataset_names", "mine",
+    registry = one_dataset_registry(tmp_path / "datasets.json", "missing.jsonl", {"boxed_accuracy": 1.0})
+    proc, _ = run_cli("--dataset_config_path", registry, "--dataset_names", "mine",
                       "--output_dir", str(tmp_path / "o"))
     assert_clean_failure(proc, "mine", "missing.jsonl")
     (tmp_path / "missing.jsonl").write_text('{"question": "1+1?", "a": "2"}\n')
-    proc, _ = run_cli("--dataset_config_path", str(registry), "--dataset_names", "mine",
+    proc, _ = run_cli("--dataset_config_path", registry, "--dataset_names", "mine",
                       "--output_dir", str(tmp_path / "o"))
     assert_clean_failure(proc, "mine", "'q'", "question")
 
 
 def test_unknown_reward_name_fails_fast(tmp_path):
     (tmp_path / "d.jsonl").write_text('{"q": "1+1?", "a": "2"}\n' * 4)
-    registry = tmp_path / "datasets.json"
-    registry.write_text(json.dumps({"mine": {"path": "d.jsonl", "prompt_field": "q", "answer_field": "a",
-                                              "rewards": {"no_such_reward": 1.0}}}))
-    proc, seconds = run_cli("--dataset_config_path", str(registry), "--dataset_names", "mine",
+    registry = one_dataset_registry(tmp_path / "datasets.json", "d.jsonl", {"no_such_reward": 1.0})
+    proc, seconds = run_cli("--dataset_config_path", registry, "--dataset_names", "mine",
                             "--output_dir", str(tmp_path / "o"))
     assert_clean_failure(proc, "no_such_reward", "gsm8k_accuracy", "--reward_module")
     assert seconds < 60
@@ -198,14 +194,12 @@ def test_unknown_reward_name_fails_fast(tmp_path):
 
 def test_reward_module_registers_a_reward(tmp_path):
     (tmp_path / "d.jsonl").write_text('{"q": "1+1?", "a": "2"}\n' * 4)
-    registry = tmp_path / "datasets.json"
-    registry.write_text(json.dumps({"mine": {"path": "d.jsonl", "prompt_field": "q", "answer_field": "a",
-                                              "rewards": {"my_reward": 1.0}}}))
+    registry = one_dataset_registry(tmp_path / "datasets.json", "d.jsonl", {"my_reward": 1.0})
     module = tmp_path / "my_rewards.py"
     module.write_text("from grpo import register_reward\n\n@register_reward('my_reward')\n"
                       "def my_reward(completions, answers, **kw):\n    return [0.0] * len(completions)\n")
     # the reward resolves, so the run gets past the registry and fails later on the model path (no download)
-    proc, _ = run_cli("--dataset_config_path", str(registry), "--dataset_names", "mine", "--reward_module",
+    proc, _ = run_cli("--dataset_config_path", registry, "--dataset_names", "mine", "--reward_module",
                       str(module), "--model_name_or_path", str(tmp_path / "no_model"),
                       "--output_dir", str(tmp_path / "o"), env={"HF_HUB_OFFLINE": "1"})
     assert_clean_failure(proc, "--model_name_or_path", "no_model")

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from .tiny_models import make_tiny_tokenizer
-from .trainer_setup import ROOT, child_env, write_prompt_registry
+from .trainer_setup import ROOT, child_env, one_dataset_registry, write_prompt_registry
 
 # runs train_grpo.main in a fresh interpreter, then reports its exit code and which heavy libraries it imported
 # (the flags are parsed by transformers' HfArgumentParser, whose package loads its parts lazily: not counted)
@@ -37,20 +37,16 @@ def test_unknown_dataset_fails_before_datasets_torch_or_deepspeed_load(tmp_path)
 
 
 def test_unknown_reward_fails_before_any_data_file_is_read(tmp_path):
-    registry = tmp_path / "registry.json"
-    registry.write_text(json.dumps({"mine": {"path": "missing.jsonl", "prompt_field": "q", "answer_field": "a",
-                                             "rewards": {"no_such_reward": 1.0}}}))
-    result, stderr = run_main("--dataset_config_path", str(registry), "--dataset_names", "mine",
+    registry = one_dataset_registry(tmp_path / "registry.json", "missing.jsonl", {"no_such_reward": 1.0})
+    result, stderr = run_main("--dataset_config_path", registry, "--dataset_names", "mine",
                               "--output_dir", str(tmp_path / "o"))
     assert result == {"code": 1, "imported": []}
     assert "no_such_reward" in stderr and "missing.jsonl" not in stderr
 
 
 def test_missing_data_file_fails_before_torch_or_deepspeed_load(tmp_path):
-    registry = tmp_path / "registry.json"
-    registry.write_text(json.dumps({"mine": {"path": "missing.jsonl", "prompt_field": "q", "answer_field": "a",
-                                             "rewards": {"boxed_accuracy": 1.0}}}))
-    result, stderr = run_main("--dataset_config_path", str(registry), "--dataset_names", "mine",
+    registry = one_dataset_registry(tmp_path / "registry.json", "missing.jsonl", {"boxed_accuracy": 1.0})
+    result, stderr = run_main("--dataset_config_path", registry, "--dataset_names", "mine",
                               "--output_dir", str(tmp_path / "o"))
     assert result["code"] == 1 and "missing.jsonl" in stderr
     assert result["imported"] == ["datasets"]  # the data files' reader, nothing heavier

@@ -13,8 +13,8 @@ from grpo.rollout.engine import RolloutEngine
 from grpo.train.reporting import read_metrics
 from grpo.train.trainer import GRPOTrainer
 
-from .trainer_setup import (PROMPTS, add_dataset, deepspeed_adamw_config, even_tokens, tiny_config,
-                            trainable_weights, write_prompt_registry)
+from .trainer_setup import (PROMPTS, add_dataset, assert_same_weights, deepspeed_adamw_config, even_tokens,
+                            tiny_config, trainable_weights, write_prompt_registry)
 
 
 def target_token_reward(target_id):
@@ -135,10 +135,7 @@ def test_resume_is_exact(strategy, tiny_model, registry, tmp_path):
                                       **common), reward_funcs=rewards)
     assert resumed.state.step == 2
     resumed.train()
-    got = trainable_weights(resumed)
-    assert expected.keys() == got.keys()
-    for name in expected:
-        torch.testing.assert_close(got[name], expected[name], rtol=0, atol=1e-6, msg=name)
+    assert_same_weights(trainable_weights(resumed), expected)
     rows_a = [r for r in read_metrics(str(tmp_path / "a" / "metrics.jsonl")) if "loss" in r]
     rows_b = [r for r in read_metrics(str(tmp_path / "b" / "metrics.jsonl")) if "loss" in r]
     assert [r["reward/mean"] for r in rows_a] == [r["reward/mean"] for r in rows_b]

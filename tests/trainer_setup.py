@@ -4,6 +4,8 @@ import os
 import shutil
 import sys
 
+import torch
+
 from grpo.config.options import GRPOConfig
 from grpo.train.reporting import read_metrics
 
@@ -88,3 +90,18 @@ def even_tokens(completions, answers, completion_ids, **row):
 
 def trainable_weights(trainer) -> dict:
     return {n: p.detach().clone() for n, p in trainer.engine.module.named_parameters() if p.requires_grad}
+
+
+def assert_same_weights(got: dict, expected: dict, atol: float = 1e-6) -> None:
+    """The same tensor names, each within atol (a resumed run against one that ran straight through)."""
+    assert got.keys() == expected.keys()
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=0, atol=atol, msg=name)
+
+
+def one_dataset_registry(path, data_file: str, rewards: dict) -> str:
+    """A registry file at `path` with one dataset, "mine", of questions "q" and answers "a" in `data_file`."""
+    path.write_text(json.dumps({"mine": {"path": data_file, "prompt_field": "q", "answer_field": "a",
+                                         "rewards": rewards}}))
+    return str(path)
+
