@@ -17,7 +17,7 @@ from grpo.config.choices import (  # noqa: F401 (the qlora constants are also re
     QLORA_BLOCK_SIZES, QLORA_INITS, QLORA_QUANT_TYPES, REGEX_CHARS, REWARD_SCALES, ROLLOUT_ENGINES, ROLLOUT_MODES,
     ROLLOUT_WEIGHTS, SCHEDULERS, STOCK_4BIT_OPTIONS, STRATEGIES)
 from grpo.config.validation import validate
-from grpo.config.renamed import RENAMED_OPTIONS, upgrade_saved_options  # noqa: F401 (read from here too)
+from grpo.config.renamed import RENAMED_OPTIONS, refusing_old_names, upgrade_saved_options  # noqa: F401
 from grpo.errors import ConfigError
 
 DEFAULT_LEARNING_RATE = {"lora": 2e-5, "qlora": 2e-5, "full": 1e-6}
@@ -274,6 +274,10 @@ class GRPOConfig:
         None, "Datasets with tools or an environment: completion tokens per episode, the model's and the "
               "environment's together (the prompt comes on top). Default: --max_seq_length - --max_prompt_length.",
         "tools")
+    warm_start_steps: int = _opt(
+        0, "Supervised steps on the datasets' \"demonstrations\" (the model's turns written out, e.g. tool calls) "
+           "before the first GRPO step of a fresh run: a model that never calls its tools gets calls to prefer.",
+        "tools")
 
     # --- eval, checkpoints, logging -------------------------------------------------------------
     eval_steps: int = _opt(0, "Evaluate on the held-out split every N steps (0: only at the end).", "logging")
@@ -436,15 +440,4 @@ def _names(value) -> list[str]:
 
 FLAG_GROUPS: dict[str, str] = {f.name: g for f, g in zip(fields(GRPOConfig), _groups_in_order)}
 
-_dataclass_init = GRPOConfig.__init__
-
-
-def _init_refusing_old_names(self, *args, **kwargs):
-    for name in kwargs:
-        if name in RENAMED_OPTIONS:
-            raise ConfigError(f"GRPOConfig({name}=...): {name} was merged into another option; use "
-                              f"{RENAMED_OPTIONS[name]}")
-    _dataclass_init(self, *args, **kwargs)
-
-
-GRPOConfig.__init__ = _init_refusing_old_names  # a clear error instead of "unexpected keyword argument"
+GRPOConfig.__init__ = refusing_old_names(GRPOConfig.__init__)  # a clear error, not "unexpected keyword argument"

@@ -2,6 +2,10 @@
 line, in --config JSON and in GRPOConfig(...)), and a run saved under them resumes with the options it had."""
 from __future__ import annotations
 
+import functools
+
+from grpo.errors import ConfigError
+
 # merged options: old name -> what to pass instead (the old name is an error that says so)
 RENAMED_OPTIONS = {
     "use_vllm_rollout": "--rollout_engine vllm",
@@ -27,3 +31,15 @@ def upgrade_saved_options(values: dict) -> dict:
     if "vllm_mode" in values:
         values["rollout_mode"] = values.pop("vllm_mode")
     return values
+
+
+def refusing_old_names(init):
+    """GRPOConfig's __init__, refusing a merged option's old name with the name to use instead."""
+    @functools.wraps(init)
+    def checked_init(self, *args, **kwargs):
+        for name in kwargs:
+            if name in RENAMED_OPTIONS:
+                raise ConfigError(f"GRPOConfig({name}=...): {name} was merged into another option; use "
+                                  f"{RENAMED_OPTIONS[name]}")
+        init(self, *args, **kwargs)
+    return checked_init

@@ -165,6 +165,7 @@ def validate(cfg) -> None:
 
 def _validate_episodes(cfg, need) -> None:
     need(cfg.max_turns >= 1, "max_turns", f"must be >= 1, got {cfg.max_turns}")
+    need(cfg.warm_start_steps >= 0, "warm_start_steps", f"must be >= 0, got {cfg.warm_start_steps}")
     need(cfg.max_episode_tokens is None or cfg.max_episode_tokens >= 1, "max_episode_tokens",
          f"must be >= 1, got {cfg.max_episode_tokens}")
     need(cfg.max_prompt_length + cfg.episode_token_budget <= cfg.max_seq_length, "max_episode_tokens",

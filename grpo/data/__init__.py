@@ -4,7 +4,7 @@ Every check here runs before any model loads, and every error names the dataset,
   registry.py  parse and check the registry file
   files.py     read a dataset's raw rows (local files, saved folders, the hub)
   rows.py      raw rows -> standard rows; the train / held-out split
-  loading.py   named datasets -> (train, eval) rows
+  loading.py   named datasets -> (train, eval) rows; their demonstrations (--warm_start_steps)
   render.py    rows -> prompt text and token ids, within --max_prompt_length
 
 The names below load on first use: the registry's checks run without importing `datasets`.
@@ -12,7 +12,7 @@ The names below load on first use: the registry's checks run without importing `
 import importlib
 
 _WHERE = {
-    "load_prompt_datasets": "grpo.data.loading",
+    "load_prompt_datasets": "grpo.data.loading", "load_demonstrations": "grpo.data.loading",
     "DatasetSpec": "grpo.data.registry", "EXTRACTORS": "grpo.data.registry", "check_dataset_names": "grpo.data.registry",
     "dataset_routes": "grpo.data.registry", "load_dataset_registry": "grpo.data.registry",
     "render_prompts": "grpo.data.render",

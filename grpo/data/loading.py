@@ -1,6 +1,7 @@
 """Named registry datasets -> (train, eval) standard rows, each dataset checked before any model loads."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Sequence
 
 import datasets
@@ -48,3 +49,42 @@ def _with_images_column(parts: list[datasets.Dataset]) -> list[datasets.Dataset]
         return [part if "images" in part.column_names else
                 part.add_column("images", [[] for _ in range(len(part))], feature=image_utils.IMAGE_FEATURE)
                 for part in parts]
+
+
+DEMONSTRATION_COLUMN = "demonstration"
+
+
+def load_demonstrations(registry_path: str, names: Sequence[str]) -> datasets.Dataset:
+    """Standard rows plus a `demonstration` column (the model's turns, as strings) from the "demonstrations" files
+    of the named datasets: the same fields as the dataset's own rows (prompt, answer), so they render the same way.
+    Datasets without demonstrations are skipped; none at all is an error naming the key to add."""
+    registry = load_dataset_registry(registry_path)
+    specs = [registry[n] for n in dict.fromkeys(names) if n in registry and registry[n].demonstrations]
+    if not specs:
+        raise DatasetError(f"--warm_start_steps: none of the datasets {', '.join(names)} has \"demonstrations\" in "
+                           f"{registry_path}; add that key (a file of rows with the model's turns written out, "
+                           f"e.g. data/arith/calc_demonstrations.jsonl) or drop --warm_start_steps")
+    parts = []
+    with quiet_progress():
+        for spec in specs:
+            source = dataclasses.replace(spec, path=spec.demonstrations, hub_id=None, max_samples=None,
+                                         image_field=None)
+            raw = load_raw(source)
+            turns = _demonstration_turns(source, raw)
+            parts.append(standardize(source, raw).add_column(DEMONSTRATION_COLUMN, turns))
+    return datasets.concatenate_datasets(parts)
+
+
+def _demonstration_turns(spec, raw: datasets.Dataset) -> list[list[str]]:
+    """Each row's `demonstration`: a non-empty list of the model's turns (strings), checked row by row."""
+    if DEMONSTRATION_COLUMN not in raw.column_names:
+        raise DatasetError(f"dataset '{spec.name}': its demonstrations {spec.path} have no \"{DEMONSTRATION_COLUMN}\" "
+                           f"column; give each row the model's turns, e.g. \"{DEMONSTRATION_COLUMN}\": [\"<tool_call>"
+                           f"...</tool_call>\", \"The answer is \\\\boxed{{41}}.\"]")
+    turns = raw[DEMONSTRATION_COLUMN]
+    for index, value in enumerate(turns):
+        if not (isinstance(value, list) and value and all(isinstance(t, str) and t for t in value)):
+            raise DatasetError(f"dataset '{spec.name}': record {index + 1} of {spec.path}: \"{DEMONSTRATION_COLUMN}\" "
+                               f"must be a non-empty list of the model's turns (non-empty strings), got "
+                               f"{str(value)[:120]!r}")
+    return turns

@@ -35,6 +35,7 @@ class DatasetSpec:
     image_root: Optional[str] = None    # folder relative image paths are read from (default: the registry's)
     tools: list[str] = field(default_factory=list)  # tool names the model may call (multi-turn episodes)
     environment: Optional[str] = None   # a registered environment that answers the model's turns (docs/tools.md)
+    demonstrations: Optional[str] = None  # rows with the model's turns written out, for --warm_start_steps
     registry_folder: Optional[str] = field(default=None, compare=False, repr=False)  # set by the parser
 
     @property
@@ -45,7 +46,7 @@ class DatasetSpec:
 
 ENTRY_KEYS = [f.name for f in fields(DatasetSpec) if f.name != "name" and f.compare]
 _TEXT_KEYS = ("path", "hub_id", "split", "prompt_field", "messages_field", "answer_field", "system_prompt",
-              "prompt_template", "answer_extractor", "image_field", "image_root")
+              "prompt_template", "answer_extractor", "image_field", "image_root", "demonstrations")
 
 
 # ------------------------------------------------------------------------------------------------ registry
@@ -105,6 +106,8 @@ def _parse_entry(name: str, entry, folder: str, registry_path: str) -> DatasetSp
         spec.path = os.path.normpath(os.path.join(folder, os.path.expanduser(spec.path)))
     if spec.image_root:
         spec.image_root = os.path.normpath(os.path.join(folder, os.path.expanduser(spec.image_root)))
+    if spec.demonstrations:
+        spec.demonstrations = os.path.normpath(os.path.join(folder, os.path.expanduser(spec.demonstrations)))
     spec.registry_folder = folder
     return spec
 

@@ -116,6 +116,30 @@ def run_episodes(engine: RolloutEngine, tokenizer, prompts: list[EpisodePrompt],
     return episodes
 
 
+def scripted_episode(prompt: EpisodePrompt, replies: list[str], tokenizer, limits: EpisodeLimits,
+                     turns: Optional[EnvironmentTurns] = None) -> Episode:
+    """An episode whose model turns are given as text (a demonstration), laid out exactly as run_episodes lays out a
+    sampled one: each reply's tokens and the template's end-of-turn token (what the model emits to stop), the
+    environment's real answers between them (tools run), the same limits. The episode ends after the last reply."""
+    turns = turns or EnvironmentTurns(tokenizer)
+    end_of_turn = tokenizer.encode(turns.turn_close, add_special_tokens=False)[:1]
+    environment = prompt.environment or get_environment(DEFAULT_ENVIRONMENT)
+    episode = Episode(0, [dict(m) for m in prompt.messages])
+    for index, reply in enumerate(replies):
+        tokens = tokenizer.encode(reply, add_special_tokens=False) + end_of_turn
+        room = limits.max_episode_tokens - len(episode.completion_ids)
+        if not _add_model_turn(episode, Completion(0, tokens, [], "stop"), room, tokenizer, False):
+            break  # cut by the budget
+        step = step_environment(environment, episode.messages, prompt.fields)
+        if index == len(replies) - 1:  # the environment's last answer stays in messages, as after a sampled turn
+            episode.messages += [dict(m) for m in step.messages]
+            episode.finish_reason = "stop"
+        elif not _add_environment_turn(episode, step, turns, limits):
+            break
+    episode.logprobs = []
+    return episode
+
+
 def _images(per_prompt: list) -> Optional[list]:
     return per_prompt if any(p is not None for p in per_prompt) else None
 

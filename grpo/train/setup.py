@@ -83,6 +83,7 @@ class RunData:
     total_steps: int
     ds_config: dict
     episode_datasets: dict = field(default_factory=dict)  # {name: EpisodeDataset}: rows that run as episodes
+    demonstrations: Optional[object] = None  # rendered rows with the model's turns (--warm_start_steps)
 
 
 def prepare_run(config: GRPOConfig, reward_funcs: Sequence[Callable] = ()) -> RunData:
@@ -152,6 +153,12 @@ def load_run_data(config: GRPOConfig, rewards, rank: int, world: int) -> RunData
                               tools_by_source=tools_by_source)
 
     train_set = render(train_rows, "train")
+    demonstrations = None
+    if config.warm_start_steps:  # rendered like the training prompts, tools included
+        from grpo.data import load_demonstrations
+
+        demonstrations = render(load_demonstrations(config.dataset_config_path, config.dataset_names),
+                                "demonstrations")
     # held-out rows, then eval datasets; the first --eval_max_prompts of each dataset
     eval_set = first_rows_per_source(render(eval_rows, "eval"), config.eval_max_prompts) if len(eval_rows) else None
     if config.rollout_engine == "vllm" and config.vllm_tp > 1:
@@ -166,7 +173,7 @@ def load_run_data(config: GRPOConfig, rewards, rank: int, world: int) -> RunData
             f"--gradient_accumulation_steps, or raise --train_split_ratio")
     total_steps = config.max_steps if config.max_steps > 0 else config.epochs * order.steps_per_epoch
     return RunData(model_path, tokenizer, vision, rewards, train_set, eval_set, order, total_steps, ds_config,
-                   episode_datasets)
+                   episode_datasets, demonstrations)
 
 
 def initialize_deepspeed(policy, ds_config: dict, config: GRPOConfig, total_updates: int):

@@ -44,6 +44,7 @@ from grpo.train.setup import RunData, initialize_deepspeed, prepare_run
 from grpo.train.step_data import RolloutBatch, StepData, build_rollout_batch
 from grpo.train.token_budget import micro_batch_token_budget
 from grpo.train.update import has_dropout, score, step_micro_batches, step_normaliser, update
+from grpo.train.warm_start import run_warm_start
 
 logger = logging.getLogger("grpo")
 MAX_BAD_STEPS = 3
@@ -88,7 +89,10 @@ class GRPOTrainer:
         self.zero3 = zero_stage(self.ds_config) == 3
         policy = load_policy(config, self.model_path, self.dtype, self.device)
         self.reference = load_reference(config, self.model_path, self.dtype, self.device)
-        self.engine = initialize_deepspeed(policy, self.ds_config, config, self.total_steps * config.num_iterations)
+        self.demonstrations = data.demonstrations
+        self.warm_start_losses: list[float] = []  # per warm-start step: negative log-likelihood per model token
+        self.engine = initialize_deepspeed(policy, self.ds_config, config,  # a warm start's steps come first
+                                           self.total_steps * config.num_iterations + config.warm_start_steps)
         self.state = TrainerState()
         self._sizes: dict = {}  # the step's sizes (micro-batches), for an out-of-memory message
         self._last_sync = None
@@ -162,6 +166,8 @@ class GRPOTrainer:
         metrics: dict = {}
         try:
             signals.install()
+            if self.state.step == 0 and self.demonstrations is not None:
+                self._warm_start()  # supervised steps on demonstrations: what GRPO starts from
             if self.state.step == 0 and cfg.eval_on_start and self.eval_set is not None:
                 self.evaluate(reporter)  # step 0: what training starts from
             while self.state.step < self.total_steps:
@@ -289,6 +295,15 @@ class GRPOTrainer:
         metrics["grad_norm"] = self._grad_norm()
         metrics["lr"] = self.engine.get_lr()[0]
         return metrics, time.perf_counter() - start
+
+    @phase("warm start")
+    def _warm_start(self) -> None:
+        """--warm_start_steps supervised steps on the datasets' demonstrations (grpo.train.warm_start), with the
+        rollout engine asleep as during an update; then it gets the result."""
+        self.rollout_engine.sleep()
+        self.warm_start_losses = run_warm_start(self.engine, self.config, self.demonstrations, self.tokenizer, self.rollouts.episode_datasets,
+                       self.max_completion_tokens, self.micro_batch_tokens, self.device)
+        self._sync_rollout_weights()
 
     @phase("weight sync")
     def _sync_rollout_weights(self, first: bool = False) -> float:
