@@ -15,8 +15,10 @@
 #   MODEL=outputs/smollm2-nf4-64 ARITH=lora TAG=on-nf4 GSM8K= bash benchmarks/learning.sh   # lora on qlora's
 #                                              # rounded base (written by benchmarks/rounded_checkpoint.py)
 #   ARITH="" GSM8K="" ARITH_CALC="lora" SEEDS="0 1" STEPS=60 bash benchmarks/learning.sh   # arith with the calculator
-#                                              # tool (multi-turn episodes); the table adds the share of held-out
-#                                              # episodes that called it, at step 0 and at the end
+#                                              # tool (multi-turn episodes), after WARM_START (30) supervised steps
+#                                              # on its demonstrations; the table adds the share of held-out
+#                                              # episodes that called it, at step 0 (after the warm start) and at
+#                                              # the end
 #   PARALLEL=4 bash benchmarks/learning.sh     # up to 4 runs at once on the one GPU (a 135M model leaves it idle);
 #                                              # the table's wall / train seconds then include the sharing. Runs
 #   that share a GPU keep vLLM awake with a VLLM_MEM share (default 0.08): vLLM sizes its KV cache by profiling the
@@ -35,6 +37,7 @@ OUT_DIR=${OUT_DIR:-outputs/bench/learning}
 MODEL=${MODEL:-smollm2-135m-instruct}  # the embedded default, or a local folder (benchmarks/rounded_checkpoint.py)
 ARITH=${ARITH-full lora qlora}
 ARITH_CALC=${ARITH_CALC-}  # strategies to run on arith_calc (arith's questions, the calculator tool); none by default
+WARM_START=${WARM_START:-30}  # arith_calc: supervised steps on its calculator demonstrations first (0: none)
 GSM8K=${GSM8K-lora qlora}
 SEEDS=${SEEDS:-0}
 STEPS=${STEPS:-40}
@@ -128,7 +131,7 @@ for seed in $SEEDS; do
   for strategy in $ARITH_CALC; do  # episodes of up to 3 turns; the tool instructions make the prompt ~260 tokens
     launch "arith_calc-$strategy-s$seed" arith_calc "$strategy" "$seed" boxed_accuracy --dataset_names arith_calc \
       --max_steps "$STEPS" --rollout_max_new_tokens 64 --max_turns 3 --max_episode_tokens 256 \
-      --max_prompt_length 320 --max_seq_length 576 --eval_max_prompts 100
+      --max_prompt_length 320 --max_seq_length 576 --eval_max_prompts 100 --warm_start_steps "$WARM_START"
   done
 done
 if [ -n "$GSM8K" ] && [ -f "$GSM8K_DIR/test.jsonl" ]; then
