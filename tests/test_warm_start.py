@@ -115,3 +115,26 @@ def test_a_warm_start_learns_its_demonstrations_before_grpo_starts(tmp_path):
     assert [row["step"] for row in train_rows(tmp_path / "out")] == [1]
     log = open(tmp_path / "out" / "train.log").read()
     assert "warm start 4/4: loss=" in log
+
+
+def test_demonstrations_of_a_one_turn_dataset_are_one_completion():
+    """A dataset without tools: the first reply and EOS, every token in the loss; a tool dataset's row beside it keeps
+    its episode's mask."""
+    from grpo.tools import get_environment
+    from grpo.train.tool_setup import EpisodeDataset
+    from grpo.train.warm_start import demonstration_batch
+
+    tokenizer = smollm2_tokenizer()
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is 38 + 3?"}],
+                                           add_generation_prompt=True, tokenize=True, return_dict=False)
+    rows = [{"prompt_ids": list(prompt), "messages": [{"role": "user", "content": "What is 38 + 3?"}],
+             "answer": "41", "data_source": "plain", "demonstration": [ANSWER, "never used"]},
+            {"prompt_ids": list(prompt), "messages": [{"role": "user", "content": "What is 38 + 3?"}],
+             "answer": "41", "data_source": "calc", "demonstration": [CALL, ANSWER]}]
+    calc = EpisodeDataset(["calculator"], get_environment("tools"))
+    batch = demonstration_batch(rows, tokenizer, {"calc": calc}, EpisodeLimits(max_turns=3, max_episode_tokens=200))
+    one_turn = tokenizer.encode(ANSWER, add_special_tokens=False) + [tokenizer.eos_token_id]
+    assert batch.completion_id_lists[0] == one_turn
+    assert batch.completion_mask[0].sum().item() == len(one_turn)
+    model_tokens = len(tokenizer.encode(CALL, add_special_tokens=False)) + 1 + len(one_turn)  # each turn ends in <|im_end|>
+    assert batch.completion_mask[1].sum().item() == model_tokens < len(batch.completion_id_lists[1])

@@ -34,27 +34,22 @@ logger = logging.getLogger("grpo")
 
 def demonstration_batch(rows: list[dict], tokenizer, episode_datasets: dict, limits: EpisodeLimits) -> RolloutBatch:
     """The rows' demonstrations as one batch: prompt ids, then each episode's tokens, the model's tokens in the mask.
-    Rows of a dataset without tools or an environment are one model turn (their first reply)."""
+    A row of a dataset without tools or an environment is one completion: its first reply and the EOS token, as a
+    sampled one ends (at most the episode budget)."""
     prompt_ids, completions = [], []
     for index, row in enumerate(rows):
         dataset = episode_datasets.get(row["data_source"])
-        replies = list(row["demonstration"])
+        prompt_ids.append(list(row["prompt_ids"]))
         if dataset is None:
-            replies = replies[:1]
-            fields, environment = {}, _no_environment
-        else:
-            fields = {"tools": list(dataset.tools), "answer": row["answer"], "data_source": row["data_source"]}
-            environment = dataset.environment
-        prompt = EpisodePrompt(list(row["prompt_ids"]), [dict(m) for m in row["messages"]], fields,
-                               environment=environment)
-        episode = scripted_episode(prompt, replies, tokenizer, limits)
-        prompt_ids.append(prompt.prompt_ids)
+            tokens = tokenizer.encode(row["demonstration"][0], add_special_tokens=False) + [tokenizer.eos_token_id]
+            completions.append(Completion(index, tokens[:limits.max_episode_tokens], [], "stop"))
+            continue
+        fields = {"tools": list(dataset.tools), "answer": row["answer"], "data_source": row["data_source"]}
+        prompt = EpisodePrompt(prompt_ids[-1], [dict(m) for m in row["messages"]], fields,
+                               environment=dataset.environment)
+        episode = scripted_episode(prompt, list(row["demonstration"]), tokenizer, limits)
         completions.append(Completion(index, episode.completion_ids, [], "stop", mask=list(episode.mask)))
     return build_rollout_batch(prompt_ids, completions, tokenizer.pad_token_id)
-
-
-def _no_environment(messages, **fields):
-    return [], True
 
 
 def supervised_settings(config):
