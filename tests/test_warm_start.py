@@ -113,6 +113,11 @@ def test_a_warm_start_learns_its_demonstrations_before_grpo_starts(tmp_path):
     assert len(losses) == 4 and all(loss > 0 for loss in losses)
     assert losses[-1] < 0.8 * losses[0]  # the demonstrated turns became likelier
     assert [row["step"] for row in train_rows(tmp_path / "out")] == [1]
+    # GRPO's one update found a fresh optimizer: Adam counts 1 step, not 5
+    from grpo.train.update import base_optimizer
+
+    states = list(base_optimizer(trainer.engine.optimizer).state.values())
+    assert states and all(int(state["step"]) == 1 for state in states)
     log = open(tmp_path / "out" / "train.log").read()
     assert "warm start 4/4: loss=" in log
 

@@ -12,7 +12,8 @@ ratio 1, inside any clip range) the policy-gradient loss
 
 is the gradient of the demonstrations' negative log-likelihood over the model's tokens (environment tokens masked),
 under the run's loss aggregation D. So the warm start shares the update's micro-batches, token budget, DeepSpeed
-stages and optimizer; its steps come first in the learning-rate schedule.
+stages and optimizer; its steps come first in the learning-rate schedule, and the optimizer's moments are dropped
+after it (GRPO's updates then start as from a fresh optimizer).
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ from grpo.rollout.engine import Completion
 from grpo.rollout.episodes import EpisodeLimits, EpisodePrompt, scripted_episode
 from grpo.runtime import distributed as dist_utils
 from grpo.train.step_data import RolloutBatch, StepData, build_rollout_batch
-from grpo.train.update import step_micro_batches, step_normaliser, update
+from grpo.train.update import base_optimizer, step_micro_batches, step_normaliser, update
 
 logger = logging.getLogger("grpo")
 
@@ -87,4 +88,12 @@ def run_warm_start(engine, config, demonstrations, tokenizer, episode_datasets: 
         losses.append(loss)
         logger.info(f"warm start {step + 1}/{config.warm_start_steps}: loss={loss:.4g} (negative log-likelihood per "
                     f"model token, {int(count)} tokens; {time.perf_counter() - start:.2f}s)")
+    forget_moments(engine)
     return losses
+
+
+def forget_moments(engine) -> None:
+    """Drop the optimizer's moments and step counts, so GRPO starts as from a fresh optimizer: Adam's second moment
+    decays by beta2 = 0.999 a step, so the supervised gradients' (far larger than GRPO's) would shrink GRPO's first
+    few hundred updates. The optimizer builds its state again at the next step, as at the first."""
+    base_optimizer(engine.optimizer).state.clear()
