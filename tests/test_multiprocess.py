@@ -1,6 +1,7 @@
 """Two DeepSpeed ranks on CPU (gloo), launched as a user would: `deepspeed --num_gpus 2 train_grpo.py ...`."""
 import json
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -21,6 +22,7 @@ def says_seven(completions, answers, **row):
 '''
 FAILING_REWARD_MODULE = '''
 import os
+import re
 from grpo import register_reward
 
 calls = 0  # counts training steps: the tests turn the eval at step 0 off
@@ -93,6 +95,49 @@ def test_two_ranks(zero, strategy, setup):
     assert any("zero_pp_rank_1" in name for name in on_disk) and any("zero_pp_rank_0" in name for name in on_disk)
     final = out / ("model" if strategy == "full" else "lora_adapter")
     assert os.path.isfile(final / ("model.safetensors" if strategy == "full" else "adapter_model.safetensors"))
+
+
+@pytest.mark.skipif(shutil.which("deepspeed") is None, reason="the deepspeed launcher is not on PATH")
+def test_two_ranks_share_a_warm_start(tmp_path):
+    """ZeRO-3 lora on 2 ranks, 3 warm-start steps on 8 calculator demonstrations: each rank takes 4 of them a step
+    (the logged token count is both ranks' 8 rows), the likelihood rises, and GRPO's step follows."""
+    from .test_warm_start import demonstration_rows, demonstrations_registry
+
+    model = make_tiny_model_dir(str(tmp_path / "model"))
+    registry = demonstrations_registry(tmp_path / "data", demonstration_rows(8))
+    cmd = [*deepspeed_launcher(), "--num_gpus", "2", "--master_port", "29521", os.path.join(ROOT, "train_grpo.py"),
+           "--model_name_or_path", model, "--dataset_config_path", registry, "--dataset_names", "calc_toy,toy",
+           "--output_dir", str(tmp_path / "out"), "--k_samples", "4", "--per_device_train_batch_size", "2",
+           "--rollout_max_new_tokens", "8", "--max_prompt_length", "224", "--max_seq_length", "320", "--max_turns",
+           "2", "--learning_rate", "1e-2", "--eval_on_start", "false", "--eval_max_prompts", "4", "--max_steps", "1",
+           "--save_steps", "0", "--warm_start_steps", "3", "--deepspeed", "zero3"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=child_env(), timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    logged = re.findall(r"warm start (\d)/3: loss=([0-9.]+) \(negative log-likelihood per model token, (\d+) tokens",
+                        proc.stdout + proc.stderr)
+    single_rank = demonstrations_token_count(model, registry)
+    assert [int(step) for step, _, _ in logged] == [1, 2, 3]
+    assert all(int(tokens) == single_rank for _, _, tokens in logged)
+    assert float(logged[-1][1]) < float(logged[0][1])
+    assert [r["step"] for r in train_rows(tmp_path / "out")] == [1]
+
+
+def demonstrations_token_count(model, registry) -> int:
+    """The model tokens of all 8 demonstrations, laid out in this process (what both ranks' shares add up to)."""
+    from transformers import AutoTokenizer
+
+    from grpo.data import load_demonstrations, render_prompts
+    from grpo.rollout.episodes import EpisodeLimits
+    from grpo.train.tool_setup import EpisodeDataset, prompts_with_tools
+    from grpo.tools import check_tools, get_environment
+    from grpo.train.warm_start import demonstration_batch
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    calc = EpisodeDataset(["calculator"], get_environment("tools"), [t.schema for t in check_tools(["calculator"])])
+    rows, tools = prompts_with_tools(load_demonstrations(registry, ["calc_toy"]), tokenizer, {"calc_toy": calc})
+    rows = render_prompts(rows, tokenizer, 224, tools_by_source=tools)
+    batch = demonstration_batch(list(rows), tokenizer, {"calc_toy": calc}, EpisodeLimits(2, 320 - 224))
+    return int(batch.completion_mask.sum())
 
 
 def launch_with_reward(setup, reward_file: str, out_name: str, port: int, **kw):
