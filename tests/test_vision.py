@@ -145,6 +145,21 @@ def test_images_need_a_vision_language_model(tmp_path):
         GRPOTrainer(config)
 
 
+def test_a_warm_start_is_refused_for_a_vision_language_model(vl_model, tmp_path):
+    """Demonstrations are laid out as text episodes: a vision-language run with --warm_start_steps stops with the
+    flag to drop, before any model loads."""
+    from grpo.train.setup import prepare_run
+
+    registry = color_set(str(tmp_path), rows=4)
+    with open(registry) as fh:
+        entries = json.load(fh)
+    entries["colors"]["demonstrations"] = "colors.jsonl"
+    write_registry(str(tmp_path), entries)
+    config = vl_config(vl_model, registry, str(tmp_path / "o"), ["colors"], warm_start_steps=2)
+    with pytest.raises(ConfigError, match="vision-language model: drop --warm_start_steps"):
+        prepare_run(config)
+
+
 # ---------------------------------------------------------------------------------- rendering and pixels
 @pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen2_vl"])
 def test_sampler_and_loss_see_the_same_pixels(arch, tmp_path):

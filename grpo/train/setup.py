@@ -154,6 +154,9 @@ def load_run_data(config: GRPOConfig, rewards, rank: int, world: int) -> RunData
 
     train_set = render(train_rows, "train")
     demonstrations = None
+    if config.warm_start_steps and vision:
+        raise ConfigError("--warm_start_steps: demonstrations are for text models (their turns are laid out as text "
+                          "episodes); this model is a vision-language model: drop --warm_start_steps")
     if config.warm_start_steps:  # rendered like the training prompts, tools included
         from grpo.data import load_demonstrations
 
