@@ -301,8 +301,9 @@ class GRPOTrainer:
         """--warm_start_steps supervised steps on the datasets' demonstrations (grpo.train.warm_start), with the
         rollout engine asleep as during an update; then it gets the result."""
         self.rollout_engine.sleep()
-        self.warm_start_losses = run_warm_start(self.engine, self.config, self.demonstrations, self.tokenizer, self.rollouts.episode_datasets,
-                       self.max_completion_tokens, self.micro_batch_tokens, self.device)
+        self.warm_start_losses = run_warm_start(self.engine, self.config, self.demonstrations, self.tokenizer,
+                                                self.rollouts.episode_datasets, self.max_completion_tokens,
+                                                self.micro_batch_tokens, self.device)
         self._sync_rollout_weights()
 
     @phase("weight sync")

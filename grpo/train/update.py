@@ -151,9 +151,10 @@ def update(engine, step: StepData, cfg: GRPOConfig, first_pass: bool = True) -> 
         elif not mb.empty:
             loss_total += loss.item()
             pg_total += m.pop("pg_loss")
-            m["entropy"] = masked_mean(entropy.detach(), b.completion_mask).item()
-            # the trained tokens' mean log-prob before the update (a warm start's negative loss, grpo.train.warm_start)
-            m["logprob_mean"] = masked_mean(logprobs.detach(), b.completion_mask).item()
+            # with the trained tokens' mean log-prob before the update (a warm start's negative loss,
+            # grpo.train.warm_start), in one host sync
+            m["entropy"], m["logprob_mean"] = torch.stack([masked_mean(entropy.detach().float(), b.completion_mask),
+                                                           masked_mean(logprobs.detach(), b.completion_mask)]).tolist()
             per_micro_batch.append((m, tokens))
         # the step's gradient is the sum over ranks; DeepSpeed averages over them
         engine.backward(loss * world, scale_wrt_gas=False)
