@@ -74,7 +74,7 @@ json.dump(env, open(sys.argv[1], "w"))
 print(env)
 PY
 echo "== model: $MODEL_DIR"
-bounded "$T_MODEL" python benchmarks/random_model.py --out "$MODEL_DIR" || { echo "model creation failed"; exit 1; }
+bounded "$T_MODEL" env ${GPU_ID:+CUDA_VISIBLE_DEVICES=$GPU_ID} python benchmarks/random_model.py --out "$MODEL_DIR" || { echo "model creation failed"; exit 1; }
 
 # train <name> <mode label> <gpus> <training ranks> <prompts per rank> <max new> <steps> <timeout> <extra args...>
 # (extra args come last, so they win over the shared ones, e.g. --vllm_gpu_memory_utilization in server mode)

@@ -5,7 +5,8 @@
 #   2. unless SKIP_E2E=1: a GRPO run on the embedded SmolLM2 with vLLM rollouts, and the same with the HF engine
 #   3. unless SKIP_VL=1: GRPO on the bundled `shapes` images with a vision-language model (VL_MODEL, default the
 #      random ~200M Qwen2.5-VL that tests/gpu/vl_sync_check.py builds): vLLM lora, vLLM qlora, HF lora, VL_STEPS each
-# Results (logs, one JSON line per checked step) go to ${OUT:-outputs/gpu}.
+# Results (logs, one JSON line per checked step) go to ${OUT:-outputs/gpu}. GPU_ID=<n> puts the runs of 2-3 on GPU n
+# (DeepSpeed's launcher ignores CUDA_VISIBLE_DEVICES when given --num_gpus), so tests can run on another GPU meanwhile.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-outputs/gpu}
@@ -24,23 +25,25 @@ common=(--model_name_or_path smollm2-135m-instruct --dataset_names arith --tunin
         --vllm_enforce_eager true --logging_steps 1)
 launcher=(deepspeed)
 command -v deepspeed >/dev/null 2>&1 || launcher=(python -m deepspeed.launcher.runner)
+where=(--num_gpus 1); [ -n "${GPU_ID:-}" ] && where=(--include "localhost:$GPU_ID")
+launcher+=("${where[@]}")
 if [ "${SKIP_E2E:-0}" != 1 ]; then
-  "${launcher[@]}" --num_gpus 1 train_grpo.py "${common[@]}" --rollout_engine vllm --max_steps "${E2E_STEPS:-30}" \
+  "${launcher[@]}" train_grpo.py "${common[@]}" --rollout_engine vllm --max_steps "${E2E_STEPS:-30}" \
     --output_dir "$OUT/vllm_run" --overwrite_output_dir > "$OUT/vllm_run.log" 2>&1
   echo "vllm run rc=$?"; grep -E "INFO step|eval at" "$OUT/vllm_run.log" | tail -25
-  "${launcher[@]}" --num_gpus 1 train_grpo.py "${common[@]}" --max_steps "${HF_STEPS:-3}" \
+  "${launcher[@]}" train_grpo.py "${common[@]}" --max_steps "${HF_STEPS:-3}" \
     --output_dir "$OUT/hf_run" --overwrite_output_dir > "$OUT/hf_run.log" 2>&1
   echo "hf run rc=$?"; grep -E "INFO step" "$OUT/hf_run.log" | tail -5
 fi
 if [ "${SKIP_VL:-0}" != 1 ]; then
-  VL_MODEL=${VL_MODEL:-$(python -c "import sys; sys.path.insert(0, 'tests/gpu'); import vl_sync_check as c; print(c.build_model(c.MODEL_DIR))" | tail -1)}
+  VL_MODEL=${VL_MODEL:-$(env ${GPU_ID:+CUDA_VISIBLE_DEVICES=$GPU_ID} python -c "import sys; sys.path.insert(0, 'tests/gpu'); import vl_sync_check as c; print(c.build_model(c.MODEL_DIR))" | tail -1)}
   vl=(--model_name_or_path "$VL_MODEL" --dataset_names shapes --per_device_train_batch_size 8 --k_samples 8
       --rollout_max_new_tokens 32 --max_prompt_length 192 --max_seq_length 224 --learning_rate 1e-4
       --save_steps 0 --eval_max_prompts 32 --seed 0 --vllm_enforce_eager true --max_steps "${VL_STEPS:-20}")
   for run in "vllm lora" "vllm qlora" "hf lora"; do
     set -- $run
     flag=(); [ "$1" = vllm ] && flag=(--rollout_engine vllm)
-    "${launcher[@]}" --num_gpus 1 train_grpo.py "${vl[@]}" --tuning_strategy "$2" "${flag[@]}" \
+    "${launcher[@]}" train_grpo.py "${vl[@]}" --tuning_strategy "$2" "${flag[@]}" \
       --output_dir "$OUT/vl_$1_$2" --overwrite_output_dir > "$OUT/vl_$1_$2.log" 2>&1
     echo "vl $1 $2 rc=$?"; grep -E "INFO step" "$OUT/vl_$1_$2.log" | tail -3
     python - "$OUT/vl_$1_$2/metrics.jsonl" <<'PY'
