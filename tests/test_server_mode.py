@@ -202,11 +202,9 @@ def test_a_rollout_rank_building_a_trainer_is_told_what_to_run(monkeypatch):
         GRPOTrainer(config)
 
 
-@needs_launcher
-def test_two_training_ranks_run_multi_turn_episodes_on_one_rollout_rank(tmp_path):
-    """Tool episodes in server mode: every turn of every episode is generated on the rollout rank, each training
-    rank takes part in every turn until no rank has a live episode (their episodes end after different numbers of
-    turns), and the sampled log-probs of the model's tokens equal the trainer's (fp32)."""
+def launch_episodes(tmp_path, port: int, *flags: str, ranks: int):
+    """A server-mode lora job whose prompts run as episodes: the `ask_again` environment (from a --tool_module, so
+    the rollout rank must import it too) answers every model turn, up to 3 turns."""
     from .test_tool_training import ASK_AGAIN_MODULE, CALC_ROWS, make_quick_stopping_model_dir
     from .trainer_setup import add_dataset, write_prompt_registry
 
@@ -217,10 +215,18 @@ def test_two_training_ranks_run_multi_turn_episodes_on_one_rollout_rank(tmp_path
     module = tmp_path / "data" / "ask_again.py"
     module.write_text(ASK_AGAIN_MODULE)
     out = tmp_path / "out"
-    proc = launch(tmp_path, model, registry, out, 29545, *SERVER, "--dataset_names", "ask_toy", "--tool_module",
+    proc = launch(tmp_path, model, registry, out, port, *SERVER, "--dataset_names", "ask_toy", "--tool_module",
                   str(module), "--tuning_strategy", "lora", "--lora_dropout", "0", "--max_turns", "3",
-                  "--rollout_max_new_tokens", "16", "--max_seq_length", "128", "--max_steps", "2",
-                  "--eval_on_start", "false", "--eval_max_prompts", "1", "--train_split_ratio", "0.9", ranks=3)
+                  "--rollout_max_new_tokens", "16", "--max_seq_length", "128", "--eval_on_start", "false",
+                  "--eval_max_prompts", "1", "--train_split_ratio", "0.9", *flags, ranks=ranks)
+    return out, proc
+
+
+@needs_launcher
+def test_two_training_ranks_run_multi_turn_episodes_on_one_rollout_rank(tmp_path):
+    """Tool episodes in server mode: the rollout rank runs both training ranks' episodes whole (its engine, their
+    environment, turn by turn), and the sampled log-probs of the model's tokens equal the trainer's (fp32)."""
+    out, proc = launch_episodes(tmp_path, 29545, "--max_steps", "2", ranks=3)
     both = proc.stdout + proc.stderr
     assert proc.returncode == 0, both[-4000:]
     rows = train_rows(out)
@@ -228,3 +234,18 @@ def test_two_training_ranks_run_multi_turn_episodes_on_one_rollout_rank(tmp_path
     for row in rows:
         assert row["episodes/turns"] > 1.5, row  # multi-turn, as a rule
         assert row["rollout/logprob_diff_mean"] < 1e-4 and row["rollout/logprob_diff_max"] < 1e-3, row
+
+
+@needs_launcher
+def test_async_rollouts_run_the_next_steps_episodes_while_this_step_trains(tmp_path):
+    """--async_rollout with episodes: the next step's episodes run on the rollout rank while the trainer trains,
+    so every step after the first trains on episodes of the policy one step behind, IS-corrected on model tokens."""
+    out, proc = launch_episodes(tmp_path, 29553, "--max_steps", "3", "--async_rollout", "true", ranks=2)
+    both = proc.stdout + proc.stderr
+    assert proc.returncode == 0, both[-4000:]
+    rows = train_rows(out)
+    assert [r["rollout/staleness"] for r in rows] == [0.0, 1.0, 1.0]
+    assert all(r["episodes/turns"] > 1.5 for r in rows), rows
+    assert rows[0]["rollout/logprob_diff_max"] < 1e-3  # the first step's episodes came from the synced start
+    assert all(0.0 < r["rollout/is_weight_mean"] <= 2.0 for r in rows)
+    assert rows[2]["rollout/offpolicy_logprob_diff_mean"] > 1e-4  # later ones from the policy a step behind

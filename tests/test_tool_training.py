@@ -367,21 +367,21 @@ def test_bad_tool_setups_fail_before_any_model_loads(problem, fragments, tmp_pat
     assert "no_model_here" not in error[0]
 
 
-def test_tool_datasets_are_refused_with_async_rollouts_and_with_images(shared_tools, tmp_path):
-    """Episodes run turn by turn as a step's rollouts are collected (server mode included): a tool dataset with
-    --async_rollout (or with images) is one ConfigError, given before the tokenizer loads. (check_episode_datasets
-    reads only these options; GRPOConfig itself needs a job of several ranks for server mode.)"""
+def test_tool_datasets_are_found_and_refused_with_images(shared_tools, tmp_path):
+    """The datasets that run as episodes are found whatever the rollout mode (server mode runs them on the rollout
+    ranks, --async_rollout a step ahead); one with images is one ConfigError, given before the tokenizer loads.
+    (check_episode_datasets reads only these options; GRPOConfig itself needs a job of several ranks for server
+    mode.)"""
     from types import SimpleNamespace
 
     registry = str(tmp_path / "registry.json")
     with open(shared_tools / "registry.json") as src, open(registry, "w") as dst:
         dst.write(src.read())
     options = dict(tool_module=str(shared_tools / "my_tools.py"), dataset_config_path=registry)
-    with pytest.raises(ConfigError, match="dataset 'calc_toy'.*turn by turn.*drop --async_rollout"):
-        check_episode_datasets(SimpleNamespace(rollout_mode="server", async_rollout=True, **options),
-                               load_dataset_registry(registry), ["toy", "calc_toy"])
-    server = SimpleNamespace(rollout_mode="server", async_rollout=False, **options)
-    assert list(check_episode_datasets(server, load_dataset_registry(registry), ["toy", "calc_toy"])) == ["calc_toy"]
+    for async_rollout in (False, True):
+        server = SimpleNamespace(rollout_mode="server", async_rollout=async_rollout, **options)
+        found = check_episode_datasets(server, load_dataset_registry(registry), ["toy", "calc_toy"])
+        assert list(found) == ["calc_toy"] and found["calc_toy"].tools == ["calculator"]
     add_dataset(registry, "calc_images", CALC_ROWS, tools=["calculator"], image_field="image")
     with pytest.raises(ConfigError, match="dataset 'calc_images'.*\"image_field\""):
         check_episode_datasets(SimpleNamespace(rollout_mode="colocate", async_rollout=False, **options),

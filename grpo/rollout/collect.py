@@ -9,14 +9,15 @@ one way back into training: an engine whose weights were dropped gets the policy
 Rows of a dataset with tools or an environment (`episode_datasets`) run as multi-turn episodes
 (grpo.rollout.episodes): their completion is the whole episode, model and environment tokens with a mask that keeps
 the environment's out of the loss; their rewards read the model's last message (and get the conversation as
-`messages`). Other rows of the same step generate as usual.
+`messages`). Other rows of the same step generate as usual. An engine that `runs_episodes` (server mode) runs them
+where it generates; for the others the collector runs them turn by turn through `generate`.
 """
 from __future__ import annotations
 
 import time
 from typing import Callable, Optional
 
-from grpo.rollout.dynamic_sampling import PendingRollouts, RolloutRound, dynamic_rollouts
+from grpo.rollout.dynamic_sampling import PendingRollouts, RolloutRound, RolloutTickets, dynamic_rollouts
 from grpo.rollout.engine import Completion, RolloutEngine, SamplingSettings
 from grpo.rollout.episodes import Episode, EpisodeLimits, EpisodePrompt, episode_metrics, run_episodes
 from grpo.runtime import distributed as dist_utils
@@ -123,8 +124,7 @@ class RolloutCollector:
         images = self.prompt_images(prompts)  # each prompt's pixels once, shared by its k samples
         pending = PendingRollouts(prompts, images, sampling, policy_step=step)
         images_done = time.perf_counter()
-        if not self.episode_datasets:  # episodes generate turn by turn when received
-            pending.ticket = self.engine.submit([p["prompt_ids"] for p in prompts], sampling, images)
+        pending.ticket = self._submit(prompts, sampling, images)  # posted now in server mode; else on collection
         pending.seconds = {"rollout_images": images_done - start, "rollout_submit": time.perf_counter() - images_done}
         return pending
 
@@ -137,11 +137,8 @@ class RolloutCollector:
                       "completions per rank": len(pending.prompts) * cfg.k_samples,
                       "--rollout_max_new_tokens": cfg.rollout_max_new_tokens}
         start = time.perf_counter()
-        if pending.ticket is not None:
-            completions = self.engine.collect(pending.ticket)  # server mode: waits for the rollout ranks
-            episodes = [None] * len(completions)
-        else:
-            completions, episodes = self._generate(pending.prompts, pending.sampling, pending.images)
+        completions, episodes = self._collect(pending.prompts, pending.ticket)  # server mode: waits for rollout ranks
+        self.episodes_drawn += [e for e in episodes if e is not None]
         generated = time.perf_counter()
         texts, messages = self._texts_and_messages(pending.prompts, completions, episodes, pending.sampling.n)
         # time/rollout_images, _submit, _generate (the wait, in server mode), _decode (+ _wake, _sleep)
@@ -152,22 +149,40 @@ class RolloutCollector:
 
     def _generate(self, prompts: list[dict], sampling: SamplingSettings, images: Optional[list]):
         """`sampling.n` completions per prompt, grouped by prompt, and per completion its Episode (None for a row
-        that generates in one turn). Rows of episode datasets run as episodes, the others in one generate call;
-        with a collective engine every rank takes part in both, rows of its own or not."""
-        single = [i for i, p in enumerate(prompts) if p["data_source"] not in self.episode_datasets]
-        multi = [i for i, p in enumerate(prompts) if p["data_source"] in self.episode_datasets]
+        that generates in one turn)."""
+        return self._collect(prompts, self._submit(prompts, sampling, images))
+
+    def _submit(self, prompts: list[dict], sampling: SamplingSettings, images: Optional[list]) -> RolloutTickets:
+        """Ask the engine for the prompts' completions: rows of episode datasets as episodes, the others in one
+        request. An engine that runs episodes itself (server mode) gets them now; for the others they run turn by
+        turn when collected. With a collective engine every rank takes part in both, rows of its own or not."""
+        runs_episode = [p.get("data_source") in self.episode_datasets for p in prompts]
+        tickets = RolloutTickets(single=[i for i, e in enumerate(runs_episode) if not e],
+                                 multi=[i for i, e in enumerate(runs_episode) if e])
         collective = self.engine.collective_generate
+        if tickets.single or collective:
+            pick = [images[i] for i in tickets.single] if images else None
+            tickets.completions = self.engine.submit([prompts[i]["prompt_ids"] for i in tickets.single], sampling, pick)
+        if tickets.multi or (collective and self.episode_datasets):
+            episode_prompts = [self._episode_prompt(prompts[i]) for i in tickets.multi]
+            tickets.episodes = self.engine.submit_episodes(episode_prompts, sampling, self._episode_limits()) \
+                if self.engine.runs_episodes else (episode_prompts, sampling)
+        return tickets
+
+    def _collect(self, prompts: list[dict], tickets: RolloutTickets):
+        """What `_submit` asked for: the completions grouped by prompt, and per completion its Episode or None."""
         by_prompt: list[list] = [[] for _ in prompts]
-        if single or collective:
-            pick = (lambda values: [values[i] for i in single]) if images else (lambda values: None)
-            for c in self.engine.generate([prompts[i]["prompt_ids"] for i in single], sampling, pick(images)):
-                by_prompt[single[c.prompt_index]].append((c, None))
-        if multi or (collective and self.episode_datasets):
-            episode_prompts = [self._episode_prompt(prompts[i]) for i in multi]
-            for e in run_episodes(self.engine, self.tokenizer, episode_prompts, sampling, self._episode_limits(),
-                                  any_rank=dist_utils.any_rank):
-                by_prompt[multi[e.prompt_index]].append((e.as_completion(), e))
-            self.episodes_drawn += [e for group in by_prompt for _, e in group if e is not None]
+        if tickets.completions is not None:
+            for c in self.engine.collect(tickets.completions):
+                by_prompt[tickets.single[c.prompt_index]].append((c, None))
+        if tickets.episodes is not None:
+            if self.engine.runs_episodes:
+                found = self.engine.collect_episodes(tickets.episodes)
+            else:
+                found = run_episodes(self.engine, self.tokenizer, *tickets.episodes, self._episode_limits(),
+                                     any_rank=dist_utils.any_rank)
+            for e in found:
+                by_prompt[tickets.multi[e.prompt_index]].append((e.as_completion(), e))
         completions, episodes = [], []
         for index, group in enumerate(by_prompt):
             for completion, episode in group:

@@ -52,6 +52,8 @@ class RolloutEngine(ABC):
     weights_dropped: bool = False      # such a sleep happened and no complete load_weights has followed
     last_sleep_freed_bytes: Optional[int] = None  # GPU memory the last sleep gave back (None: it never sleeps)
     takes_adapter: bool = False        # holds the base once and takes the LoRA adapter as adapter tensors
+    runs_episodes: bool = False        # runs whole multi-turn episodes where it generates (server mode: on the
+                                       # rollout ranks); otherwise the collector runs them turn by turn through generate
 
     @abstractmethod
     def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingSettings,
@@ -70,6 +72,17 @@ class RolloutEngine(ABC):
     def collect(self, ticket) -> list[Completion]:
         """The completions of a `submit`, as `generate` returns them."""
         return self.generate(ticket.prompt_token_ids, ticket.sampling, ticket.images)
+
+    def submit_episodes(self, prompts: list, sampling: SamplingSettings, limits) -> object:
+        """Start `sampling.n` multi-turn episodes per prompt (grpo.rollout.episodes.EpisodePrompt; the engine finds
+        each one's environment by its dataset, `fields["data_source"]`) under `limits` (EpisodeLimits), and return a
+        ticket at once; `collect_episodes(ticket)` returns the Episodes, ordered as run_episodes orders them.
+        Engines with `runs_episodes` only."""
+        raise NotImplementedError(f"{type(self).__name__} generates turn by turn; the collector runs its episodes")
+
+    def collect_episodes(self, ticket) -> list:
+        """The episodes of a `submit_episodes` (every rank calls it when generate is collective)."""
+        raise NotImplementedError(f"{type(self).__name__} generates turn by turn; the collector runs its episodes")
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], complete: bool = True) -> None:
         """Replace the engine's weights by these (HF checkpoint names). `complete`: the last chunk of a load of every

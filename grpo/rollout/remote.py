@@ -3,6 +3,7 @@
 Every training rank calls generate / load_weights together (they are collectives of the training world); rank 0
 speaks to the rollout ranks through the bridge (bridge.py) and hands each training rank its own completions back.
 Prompts are split evenly over the rollout ranks in training-rank order, so each rollout rank gets a contiguous share.
+Multi-turn episodes travel the same way and come back whole: the rollout ranks run them, tools included (serve.py).
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ class Ticket:
 
 class RemoteRolloutEngine(RolloutEngine):
     collective_generate = True  # every training rank must call generate, even with no prompts of its own
+    runs_episodes = True        # the rollout ranks run whole episodes (see serve.py)
 
     def __init__(self, spec: dict, rollout_ranks: int, timeout_minutes: float, images_as_decoded: bool = False):
         """`spec`: what a rollout rank needs to build its engine (see server._build_engine). `images_as_decoded`:
@@ -58,22 +60,11 @@ class RemoteRolloutEngine(RolloutEngine):
         generate while this rank trains); `collect` waits for the completions."""
         if images and self.images_as_decoded:
             images = [replace(p, pixel_values=None, image_grid_thw=None) if p is not None else None for p in images]
-        parts = dist_utils.gather_objects((prompt_token_ids, images))
-        ticket = Ticket()
-        if self.bridge is not None:
-            ticket.owners = [(rank, i) for rank, (ids, _) in enumerate(parts) for i in range(len(ids))]
-            ticket.ranks = len(parts)
-            ids = [p for part, _ in parts for p in part]
-            pics = [im for part, part_images in parts for im in (part_images or [None] * len(part))]
-            if ids:
-                ticket.bounds = _even_bounds(len(ids), self.count)
-                ticket.numbers = [self.bridge.send(r, ("generate", (ids[a:b], sampling,
-                                                                    pics[a:b] if any(pics[a:b]) else None)))
-                                  for r, (a, b) in enumerate(ticket.bounds)]
-        return ticket
+        return self._post_shares(prompt_token_ids, images,
+                                 lambda ids, pics: ("generate", (ids, sampling, pics if any(pics) else None)))
 
-    def collect(self, ticket: "Ticket") -> list[Completion]:
-        """This rank's completions of a submitted request (all training ranks call it together)."""
+    def collect(self, ticket: "Ticket") -> list:
+        """This rank's completions (or episodes) of a submitted request (all training ranks call it together)."""
         per_rank: Optional[list] = None
         if self.bridge is not None:
             per_rank = [[] for _ in range(ticket.ranks)]
@@ -82,6 +73,16 @@ class RemoteRolloutEngine(RolloutEngine):
                     rank, local = ticket.owners[a + c.prompt_index]
                     per_rank[rank].append(replace(c, prompt_index=local))
         return dist_utils.scatter_objects(per_rank)
+
+    def submit_episodes(self, prompts: list, sampling: SamplingSettings, limits) -> "Ticket":
+        """Post every training rank's episode prompts to the rollout ranks, which run the episodes next to their
+        engine (tools and environments included) and return them whole: one message per step instead of a round
+        trip per turn, and with --async_rollout they run while this rank trains."""
+        shipped = [replace(p, environment=None) for p in prompts]  # found again by its dataset on the rollout rank
+        return self._post_shares(shipped, None, lambda share, _: ("episodes", (share, sampling, limits)))
+
+    def collect_episodes(self, ticket: "Ticket") -> list:
+        return self.collect(ticket)
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], complete: bool = True) -> None:
         """Rank 0 sends the tensors to every rollout rank; the other ranks only take part in gathering them."""
@@ -116,6 +117,22 @@ class RemoteRolloutEngine(RolloutEngine):
             bridge.close()
 
     # ------------------------------------------------------------------------------------------- helpers
+    def _post_shares(self, items: list, images: Optional[list], message) -> "Ticket":
+        """Gather every training rank's items (prompt ids or episode prompts) on rank 0, which posts each rollout
+        rank a contiguous share: `message(share, its images)`."""
+        parts = dist_utils.gather_objects((items, images))
+        ticket = Ticket()
+        if self.bridge is not None:
+            ticket.owners = [(rank, i) for rank, (part, _) in enumerate(parts) for i in range(len(part))]
+            ticket.ranks = len(parts)
+            flat = [item for part, _ in parts for item in part]
+            pics = [im for part, part_images in parts for im in (part_images or [None] * len(part))]
+            if flat:
+                ticket.bounds = _even_bounds(len(flat), self.count)
+                ticket.numbers = [self.bridge.send(r, message(flat[a:b], pics[a:b])) for r, (a, b) in
+                                  enumerate(ticket.bounds)]
+        return ticket
+
     def _post_all(self, message) -> list[int]:
         """The same message to every rollout rank; its numbers, in rank order."""
         return [self.bridge.send(r, message) for r in range(self.count)]

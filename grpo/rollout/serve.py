@@ -1,7 +1,8 @@
 """A rollout rank's life in --rollout_mode server: build an engine, then answer training rank 0 until it says stop.
 
 Messages (see bridge.py): ("start", spec) once, then ("generate", (prompt ids, sampling, images)),
-("weights", layout) or ("adapter", layout) followed by the tensors over the weight group, and ("stop", None). Every message gets a reply:
+("episodes", (episode prompts, sampling, limits)), ("weights", layout) or ("adapter", layout) followed by the tensors
+over the weight group, and ("stop", None). Every message gets a reply:
 {"ok": ...} or {"error": text}; after an error the rank only waits for the stop, so that training rank 0 can print
 the error before the launcher ends the job.
 """
@@ -46,6 +47,7 @@ def serve_rollouts(config) -> int:
 def _serve(bridge: RolloutBridge, config, index: int, count: int, device: torch.device, rank: int) -> int:
     """Answer messages until the stop; the exit code."""
     engine, failure = None, None  # failure: the first error's text, repeated to every later message
+    episodes = None               # what running episodes here needs, set up at the first episodes message
     while True:
         (kind, payload), number = bridge.receive(index)
         if kind == "stop":
@@ -65,6 +67,9 @@ def _serve(bridge: RolloutBridge, config, index: int, count: int, device: torch.
                 prompts, sampling, images = payload
                 answer = engine.generate(prompts, sampling, images or None) \
                     if prompts or engine.collective_generate else []
+            elif kind == "episodes":
+                episodes = episodes or EpisodeHost(config)
+                answer = episodes.run(engine, *payload)
             elif kind == "weights":
                 tensors = bridge.receive_weights(payload)
                 try:
@@ -86,6 +91,30 @@ def _serve(bridge: RolloutBridge, config, index: int, count: int, device: torch.
             failure = f"rollout rank {index} (job rank {rank}) failed in {kind}: {text}"
             logger.error(f"rollout rank {index} failed in {kind}:\n{traceback.format_exc()}")
             bridge.reply(index, number, {"error": failure})
+
+
+class EpisodeHost:
+    """Multi-turn episodes on a rollout rank: the run's tokenizer (environment turns are rendered with it, exactly as
+    the trainer would) and each episode dataset's environment, with --tool_module imported here too."""
+
+    def __init__(self, config):
+        from grpo.data import load_dataset_registry
+        from grpo.model.embedded import resolve_model_path
+        from grpo.model.loading import load_tokenizer
+        from grpo.train.tool_setup import check_episode_datasets
+
+        registry = load_dataset_registry(config.dataset_config_path)
+        self.datasets = check_episode_datasets(config, registry, config.dataset_names + config.eval_dataset_names)
+        self.tokenizer = load_tokenizer(resolve_model_path(config.model_name_or_path), config.trust_remote_code)
+
+    def run(self, engine, prompts: list, sampling, limits) -> list:
+        from grpo.rollout.episodes import run_episodes
+
+        for prompt in prompts:  # environments travel by name: the dataset's
+            prompt.environment = self.datasets[prompt.fields["data_source"]].environment
+        # a tensor-parallel engine generates with the other ranks of its group, each turn until none has episodes
+        any_rank = dist_utils.any_rank if engine.collective_generate else bool
+        return run_episodes(engine, self.tokenizer, prompts, sampling, limits, any_rank=any_rank)
 
 
 def _build_engine(config, spec: dict, index: int, count: int, device: torch.device, rank: int):

@@ -50,10 +50,6 @@ def check_episode_datasets(config, registry: dict[str, DatasetSpec], names) -> d
         if spec.image_field:
             raise ConfigError(f"{where}: tools and environments are for text prompts; this entry has an "
                               "\"image_field\" (vision-language episodes are not supported yet)")
-        if config.async_rollout:
-            raise ConfigError(f"{where}: multi-turn episodes (\"tools\" / \"environment\") run turn by turn when "
-                              "a step's rollouts are collected, so they cannot be generated a step ahead: drop "
-                              "--async_rollout (server mode without it runs them on the rollout ranks)")
         out[name] = EpisodeDataset([t.name for t in tools], environment, [t.schema for t in tools])
     return out
 

@@ -74,12 +74,22 @@ def test_async_rollouts_run_one_step_behind(tmp_path):
     assert all(0.0 < r["rollout/is_weight_mean"] <= 2.0 for r in rows)
 
 
-def test_tool_episodes_run_turn_by_turn_on_the_rollout_rank(tmp_path):
-    """arith_calc (the calculator tool) in server mode: each turn of every episode is generated on the rollout rank,
-    the tool answers on the training rank, and the sampled log-probs of the model's tokens match the trainer's."""
+def test_tool_episodes_run_on_the_rollout_rank(tmp_path):
+    """arith_calc (the calculator tool) in server mode: the rollout rank runs every episode whole (its engine's turns,
+    the calculator between them), and the sampled log-probs of the model's tokens match the trainer's."""
     rows = run(tmp_path / "out", 29565, "--tuning_strategy", "lora", "--dataset_names", "arith_calc",
                "--max_turns", "3", "--max_prompt_length", "512", "--max_seq_length", "768")
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert all(r["episodes/turns"] >= 1.0 for r in rows), rows
     gaps = [round(r["rollout/logprob_diff_mean"], 4) for r in rows]
     assert all(g < SYNCED_MAX for g in gaps), f"engine vs trainer log-prob gap per step: {gaps}"
+
+
+def test_async_tool_episodes_run_one_step_behind(tmp_path):
+    """arith_calc with --async_rollout: the next step's episodes run on the rollout rank while this step trains."""
+    rows = run(tmp_path / "out", 29567, "--tuning_strategy", "lora", "--dataset_names", "arith_calc",
+               "--max_turns", "3", "--max_prompt_length", "512", "--max_seq_length", "768", "--async_rollout", "true")
+    assert [r["rollout/staleness"] for r in rows] == [0.0, 1.0, 1.0, 1.0]
+    assert all(r["episodes/turns"] >= 1.0 for r in rows), rows
+    assert rows[0]["rollout/logprob_diff_mean"] < SYNCED_MAX  # the first step is on policy
+    assert all(0.0 < r["rollout/is_weight_mean"] <= 2.0 for r in rows)
