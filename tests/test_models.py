@@ -220,6 +220,30 @@ def test_embedded_model_errors_say_how_to_fix(monkeypatch, tmp_path):
         embedded.find_gguf()
 
 
+def test_qlora_in_bf16_keeps_its_unquantized_weights_in_bf16(model_dir):
+    """Embeddings, output layer and norms stay in the model's bf16 from load on (peft's k-bit preparation would make
+    them fp32, and with them the residual stream, until DeepSpeed's bf16 engine casts them back); the adapter gets
+    gradients through the 4-bit layers."""
+    import bitsandbytes as bnb
+
+    policy = load_policy(config(model_dir, tuning_strategy="qlora", gradient_checkpointing=True), model_dir,
+                         torch.bfloat16, CPU)
+    frozen = {n: p.dtype for n, p in policy.named_parameters() if not p.requires_grad and p.dtype.is_floating_point}
+    assert any("embed_tokens" in n for n in frozen) and any("norm" in n for n in frozen), frozen
+    assert set(frozen.values()) == {torch.bfloat16}, frozen
+    assert {p.dtype for p in policy.parameters() if p.requires_grad} == {torch.float32}
+    assert any(isinstance(m, bnb.nn.Linear4bit) for m in policy.modules())
+    policy.train()
+    captured = []
+    layer = policy.get_base_model().model.layers[0]
+    layer.register_forward_hook(lambda module, args, out: captured.append(out[0] if isinstance(out, tuple) else out))
+    loss = policy(input_ids=IDS, labels=IDS).loss
+    loss.backward()
+    assert captured[0].dtype == torch.bfloat16  # the residual stream, as the rollout engine computes it
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for n, p in policy.named_parameters()
+               if p.requires_grad and "lora_B" in n)
+
+
 def test_qlora_keeps_named_layers_in_full_precision(model_dir):
     import bitsandbytes as bnb
 

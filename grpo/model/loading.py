@@ -100,11 +100,7 @@ def load_policy(config: GRPOConfig, model_path: str, dtype: torch.dtype, device:
         vision.freeze_vision_tower(model)
     checkpointing = wants_checkpointing(config.gradient_checkpointing, model)
     if config.tuning_strategy == "qlora":
-        from peft import prepare_model_for_kbit_training
-
-        # checkpointing enabled below, by its current name (peft's call uses the deprecated one)
-        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
-        keep_4bit_forward_exact(model)
+        prepare_4bit_base(model, dtype)
     if checkpointing:
         _enable_checkpointing(model)
     if is_vl and config.freeze_vision_tower:
@@ -139,6 +135,22 @@ def wants_checkpointing(option: Optional[bool], model) -> bool:
     logger.info(f"gradient checkpointing {'on' if on else 'off'} ({count / 1e9:.2f}B parameters; auto turns it on "
                 f"from {CHECKPOINTING_FROM_PARAMETERS / 1e9:.0f}B; --gradient_checkpointing true/false to choose)")
     return on
+
+
+def prepare_4bit_base(model, dtype: torch.dtype) -> None:
+    """Freeze the 4-bit base for LoRA training (checkpointing is enabled by the caller).
+
+    peft's prepare_model_for_kbit_training also casts every unquantized weight (embeddings, output layer, norms) to
+    fp32, which only helps fp16 (whose range those weights can overflow). In bf16 DeepSpeed's engine casts them back
+    to bf16 anyway, so the upcast only costs a transient copy at load (at Qwen2.5-7B's shape 2 x 545M parameters,
+    4 GiB in fp32) and makes the model as loaded differ from the model as trained; the base stays in bf16 instead."""
+    if dtype == torch.float16:
+        from peft import prepare_model_for_kbit_training
+
+        prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    else:
+        model.requires_grad_(False)
+    keep_4bit_forward_exact(model)
 
 
 def keep_4bit_forward_exact(model) -> int:
