@@ -93,8 +93,8 @@ class GRPOConfig:
     trust_remote_code: bool = _opt(False, "Allow model code from the model folder / hub repo.", "model")
     gradient_checkpointing: Optional[bool] = _opt(
         None, "Recompute activations in backward to save memory. Default (auto): on for models of "
-              "1B parameters or more, whose micro-batch activations outgrow the weights; off below, where the recomputation "
-              "(one more forward) would cost time for memory the GPU has.", "model")
+              "1B parameters or more, whose micro-batch activations outgrow the weights; off below, where the "
+              "recomputation (one more forward) would cost time for memory the GPU has.", "model")
     save_merged_model: bool = _opt(
         False, "With lora/qlora, also save the base model with the adapter merged. qlora merges into the base at its "
                "original precision, which differs from the trained 4-bit policy by the rounding (with --qlora_init "
@@ -227,9 +227,9 @@ class GRPOConfig:
     rollout_weights: str = _opt(
         "auto", "What the vLLM engine holds of a lora / qlora policy. merged: a 16-bit copy of the whole model, the "
                 "adapter merged in at every sync. adapter: the base once (lora: shared with the trainer; qlora: the "
-                "trainer's 4-bit base) plus the adapter, which is all a sync sends. auto: adapter once the 16-bit copy would take over 40 percent "
-                "of the GPU (merged is faster where both fit), merged otherwise (and for vision-language models, "
-                "--vllm_tp > 1, --qlora_init loftq).", "rollout",
+                "trainer's 4-bit base) plus the adapter, which is all a sync sends. auto: adapter once the 16-bit "
+                "copy would take over 40 percent of the GPU (merged is faster where both fit), merged otherwise (and "
+                "for vision-language models, --vllm_tp > 1, --qlora_init loftq).", "rollout",
         choices=ROLLOUT_WEIGHTS)
     async_rollout: bool = _opt(
         False, "With --rollout_mode server: the rollout ranks generate the next step's rollouts while this step trains "

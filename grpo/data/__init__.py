@@ -13,7 +13,8 @@ import importlib
 
 _WHERE = {
     "load_prompt_datasets": "grpo.data.loading", "load_demonstrations": "grpo.data.loading",
-    "DatasetSpec": "grpo.data.registry", "EXTRACTORS": "grpo.data.registry", "check_dataset_names": "grpo.data.registry",
+    "DatasetSpec": "grpo.data.registry", "EXTRACTORS": "grpo.data.registry",
+    "check_dataset_names": "grpo.data.registry",
     "dataset_routes": "grpo.data.registry", "load_dataset_registry": "grpo.data.registry",
     "render_prompts": "grpo.data.render",
     "ROW_FEATURES": "grpo.data.rows", "build_messages": "grpo.data.rows", "extract_answer": "grpo.data.rows",

@@ -1,9 +1,10 @@
 """math_verify_accuracy: answers compared symbolically by HF's `math-verify` package (as TRL and open-r1 use it).
 
     pip install math-verify          # or: pip install .[math]   (tested: math-verify 0.9.0)
-The gold answer is parsed as written (a number or LaTeX; a plain expression is read as inline LaTeX); the completion's answer is its last
-\\boxed{} / LaTeX answer, and the two are compared with `verify` (numbers, fractions, expressions, sets), each step
-bounded by a timeout. The gsm8k / boxed / number rewards do not need the package.
+The gold answer is parsed as written (a number or LaTeX; a plain expression is read as inline LaTeX); the
+completion's answer is its last \\boxed{} / LaTeX answer, and the two are compared with `verify` (numbers,
+fractions, expressions, sets), each step bounded by a timeout. The gsm8k / boxed / number rewards do not need the
+package.
 """
 from __future__ import annotations
 

@@ -1,10 +1,10 @@
 """A rollout rank's life in --rollout_mode server: build an engine, then answer training rank 0 until it says stop.
 
 Messages (see bridge.py): ("start", spec) once, then ("generate", (prompt ids, sampling, images)),
-("episodes", (episode prompts, sampling, limits)), ("weights", layout) or ("adapter", layout) followed by the tensors
-over the weight group, and ("stop", None). Every message gets a reply:
-{"ok": ...} or {"error": text}; after an error the rank only waits for the stop, so that training rank 0 can print
-the error before the launcher ends the job.
+("episodes", (episode prompts, sampling, limits)), ("weights", layout) or ("adapter", layout) followed by the
+tensors over the weight group, and ("stop", None). Every message gets a reply: {"ok": ...} or {"error": text};
+after an error the rank only waits for the stop, so that training rank 0 can print the error before the launcher
+ends the job.
 """
 from __future__ import annotations
 

@@ -30,7 +30,8 @@ def completion_logits(model, batch: RolloutBatch) -> torch.Tensor:
     if image_inputs:
         from grpo.model.vision import image_token_types
 
-        kwargs.update(image_inputs, **image_token_types(model, batch.input_ids, batch.images_token_id))  # the model derives its (multimodal rope) positions from the attention mask
+        # the model derives its (multimodal rope) positions from the attention mask
+        kwargs.update(image_inputs, **image_token_types(model, batch.input_ids, batch.images_token_id))
     else:
         kwargs["position_ids"] = position_ids_for(batch.attention_mask)
     try:

@@ -219,7 +219,8 @@ class GRPOTrainer:
             rewards = kl_penalized_rewards(rewards, policy_logprobs.cpu(), ref_logprobs.cpu(),
                                            batch.completion_mask, self.config.kl_beta)
         step = StepData(batch, micro_batches, self._advantages(rewards), rewards=rewards,
-                        normaliser=step_normaliser(batch, self.config, self.max_completion_tokens), ref_logprobs=ref_logprobs,
+                        normaliser=step_normaliser(batch, self.config, self.max_completion_tokens),
+                        ref_logprobs=ref_logprobs,
                         stale=rollout.stats.get("rollout/staleness", 0) > 0)
         return step, seconds
 
