@@ -555,10 +555,14 @@ def test_server_mode_takes_the_adapter_from_a_4bit_base_written_beside_the_run(m
 
 def vllm_layout(model_dir: str, vocab_rows: int) -> torch.nn.Module:
     """The checkpoint's weights as vLLM 0.26 holds a Llama with LoRA enabled: q/k/v and gate/up fused by rows
-    (packed_modules_mapping), each wrapped layer's weight under `base_layer`, the vocabulary padded to `vocab_rows`."""
+    (packed_modules_mapping), each wrapped layer's weight under `base_layer`, the vocabulary padded to `vocab_rows`.
+    A 4-bit checkpoint's packed weights ([bytes, 1] uint8) fuse the same way; their quantization states, which vLLM
+    keeps beside its parameters, are left out."""
     from safetensors.torch import load_file
 
-    weights = load_file(os.path.join(model_dir, "model.safetensors"))
+    files = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors"))
+    weights = {name: tensor for f in files for name, tensor in load_file(os.path.join(model_dir, f)).items()
+               if name.endswith((".weight", ".bias"))}
     engine = {}
     for name, tensor in weights.items():
         for fused, parts in VLLM_PACKED.items():
@@ -583,6 +587,35 @@ def vllm_layout(model_dir: str, vocab_rows: int) -> torch.nn.Module:
 
 
 VLLM_PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+
+
+def test_qlora_shares_its_4bit_base_with_an_engine_that_loaded_it(model_dir, tmp_path):
+    """qlora with an engine that takes the adapter: the engine loads the trainer's own 4-bit base, so each packed
+    4-bit weight of the trainer is a block of bytes of the engine's fused one (q, k, v in turn), equal byte for byte,
+    and becomes a view of it, like the unquantized embeddings, norms and output layer; the policy computes exactly
+    as before. Only the quantization states (absmax, a few percent of the bytes) stay the trainer's own."""
+    import bitsandbytes as bnb
+
+    from grpo.model.quantized_checkpoint import write_4bit_checkpoint
+    from grpo.model.shared_base import share_base_weights
+
+    policy = trained_policy(model_dir, "qlora", **STOCK_4BIT).eval()
+    with torch.no_grad():
+        before = policy(IDS).logits
+    folder = str(tmp_path / "engine-4bit")
+    write_4bit_checkpoint(policy, folder, dtype=torch.float32)
+    engine = vllm_layout(folder, vocab_rows=64 * -(-policy.config.vocab_size // 64) + 64)
+    fused = engine.get_parameter("model.layers.1.self_attn.qkv_proj.base_layer.weight")
+    assert fused.dtype == torch.uint8 and fused.shape[1] == 1
+    frozen = [(n, p) for n, p in policy.named_parameters() if not p.requires_grad]
+    result = share_base_weights(policy, engine, VLLM_PACKED)
+    assert (result.shared, result.kept) == (len(frozen), 0)
+    k_proj = policy.base_model.model.model.layers[1].self_attn.k_proj.base_layer
+    q_bytes = policy.base_model.model.model.layers[1].self_attn.q_proj.base_layer.weight.shape[0]
+    assert isinstance(k_proj, bnb.nn.Linear4bit) and k_proj.weight.__class__.__name__ == "Params4bit"
+    assert k_proj.weight.data_ptr() == fused.data_ptr() + q_bytes  # k's bytes follow q's in the fused weight
+    with torch.no_grad():
+        torch.testing.assert_close(policy(IDS).logits, before, atol=0, rtol=0)
 
 
 def test_lora_shares_one_base_with_the_engine(model_dir):

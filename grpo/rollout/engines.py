@@ -60,29 +60,27 @@ def build_rollout_engine(config, model_path: str, policy, tokenizer, vision, ran
             return RemoteRolloutEngine(spec, config.rollout_gpus, config.ddp_timeout_minutes,
                                        images_as_decoded=config.uses_vllm)
     if config.uses_vllm:
-        if not (adapter and config.tuning_strategy == "qlora"):
-            # lora: both hold the same 16-bit base; the trainer's waits in CPU memory while the engine loads its
-            # own, then views it
+        quantized = adapter and config.tuning_strategy == "qlora"
+        # adapter: the engine loads the trainer's own base (lora: the same 16-bit checkpoint; qlora: the trainer's 4-bit
+        # base, written for it), while the trainer's waits in CPU memory; then the trainer's views the engine's
+        with _engine_base(config, policy, model_path if quantized else None) as base:  # vLLM keeps weights, not files
             parked = park_frozen_base(policy) if adapter and config.vllm_tp == 1 else {}
             try:
-                engine = _vllm_engine(config, model_path, rank, vision, stops, lora_rank=lora_rank,
-                                      completion_tokens=completion_tokens)
+                engine = _vllm_engine(config, base or model_path, rank, vision, stops, lora_rank=lora_rank,
+                                      quantized=quantized, completion_tokens=completion_tokens)
             except BaseException:
                 restore_parked(policy, parked)
                 raise
-            if adapter:
-                _share_base(engine, policy, parked)
-            return engine
-        with _engine_base(config, policy, model_path) as base:  # vLLM keeps the weights, not the folder
-            return _vllm_engine(config, base, rank, vision, stops, lora_rank=lora_rank, quantized=True,
-                                completion_tokens=completion_tokens)
+        if adapter:
+            _share_base(engine, policy, parked)
+        return engine
     return HFRolloutEngine(policy, tokenizer, suppress_token_ids=vision.placeholder_token_ids if vision else None)
 
 
 def _share_base(engine, policy, parked: dict) -> None:
     shared = engine.share_base(policy, parked)
     if shared is None or not shared.shared:
-        logger.info("vLLM and the trainer each hold the 16-bit base (its tensors could not be shared here)")
+        logger.info("vLLM and the trainer each hold the base (its tensors could not be shared here)")
         return
     logger.info(f"the trainer's frozen base is the vLLM engine's own: {shared.shared_bytes / 2**30:.2f} GiB held once "
                 f"({shared.shared} tensors shared, {shared.kept} kept); the engine's sleeps drop its KV cache only")

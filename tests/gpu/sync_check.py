@@ -15,8 +15,9 @@ With --tp 2 (two ranks), both ranks train the same sequence (data parallel) and 
 them, so each rank's sync must land in its own shard; rank 0 writes the result.
 With --rollout_weights adapter (lora / qlora), the engine holds the base once (qlora: the trainer's own 4-bit base,
 written as a pre-quantized folder) and each sync sends the adapter alone; it sleeps at level 1, so a wake without a
-sync is allowed and samples the last synced adapter. With lora the trainer's frozen base then becomes views of the
-engine's weights (held once), and the engine's sleeps drop its KV cache only.
+sync is allowed and samples the last synced adapter. With one GPU per engine the trainer's frozen base (qlora: its
+packed 4-bit weights too) then becomes views of the engine's weights (held once), and the engine's sleeps drop its
+KV cache only.
 """
 import argparse
 import json
@@ -97,7 +98,7 @@ def main():
         engine_path = f"{MODEL_DIR}.4bit.rank{dist_utils.rank()}"
         write_4bit_checkpoint(engine.module, engine_path)
     parked = {}
-    if adapter and args.strategy == "lora" and args.tp == 1:  # as the trainer does: its base waits in CPU memory
+    if adapter and args.tp == 1:  # as the trainer does: its base waits in CPU memory
         from grpo.model.shared_base import park_frozen_base
 
         parked = park_frozen_base(engine.module)
@@ -107,7 +108,7 @@ def main():
     main_rank = dist_utils.rank() == 0
     engine_start_s = time.perf_counter() - start
     shared = None
-    if adapter and args.strategy == "lora":  # ... then its frozen base becomes views of the engine's own
+    if adapter:  # ... then its frozen base (qlora: its packed 4-bit weights too) becomes views of the engine's own
         shared = vllm.share_base(engine.module, parked)
         shared = shared and {"shared_tensors": shared.shared, "kept_tensors": shared.kept,
                              "shared_gib": shared.shared_bytes / 2**30, "parked_tensors": len(parked),
