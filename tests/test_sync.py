@@ -582,8 +582,18 @@ def vllm_layout(model_dir: str, vocab_rows: int) -> torch.nn.Module:
             if not hasattr(module, part):
                 module.add_module(part, torch.nn.Module())
             module = getattr(module, part)
-        module.register_parameter(leaf, torch.nn.Parameter(tensor, requires_grad=False))
+        kind = PackedWeight if tensor.dtype == torch.uint8 else torch.nn.Parameter
+        module.register_parameter(leaf, kind(tensor, requires_grad=False))
     return root
+
+
+class PackedWeight(torch.nn.Parameter):
+    """Packed 4-bit bytes as vLLM 0.26's BitsAndBytesWeightParameter holds them: its `.dtype` reports the model's
+    dtype, not uint8."""
+
+    @property
+    def dtype(self):
+        return torch.get_default_dtype()
 
 
 VLLM_PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
@@ -606,7 +616,7 @@ def test_qlora_shares_its_4bit_base_with_an_engine_that_loaded_it(model_dir, tmp
     write_4bit_checkpoint(policy, folder, dtype=torch.float32)
     engine = vllm_layout(folder, vocab_rows=64 * -(-policy.config.vocab_size // 64) + 64)
     fused = engine.get_parameter("model.layers.1.self_attn.qkv_proj.base_layer.weight")
-    assert fused.dtype == torch.uint8 and fused.shape[1] == 1
+    assert fused.data.dtype == torch.uint8 and fused.dtype == torch.float32 and fused.shape[1] == 1
     frozen = [(n, p) for n, p in policy.named_parameters() if not p.requires_grad]
     result = share_base_weights(policy, engine, VLLM_PACKED)
     assert (result.shared, result.kept) == (len(frozen), 0)

@@ -112,12 +112,13 @@ def share_base_weights(policy: torch.nn.Module, engine_model: torch.nn.Module,
 def _equal_block(param: torch.Tensor, engine_tensor: torch.Tensor, first: int) -> Optional[torch.Tensor]:
     """engine_tensor's rows [first, first + len(param)) if they are param's values exactly, else None."""
     rows = param.shape[0] if param.dim() else 0
+    engine_tensor = engine_tensor.data  # (vLLM's bitsandbytes weight reports the model's dtype, not its bytes')
     if param.numel() == 0 or hasattr(param, "ds_id"):  # a ZeRO-3 partition: the full tensor is not this one
         return None
     if (engine_tensor.dtype != param.dtype or engine_tensor.shape[1:] != param.shape[1:]
             or first + rows > engine_tensor.shape[0]):
         return None
-    view = engine_tensor.detach()[first:first + rows] if param.dim() else engine_tensor.detach()
+    view = engine_tensor[first:first + rows] if param.dim() else engine_tensor
     # (a parked tensor is compared on the engine's device, one at a time)
     if view.shape != param.shape or not torch.equal(view, param.data.to(view.device)):
         return None
