@@ -202,10 +202,29 @@ def test_a_rollout_rank_building_a_trainer_is_told_what_to_run(monkeypatch):
         GRPOTrainer(config)
 
 
+RANK_LOGGING_ASK_AGAIN = '''
+import os
+
+from grpo.tools import EnvironmentStep, register_environment
+
+
+@register_environment("ask_again")
+def ask_again(messages, **fields):
+    with open(os.path.join(os.path.dirname(__file__), "environment_ranks.txt"), "a") as log:
+        log.write(os.environ.get("RANK", "?") + "\\n")
+    return EnvironmentStep([{"role": "user", "content": "What is 2 + 2 ?"}])
+'''
+
+
+def environment_ranks(tmp_path) -> set[str]:
+    """The job ranks whose processes ran the environment."""
+    return set((tmp_path / "data" / "environment_ranks.txt").read_text().split())
+
+
 def launch_episodes(tmp_path, port: int, *flags: str, ranks: int):
     """A server-mode lora job whose prompts run as episodes: the `ask_again` environment (from a --tool_module, so
-    the rollout rank must import it too) answers every model turn, up to 3 turns."""
-    from .test_tool_training import ASK_AGAIN_MODULE, CALC_ROWS, make_quick_stopping_model_dir
+    the rollout rank must import it too) answers every model turn, up to 3 turns, and notes the rank it ran on."""
+    from .test_tool_training import CALC_ROWS, make_quick_stopping_model_dir
     from .trainer_setup import add_dataset, write_prompt_registry
 
     model = make_quick_stopping_model_dir(str(tmp_path / "model"))
@@ -213,7 +232,7 @@ def launch_episodes(tmp_path, port: int, *flags: str, ranks: int):
     add_dataset(registry, "ask_toy", CALC_ROWS, environment="ask_again", rewards={"length_penalty": 1.0},
                 reward_kwargs={"length_penalty": {"target_chars": 2, "max_chars": 30}})
     module = tmp_path / "data" / "ask_again.py"
-    module.write_text(ASK_AGAIN_MODULE)
+    module.write_text(RANK_LOGGING_ASK_AGAIN)
     out = tmp_path / "out"
     proc = launch(tmp_path, model, registry, out, port, *SERVER, "--dataset_names", "ask_toy", "--tool_module",
                   str(module), "--tuning_strategy", "lora", "--lora_dropout", "0", "--max_turns", "3",
@@ -234,6 +253,9 @@ def test_two_training_ranks_run_multi_turn_episodes_on_one_rollout_rank(tmp_path
     for row in rows:
         assert row["episodes/turns"] > 1.5, row  # multi-turn, as a rule
         assert row["rollout/logprob_diff_mean"] < 1e-4 and row["rollout/logprob_diff_max"] < 1e-3, row
+    assert environment_ranks(tmp_path) == {"2"}  # the rollout rank (the last of 3) ran every environment turn
+    evals = [json.loads(line) for line in open(out / "metrics.jsonl") if '"eval/' in line]
+    assert evals and evals[-1]["eval/episodes/turns"] >= 1  # evaluation episodes too (one rank has no eval row)
 
 
 @needs_launcher
@@ -249,3 +271,4 @@ def test_async_rollouts_run_the_next_steps_episodes_while_this_step_trains(tmp_p
     assert rows[0]["rollout/logprob_diff_max"] < 1e-3  # the first step's episodes came from the synced start
     assert all(0.0 < r["rollout/is_weight_mean"] <= 2.0 for r in rows)
     assert rows[2]["rollout/offpolicy_logprob_diff_mean"] > 1e-4  # later ones from the policy a step behind
+    assert environment_ranks(tmp_path) == {"1"}  # on the rollout rank

@@ -368,20 +368,18 @@ def test_bad_tool_setups_fail_before_any_model_loads(problem, fragments, tmp_pat
 
 
 def test_tool_datasets_are_found_and_refused_with_images(shared_tools, tmp_path):
-    """The datasets that run as episodes are found whatever the rollout mode (server mode runs them on the rollout
-    ranks, --async_rollout a step ahead); one with images is one ConfigError, given before the tokenizer loads.
-    (check_episode_datasets reads only these options; GRPOConfig itself needs a job of several ranks for server
-    mode.)"""
+    """The datasets that run as episodes are found (in server mode too, --async_rollout included: the rollout ranks
+    run them); one with images is one ConfigError, given before the tokenizer loads. (check_episode_datasets reads
+    only these options; GRPOConfig itself needs a job of several ranks for server mode.)"""
     from types import SimpleNamespace
 
     registry = str(tmp_path / "registry.json")
     with open(shared_tools / "registry.json") as src, open(registry, "w") as dst:
         dst.write(src.read())
     options = dict(tool_module=str(shared_tools / "my_tools.py"), dataset_config_path=registry)
-    for async_rollout in (False, True):
-        server = SimpleNamespace(rollout_mode="server", async_rollout=async_rollout, **options)
-        found = check_episode_datasets(server, load_dataset_registry(registry), ["toy", "calc_toy"])
-        assert list(found) == ["calc_toy"] and found["calc_toy"].tools == ["calculator"]
+    server = SimpleNamespace(rollout_mode="server", async_rollout=True, **options)
+    found = check_episode_datasets(server, load_dataset_registry(registry), ["toy", "calc_toy"])
+    assert list(found) == ["calc_toy"] and found["calc_toy"].tools == ["calculator"]
     add_dataset(registry, "calc_images", CALC_ROWS, tools=["calculator"], image_field="image")
     with pytest.raises(ConfigError, match="dataset 'calc_images'.*\"image_field\""):
         check_episode_datasets(SimpleNamespace(rollout_mode="colocate", async_rollout=False, **options),
@@ -389,3 +387,22 @@ def test_tool_datasets_are_found_and_refused_with_images(shared_tools, tmp_path)
     # plain datasets pass in any mode
     assert check_episode_datasets(SimpleNamespace(rollout_mode="server", async_rollout=True, **options),
                                   load_dataset_registry(registry), ["toy"]) == {}
+
+
+def test_a_rollout_rank_checks_it_finds_the_trainers_episode_datasets(shared_tools, stopping_model, tmp_path):
+    """Server mode: a rollout rank finds the episode datasets the trainer named in its registry (read on its own
+    node) before its engine loads, and says so clearly when they differ."""
+    from types import SimpleNamespace
+
+    from grpo.rollout.serve import EpisodeHost
+
+    options = dict(tool_module=str(shared_tools / "my_tools.py"),
+                   dataset_config_path=str(shared_tools / "registry.json"), dataset_names=["toy", "calc_toy"], eval_dataset_names=[], model_name_or_path=stopping_model,
+                   trust_remote_code=False, rollout_mode="server")
+    host = EpisodeHost.for_run(SimpleNamespace(**options), ["calc_toy"])
+    assert list(host.datasets) == ["calc_toy"] and host.tokenizer is not None
+    assert EpisodeHost.for_run(SimpleNamespace(**options), []).datasets == {}  # no episodes: the registry is not read
+    with pytest.raises(ConfigError, match=r"runs dataset\(s\) calc_toy, other_toy as episodes.*would run calc_toy.*"
+                                          r"same on every node"):
+        EpisodeHost.for_run(SimpleNamespace(**options), ["calc_toy", "other_toy"])
+

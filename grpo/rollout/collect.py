@@ -15,13 +15,24 @@ where it generates; for the others the collector runs them turn by turn through 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Callable, Optional
 
-from grpo.rollout.dynamic_sampling import PendingRollouts, RolloutRound, RolloutTickets, dynamic_rollouts
+from grpo.rollout.dynamic_sampling import PendingRollouts, RolloutRound, dynamic_rollouts
 from grpo.rollout.engine import Completion, RolloutEngine, SamplingSettings
 from grpo.rollout.episodes import Episode, EpisodeLimits, EpisodePrompt, episode_metrics, run_episodes
 from grpo.runtime import distributed as dist_utils
 from grpo.runtime.failures import phase
+
+
+@dataclass
+class RolloutTickets:
+    """One request to the rollout engine: prompts that generate in one turn and prompts that run as episodes, each
+    with the engine's ticket (grpo.rollout.remote.Ticket in server mode; a deferred request otherwise)."""
+    single: list[int]                      # indices of the one-turn prompts
+    multi: list[int]                       # indices of the episode prompts
+    completions: object = None             # the engine's ticket for the one-turn prompts
+    episodes: object = None                # ... for the episodes (or, run here when collected: prompts, sampling)
 
 
 class RolloutCollector:

@@ -47,18 +47,8 @@ class PendingRollouts:
     images: Optional[list]                 # per prompt, processed images (vision models), or None
     sampling: object                       # grpo.rollout.engine.SamplingSettings
     policy_step: int                       # optimizer steps behind the weights that generate them
-    ticket: object = None                  # RolloutTickets: what the engine was asked for
+    ticket: object = None                  # grpo.rollout.collect.RolloutTickets: what the engine was asked for
     seconds: dict = field(default_factory=dict)
-
-
-@dataclass
-class RolloutTickets:
-    """One request to the rollout engine: prompts that generate in one turn and prompts that run as episodes, each
-    with the engine's ticket (grpo.rollout.remote.Ticket in server mode; a deferred request otherwise)."""
-    single: list[int]                      # indices of the one-turn prompts
-    multi: list[int]                       # indices of the episode prompts
-    completions: object = None             # the engine's ticket for the one-turn prompts
-    episodes: object = None                # ... for the episodes (or, run here when collected: prompts, sampling)
 
 
 @dataclass

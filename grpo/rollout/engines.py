@@ -35,10 +35,11 @@ def engine_dtype(config, trainer_dtype: torch.dtype) -> torch.dtype:
 
 
 def build_rollout_engine(config, model_path: str, policy, tokenizer, vision, rank: int, trainer_dtype: torch.dtype,
-                         completion_tokens: int | None = None):
+                         completion_tokens: int | None = None, episode_datasets: list[str] | None = None):
     """Server mode: the rollout ranks, reached through RemoteRolloutEngine; otherwise a colocated vLLM engine, or
     the HF engine over the policy module itself. `completion_tokens`: the longest completion (a multi-turn
-    episode's budget), which a colocated engine's KV cache is sized for."""
+    episode's budget), which a colocated engine's KV cache is sized for. `episode_datasets`: the datasets whose rows
+    run as episodes, which server mode's rollout ranks run."""
     stops = stop_token_ids(policy, tokenizer)
     adapter = config.uses_vllm and engine_weights(config, policy, vision, model_path) == "adapter"
     lora_rank = adapter_rank(policy) if adapter else None
@@ -49,7 +50,8 @@ def build_rollout_engine(config, model_path: str, policy, tokenizer, vision, ran
         spec = dict(dtype=str(engine_dtype(config, trainer_dtype)).removeprefix("torch."), stop_token_ids=stops,
                     max_images_per_prompt=config.max_images_per_prompt if vision else 0,
                     image_token_id=vision.image_token_id if vision else None,
-                    suppress_token_ids=vision.placeholder_token_ids if vision else None, lora_rank=lora_rank)
+                    suppress_token_ids=vision.placeholder_token_ids if vision else None, lora_rank=lora_rank,
+                    episode_datasets=list(episode_datasets or []))
         logger.info(f"waiting for {config.rollout_gpus} rollout rank(s) to start their engines")
         # qlora: the rollout ranks load training rank 0's 4-bit base from a folder in --output_dir, which they
         # must see (on another node: shared storage); it goes once their engines hold the weights

@@ -79,6 +79,9 @@ class RemoteRolloutEngine(RolloutEngine):
         engine (tools and environments included) and return them whole: one message per step instead of a round
         trip per turn, and with --async_rollout they run while this rank trains."""
         shipped = [replace(p, environment=None) for p in prompts]  # found again by its dataset on the rollout rank
+        # a rollout rank runs the episodes of several training ranks: as many environment threads as they would have
+        training_ranks_each = -(-dist_utils.world_size() // self.count)
+        limits = replace(limits, environment_workers=limits.environment_workers * training_ranks_each)
         return self._post_shares(shipped, None, lambda share, _: ("episodes", (share, sampling, limits)))
 
     def collect_episodes(self, ticket: "Ticket") -> list:

@@ -47,7 +47,7 @@ def serve_rollouts(config) -> int:
 def _serve(bridge: RolloutBridge, config, index: int, count: int, device: torch.device, rank: int) -> int:
     """Answer messages until the stop; the exit code."""
     engine, failure = None, None  # failure: the first error's text, repeated to every later message
-    episodes = None               # what running episodes here needs, set up at the first episodes message
+    episodes = None               # what running episodes here needs (EpisodeHost)
     while True:
         (kind, payload), number = bridge.receive(index)
         if kind == "stop":
@@ -61,6 +61,7 @@ def _serve(bridge: RolloutBridge, config, index: int, count: int, device: torch.
             continue
         try:
             if kind == "start":
+                episodes = EpisodeHost.for_run(config, payload.get("episode_datasets") or [])
                 engine = _build_engine(config, payload, index, count, device, rank)
                 answer = True
             elif kind == "generate":
@@ -68,7 +69,6 @@ def _serve(bridge: RolloutBridge, config, index: int, count: int, device: torch.
                 answer = engine.generate(prompts, sampling, images or None) \
                     if prompts or engine.collective_generate else []
             elif kind == "episodes":
-                episodes = episodes or EpisodeHost(config)
                 answer = episodes.run(engine, *payload)
             elif kind == "weights":
                 tensors = bridge.receive_weights(payload)
@@ -95,23 +95,40 @@ def _serve(bridge: RolloutBridge, config, index: int, count: int, device: torch.
 
 class EpisodeHost:
     """Multi-turn episodes on a rollout rank: the run's tokenizer (environment turns are rendered with it, exactly as
-    the trainer would) and each episode dataset's environment, with --tool_module imported here too."""
+    the trainer would) and each episode dataset's environment, with --tool_module imported here too: tools run in
+    the rollout rank's process."""
 
-    def __init__(self, config):
-        from grpo.data import load_dataset_registry
+    def __init__(self, config, datasets: dict):
         from grpo.model.embedded import resolve_model_path
         from grpo.model.loading import load_tokenizer
+
+        self.datasets = datasets
+        self.tokenizer = load_tokenizer(resolve_model_path(config.model_name_or_path), config.trust_remote_code) \
+            if datasets else None
+
+    @classmethod
+    def for_run(cls, config, names: list[str]) -> "EpisodeHost":
+        """The host for the trainer's episode datasets `names`, found and checked here as the trainer did (before the
+        engine loads: a registry or tool module on this node that differs from the trainer's fails fast)."""
+        if not names:
+            return cls(config, {})
+        from grpo.data import load_dataset_registry
         from grpo.train.tool_setup import check_episode_datasets
 
         registry = load_dataset_registry(config.dataset_config_path)
-        self.datasets = check_episode_datasets(config, registry, config.dataset_names + config.eval_dataset_names)
-        self.tokenizer = load_tokenizer(resolve_model_path(config.model_name_or_path), config.trust_remote_code)
+        datasets = check_episode_datasets(config, registry, config.dataset_names + config.eval_dataset_names)
+        if sorted(datasets) != sorted(names):
+            raise ConfigError(f"the trainer runs dataset(s) {', '.join(names)} as episodes, but as this rollout rank "
+                              f"reads {config.dataset_config_path} (and --tool_module) it would run "
+                              f"{', '.join(sorted(datasets)) or 'none'}: the registry and --tool_module must be the "
+                              "same on every node")
+        return cls(config, datasets)
 
     def run(self, engine, prompts: list, sampling, limits) -> list:
         from grpo.rollout.episodes import run_episodes
 
         for prompt in prompts:  # environments travel by name: the dataset's
-            prompt.environment = self.datasets[prompt.fields["data_source"]].environment
+            prompt.environment = self.datasets[prompt.fields["data_source"]].environment  # checked at the start
         # a tensor-parallel engine generates with the other ranks of its group, each turn until none has episodes
         any_rank = dist_utils.any_rank if engine.collective_generate else bool
         return run_episodes(engine, self.tokenizer, prompts, sampling, limits, any_rank=any_rank)

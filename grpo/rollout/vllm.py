@@ -221,8 +221,8 @@ class VLLMRolloutEngine(RolloutEngine):
     def share_base(self, policy, parked: dict | None = None) -> "SharedBase | None":
         """Adapter mode, one GPU per engine: the policy's frozen base tensors (qlora: its packed 4-bit weights too)
         become views of this engine's weights (grpo.model.shared_base), so the GPU holds the base once; from then on
-        a sleep drops the KV cache only. `parked`: the tensors grpo.model.shared_base.park_frozen_base moved to CPU memory before this engine
-        loaded. None where nothing can be shared (the parked tensors then go back)."""
+        a sleep drops the KV cache only. `parked`: the tensors grpo.model.shared_base.park_frozen_base moved to CPU
+        memory before this engine loaded. None where nothing can be shared (the parked tensors then go back)."""
         from grpo.model.shared_base import restore_parked, share_base_weights
         from grpo.rollout.vllm_memory import engine_model
 

@@ -97,7 +97,8 @@ class GRPOTrainer:
         self._sizes: dict = {}  # the step's sizes (micro-batches), for an out-of-memory message
         self._last_sync = None
         engine = build_rollout_engine(config, self.model_path, self.engine.module, self.tokenizer, self.vision,
-                                      self.rank, self.dtype, completion_tokens=self.max_completion_tokens)
+                                      self.rank, self.dtype, completion_tokens=self.max_completion_tokens,
+                                      episode_datasets=sorted(data.episode_datasets))
         self.rollouts = RolloutCollector(config, engine, self.tokenizer, self.rewards, self.vision, self.train_set,
                                          data.order, self.total_steps, sync_weights=self._sync_rollout_weights,
                                          episode_datasets=data.episode_datasets)
