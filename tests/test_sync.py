@@ -470,6 +470,14 @@ def test_rollout_weights_auto_picks_adapter_only_where_the_16bit_copy_crowds_the
                           rollout_weights="adapter")
     with pytest.raises(ConfigError, match="vision-language"):
         engines.engine_weights(explicit, policy, vision=object())
+    # a 16-bit part of a layer vLLM fuses (its skip list names the fused layer): the engine could not load the base
+    skips_v = GRPOConfig(**{**cfg.__dict__, "qlora_skip_modules": "model.layers.0.self_attn.v_proj,down_proj"})
+    assert engines.engine_weights(skips_v, policy, vision=None) == "merged"
+    with pytest.raises(ConfigError, match=r"cannot take --qlora_skip_modules v_proj \(vLLM quantizes qkv_proj as "
+                                          r"one layer.*use --rollout_weights merged"):
+        engines.engine_weights(GRPOConfig(**{**skips_v.__dict__, "rollout_weights": "adapter"}), policy, None)
+    skips_down = GRPOConfig(**{**cfg.__dict__, "qlora_skip_modules": "down_proj"})  # not fused: still adapter
+    assert engines.engine_weights(skips_down, policy, vision=None) == "adapter"
     lora = GRPOConfig(model_name_or_path=model_dir, tuning_strategy="lora", rollout_engine="vllm", lora_rank=4,
                       lora_alpha=8, lora_dropout=0.0)
     assert lora.engine_weights == "adapter"  # lora by the same rule: its adapter engine shares the trainer's base

@@ -229,7 +229,8 @@ class GRPOConfig:
                 "adapter merged in at every sync. adapter: the base once (lora: shared with the trainer; qlora: the "
                 "trainer's 4-bit base) plus the adapter, which is all a sync sends. auto: adapter once the 16-bit "
                 "copy would take over 40 percent of the GPU (merged is faster where both fit), merged otherwise (and "
-                "for vision-language models, --vllm_tp > 1, --qlora_init loftq).", "rollout",
+                "for vision-language models, --vllm_tp > 1, --qlora_init loftq, --qlora_skip_modules naming a part of "
+                "q/k/v_proj or gate/up_proj).", "rollout",
         choices=ROLLOUT_WEIGHTS)
     async_rollout: bool = _opt(
         False, "With --rollout_mode server: the rollout ranks generate the next step's rollouts while this step trains "

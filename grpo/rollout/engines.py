@@ -123,7 +123,8 @@ def engine_weights(config, policy, vision, model_path: str | None = None) -> str
     if choice != "adapter":
         return choice
     peft_config = getattr(policy, "peft_config", {}).get("default")
-    why = ("a vision-language model" if vision else
+    split = _fused_parts_left_16bit(config) if config.tuning_strategy == "qlora" and not stored_4bit else None
+    why = ("a vision-language model" if vision else split if split else
            "modules_to_save (vLLM's LoRA takes LoRA layers only)" if getattr(peft_config, "modules_to_save", None)
            else "DoRA" if getattr(peft_config, "use_dora", False)
            else "lora_bias" if getattr(peft_config, "lora_bias", False) else None)
@@ -145,6 +146,23 @@ def engine_weights(config, policy, vision, model_path: str | None = None) -> str
     logger.info("vLLM holds the base once and takes the adapter at each sync (--rollout_weights "
                 f"{config.rollout_weights})")
     return "adapter"
+
+
+# layers vLLM fuses into one (packed_modules_mapping) and so quantizes, or leaves in 16 bits, as a whole
+VLLM_FUSED_PARTS = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
+                    "up_proj": "gate_up_proj"}
+
+
+def _fused_parts_left_16bit(config) -> str | None:
+    """Why an adapter engine cannot load the trainer's 4-bit base: --qlora_skip_modules keeps a part of a layer vLLM
+    fuses (q_proj of qkv_proj, ...) in 16 bits, and vLLM 0.26 matches its skip list against the fused layer's name,
+    so it would read 4-bit weights where the base has 16-bit ones. None when nothing is split so."""
+    parts = sorted({name.rpartition(".")[2] for name in config.qlora_skip_list} & VLLM_FUSED_PARTS.keys())
+    if not parts:
+        return None
+    fused = sorted({VLLM_FUSED_PARTS[p] for p in parts})
+    return (f"--qlora_skip_modules {','.join(parts)} (vLLM quantizes {' and '.join(fused)} as one layer, so it "
+            "cannot leave a part of it in 16 bits)")
 
 
 def gpu_memory_bytes(cap_gib=None) -> int:
