@@ -113,10 +113,9 @@ class EpisodeHost:
         if not names:
             return cls(config, {})
         from grpo.data import load_dataset_registry
-        from grpo.train.tool_setup import check_episode_datasets
+        from grpo.train.tool_setup import run_episode_datasets
 
-        registry = load_dataset_registry(config.dataset_config_path)
-        datasets = check_episode_datasets(config, registry, config.dataset_names + config.eval_dataset_names)
+        datasets = run_episode_datasets(config, load_dataset_registry(config.dataset_config_path))
         if sorted(datasets) != sorted(names):
             raise ConfigError(f"the trainer runs dataset(s) {', '.join(names)} as episodes, but as this rollout rank "
                               f"reads {config.dataset_config_path} (and --tool_module) it would run "

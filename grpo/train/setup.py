@@ -112,10 +112,10 @@ def load_run_data(config: GRPOConfig, rewards, rank: int, world: int) -> RunData
     """Data, the DeepSpeed config and the tokenizer, each checked; also the base checkpoint's readability when
     qlora's re-quantization or loftq will need its 16-bit weights. No model is loaded here."""
     from grpo.data import load_dataset_registry, load_prompt_datasets
-    from grpo.train.tool_setup import check_episode_datasets, prompts_with_tools
+    from grpo.train.tool_setup import prompts_with_tools, run_episode_datasets
 
     registry = load_dataset_registry(config.dataset_config_path)
-    episode_datasets = check_episode_datasets(config, registry, config.dataset_names + config.eval_dataset_names)
+    episode_datasets = run_episode_datasets(config, registry)
     train_rows, eval_rows = load_prompt_datasets(config.dataset_config_path, config.dataset_names,
                                                  config.effective_train_split_ratio, config.seed,
                                                  eval_names=config.eval_dataset_names,

@@ -54,6 +54,12 @@ def check_episode_datasets(config, registry: dict[str, DatasetSpec], names) -> d
     return out
 
 
+def run_episode_datasets(config, registry: dict[str, DatasetSpec]) -> dict[str, EpisodeDataset]:
+    """check_episode_datasets over the datasets a run trains and evaluates on: the trainer and server mode's rollout
+    ranks (which run the episodes) both ask this."""
+    return check_episode_datasets(config, registry, config.dataset_names + config.eval_dataset_names)
+
+
 def prompts_with_tools(rows: datasets.Dataset, tokenizer, episode_datasets: dict[str, EpisodeDataset]):
     """The rows ready for render_prompts, and {data_source: tool schemas} to pass as the chat template's `tools=`.
 
