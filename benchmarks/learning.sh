@@ -19,6 +19,7 @@
 #                                              # on its demonstrations; the table adds the share of held-out
 #                                              # episodes that called it, at step 0 (after the warm start) and at
 #                                              # the end
+#   GPU_ID=2 bash benchmarks/learning.sh   # every run on GPU 2 (DeepSpeed's launcher ignores CUDA_VISIBLE_DEVICES)
 #   PARALLEL=4 bash benchmarks/learning.sh     # up to 4 runs at once on the one GPU (a 135M model leaves it idle);
 #                                              # the table's wall / train seconds then include the sharing. Runs
 #   that share a GPU keep vLLM awake with a VLLM_MEM share (default 0.08): vLLM sizes its KV cache by profiling the
@@ -55,7 +56,8 @@ GSM8K_DIR=${GSM8K_DIR:-../shared/data/gsm8k}
 mkdir -p "$OUT_DIR"
 python -c "from grpo.model.embedded import resolve_model_path as r; import sys; r(sys.argv[1])" "$MODEL"  # convert once, up front
 export VLLM_ENABLE_V1_MULTIPROCESSING=0 TOKENIZERS_PARALLELISM=false WANDB_MODE=disabled PYTHONUNBUFFERED=1
-GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
+GPU=$(nvidia-smi -i "${GPU_ID:-0}" --query-gpu=name --format=csv,noheader)
+where=(--num_gpus 1); [ -n "${GPU_ID:-}" ] && where=(--include "localhost:$GPU_ID")
 launcher=(deepspeed)
 command -v deepspeed >/dev/null 2>&1 || launcher=(python -m deepspeed.launcher.runner)
 
@@ -70,7 +72,7 @@ run() {  # run <name> <dataset> <strategy> <seed> <accuracy reward> <extra train
   for try in 1 2; do
     : > "$dir.log"  # emptied before the watcher below reads it
     if [ -n "$port" ]; then master_port=$((port + 100 * (try - 1))); else master_port=$(free_port); fi
-    setsid "${launcher[@]}" --num_gpus 1 --master_port "$master_port" train_grpo.py --model_name_or_path "$MODEL" --tuning_strategy "$strategy" \
+    setsid "${launcher[@]}" "${where[@]}" --master_port "$master_port" train_grpo.py --model_name_or_path "$MODEL" --tuning_strategy "$strategy" \
       --learning_rate "$lr" --seed "$seed" --per_device_train_batch_size 16 --k_samples 8 \
       --rollout_engine vllm --vllm_enforce_eager true --eval_on_start true --save_steps 0 --logging_steps 5 \
       --output_dir "$dir" --overwrite_output_dir "$@" "${EXTRA_ARGS[@]}" > "$dir.log" 2>&1 &

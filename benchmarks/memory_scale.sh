@@ -8,6 +8,8 @@
 #   and the engine-vs-trainer log-prob gap (rollout/logprob_diff_mean, every step)
 # GPU_MEMORY_GIB caps what a run may use (a smaller card's budget): torch's per-process fraction and vLLM's share.
 # FOUR_BIT=1 builds the models saved in 4 bits (random_model.py --four_bit: a 32B model without its 65 GB bf16 form).
+# GPU_ID=<n> builds, runs and measures on GPU n alone (DeepSpeed's launcher ignores CUDA_VISIBLE_DEVICES), so other
+# jobs can use the other GPUs meanwhile; each run's launcher takes a port the OS reports free.
 #
 #   bash benchmarks/memory_scale.sh                                   # qwen2.5-7b, qlora, adapter and merged
 #   SHAPES="qwen2.5-7b qwen2.5-14b" STRATEGIES="qlora lora" MODES=adapter bash benchmarks/memory_scale.sh
@@ -27,23 +29,26 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" TOKENIZERS_PARALLELISM=false
   PYTHONUNBUFFERED=1 VLLM_ENABLE_V1_MULTIPROCESSING=0
 launcher=(deepspeed)
 command -v deepspeed >/dev/null 2>&1 || launcher=(python -m deepspeed.launcher.runner)
+where=(--num_gpus 1); [ -n "${GPU_ID:-}" ] && where=(--include "localhost:$GPU_ID")
+free_port() { python -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])"; }
 cap=()
 [ -n "${GPU_MEMORY_GIB:-}" ] && cap=(--gpu_memory_gib "$GPU_MEMORY_GIB")
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -1 | tee "$OUT/gpu.txt"
+nvidia-smi -i "${GPU_ID:-0}" --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 for shape in $SHAPES; do
   model="${MODEL_ROOT:-$OUT}/$shape${FOUR_BIT:+-4bit}"
-  timeout 1200 python benchmarks/random_model.py --shape "$shape" --out "$model" ${FOUR_BIT:+--four_bit} ||
+  timeout 1200 env ${GPU_ID:+CUDA_VISIBLE_DEVICES=$GPU_ID} python benchmarks/random_model.py --shape "$shape" \
+      --out "$model" ${FOUR_BIT:+--four_bit} ||
     { echo "$shape: no model"; continue; }
   for strategy in $STRATEGIES; do
     for mode in $MODES; do
       name="$shape-$strategy-$mode${GPU_MEMORY_GIB:+-${GPU_MEMORY_GIB}gib}"
       dir="$OUT/runs/$name"
       rm -rf "$dir"; mkdir -p "$dir"
-      nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 200 > "$dir/gpu_memory.txt" &
+      nvidia-smi -i "${GPU_ID:-0}" --query-gpu=memory.used --format=csv,noheader,nounits -lms 200 > "$dir/gpu_memory.txt" &
       poller=$!
       start=$SECONDS
-      timeout -k 30 "$LIMIT" "${launcher[@]}" --num_gpus 1 train_grpo.py --model_name_or_path "$model" \
-        --tuning_strategy "$strategy" --rollout_engine vllm --rollout_weights "$mode" --dataset_names arith \
+      timeout -k 30 "$LIMIT" "${launcher[@]}" "${where[@]}" --master_port "$(free_port)" train_grpo.py \
+        --model_name_or_path "$model" --tuning_strategy "$strategy" --rollout_engine vllm --rollout_weights "$mode" --dataset_names arith \
         --per_device_train_batch_size "$PROMPTS" --k_samples 8 --rollout_max_new_tokens "$MAX_NEW" \
         --max_steps "$STEPS" --save_steps 0 --eval_on_start false --logging_steps 1 --logprob_check_steps 1 \
         --output_dir "$dir" --overwrite_output_dir "${cap[@]}" ${EXTRA_ARGS:-} > "$dir.log" 2>&1

@@ -27,6 +27,23 @@ def deepspeed_launcher() -> list[str]:
     return ["deepspeed"] if shutil.which("deepspeed") else [sys.executable, "-m", "deepspeed.launcher.runner"]
 
 
+def gpu_flags(count: int) -> list[str]:
+    """The DeepSpeed launcher's flags for `count` GPUs: the first `count` that CUDA_VISIBLE_DEVICES names when it is
+    set (the launcher ignores that variable once given --num_gpus), else GPUs 0..count-1. Start the launcher with
+    `launcher_env`, which hides the variable so that the launcher counts every GPU of the host."""
+    visible = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    if len(visible) >= count:
+        return ["--include", "localhost:" + ",".join(visible[:count])]
+    return ["--num_gpus", str(count)]
+
+
+def launcher_env(**extra) -> dict:
+    """`child_env` for the DeepSpeed launcher given `gpu_flags`: it sets CUDA_VISIBLE_DEVICES for each rank."""
+    env = child_env(**extra)
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    return env
+
+
 def train_rows(output_dir) -> list[dict]:
     """metrics.jsonl's rows of training steps (not eval rows)."""
     return [r for r in read_metrics(os.path.join(str(output_dir), "metrics.jsonl")) if "loss" in r]

@@ -10,7 +10,7 @@ import subprocess
 import pytest
 import torch
 
-from tests.trainer_setup import ROOT, child_env, deepspeed_launcher, train_rows
+from tests.trainer_setup import ROOT, deepspeed_launcher, gpu_flags, launcher_env, train_rows
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("vllm") is None,
                                 reason="needs CUDA and vLLM")
@@ -69,9 +69,9 @@ def train_args(folder, out, strategy: str, steps: int = 3) -> list[str]:
 @pytest.mark.parametrize("strategy, port", [("lora", 29581), ("qlora", 29583)], ids=["lora", "qlora"])
 def test_engine_logprobs_of_multi_turn_episodes_match_the_trainer(strategy, port, tmp_path):
     out = tmp_path / "out"
-    cmd = [*deepspeed_launcher(), "--num_gpus", "1", "--master_port", str(port), "train_grpo.py",
+    cmd = [*deepspeed_launcher(), *gpu_flags(1), "--master_port", str(port), "train_grpo.py",
            *train_args(tmp_path / "data", out, strategy)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=child_env(VLLM_ENABLE_V1_MULTIPROCESSING="0"), capture_output=True,
+    proc = subprocess.run(cmd, cwd=ROOT, env=launcher_env(VLLM_ENABLE_V1_MULTIPROCESSING="0"), capture_output=True,
                           text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-6000:]
     rows = train_rows(out)

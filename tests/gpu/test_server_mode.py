@@ -8,7 +8,7 @@ import subprocess
 import pytest
 import torch
 
-from tests.trainer_setup import ROOT, child_env, deepspeed_launcher, train_rows
+from tests.trainer_setup import ROOT, deepspeed_launcher, gpu_flags, launcher_env, train_rows
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.device_count() < 2 or importlib.util.find_spec("vllm") is None,
@@ -20,7 +20,7 @@ SYNCED_MAX = 0.06
 
 
 def run(out, port: int, *flags: str) -> list[dict]:
-    cmd = [*deepspeed_launcher(), "--num_gpus", "2", "--master_port", str(port), "train_grpo.py",
+    cmd = [*deepspeed_launcher(), *gpu_flags(2), "--master_port", str(port), "train_grpo.py",
            "--model_name_or_path", "smollm2-135m-instruct", "--dataset_names", "arith",
            "--per_device_train_batch_size", "16", "--k_samples", "8", "--rollout_max_new_tokens", "64",
            "--max_prompt_length", "128", "--max_seq_length", "192", "--learning_rate", "3e-4",
@@ -28,7 +28,7 @@ def run(out, port: int, *flags: str) -> list[dict]:
            "--vllm_enforce_eager", "true", "--max_steps", "4", "--logprob_check_steps", "1",
            "--rollout_engine", "vllm", "--rollout_mode", "server", "--rollout_gpus", "1",
            "--vllm_gpu_memory_utilization", "0.5", "--output_dir", str(out), "--overwrite_output_dir", *flags]
-    proc = subprocess.run(cmd, cwd=ROOT, env=child_env(VLLM_ENABLE_V1_MULTIPROCESSING="0"), capture_output=True,
+    proc = subprocess.run(cmd, cwd=ROOT, env=launcher_env(VLLM_ENABLE_V1_MULTIPROCESSING="0"), capture_output=True,
                           text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-6000:]
     rows = train_rows(out)

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from tests.trainer_setup import child_env as launcher_env, deepspeed_launcher
+from tests.trainer_setup import deepspeed_launcher, gpu_flags, launcher_env
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("vllm") is None,
                                 reason="needs CUDA and vLLM")
@@ -69,7 +69,7 @@ def test_sync_is_exact_into_a_tensor_parallel_engine(strategy, options, tmp_path
     """--vllm_tp 2: two data-parallel ranks share one vLLM engine sharded over both; each rank's sync fills its
     shard, so the whole engine scores like the trained policy after every step."""
     out = tmp_path / "result.json"
-    proc = subprocess.run([*deepspeed_launcher(), "--num_gpus", "2", "--master_port", "29571",
+    proc = subprocess.run([*deepspeed_launcher(), *gpu_flags(2), "--master_port", "29571",
                            os.path.join(HERE, "sync_check.py"), "--strategy", strategy, "--tp", "2", *options,
                            "--out", str(out)],
                           cwd=ROOT, env=launcher_env(VLLM_ENABLE_V1_MULTIPROCESSING="0"), capture_output=True,
