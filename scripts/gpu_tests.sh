@@ -6,13 +6,16 @@
 #   3. unless SKIP_VL=1: GRPO on the bundled `shapes` images with a vision-language model (VL_MODEL, default the
 #      random ~200M Qwen2.5-VL that tests/gpu/vl_sync_check.py builds): vLLM lora, vLLM qlora, HF lora, VL_STEPS each
 # Results (logs, one JSON line per checked step) go to ${OUT:-outputs/gpu}. GPU_ID=<n> puts the runs of 2-3 on GPU n
-# (DeepSpeed's launcher ignores CUDA_VISIBLE_DEVICES when given --num_gpus), so tests can run on another GPU meanwhile.
+# (DeepSpeed's launcher ignores CUDA_VISIBLE_DEVICES when given --num_gpus), so tests can run on another GPU meanwhile:
+# tests/gpu runs on the GPUs CUDA_VISIBLE_DEVICES names (tests/trainer_setup.py's gpu_flags passes them on).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-outputs/gpu}
 mkdir -p "$OUT"
 export VLLM_ENABLE_V1_MULTIPROCESSING=0 TOKENIZERS_PARALLELISM=false WANDB_MODE=disabled PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$OUT/gpu.txt"
+# the GPUs this job uses: tests/gpu takes those CUDA_VISIBLE_DEVICES names, the runs of 2-3 take GPU_ID's
+gpus=${GPU_ID:-${CUDA_VISIBLE_DEVICES:-}}
+nvidia-smi ${gpus:+-i "$gpus"} --query-gpu=index,name,memory.total --format=csv | tee "$OUT/gpu.txt"
 status=0
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
   python -m pytest tests/gpu -q -s -p no:cacheprovider ${GPU_TESTS_K:+-k "$GPU_TESTS_K"} 2>&1 |

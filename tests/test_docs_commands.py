@@ -26,6 +26,7 @@ LINKED = [*DOCS, ROOT / "benchmarks" / "RESULTS.md"]
 FENCE = re.compile(r"^[ \t]*```(\w*)[^\n]*\n(.*?)^[ \t]*```", re.M | re.S)
 ENV = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
 PYTHONS = {"python", "python3"}
+PYTEST_VALUE_OPTIONS = {"-k", "-m", "-p", "-o"}
 
 
 def fenced(path: Path, languages: set[str]) -> list[tuple[int, str]]:
@@ -150,7 +151,10 @@ def test_scripts_that_commands_run_exist():
         elif command[0] in PYTHONS and command[1].endswith(".py"):
             paths.append(command[1])
         elif command[0] in PYTHONS and command[1:3] == ["-m", "pytest"]:
-            paths += [a.split("::")[0] for a in command[3:] if not a.startswith("-")]
+            arguments = command[3:]
+            # the value after -k / -m / -p / -o is an expression or a name, not a path
+            values = {i + 1 for i, a in enumerate(arguments) if a in PYTEST_VALUE_OPTIONS}
+            paths += [a.split("::")[0] for i, a in enumerate(arguments) if not a.startswith("-") and i not in values]
         missing += [f"{where}: {p}" for p in paths if not (ROOT / p).exists()]
     assert not missing, "\n".join(missing)
 
