@@ -226,6 +226,31 @@ def test_a_collective_engine_takes_part_until_every_rank_is_done(tokenizer):
         [(e.completion_ids, e.mask, e.messages) for e in alone]
 
 
+def test_a_collective_engine_rank_whose_environment_fails_takes_part_until_the_others_are_done(tokenizer):
+    """An environment bug on one rank of a collective engine (tensor-parallel vLLM in server mode): the rank keeps
+    calling generate, with no prompts, while the others have live episodes (they would wait for it until the process
+    group's timeout otherwise), then raises the environment's error."""
+    def broken(messages, **fields):
+        raise KeyError("board")
+
+    engine = ScriptedEngine(tokenizer, calls_then_answers)
+    engine.collective_generate = True
+    asked = []
+    others_live = iter([True] * 2 + [False])
+
+    def any_rank(mine):
+        asked.append(mine)
+        return mine or next(others_live)
+
+    p = prompt(tokenizer)
+    p.environment = broken
+    with pytest.raises(ToolError, match=r"environment .*broken raised KeyError: 'board'"):
+        run_episodes(engine, tokenizer, [p], SamplingSettings(n=2, max_new_tokens=64),
+                     EpisodeLimits(max_turns=4, max_episode_tokens=200), any_rank=any_rank)
+    assert asked == [True, False, False, False]  # its episodes ended with the error; the others went on for 2 turns
+    assert [len(prompts) for prompts, _ in engine.calls] == [1, 0, 0]
+
+
 def test_max_turns_stops_a_model_that_keeps_calling(tokenizer):
     engine = ScriptedEngine(tokenizer, lambda context, sample: CALL)
     [episode] = run_episodes(engine, tokenizer, [prompt(tokenizer)], SamplingSettings(n=1, max_new_tokens=64),

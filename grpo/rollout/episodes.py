@@ -87,6 +87,7 @@ def run_episodes(engine: RolloutEngine, tokenizer, prompts: list[EpisodePrompt],
     environments = [p.environment or get_environment(DEFAULT_ENVIRONMENT) for p in prompts]
     episodes = [Episode(i, [dict(m) for m in p.messages]) for i, p in enumerate(prompts) for _ in range(sampling.n)]
     live = list(range(len(episodes)))
+    failure: Optional[Exception] = None  # collective engines: this rank's error, raised once no rank has episodes
     with ThreadPoolExecutor(max(1, limits.environment_workers), thread_name_prefix="grpo-environment") as pool:
         first_turn, collective = True, engine.collective_generate
         while any_rank(bool(live)) if collective else live:
@@ -100,16 +101,27 @@ def run_episodes(engine: RolloutEngine, tokenizer, prompts: list[EpisodePrompt],
                 contexts = [prompts[episodes[i].prompt_index].prompt_ids + episodes[i].completion_ids for i in live]
                 completions = engine.generate(contexts, dataclasses.replace(sampling, n=1, max_new_tokens=cap),
                                               _images([prompts[episodes[i].prompt_index].images for i in live]))
-            expected = [episodes[i].prompt_index for i in live] if first_turn else list(range(len(live)))
-            if [c.prompt_index for c in completions] != expected:
-                raise RuntimeError(f"the rollout engine returned {len(completions)} completions for {len(live)} "
-                                   "live episodes, or not in the order of its prompts")
-            answering = [i for i, c in zip(live, completions)
-                         if _add_model_turn(episodes[i], c, room[i], tokenizer, sampling.logprobs)]
-            steps = pool.map(lambda i: step_environment(environments[episodes[i].prompt_index], episodes[i].messages,
-                                                        prompts[episodes[i].prompt_index].fields), answering)
-            live = [i for i, step in zip(answering, steps) if _add_environment_turn(episodes[i], step, turns, limits)]
+            try:
+                expected = [episodes[i].prompt_index for i in live] if first_turn else list(range(len(live)))
+                if [c.prompt_index for c in completions] != expected:
+                    raise RuntimeError(f"the rollout engine returned {len(completions)} completions for {len(live)} "
+                                       "live episodes, or not in the order of its prompts")
+                answering = [i for i, c in zip(live, completions)
+                             if _add_model_turn(episodes[i], c, room[i], tokenizer, sampling.logprobs)]
+                steps = pool.map(lambda i: step_environment(environments[episodes[i].prompt_index],
+                                                            episodes[i].messages,
+                                                            prompts[episodes[i].prompt_index].fields), answering)
+                live = [i for i, step in zip(answering, steps)
+                        if _add_environment_turn(episodes[i], step, turns, limits)]
+            except Exception as exc:
+                if not collective:
+                    raise
+                # the other ranks of the engine wait for this one in every turn (a hang until the process group's
+                # timeout otherwise): it takes part with no prompts until none has episodes left, then fails
+                failure, live = failure or exc, []
             first_turn = False
+    if failure is not None:
+        raise failure
     if not sampling.logprobs:
         for episode in episodes:
             episode.logprobs = []
