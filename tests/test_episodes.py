@@ -203,19 +203,27 @@ def test_batched_turns_drop_finished_episodes(tokenizer):
     assert metrics["episodes/cut_by_budget"] == 0.0
 
 
+def collective_rank(tokenizer, other_ranks_turns: int):
+    """A collective scripted engine, and an `any_rank` for this rank that records what it was asked and answers as if
+    another rank's episodes went on for `other_ranks_turns` more turns."""
+    engine = ScriptedEngine(tokenizer, calls_then_answers)
+    engine.collective_generate = True
+    asked = []
+    others_live = iter([True] * other_ranks_turns + [False])
+
+    def any_rank(mine):
+        asked.append(mine)
+        return mine or next(others_live)
+
+    return engine, any_rank, asked
+
+
 def test_a_collective_engine_takes_part_until_every_rank_is_done(tokenizer):
     """With a collective engine, this rank (whose episodes end after 2 turns) keeps calling generate, with no prompts,
     while another rank (here: for 2 more turns) still has live episodes; the episodes are the same as alone."""
     alone = run_episodes(ScriptedEngine(tokenizer, calls_then_answers), tokenizer, [prompt(tokenizer)],
                          SamplingSettings(n=2, max_new_tokens=64), EpisodeLimits(max_turns=4, max_episode_tokens=200))
-    engine = ScriptedEngine(tokenizer, calls_then_answers)
-    engine.collective_generate = True
-    asked = []
-    others_live = iter([True] * 2 + [False])
-
-    def any_rank(mine):
-        asked.append(mine)
-        return mine or next(others_live)
+    engine, any_rank, asked = collective_rank(tokenizer, other_ranks_turns=2)
 
     together = run_episodes(engine, tokenizer, [prompt(tokenizer)], SamplingSettings(n=2, max_new_tokens=64),
                             EpisodeLimits(max_turns=4, max_episode_tokens=200), any_rank=any_rank)
@@ -233,14 +241,7 @@ def test_a_collective_engine_rank_whose_environment_fails_takes_part_until_the_o
     def broken(messages, **fields):
         raise KeyError("board")
 
-    engine = ScriptedEngine(tokenizer, calls_then_answers)
-    engine.collective_generate = True
-    asked = []
-    others_live = iter([True] * 2 + [False])
-
-    def any_rank(mine):
-        asked.append(mine)
-        return mine or next(others_live)
+    engine, any_rank, asked = collective_rank(tokenizer, other_ranks_turns=2)
 
     p = prompt(tokenizer)
     p.environment = broken
