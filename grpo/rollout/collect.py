@@ -51,6 +51,10 @@ class RolloutCollector:
         self.position_before_pending = (0, 0)          # the data position before `pending` was drawn
         self.sizes: dict = {}                          # the step's sizes, for an out-of-memory message
         self.episode_datasets = episode_datasets or {}  # {dataset: grpo.train.tool_setup.EpisodeDataset}
+        # every dataset of the run plays episodes: no rank ever has a one-turn prompt, so a collective engine is
+        # spared the empty one-turn request every rank would otherwise make together
+        self.only_episodes = bool(self.episode_datasets) and \
+            set(config.dataset_names + config.eval_dataset_names) <= set(self.episode_datasets)
         self.episodes_drawn: list[Episode] = []         # this step's episodes, every round (for their metrics)
         self.eval_episodes: list[Episode] = []          # the last evaluation's, on this rank
 
@@ -171,7 +175,7 @@ class RolloutCollector:
         tickets = RolloutTickets(single=[i for i, e in enumerate(runs_episode) if not e],
                                  multi=[i for i, e in enumerate(runs_episode) if e])
         collective = self.engine.collective_generate
-        if tickets.single or collective:
+        if tickets.single or (collective and not self.only_episodes):
             pick = [images[i] for i in tickets.single] if images else None
             tickets.completions = self.engine.submit([prompts[i]["prompt_ids"] for i in tickets.single], sampling, pick)
         if tickets.multi or (collective and self.episode_datasets):

@@ -1,0 +1,62 @@
+"""The rollout collector's requests: which prompts go to the engine as one-turn completions and which as episodes,
+and which empty requests a collective engine (every rank calls together) still needs."""
+import pytest
+
+from grpo.config.options import GRPOConfig
+from grpo.rollout.collect import RolloutCollector
+from grpo.rollout.engine import RolloutEngine, SamplingSettings
+from grpo.tools import get_environment
+from grpo.train.tool_setup import EpisodeDataset
+
+
+class RecordingEngine(RolloutEngine):
+    """A collective engine that runs episodes (as server mode's is): records each request, answers nothing."""
+    collective_generate = True
+    runs_episodes = True
+
+    def __init__(self):
+        self.requests = []
+
+    def generate(self, prompt_token_ids, sampling, images=None):
+        raise AssertionError("the collector submits; it does not generate")
+
+    def submit(self, prompt_token_ids, sampling, images=None):
+        self.requests.append(("one-turn", len(prompt_token_ids)))
+        return "one-turn ticket"
+
+    def submit_episodes(self, prompts, sampling, limits):
+        self.requests.append(("episodes", len(prompts)))
+        return "episodes ticket"
+
+
+def collector(dataset_names: list[str], eval_names: list[str] = ()) -> tuple[RolloutCollector, RecordingEngine]:
+    config = GRPOConfig(dataset_names=dataset_names, eval_dataset_names=list(eval_names), max_turns=2)
+    engine = RecordingEngine()
+    calc = EpisodeDataset(tools=["calculator"], environment=get_environment("tools"))
+    return RolloutCollector(config, engine, None, None, None, None, None, 1, lambda: 0.0,
+                            episode_datasets={"calc": calc}), engine
+
+
+def row(source: str) -> dict:
+    return {"prompt_ids": [1, 2, 3], "messages": [{"role": "user", "content": "1 + 1?"}], "answer": "2",
+            "data_source": source}
+
+
+SAMPLING = SamplingSettings(n=2, max_new_tokens=8)
+
+
+@pytest.mark.parametrize("names, eval_names, prompts, expected", [
+    # only episode datasets: no rank ever has a one-turn prompt, so no empty one-turn request
+    (["calc"], [], ["calc", "calc"], [("episodes", 2)]),
+    (["calc"], [], [], [("episodes", 0)]),
+    # a one-turn dataset in the run: a rank without such prompts still takes part in the one-turn request
+    (["calc", "toy"], [], ["calc"], [("one-turn", 0), ("episodes", 1)]),
+    (["calc", "toy"], [], ["toy"], [("one-turn", 1), ("episodes", 0)]),
+    (["calc"], ["toy"], ["calc"], [("one-turn", 0), ("episodes", 1)]),  # evaluation rows of toy generate in one turn
+])
+def test_a_collective_engine_gets_the_requests_every_rank_makes(names, eval_names, prompts, expected):
+    rollouts, engine = collector(names, eval_names)
+    tickets = rollouts._submit([row(source) for source in prompts], SAMPLING, None)
+    assert engine.requests == expected
+    assert tickets.multi == [i for i, s in enumerate(prompts) if s == "calc"]
+    assert tickets.single == [i for i, s in enumerate(prompts) if s != "calc"]
