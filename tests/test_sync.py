@@ -640,7 +640,8 @@ def test_lora_shares_one_base_with_the_engine(model_dir):
     """lora with an engine that takes the adapter: every frozen base tensor of the trainer becomes a view of the
     engine's equal block (fused layers by their rows, padded vocabularies by their first rows), so the base is held
     once and the policy computes exactly as before; a block that differs keeps the trainer's own copy."""
-    from grpo.model.shared_base import engine_blocks, share_base_weights
+    from grpo.model.engine_layout import engine_blocks
+    from grpo.model.shared_base import share_base_weights
 
     policy = trained_policy(model_dir, "lora").eval()
     with torch.no_grad():
@@ -672,3 +673,93 @@ def test_lora_shares_one_base_with_the_engine(model_dir):
     for _, param in partitioned.named_parameters():
         param.data, param.ds_id = torch.empty(0), 0
     assert share_base_weights(partitioned, engine, VLLM_PACKED).shared == 0
+
+
+class InPlaceEngine(RecordingEngine):
+    """An engine in this process (vLLM on one GPU) whose tensors a sync writes in place where they hold exactly one
+    checkpoint tensor's rows; the rest (the padded vocabulary) goes through load_weights."""
+
+    def __init__(self, model: torch.nn.Module, drops_weights: bool):
+        super().__init__()
+        self.model, self.needs_every_weight = model, drops_weights
+
+    def weight_views(self, shapes):
+        from grpo.model.engine_layout import writable_blocks
+
+        return writable_blocks(self.model, VLLM_PACKED, shapes)
+
+
+def padded_vocab(policy) -> int:
+    return 64 * -(-policy.config.vocab_size // 64) + 64
+
+
+@pytest.mark.parametrize("strategy,targets,dtype", [("full", "all-linear", torch.float32),
+                                                    ("lora", "all-linear", torch.float32),
+                                                    ("lora", "q_proj,v_proj,down_proj", torch.bfloat16),
+                                                    ("qlora", "q_proj,v_proj,down_proj", torch.float32)])
+@pytest.mark.parametrize("drops_weights", [False, True])
+def test_an_engine_written_in_place_holds_what_the_stream_would_load(model_dir, strategy, targets, dtype,
+                                                                     drops_weights):
+    """A sync into an engine on one GPU writes each tensor straight into the engine's own rows (q, k, v into the
+    fused qkv block, ...): they hold what the streamed sync would load (the merge W + s * B @ A done by one GEMM in
+    the engine's dtype), only the padded vocabulary goes through load_weights, and the stats count everything."""
+    from grpo.model.engine_layout import engine_blocks
+    from grpo.model.weight_sync import checkpoint_shapes
+
+    policy = trained_policy(model_dir, strategy, targets=targets)
+    layout = vllm_layout(model_dir, vocab_rows=padded_vocab(policy)).to(dtype)
+    engine = InPlaceEngine(scrambled(layout) if drops_weights else layout, drops_weights)
+    before = {n: p.detach().clone() for n, p in engine.model.named_parameters()}
+    stats = sync_weights(engine, policy, strategy, first_sync=True, dtype=dtype)  # the engine's dtype
+    expected = dict(iter_policy_weights(policy, strategy, dtype=torch.float32, first_sync=True,
+                                        everything=drops_weights))
+    loaded = {name: tensor for call in engine.calls for name, tensor in call}
+    vocabulary = {"model.embed_tokens.weight", "lm_head.weight"} & set(expected)
+    assert set(loaded) == vocabulary and engine.complete[-1]  # a last call, even with nothing left to load
+    assert stats.tensors == len(expected)
+    assert stats.bytes == sum(t.numel() * dtype.itemsize for t in expected.values())
+    blocks = engine_blocks(engine.model, VLLM_PACKED, checkpoint_shapes(policy))
+    # bf16: W rounded to bf16, plus B @ A over bf16 factors, rounded once: within a unit in the last place of the
+    # fp32 merge rounded to bf16
+    tolerance = dict(atol=1e-6, rtol=1e-6) if dtype == torch.float32 else dict(atol=2e-3, rtol=8e-3)
+    for name, tensor in expected.items():
+        if name in vocabulary:
+            continue
+        fused, first = blocks[name]
+        torch.testing.assert_close(fused.data[first:first + tensor.shape[0]].float(), tensor, **tolerance)
+    written = {id(blocks[name][0]) for name in expected if name not in vocabulary}
+    if not drops_weights:  # and the rest, layers without an adapter, as the engine had it
+        kept = [(n, p) for n, p in engine.model.named_parameters() if id(p) not in written]
+        assert all(torch.equal(p, before[n]) for n, p in kept)
+        unsent = {"model.embed_tokens.weight", "lm_head.weight"}  # (the recording engine applies no load_weights)
+        if strategy != "full":
+            unsent |= {n for n in before if "norm" in n}
+        if strategy == "lora" and targets != "all-linear":
+            unsent |= {f"model.layers.{i}.{m}.base_layer.weight" for i in range(2)
+                       for m in ("self_attn.o_proj", "mlp.gate_up_proj")}
+        assert {n for n, _ in kept} == unsent
+
+
+def test_only_blocks_that_tile_an_engine_tensor_are_written_in_place(model_dir):
+    """writable_blocks leaves to the engine's loaders every tensor whose rows it cannot tell apart from others':
+    a padded vocabulary, a fused layer split across ranks (tensor parallel: half its rows), packed 4-bit bytes."""
+    from grpo.model.engine_layout import writable_blocks
+
+    policy = trained_policy(model_dir, "lora")
+    engine = vllm_layout(model_dir, vocab_rows=padded_vocab(policy))
+    shapes = {checkpoint_name(n): p.shape for n, p in policy.named_parameters() if "lora_" not in n}
+    views = writable_blocks(engine, VLLM_PACKED, shapes)
+    assert "model.embed_tokens.weight" not in views and "lm_head.weight" not in views
+    fused = engine.get_parameter("model.layers.1.self_attn.qkv_proj.base_layer.weight")
+    k_rows = shapes["model.layers.1.self_attn.k_proj.weight"][0]
+    k_view = views["model.layers.1.self_attn.k_proj.weight"]
+    assert k_view.data_ptr() == fused.data_ptr() + 64 * fused.shape[1] * 4 and k_view.shape[0] == k_rows
+    assert "model.norm.weight" in views and "model.layers.0.mlp.down_proj.weight" in views
+    gate_up = engine.get_submodule("model.layers.0.mlp.gate_up_proj.base_layer")
+    gate_up.weight = torch.nn.Parameter(gate_up.weight.data[: gate_up.weight.shape[0] // 2].clone())  # a TP shard
+    down = engine.get_submodule("model.layers.0.mlp.down_proj.base_layer")
+    down.weight = PackedWeight(torch.zeros(down.weight.numel() // 2, 1, dtype=torch.uint8), requires_grad=False)
+    views = writable_blocks(engine, VLLM_PACKED, shapes)
+    assert not {"model.layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.up_proj.weight",
+                "model.layers.0.mlp.down_proj.weight"} & set(views)
+    assert "model.layers.1.mlp.gate_proj.weight" in views

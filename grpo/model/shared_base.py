@@ -1,15 +1,8 @@
 """lora with an engine that takes the adapter: one 16-bit base on the GPU, shared by the trainer and vLLM.
 
 Both load the same checkpoint, so their frozen base weights are equal; once the colocated engine is up, each of the
-trainer's frozen base tensors becomes a view of the engine's own (and the trainer's copy is freed). vLLM fuses some
-layers (`packed_modules_mapping`, e.g. qkv_proj = [q_proj; k_proj; v_proj] stacked by rows, gate_up_proj = [gate_proj;
-up_proj]) and pads the vocabulary rows of its embedding and output layer, so a trainer tensor is a block of rows of
-an engine tensor:
-
-    q_proj.weight    = qkv_proj.weight[0 : q]          k_proj.weight = qkv_proj.weight[q : q + k]    ...
-    embed_tokens     = embed_tokens.weight[0 : vocab]  (rows past the vocabulary are vLLM's padding)
-
-Rows of a row-major tensor are contiguous, so every view is a plain dense tensor. A tensor is shared only if the
+trainer's frozen base tensors becomes a view of the engine's own block of rows (grpo.model.engine_layout: fused
+layers, padded vocabularies), and the trainer's copy is freed. A tensor is shared only if the
 engine's block has its shape and dtype and is equal to it element for element; anything else keeps its own copy.
 While the engine loads, the trainer's base waits in CPU memory (park_frozen_base), so the GPU never holds two.
 The engine must then never release its weights (it sleeps by dropping its KV cache only), and the base is never
@@ -23,6 +16,7 @@ from typing import Optional
 
 import torch
 
+from grpo.model.engine_layout import engine_blocks
 from grpo.model.weight_sync import checkpoint_name
 
 logger = logging.getLogger("grpo")
@@ -33,29 +27,6 @@ class SharedBase:
     shared: int = 0         # trainer tensors now viewing the engine's
     kept: int = 0           # frozen tensors with no equal block in the engine: the trainer's own copy stays
     shared_bytes: int = 0   # the trainer's memory given back
-
-
-def engine_blocks(engine_model: torch.nn.Module, packed: dict[str, list[str]], shapes: dict[str, torch.Size]):
-    """checkpoint name -> (engine tensor, first row) for every trainer tensor the engine holds: by the same name, or
-    as one part of a fused layer (its rows after those of the parts before it, sized by the trainer's `shapes`)."""
-    engine = {name.replace(".base_layer", ""): p for name, p in engine_model.named_parameters()}
-    blocks = {}
-    for name in shapes:
-        if name in engine:
-            blocks[name] = (engine[name], 0)
-            continue
-        prefix, _, leaf = name.rpartition(".")  # e.g. model.layers.0.self_attn.q_proj, weight
-        parent, _, module = prefix.rpartition(".")
-        for fused, parts in packed.items():
-            if module not in parts:
-                continue
-            fused_name = f"{parent}.{fused}.{leaf}" if parent else f"{fused}.{leaf}"
-            siblings = [f"{parent}.{part}.{leaf}" if parent else f"{part}.{leaf}" for part in parts]
-            if fused_name in engine and all(s in shapes for s in siblings):
-                first = sum(shapes[s][0] for s in siblings[:parts.index(module)])
-                blocks[name] = (engine[fused_name], first)
-            break
-    return blocks
 
 
 def frozen_base(policy: torch.nn.Module) -> dict[str, torch.nn.Parameter]:

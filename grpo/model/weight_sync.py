@@ -11,6 +11,9 @@ Streamed one module at a time, so memory stays bounded by the largest layer, nev
 An engine that drops its weights while it sleeps (`needs_every_weight`, vLLM's level-2 sleep) gets the whole policy
 after every step instead: lora / qlora then also send their frozen tensors (embeddings, norms, layers without an
 adapter, 4-bit ones dequantized), which costs a copy on the GPU instead of two trips through CPU memory.
+An in-process engine on one GPU (`weight_views`) is written in place: each tensor goes straight into the engine's
+own block of rows (grpo.model.engine_layout), a LoRA layer as W copied (4-bit: dequantized) there and then
+(alpha / r) * B @ A added by one GEMM; what has no such block (a padded vocabulary) goes through load_weights.
 """
 from __future__ import annotations
 
@@ -43,23 +46,43 @@ def checkpoint_name(module_name: str) -> str:
 
 
 def iter_policy_weights(model, strategy: str, *, dtype: torch.dtype = torch.bfloat16, zero3: bool = False,
-                        first_sync: bool = True, everything: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+                        first_sync: bool = True, everything: bool = False,
+                        into: dict[str, torch.Tensor] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (checkpoint name, tensor in `dtype`) for what the rollout engine must load after an optimizer step.
 
     `model` is the module being trained (DeepSpeed's `engine.module`): a plain HF model for "full", a peft model
     for "lora" / "qlora". With `zero3=True` its parameters are partitioned and each module's are gathered in turn.
     `everything`: every tensor of the policy, not only what changed (for an engine that dropped its weights).
+    `into`: checkpoint name -> a tensor of the engine's (grpo.model.engine_layout.writable_blocks); those are
+    written there in place and yielded as that very tensor, so nothing else holds them.
     """
+    prefixes = checkpoint_prefixes(model)  # peft forwards .config to the base model
+
+    def target(name: str) -> torch.Tensor | None:
+        return into.get(rename(name, prefixes)) if into else None
+
     if strategy == "full":
-        named = _iter_full(model, dtype, zero3)
+        named = _iter_full(model, dtype, zero3, target)
     elif strategy in ("lora", "qlora"):
         named = _iter_adapter(model, dtype, zero3, dequantize_frozen=everything or (first_sync and strategy == "qlora"),
-                              everything=everything)
+                              everything=everything, target=target)
     else:
         raise ConfigError(f"--tuning_strategy {strategy!r}: weight sync knows {', '.join(STRATEGIES)}")
-    prefixes = checkpoint_prefixes(model)  # peft forwards .config to the base model
     for name, tensor in named:  # vision-language models: the checkpoint's layout (see grpo/vision.py)
         yield rename(name, prefixes), tensor
+
+
+def checkpoint_shapes(model) -> dict[str, torch.Size]:
+    """checkpoint name -> shape of each tensor of the policy's base (4-bit weights unpacked, ZeRO-3 partitions whole):
+    what an engine needs to find its blocks of them (grpo.model.engine_layout)."""
+    prefixes = checkpoint_prefixes(model)
+    shapes = {}
+    for name, param in model.named_parameters():
+        if "lora_" in name:
+            continue
+        shape = param.quant_state.shape if is_4bit(param) else getattr(param, "ds_shape", param.shape)
+        shapes[rename(checkpoint_name(name), prefixes)] = torch.Size(shape)
+    return shapes
 
 
 def iter_adapter_tensors(model, *, dtype: torch.dtype = torch.bfloat16,
@@ -105,18 +128,21 @@ def sync_weights(engine, model, strategy: str, *, zero3: bool = False, first_syn
                          bytes=sum(t.numel() * t.element_size() for t in tensors.values()), tensors=len(tensors))
     total, count, chunk, chunk_size = 0, 0, [], 0
     everything = engine.needs_every_weight
+    into = engine.weight_views(checkpoint_shapes(model))  # written in place: no copy, no loader per tensor
     for name, tensor in iter_policy_weights(model, strategy, dtype=dtype, zero3=zero3, first_sync=first_sync,
-                                            everything=everything):
+                                            everything=everything, into=into):
         size = tensor.numel() * tensor.element_size()
+        total += size
+        count += 1
+        if into.get(name) is tensor:
+            continue
         if chunk and chunk_size + size > chunk_bytes:
             engine.load_weights(chunk, complete=not everything)  # it may wake only once the last chunk is in
             chunk, chunk_size = [], 0
         chunk.append((name, tensor))
         chunk_size += size
-        total += size
-        count += 1
-    if chunk:
-        engine.load_weights(chunk)
+    if chunk or into:
+        engine.load_weights(chunk)  # (also when empty: the engine learns that the load is whole)
     if torch.cuda.is_available():
         torch.cuda.synchronize()  # the engine copies asynchronously; the time must include the copies
     return SyncStats(seconds=time.perf_counter() - start, bytes=total, tensors=count)
@@ -138,14 +164,17 @@ def _owned(tensor: torch.Tensor, dtype: torch.dtype, zero3: bool) -> torch.Tenso
     return out.clone() if zero3 and out.data_ptr() == tensor.data_ptr() else out
 
 
-def _module_tensors(prefix: str, named_params, dtype: torch.dtype, zero3: bool, seen: set[int]):
-    """Yield (prefix.name, tensor in `dtype`) for the parameters not yet in `seen`, gathered together under ZeRO-3.
-    `seen` holds the ids already sent: tied weights (embed_tokens / lm_head) are one parameter, sent once."""
+def _module_tensors(prefix: str, named_params, dtype: torch.dtype, zero3: bool, seen: set[int], target):
+    """Yield (prefix.name, tensor in `dtype`) for the parameters not yet in `seen`, gathered together under ZeRO-3;
+    those with a `target` tensor are copied into it and yielded as it. `seen` holds the ids already sent: tied
+    weights (embed_tokens / lm_head) are one parameter, sent once."""
     params = [(n, p) for n, p in named_params if id(p) not in seen]
     seen.update(id(p) for _, p in params)
     with _gathered([p for _, p in params], zero3):
-        for pname, param in params:
-            yield (f"{prefix}.{pname}" if prefix else pname), _owned(param.data, dtype, zero3)
+        for pname, param in params:  # (.data: no autograd, into the engine's tensor either)
+            name = f"{prefix}.{pname}" if prefix else pname
+            out = target(name)
+            yield name, out.copy_(param.data) if out is not None else _owned(param.data, dtype, zero3)
 
 
 def is_4bit(weight) -> bool:
@@ -154,7 +183,12 @@ def is_4bit(weight) -> bool:
 
 def dense_weight(layer) -> torch.Tensor:
     """The layer's weight as a new dense fp32 tensor (4-bit weights dequantized with their quant_state)."""
-    weight = layer.weight
+    stored = stored_weight(layer.weight)
+    return stored.float() if is_4bit(layer.weight) else stored.to(torch.float32, copy=True)  # the merge adds into it
+
+
+def stored_weight(weight) -> torch.Tensor:
+    """What the weight holds, dense: a 4-bit weight dequantized (in its quant_state's dtype), any other as it is."""
     if is_4bit(weight):
         import bitsandbytes.functional as bnbf
 
@@ -169,11 +203,11 @@ def dense_weight(layer) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------------------------------- strategies
-def _iter_full(model, dtype, zero3):
+def _iter_full(model, dtype, zero3, target):
     seen = set()  # tied weights (embed_tokens / lm_head) are one parameter: sent once, under its first name
     for module_name, module in model.named_modules():
         yield from _module_tensors(checkpoint_name(module_name), module.named_parameters(recurse=False), dtype,
-                                   zero3, seen)
+                                   zero3, seen, target)
 
 
 def _active_adapters(module) -> list[str]:
@@ -218,7 +252,27 @@ def _lora_merged(module, adapters: list[str], zero3: bool) -> tuple[torch.Tensor
     return weight, bias  # new tensors: they outlive a ZeRO-3 gather
 
 
-def _iter_adapter(model, dtype, zero3, dequantize_frozen: bool, everything: bool = False):
+def _lora_merged_into(out: torch.Tensor, module, adapters: list[str], zero3: bool) -> torch.Tensor:
+    """out <- W + sum over the adapters of (alpha / r) * B @ A, written into `out` (an engine's tensor) with no dense
+    copy of its own: W copied (4-bit: dequantized) into it, then each product added by one GEMM over B and A in out's
+    dtype, which accumulates in fp32 and rounds once. Plain LoRA only (no lora_bias, no fan_in_fan_out)."""
+    base = module.get_base_layer()
+    parts = [base.weight] + [p for a in adapters for p in (module.lora_A[a].weight, module.lora_B[a].weight)]
+    with _gathered(parts, zero3), torch.no_grad():
+        out.copy_(stored_weight(base.weight))
+        for a in adapters:
+            lora_b, lora_a = module.lora_B[a].weight.to(out.dtype), module.lora_A[a].weight.to(out.dtype)
+            out.addmm_(lora_b, lora_a, alpha=module.scaling[a])              # [out, r] @ [r, in]
+    return out
+
+
+def _plain_lora(module, adapters: list[str]) -> bool:
+    """Whether the merge is W + s * B @ A on the weight alone, as _lora_merged_into writes it."""
+    return not getattr(module, "fan_in_fan_out", False) and not any(
+        getattr(module, "lora_bias", {}).get(a, False) for a in adapters)
+
+
+def _iter_adapter(model, dtype, zero3, dequantize_frozen: bool, everything: bool = False, target=lambda name: None):
     from peft.tuners.lora import LoraLayer
     from peft.utils.other import AuxiliaryTrainingWrapper, ModulesToSaveWrapper
 
@@ -235,7 +289,7 @@ def _iter_adapter(model, dtype, zero3, dequantize_frozen: bool, everything: bool
                 continue
             # what the wrapper's forward runs: the active adapter's trained copy, else the original module
             trained = module.modules_to_save[active[0]] if active else module.original_module
-            yield from _module_tensors(name, trained.named_parameters(), dtype, zero3, seen)
+            yield from _module_tensors(name, trained.named_parameters(), dtype, zero3, seen, target)
         elif isinstance(module, AuxiliaryTrainingWrapper):
             raise ConfigError(f"weight sync cannot send {type(module).__name__} ({name}); "
                               "train without trainable_token_indices")
@@ -244,7 +298,14 @@ def _iter_adapter(model, dtype, zero3, dequantize_frozen: bool, everything: bool
             adapters = _lora_adapters(module)
             if not (adapters or everything or (dequantize_frozen and is_4bit(module.get_base_layer().weight))):
                 continue  # unchanged since the checkpoint the engine loaded
-            seen.update(id(p) for p in module.get_base_layer().parameters())
+            base = module.get_base_layer()
+            seen.update(id(p) for p in base.parameters())
+            out = target(f"{name}.weight") if _plain_lora(module, adapters) else None
+            if out is not None:  # the bias, if any, is the base's own
+                yield f"{name}.weight", _lora_merged_into(out, module, adapters, zero3)
+                if everything and getattr(base, "bias", None) is not None:
+                    yield from _module_tensors(name, [("bias", base.bias)], dtype, zero3, set(), target)
+                continue
             weight, bias = _lora_merged(module, adapters, zero3)
             yield f"{name}.weight", weight.to(dtype)
             if bias is not None and (everything or any(getattr(module, "lora_bias", {}).get(a, False)
@@ -252,9 +313,10 @@ def _iter_adapter(model, dtype, zero3, dequantize_frozen: bool, everything: bool
                 yield f"{name}.bias", bias.to(dtype)
         elif dequantize_frozen and is_4bit(getattr(module, "weight", None)):
             seen.update(id(p) for p in module.parameters(recurse=False))
-            yield f"{name}.weight", dense_weight(module).to(dtype)
+            out = target(f"{name}.weight")
+            yield f"{name}.weight", out.copy_(stored_weight(module.weight)) if out is not None \
+                else dense_weight(module).to(dtype)
             if everything and getattr(module, "bias", None) is not None:
-                with _gathered([module.bias], zero3):
-                    yield f"{name}.bias", _owned(module.bias.data, dtype, zero3)
+                yield from _module_tensors(name, [("bias", module.bias)], dtype, zero3, set(), target)
         elif everything:  # a frozen module's own tensors (embeddings, norms, heads), as the checkpoint has them
-            yield from _module_tensors(name, module.named_parameters(recurse=False), dtype, zero3, seen)
+            yield from _module_tensors(name, module.named_parameters(recurse=False), dtype, zero3, seen, target)

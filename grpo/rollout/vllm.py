@@ -17,8 +17,9 @@ Sleep: level 2 by default (KV cache and weights dropped): the trainer syncs afte
 would park the weights in pinned CPU memory at every sleep and copy them back at every wake. Level 2 relies on
 the model's load_weights rewriting every parameter from checkpoint tensors; a model that derives parameters after
 loading (vLLM's MLA attention builds W_UV / W_UK_T from kv_b_proj) needs level 1 (--vllm_sleep_level 1), as do
-callers that sync only what changed. load_weights wakes the weights first, then overwrites them; wake() brings back the
-KV cache, and refuses to run on weights that a level-2 sleep dropped and no sync has loaded since.
+callers that sync only what changed. load_weights (and weight_views, for a sync that writes the engine's tensors
+in place) wakes the weights first, then overwrites them; wake() brings back the KV cache, and refuses to run on
+weights that a level-2 sleep dropped and no sync has loaded since.
 
 Adapter mode (`lora_rank` set, --rollout_weights adapter): the engine holds the base once (qlora: the trainer's own
 4-bit base, `quantized`) and samples through vLLM's LoRA layers; a sync hands it the adapter alone (vllm_lora.py).
@@ -188,16 +189,33 @@ class VLLMRolloutEngine(RolloutEngine):
         `complete`: these tensors finish a load of every weight (grpo.model.weight_sync.sync_weights passes False for
         all chunks but the last), so after a level-2 sleep the engine may wake again only once a whole sync has
         landed."""
+        self._wake_weights()
+        tensors = list(named_tensors)
+        if tensors:  # the model's own load_weights maps checkpoint names onto vLLM's fused / sharded parameters
+            self.llm.apply_model(lambda model: model.load_weights(tensors))
+        if complete:
+            self.weights_dropped = False
+        self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+
+    def weight_views(self, shapes: dict[str, torch.Size]) -> dict[str, torch.Tensor]:
+        """Merged weights on one GPU: the engine's own blocks of the checkpoint's tensors that a sync can overwrite in
+        place (grpo.model.engine_layout.writable_blocks), its weights woken first. Empty under tensor parallelism
+        (a rank holds shards; load_weights splits them), with the adapter (the base never changes), and for a
+        vision-language model (vLLM renames its checkpoint's tensors; load_weights knows how)."""
+        if self.takes_adapter or self.tp > 1 or self.image_token_id is not None:
+            return {}
+        from grpo.model.engine_layout import writable_blocks
+        from grpo.rollout.vllm_memory import engine_model
+
+        self._wake_weights()
+        model = engine_model(self.llm)
+        return writable_blocks(model, getattr(model, "packed_modules_mapping", None) or {}, shapes)
+
+    def _wake_weights(self) -> None:
         if "weights" in self._asleep:
             release_cached_blocks()
             self.llm.wake_up(tags=["weights"])  # parked weights come back before they are partly overwritten
             self._asleep.discard("weights")
-        tensors = list(named_tensors)
-        # the model's own load_weights maps checkpoint names onto vLLM's fused / sharded parameters
-        self.llm.apply_model(lambda model: model.load_weights(tensors))
-        if complete:
-            self.weights_dropped = False
-        self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
 
     def load_adapter(self, tensors: dict[str, torch.Tensor]) -> None:
         """Adapter mode: replace the engine's adapter by these tensors (grpo.model.weight_sync.iter_adapter_tensors).
