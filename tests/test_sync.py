@@ -450,6 +450,37 @@ def test_the_4bit_base_written_for_the_engine_loads_as_the_trainers_base(model_d
     assert 0 < written < sum(p.numel() * 4 for p in loaded.parameters()) * 2
 
 
+def test_a_merged_lora_engine_keeps_its_weights_through_training_where_they_are_small_next_to_the_gpu(
+        model_dir, monkeypatch):
+    """--vllm_sleep_level by default: 0 (the KV cache alone, so a sync writes only the adapted layers) for lora /
+    qlora with merged weights on one GPU while their 16-bit copy takes at most KEEP_WEIGHTS_UP_TO_SHARE of it; 2
+    beyond, for full fine-tuning, under tensor parallelism and for an adapter engine (which keeps its base anyway);
+    an explicit level always wins."""
+    from grpo.model.loading import parameter_count
+    from grpo.rollout import engines
+
+    policy = trained_policy(model_dir, "qlora")
+    copy_bytes = 2 * parameter_count(policy)
+    roomy = int(copy_bytes / engines.KEEP_WEIGHTS_UP_TO_SHARE) + 1
+    monkeypatch.setattr(engines, "gpu_memory_bytes", lambda cap=None: roomy)
+
+    def level(adapter=False, **options):
+        cfg = GRPOConfig(**{"model_name_or_path": model_dir, "tuning_strategy": "qlora", "rollout_engine": "vllm",
+                            **options})
+        return engines.engine_sleep_level(cfg, policy, adapter)
+
+    assert level() == 0 and level(tuning_strategy="lora") == 0
+    assert level(tuning_strategy="full") == 2 and level(adapter=True) == 2
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert level(vllm_tp=2) == 2
+    monkeypatch.delenv("WORLD_SIZE")
+    assert level(vllm_sleep_level=2) == 2 and level(adapter=True, vllm_sleep_level=0) == 0
+    monkeypatch.setattr(engines, "gpu_memory_bytes", lambda cap=None: roomy - 2)
+    assert level() == 2
+    with pytest.raises(ConfigError, match="vllm_sleep_level"):
+        GRPOConfig(model_name_or_path=model_dir, vllm_sleep_level=3)
+
+
 def test_rollout_weights_auto_picks_adapter_only_where_the_16bit_copy_crowds_the_gpu(model_dir, monkeypatch):
     """qlora with vLLM: merged while a 16-bit copy of the model takes at most ADAPTER_FROM_SHARE of the GPU (it
     generates faster), adapter beyond; an explicit adapter where vLLM's LoRA cannot take the model is an error."""

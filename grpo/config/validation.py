@@ -143,7 +143,7 @@ def validate(cfg) -> None:
     if cfg.lora_exclude_modules is not None:
         _validate_lora_exclude(cfg, need)
     _validate_episodes(cfg, need)
-    need(cfg.vllm_sleep_level in (1, 2), "vllm_sleep_level", f"got {cfg.vllm_sleep_level}, choose 1 or 2")
+    need(cfg.vllm_sleep_level in (None, 0, 1, 2), "vllm_sleep_level", f"got {cfg.vllm_sleep_level}, choose 0, 1 or 2")
     need(cfg.qlora_quant_type in QLORA_QUANT_TYPES, "qlora_quant_type",
          f"got '{cfg.qlora_quant_type}', choose one of {', '.join(QLORA_QUANT_TYPES)}")
     need(cfg.qlora_quant_type == "nf4" or cfg.tuning_strategy == "qlora", "qlora_quant_type",

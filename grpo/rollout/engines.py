@@ -21,6 +21,11 @@ logger = logging.getLogger("grpo")
 # (a 15 GiB copy, 19% of the GPU) merged took 8.1 s/step with eager vLLM (26.4 GiB peak), adapter 8.5 s/step with
 # CUDA graphs and 27.7 eager (19.0 GiB peak); at 0.68B with lora, 1.76 against 2.26 (benchmarks/RESULTS.md)
 ADAPTER_FROM_SHARE = 0.4
+# default --vllm_sleep_level, lora / qlora with merged weights on one GPU: the engine keeps its 16-bit copy through
+# training (level 0: a sync writes the adapted layers in place) where the copy takes at most this share of the GPU;
+# level 2 frees it. At Qwen2.5-7B's shape on one H100 (a 15 GiB copy, 19%), level 2's sync took 0.15-0.18 s
+# (benchmarks/RESULTS.md)
+KEEP_WEIGHTS_UP_TO_SHARE = 0.25
 
 
 def engine_holds_weights(config) -> bool:
@@ -69,7 +74,8 @@ def build_rollout_engine(config, model_path: str, policy, tokenizer, vision, ran
             parked = park_frozen_base(policy) if adapter and config.vllm_tp == 1 else {}
             try:
                 engine = _vllm_engine(config, base or model_path, rank, vision, stops, lora_rank=lora_rank,
-                                      quantized=quantized, completion_tokens=completion_tokens)
+                                      quantized=quantized, completion_tokens=completion_tokens,
+                                      sleep_level=engine_sleep_level(config, policy, adapter))
             except BaseException:
                 restore_parked(policy, parked)
                 raise
@@ -172,6 +178,21 @@ def gpu_memory_bytes(cap_gib=None) -> int:
     return usable_gpu_bytes(cap_gib)
 
 
+def engine_sleep_level(config, policy, adapter: bool) -> int:
+    """--vllm_sleep_level, or its default: 0 (the KV cache alone) for lora / qlora with merged weights on one GPU
+    whose 16-bit copy takes at most KEEP_WEIGHTS_UP_TO_SHARE of it, as the trainer's own memory is small there and a
+    sync then writes the adapted layers alone; 2 otherwise (full fine-tuning needs the memory; an adapter engine
+    keeps its base anyway)."""
+    if config.vllm_sleep_level is not None:
+        return config.vllm_sleep_level
+    if adapter or config.tuning_strategy not in ("lora", "qlora") or config.vllm_tp > 1:
+        return 2
+    from grpo.model.loading import parameter_count
+
+    return 0 if 2 * parameter_count(policy) <= KEEP_WEIGHTS_UP_TO_SHARE * gpu_memory_bytes(config.gpu_memory_gib) \
+        else 2
+
+
 def adapter_rank(policy) -> int:
     """The largest LoRA rank of the policy (rank patterns included): what the engine's LoRA slots must hold."""
     peft_config = policy.peft_config["default"]
@@ -179,7 +200,7 @@ def adapter_rank(policy) -> int:
 
 
 def _vllm_engine(config, model_path: str, rank: int, vision, stops, lora_rank: int | None = None,
-                 quantized: bool = False, completion_tokens: int | None = None):
+                 quantized: bool = False, completion_tokens: int | None = None, sleep_level: int = 2):
     from grpo.rollout.vllm import VLLMRolloutEngine
 
     # ranks of one tensor-parallel group share a seed: they must sample the same completions
@@ -190,7 +211,7 @@ def _vllm_engine(config, model_path: str, rank: int, vision, stops, lora_rank: i
                                                                       completion_tokens=completion_tokens),
                                  max_model_len=config.max_seq_length, seed=config.seed + rank // config.vllm_tp,
                                  enable_sleep=config.vllm_sleep,
-                                 sleep_level=config.vllm_sleep_level, enforce_eager=config.vllm_enforce_eager,
+                                 sleep_level=sleep_level, enforce_eager=config.vllm_enforce_eager,
                                  stop_token_ids=stops,
                                  max_images_per_prompt=config.max_images_per_prompt if vision else 0,
                                  image_token_id=vision.image_token_id if vision else None,

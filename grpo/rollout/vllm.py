@@ -12,7 +12,9 @@ of a group runs the same scheduler and sampler, which only agree when the caller
   - every rank of a group generates the same prompts: generate() gathers the group's prompts over vLLM's own TP
     group, the group generates them together, and each rank keeps the completions of its own prompts.
 
-Sleep: level 2 by default (KV cache and weights dropped): the trainer syncs after every step anyway, and with
+Sleep: level 0 keeps the weights on the GPU and frees the KV cache alone, so a sync writes only what changed (lora /
+qlora: the adapted layers); grpo's default where the engine's 16-bit copy is small next to the GPU. Level 2 (KV cache
+and weights dropped) otherwise: the trainer syncs after every step anyway, and with
 `needs_every_weight` set the sync sends the whole policy (lora / qlora too), a copy on the GPU, where level 1
 would park the weights in pinned CPU memory at every sleep and copy them back at every wake. Level 2 relies on
 the model's load_weights rewriting every parameter from checkpoint tensors; a model that derives parameters after
@@ -65,13 +67,14 @@ class VLLMRolloutEngine(RolloutEngine):
                  kv_cache_bytes: int | None = None, lora_rank: int | None = None, quantized: bool = False):
         """`max_images_per_prompt` > 0 (with the model's `image_token_id`) serves a vision-language model: prompts
         then come with their images, passed as multi_modal_data (vLLM runs the model's own image processor).
-        `sleep_level` 2 drops the weights in sleep(), so every sync must send all of them (see the module docstring).
+        `sleep_level` 2 drops the weights in sleep(), so every sync must send all of them; 0 keeps them and frees
+        the KV cache alone (see the module docstring).
         `kv_cache_bytes`: the KV cache's size, instead of what `gpu_memory_utilization` leaves after the weights.
         `lora_rank`: adapter mode (module docstring), for adapters of up to this rank; `quantized`: `model_path` is a
         pre-quantized bitsandbytes folder (grpo.model.quantized_checkpoint)."""
-        if sleep_level not in (1, 2):
-            raise ConfigError(f"sleep_level={sleep_level}: vLLM sleeps at level 1 (weights kept in CPU memory) or 2 "
-                              "(weights dropped)")
+        if sleep_level not in (0, 1, 2):
+            raise ConfigError(f"sleep_level={sleep_level}: vLLM sleeps at level 0 (weights kept on the GPU), 1 (kept "
+                              "in CPU memory) or 2 (dropped)")
         vllm = _import_vllm()
         self._vllm = vllm
         self.tp = tensor_parallel_size
@@ -81,7 +84,8 @@ class VLLMRolloutEngine(RolloutEngine):
         self.stop_token_ids = list(stop_token_ids or [])
         self.enable_sleep = enable_sleep
         self.takes_adapter = lora_rank is not None
-        self.sleep_level = 1 if self.takes_adapter else sleep_level  # the base is loaded once, never synced
+        # the base is loaded once, never synced: it is kept (on the GPU, or parked in CPU memory)
+        self.sleep_level = 1 if self.takes_adapter and sleep_level == 2 else sleep_level
         # read by grpo.model.weight_sync.sync_weights: a level-2 sleep leaves nothing of the previous weights to
         # build on
         self.needs_every_weight = enable_sleep and self.sleep_level == 2
@@ -112,6 +116,7 @@ class VLLMRolloutEngine(RolloutEngine):
             logprobs_mode="processed_logprobs", kv_cache_memory_bytes=kv_cache_bytes, **multimodal, **adapter)
         self._asleep: set[str] = set()  # vLLM allocation tags now released: "weights", "kv_cache"
         self.shares_base = False  # the trainer's base tensors view this engine's: it never releases its weights
+        self.sleeps_kv_only = sleep_level == 0  # its sleeps free the KV cache alone (set too when it shares_base)
         self.last_sleep_freed_bytes = 0
         self._sleeps = 0
         self._warned_top_p = False
@@ -250,21 +255,22 @@ class VLLMRolloutEngine(RolloutEngine):
         model = engine_model(self.llm)
         result = share_base_weights(policy, model, getattr(model, "packed_modules_mapping", None), parked)
         self.shares_base = result.shared > 0
+        self.sleeps_kv_only = self.sleeps_kv_only or self.shares_base
         return result
 
     def sleep(self, keep_weights: bool = False) -> None:
         """Free the KV cache and the weights (level 2: dropped; level 1: parked in CPU memory) while the trainer
         uses the GPU. `keep_weights`: level 1 this time, for a sleep that no sync follows (after an evaluation).
-        An engine that shares its base with the trainer frees its KV cache only."""
+        An engine at level 0, or that shares its base with the trainer, frees its KV cache only."""
         if not self.enable_sleep or self._asleep:
             return
         level = 1 if keep_weights else self.sleep_level
         torch.cuda.synchronize()
         before = torch.cuda.mem_get_info()[0]
         # marked first: an interrupt inside llm.sleep must not leave the engine believed awake and whole
-        self._asleep = {"kv_cache"} if self.shares_base else {"weights", "kv_cache"}
-        self.weights_dropped = level == 2 and not self.shares_base
-        if self.shares_base:
+        self._asleep = {"kv_cache"} if self.sleeps_kv_only else {"weights", "kv_cache"}
+        self.weights_dropped = level == 2 and not self.sleeps_kv_only
+        if self.sleeps_kv_only:
             from grpo.rollout.vllm_memory import release_kv_cache
 
             self.llm.reset_prefix_cache()  # the cached blocks' contents are about to go
@@ -286,7 +292,7 @@ class VLLMRolloutEngine(RolloutEngine):
                                "generating")
         if self._asleep:
             release_cached_blocks()
-            if self.shares_base:
+            if self.sleeps_kv_only:
                 from grpo.rollout.vllm_memory import restore_kv_cache
 
                 restore_kv_cache(self.llm)

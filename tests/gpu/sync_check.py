@@ -17,7 +17,8 @@ With --rollout_weights adapter (lora / qlora), the engine holds the base once (q
 written as a pre-quantized folder) and each sync sends the adapter alone; it sleeps at level 1, so a wake without a
 sync is allowed and samples the last synced adapter. With one GPU per engine the trainer's frozen base (qlora: its
 packed 4-bit weights too) then becomes views of the engine's weights (held once), and the engine's sleeps drop its
-KV cache only.
+KV cache only. --sleep_level 0: a merged engine that keeps its weights too (sleeps free the KV cache alone), so a
+sync writes only what changed.
 """
 import argparse
 import json
@@ -60,6 +61,9 @@ def main():
     parser.add_argument("--tp", type=int, default=1, help="vLLM tensor-parallel size (= the number of ranks)")
     parser.add_argument("--local_rank", type=int, default=0, help="set by the DeepSpeed launcher")
     parser.add_argument("--rollout_weights", choices=["merged", "adapter"], default="merged")
+    parser.add_argument("--sleep_level", type=int, choices=[0, 2], default=2,
+                        help="0: the engine keeps its weights (frees its KV cache alone), so a sync writes only what "
+                             "changed, in place")
     add_qlora_rounding_args(parser)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
@@ -103,7 +107,7 @@ def main():
 
         parked = park_frozen_base(engine.module)
     vllm = VLLMRolloutEngine(engine_path, tensor_parallel_size=args.tp, gpu_memory_utilization=0.3, max_model_len=512,
-                             seed=0, enforce_eager=True, lora_rank=16 if adapter else None,
+                             seed=0, enforce_eager=True, lora_rank=16 if adapter else None, sleep_level=args.sleep_level,
                              quantized=adapter and args.strategy == "qlora")
     main_rank = dist_utils.rank() == 0
     engine_start_s = time.perf_counter() - start
@@ -176,7 +180,7 @@ def main():
         print(json.dumps(rows[-1]), flush=True)
         with open(args.out, "w") as fh:
             json.dump({"strategy": args.strategy, "zero": args.zero, "tp": args.tp,
-                       "rollout_weights": args.rollout_weights, "rows": rows}, fh, indent=1)
+                       "rollout_weights": args.rollout_weights, "sleep_level": args.sleep_level, "rows": rows}, fh, indent=1)
     dist_utils.shutdown()
 
 
