@@ -345,6 +345,15 @@ def test_out_of_memory_names_phase_sizes_and_knobs(tiny_model, registry, tmp_pat
                  "--gradient_checkpointing", "--vllm_gpu_memory_utilization", "no checkpoint was saved yet"):
         assert part in message, (part, message)
     assert "Traceback" not in message and "Traceback" in (tmp_path / "train.log").read_text()
+    # what the run already does is not suggested; a vLLM engine that keeps its weights through training is
+    from grpo.runtime.failures import out_of_memory_message
+
+    error = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.")
+    qlora = out_of_memory_message("optimize", {}, None, error, {"checkpointing": True, "strategy": "qlora",
+                                                                "engine_keeps_weights": True})
+    assert "--gradient_checkpointing" not in qlora and "--tuning_strategy" not in qlora, qlora
+    assert "--vllm_sleep_level 2" in qlora and "--deepspeed zero3 (several GPUs)" in qlora, qlora
+    assert "--vllm_sleep_level" not in out_of_memory_message("rollout", {}, None, error, {"engine_keeps_weights": True})
 
 
 def test_resume_refuses_options_that_rebuild_another_policy(tmp_path):

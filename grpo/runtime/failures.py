@@ -60,7 +60,8 @@ def phase(name: str, after_step: bool = False, passes: tuple = ()):
                 where = getattr(exc, "grpo_phase", name)
                 if _is_out_of_memory(exc):
                     sizes = self.memory_sizes() if hasattr(self, "memory_sizes") else {}
-                    exc_ = OutOfMemory(out_of_memory_message(where, sizes, self.state.last_checkpoint, exc))
+                    settings = self.memory_settings() if hasattr(self, "memory_settings") else {}
+                    exc_ = OutOfMemory(out_of_memory_message(where, sizes, self.state.last_checkpoint, exc, settings))
                     _log_traceback_to_file(f"step {step} ({where}): out of memory", exc)  # the allocator's detail
                     raise self.failures.report(exc_, step, where) from exc
                 raise self.failures.report(exc, step, where) from exc
@@ -84,6 +85,17 @@ _OOM_KNOBS = {
 }
 
 
+def _knobs_for(phase_name: str, settings: dict) -> list[str]:
+    knobs = list(_OOM_KNOBS.get(phase_name, _OOM_KNOBS["optimize"]))
+    if settings.get("checkpointing"):
+        knobs = [k for k in knobs if not k.startswith("--gradient_checkpointing")]
+    if settings.get("strategy") in ("lora", "qlora"):
+        knobs = [k.replace(" or --tuning_strategy lora / qlora", "") for k in knobs]
+    if settings.get("engine_keeps_weights") and phase_name != "rollout":
+        knobs.insert(1, "--vllm_sleep_level 2 (vLLM's 16-bit weights leave the GPU while the trainer runs)")
+    return knobs
+
+
 def _is_out_of_memory(exc: BaseException) -> bool:
     import torch
 
@@ -92,11 +104,14 @@ def _is_out_of_memory(exc: BaseException) -> bool:
     return isinstance(exc, kinds) or (isinstance(exc, RuntimeError) and "CUDA out of memory" in str(exc))
 
 
-def out_of_memory_message(phase_name: str, sizes: dict, last_checkpoint: Optional[str], exc: BaseException) -> str:
-    """One paragraph: what ran out, with which sizes, what to change, and where to resume from."""
+def out_of_memory_message(phase_name: str, sizes: dict, last_checkpoint: Optional[str], exc: BaseException,
+                          settings: Optional[dict] = None) -> str:
+    """One paragraph: what ran out, with which sizes, what to change, and where to resume from. `settings`: what the
+    run already does (`checkpointing`, `strategy`, `engine_keeps_weights`: a merged vLLM engine that keeps its 16-bit
+    weights through training), so that only what it does not do is suggested."""
     first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
     detail = first_line.split(". ")[0] if first_line else "CUDA out of memory"
-    knobs = _OOM_KNOBS.get(phase_name, _OOM_KNOBS["optimize"])
+    knobs = _knobs_for(phase_name, settings or {})
     size_text = ", ".join(f"{key} {value}" for key, value in sizes.items()) or "sizes unknown"
     resume = (f"the last checkpoint is {last_checkpoint} (continue with --resume_from_checkpoint latest)"
               if last_checkpoint else "no checkpoint was saved yet")

@@ -244,6 +244,14 @@ class GRPOTrainer:
         """The sizes of the step in progress, for an out-of-memory message."""
         return {**self.rollouts.sizes, **self._sizes}
 
+    def memory_settings(self) -> dict:
+        """What the run already does against memory, so that an out-of-memory message suggests the rest."""
+        engine = self.rollout_engine
+        return {"checkpointing": any(getattr(m, "gradient_checkpointing", False) is True
+                                     for m in self.engine.module.modules()),
+                "strategy": self.config.tuning_strategy,
+                "engine_keeps_weights": getattr(engine, "sleeps_kv_only", False) and not engine.takes_adapter}
+
     def _advantages(self, rewards: torch.Tensor) -> torch.Tensor:
         """Group-relative advantages; with --scale_rewards batch the std is the whole step's, over every rank
         (two reductions: the mean, then the squared deviations about it, which keeps the std exact for rewards far
