@@ -291,14 +291,17 @@ def _iter_adapter(model, dtype, zero3, dequantize_frozen: bool, everything: bool
     from peft.tuners.lora import LoraLayer
     from peft.utils.other import AuxiliaryTrainingWrapper, ModulesToSaveWrapper
 
-    wrapped_prefixes: list[str] = []  # submodules of a wrapper are handled with the wrapper
+    # submodules of a wrapper are handled with the wrapper; named_modules lists a module's submodules right after it
+    # (depth first), so only the latest wrapper's prefix can match
+    wrapper_prefix: str | None = None
     seen: set[int] = set()  # with `everything`: tied weights (embed_tokens / lm_head) sent once
     for module_name, module in model.named_modules():
-        if any(module_name.startswith(p) for p in wrapped_prefixes):
+        if wrapper_prefix is not None and module_name.startswith(wrapper_prefix):
             continue
+        wrapper_prefix = None
         name = checkpoint_name(module_name)
         if isinstance(module, ModulesToSaveWrapper):
-            wrapped_prefixes.append(module_name + ".")
+            wrapper_prefix = module_name + "."
             active = [a for a in _active_adapters(module) if a in module.modules_to_save]
             if not active and not everything:
                 continue
@@ -309,7 +312,7 @@ def _iter_adapter(model, dtype, zero3, dequantize_frozen: bool, everything: bool
             raise ConfigError(f"weight sync cannot send {type(module).__name__} ({name}); "
                               "train without trainable_token_indices")
         elif isinstance(module, LoraLayer):
-            wrapped_prefixes.append(module_name + ".")
+            wrapper_prefix = module_name + "."
             adapters = _lora_adapters(module)
             if not (adapters or everything or (dequantize_frozen and is_4bit(module.get_base_layer().weight))):
                 continue  # unchanged since the checkpoint the engine loaded
