@@ -52,6 +52,7 @@ class RolloutEngine(ABC):
     weights_dropped: bool = False      # such a sleep happened and no complete load_weights has followed
     last_sleep_freed_bytes: Optional[int] = None  # GPU memory the last sleep gave back (None: it never sleeps)
     takes_adapter: bool = False        # holds the base once and takes the LoRA adapter as adapter tensors
+    sleeps_kv_only: bool = False       # its sleeps free the KV cache alone: its weights stay on the GPU
     runs_episodes: bool = False        # runs whole multi-turn episodes where it generates (server mode: on the
                                        # rollout ranks); otherwise the collector runs them turn by turn through generate
 

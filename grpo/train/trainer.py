@@ -250,7 +250,7 @@ class GRPOTrainer:
         return {"checkpointing": any(getattr(m, "gradient_checkpointing", False) is True
                                      for m in self.engine.module.modules()),
                 "strategy": self.config.tuning_strategy,
-                "engine_keeps_weights": getattr(engine, "sleeps_kv_only", False) and not engine.takes_adapter}
+                "engine_keeps_weights": engine.sleeps_kv_only and not engine.takes_adapter}
 
     def _advantages(self, rewards: torch.Tensor) -> torch.Tensor:
         """Group-relative advantages; with --scale_rewards batch the std is the whole step's, over every rank
