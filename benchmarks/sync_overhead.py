@@ -21,7 +21,7 @@ LAYERS = 28
 FUSED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
 
 
-def engine_model(config) -> torch.nn.Module:
+def engine_model(config) -> "FlatModel":
     """The checkpoint's tensors as vLLM holds them: q/k/v and gate/up fused by rows, in bf16."""
     state = Qwen2ForCausalLM(config).state_dict()
     tensors = {}
@@ -35,16 +35,17 @@ def engine_model(config) -> torch.nn.Module:
         for name in ("self_attn.o_proj.weight", "mlp.down_proj.weight", "input_layernorm.weight",
                      "post_attention_layernorm.weight"):
             tensors[p + name] = state[p + name]
-    root = torch.nn.Module()
-    for name, tensor in tensors.items():
-        module = root
-        *path, leaf = name.split(".")
-        for part in path:
-            if not hasattr(module, part):
-                module.add_module(part, torch.nn.Module())
-            module = getattr(module, part)
-        module.register_parameter(leaf, torch.nn.Parameter(tensor.to(torch.bfloat16), requires_grad=False))
-    return root
+    return FlatModel({name: t.to(torch.bfloat16) for name, t in tensors.items()})
+
+
+class FlatModel:
+    """What writable_blocks reads of an engine's model: its named parameters."""
+
+    def __init__(self, tensors: dict):
+        self.tensors = {name: torch.nn.Parameter(t, requires_grad=False) for name, t in tensors.items()}
+
+    def named_parameters(self):
+        return iter(self.tensors.items())
 
 
 class InProcessEngine(RolloutEngine):
