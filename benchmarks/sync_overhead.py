@@ -58,8 +58,8 @@ class InProcessEngine(RolloutEngine):
     def load_weights(self, named_tensors, complete=True):
         list(named_tensors)
 
-    def weight_views(self, shapes):
-        return writable_blocks(self.model, FUSED, shapes)
+    def weight_views(self, policy):
+        return writable_blocks(self.model, FUSED, checkpoint_shapes(policy))
 
 
 def main() -> None:
@@ -78,7 +78,7 @@ def main() -> None:
     shapes = checkpoint_shapes(policy)
     shapes_ms = (time.perf_counter() - start) * 1000
     start = time.perf_counter()
-    views = engine.weight_views(shapes)
+    views = writable_blocks(engine.model, FUSED, shapes)
     views_ms = (time.perf_counter() - start) * 1000
     print(f"sync of {stats.tensors} tensors: {sync_ms:.1f} ms (of which the policy's shapes {shapes_ms:.1f} ms, the "
           f"engine's {len(views)} views {views_ms:.1f} ms)")

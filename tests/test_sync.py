@@ -714,10 +714,11 @@ class InPlaceEngine(RecordingEngine):
         super().__init__()
         self.model, self.needs_every_weight = model, drops_weights
 
-    def weight_views(self, shapes):
+    def weight_views(self, policy):
         from grpo.model.engine_layout import writable_blocks
+        from grpo.model.weight_sync import checkpoint_shapes
 
-        return writable_blocks(self.model, VLLM_PACKED, shapes)
+        return writable_blocks(self.model, VLLM_PACKED, checkpoint_shapes(policy))
 
 
 def padded_vocab(policy) -> int:

@@ -128,7 +128,7 @@ def sync_weights(engine, model, strategy: str, *, zero3: bool = False, first_syn
                          bytes=sum(t.numel() * t.element_size() for t in tensors.values()), tensors=len(tensors))
     total, count, chunk, chunk_size = 0, 0, [], 0
     everything = engine.needs_every_weight
-    into = engine.weight_views(checkpoint_shapes(model))  # written in place: no copy, no loader per tensor
+    into = engine.weight_views(model)  # written in place: no copy, no loader per tensor
     for name, tensor in iter_policy_weights(model, strategy, dtype=dtype, zero3=zero3, first_sync=first_sync,
                                             everything=everything, into=into):
         size = tensor.numel() * tensor.element_size()

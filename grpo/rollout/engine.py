@@ -90,9 +90,9 @@ class RolloutEngine(ABC):
         weight (an engine that dropped its weights may wake only then); a partial sync passes False until then."""
         raise NotImplementedError(f"{type(self).__name__} samples the live policy and holds no weights to load")
 
-    def weight_views(self, shapes: dict[str, torch.Size]) -> dict[str, torch.Tensor]:
-        """checkpoint name -> the engine's own tensor that holds exactly that weight (given the checkpoint's
-        `shapes`), for a sync that writes there in place; the sync then ends with a load_weights call of the rest
+    def weight_views(self, policy) -> dict[str, torch.Tensor]:
+        """checkpoint name -> the engine's own tensor that holds exactly that weight of `policy` (the module being
+        trained), for a sync that writes there in place; the sync then ends with a load_weights call of the rest
         (maybe empty). Empty for an engine whose weights are not this process's to write (the default)."""
         return {}
 

@@ -202,7 +202,7 @@ class VLLMRolloutEngine(RolloutEngine):
             self.weights_dropped = False
         self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
 
-    def weight_views(self, shapes: dict[str, torch.Size]) -> dict[str, torch.Tensor]:
+    def weight_views(self, policy) -> dict[str, torch.Tensor]:
         """Merged weights on one GPU: the engine's own blocks of the checkpoint's tensors that a sync can overwrite in
         place (grpo.model.engine_layout.writable_blocks), its weights woken first. Empty under tensor parallelism
         (a rank holds shards; load_weights splits them), with the adapter (the base never changes), and for a
@@ -210,11 +210,12 @@ class VLLMRolloutEngine(RolloutEngine):
         if self.takes_adapter or self.tp > 1 or self.image_token_id is not None:
             return {}
         from grpo.model.engine_layout import writable_blocks
+        from grpo.model.weight_sync import checkpoint_shapes
         from grpo.rollout.vllm_memory import engine_model
 
         self._wake_weights()
         model = engine_model(self.llm)
-        return writable_blocks(model, getattr(model, "packed_modules_mapping", None) or {}, shapes)
+        return writable_blocks(model, getattr(model, "packed_modules_mapping", None) or {}, checkpoint_shapes(policy))
 
     def _wake_weights(self) -> None:
         if "weights" in self._asleep:
