@@ -142,6 +142,11 @@ def resolve_token_budget(gpu: GpuFigures, kept: int, transient: int, chunk: int,
     return budget, f"micro-batches of up to {budget} tokens (--max_tokens_per_micro_batch auto): {figures}"
 
 
+def checkpointing_on(model) -> bool:
+    """Whether any layer of `model` is gradient-checkpointed."""
+    return any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
+
+
 def training_estimate(config, model) -> tuple[int, int, int, bool]:
     """(kept, transient, chunk, checkpointing) for `model` (a DeepSpeed engine, peft or transformers model) as this
     run trains it: its shape, the dtypes of its embeddings and adapters, whether its layers are checkpointed, and
@@ -150,7 +155,7 @@ def training_estimate(config, model) -> tuple[int, int, int, bool]:
 
     zero3 = getattr(model, "zero_optimization_stage", lambda: 0)() == 3
     full_logits = zero3 or config.logprob_chunk_tokens == 0 or decoder_and_head(model) is None
-    checkpointing = any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
+    checkpointing = checkpointing_on(model)
     module = getattr(model, "module", model)
     base = module.get_base_model() if hasattr(module, "get_base_model") else module
     shape = model_shape(base.config)

@@ -42,7 +42,7 @@ from grpo.train.micro_batches import MicroBatch
 from grpo.train.reporting import RunReporter, plot_training_curves, read_metrics
 from grpo.train.setup import RunData, initialize_deepspeed, prepare_run
 from grpo.train.step_data import RolloutBatch, StepData, build_rollout_batch
-from grpo.train.token_budget import micro_batch_token_budget
+from grpo.train.token_budget import checkpointing_on, micro_batch_token_budget
 from grpo.train.update import has_dropout, score, step_micro_batches, step_normaliser, update
 from grpo.train.warm_start import run_warm_start
 
@@ -247,8 +247,7 @@ class GRPOTrainer:
     def memory_settings(self) -> dict:
         """What the run already does against memory, so that an out-of-memory message suggests the rest."""
         engine = self.rollout_engine
-        return {"checkpointing": any(getattr(m, "gradient_checkpointing", False) is True
-                                     for m in self.engine.module.modules()),
+        return {"checkpointing": checkpointing_on(self.engine.module),
                 "strategy": self.config.tuning_strategy,
                 "engine_keeps_weights": engine.sleeps_kv_only and not engine.takes_adapter}
 
