@@ -60,9 +60,10 @@ def test_the_estimate_reads_the_model_as_it_is_trained():
     assert training_estimate(GRPOConfig(logprob_chunk_tokens=0), model) == (1280 + 1400, 8736, 0, True)
 
 
-def figures(free_gib, usable_gib=80, cached_gib=0.0, to_come_gib=0.0):
+def figures(free_gib, usable_gib=80, cached_gib=0.0, to_come_gib=0.0, capped_allocated_gib=None):
     return GpuFigures(free=int(free_gib * GIB), cached=int(cached_gib * GIB), total=80 * GIB,
-                      usable=int(usable_gib * GIB), to_come=int(to_come_gib * GIB))
+                      usable=int(usable_gib * GIB), to_come=int(to_come_gib * GIB),
+                      capped_allocated=None if capped_allocated_gib is None else int(capped_allocated_gib * GIB))
 
 
 def test_plenty_of_memory_keeps_the_cap():
@@ -84,6 +85,17 @@ def test_tight_memory_picks_a_smaller_multiple_of_1024():
     assert resolve_token_budget(figures(20), MIB, 0, 10 * GIB, 768, True)[0] == 2048
     # 900 tokens fit (room 2250 MiB / 1.25 / 2 MiB), less than 1024: one row of 768
     assert resolve_token_budget(figures(4 + 2250 / 1024), MIB, MIB, 0, 768, True)[0] == 768
+
+
+def test_under_a_cap_what_torch_counts_binds_when_it_is_more_than_the_driver_sees():
+    # --gpu_memory_gib 24, 10 GiB in use as the driver sees it: room = 70 - 56 - 1.2 = 12.8 GiB. Torch counts 12 GiB
+    # (2 more: a KV cache asleep, back with the driver, still counted by its cap): room = 24 - 12 - 1.2 = 10.8 GiB;
+    # / 1.25 / 2 MiB = 4423 tokens -> 4096
+    assert resolve_token_budget(figures(70, usable_gib=24, capped_allocated_gib=10), MIB, MIB, GIB, 768, True)[0] \
+        == 5120
+    budget, line = resolve_token_budget(figures(70, usable_gib=24, capped_allocated_gib=12), MIB, MIB, GIB, 768, True)
+    assert budget == 4096
+    assert "10.8 GiB free for training" in line and "12.0 counted by torch's cap" in line
 
 
 def test_one_row_that_does_not_fit_is_an_error_with_the_figures_and_the_remedies():

@@ -4,10 +4,12 @@ left once the model and the colocated rollout engine are loaded; resolved once, 
     budget = min(16384, floor(t / 1024) x 1024), and at least one row of --max_seq_length
     t      = the most tokens with  ESTIMATE_MARGIN x (t kept + max(chunk, t transient)) <= room
     room   = free + torch's cached blocks - (total - usable) - gradients to come - safety margin
+             and, under --gpu_memory_gib, at most  usable - torch's allocated bytes - gradients to come - margin
 
 `free` is measured with the rollout engine asleep, as it is during every update (a level-1 sleep and a wake, as
 around an evaluation), so what the sleeping engine still holds counts as used; `usable` is --gpu_memory_gib or the
-whole GPU. `kept`, `transient` and `chunk` come from the model's shape (activation_bytes_per_token,
+whole GPU. The cap is torch's per-process fraction, which counts every block torch's allocator has handed out,
+vLLM's pool included: a KV cache asleep is back with the driver but still counted against the cap. `kept`, `transient` and `chunk` come from the model's shape (activation_bytes_per_token,
 logprob_chunk_bytes). If one row does not fit, a ConfigError with the figures and the options that help stops the
 run here, before any rollout.
 """
@@ -105,6 +107,7 @@ class GpuFigures:
     total: int      # the GPU's memory
     usable: int     # --gpu_memory_gib, or the whole GPU
     to_come: int    # not allocated yet, needed by the update: the trainable parameters' gradients
+    capped_allocated: int | None = None  # under --gpu_memory_gib: torch's allocated bytes, which its cap counts
 
     @property
     def margin(self) -> int:
@@ -113,7 +116,10 @@ class GpuFigures:
     @property
     def room(self) -> int:
         """What the micro-batch's activations may take."""
-        return self.free + self.cached - (self.total - self.usable) - self.to_come - self.margin
+        room = self.free + self.cached - (self.total - self.usable) - self.to_come - self.margin
+        if self.capped_allocated is not None:  # torch's cap also counts what vLLM's pool holds asleep
+            room = min(room, self.usable - self.capped_allocated - self.to_come - self.margin)
+        return room
 
 
 def resolve_token_budget(gpu: GpuFigures, kept: int, transient: int, chunk: int, max_seq_length: int,
@@ -124,7 +130,9 @@ def resolve_token_budget(gpu: GpuFigures, kept: int, transient: int, chunk: int,
     room = max(gpu.room, 0) / ESTIMATE_MARGIN
     fits = int(min(room // (kept + transient), max(room - chunk, 0) // kept))
     figures = (f"{gpu.room / GIB:.1f} GiB free for training ({gpu.usable / GIB:.1f} GiB usable, "
-               f"{(gpu.free + gpu.cached) / GIB:.1f} free on the GPU with the rollout engine asleep, "
+               f"{(gpu.free + gpu.cached) / GIB:.1f} free on the GPU with the rollout engine asleep, " +
+               (f"{gpu.capped_allocated / GIB:.1f} counted by torch's cap, "
+                if gpu.capped_allocated is not None else "") +
                f"{gpu.margin / GIB:.1f} kept back); estimated {ESTIMATE_MARGIN:g} x ({kept / MIB:.2f} + "
                f"{transient / MIB:.2f} MiB per token, {chunk / GIB:.2f} GiB for a log-prob chunk), checkpointing "
                f"{'on' if checkpointing else 'off'}")
@@ -183,11 +191,13 @@ def micro_batch_token_budget(config, model, engine, device: torch.device) -> int
     try:
         torch.cuda.synchronize(device)
         free, total = torch.cuda.mem_get_info(device)
-        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        allocated = torch.cuda.memory_allocated(device)
+        cached = torch.cuda.memory_reserved(device) - allocated
     finally:
         engine.wake()
     to_come = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad and p.grad is None)
-    gpu = GpuFigures(free, cached, total, usable_gpu_bytes(config.gpu_memory_gib, device), to_come)
+    gpu = GpuFigures(free, cached, total, usable_gpu_bytes(config.gpu_memory_gib, device), to_come,
+                     capped_allocated=allocated if config.gpu_memory_gib else None)
     try:
         budget, line = resolve_token_budget(gpu, kept, transient, chunk, config.max_seq_length, checkpointing)
     except ConfigError as exc:
