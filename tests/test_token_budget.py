@@ -4,8 +4,8 @@ import pytest
 
 from grpo.errors import ConfigError
 from grpo.train.token_budget import (GIB, MIB, GpuFigures, ModelShape, activation_bytes_per_token,
-                                     logprob_chunk_bytes, micro_batch_bytes, micro_batch_token_budget, model_shape,
-                                     resolve_token_budget, training_estimate)
+                                     fitted_chunk_tokens, logprob_chunk_bytes, micro_batch_bytes,
+                                     micro_batch_token_budget, model_shape, resolve_token_budget, training_estimate)
 
 TINY = ModelShape(hidden=8, intermediate=16, layers=2, q_dim=8, vocab=32)
 
@@ -98,6 +98,19 @@ def test_under_a_cap_what_torch_counts_binds_when_it_is_more_than_the_driver_see
     assert "10.8 GiB free for training" in line and "12.0 counted by torch's cap" in line
 
 
+def test_the_log_prob_chunk_is_halved_while_it_limits_the_micro_batch():
+    # kept 1 MiB, transient 3 MiB per token, room 8 GiB: the chunk binds above 8 x 3 / 4 = 6 GiB. 1024 tokens of
+    # 16 GiB -> 512 of 8 GiB -> 256 of 4 GiB, which no longer binds: t = min(8 GiB / 4 MiB, 4 GiB / 1 MiB) = 2048
+    assert fitted_chunk_tokens(8 * GIB, 1024, 16 * GIB, MIB, 3 * MIB) == (256, 4 * GIB)
+    assert fitted_chunk_tokens(8 * GIB, 1024, GIB, MIB, 3 * MIB) == (1024, GIB)  # not binding: kept as given
+    assert fitted_chunk_tokens(GIB // 10, 1024, 16 * GIB, MIB, 3 * MIB) == (128, 2 * GIB)  # never below 128
+    # room 10 GiB before the 1.25 margin: with the 16 GiB chunk no row fits; with 4 GiB, 2048 tokens
+    gpu = figures(4 + 10 + 0.0, usable_gib=80)
+    assert resolve_token_budget(gpu, MIB, 3 * MIB, 4 * GIB, 768, True)[0] == 2048
+    with pytest.raises(ConfigError):
+        resolve_token_budget(gpu, MIB, 3 * MIB, 16 * GIB, 768, True)
+
+
 def test_one_row_that_does_not_fit_is_an_error_with_the_figures_and_the_remedies():
     # room = 58 - 56 - 1.2 = 0.8 GiB; one row of 768 tokens: 1.25 x (768 MiB kept + max(1 GiB, 768 MiB)) = 2.2 GiB
     with pytest.raises(ConfigError) as err:
@@ -130,6 +143,33 @@ def test_cpu_and_explicit_values_are_kept():
     from grpo.config import GRPOConfig
 
     cpu = torch.device("cpu")
-    assert micro_batch_token_budget(GRPOConfig(), None, None, cpu) == 16384
-    assert micro_batch_token_budget(GRPOConfig(max_tokens_per_micro_batch=4096), None, None, cpu) == 4096
-    assert micro_batch_token_budget(GRPOConfig(max_tokens_per_micro_batch=0), None, None, cpu) == 0
+    assert micro_batch_token_budget(GRPOConfig(), None, None, cpu) == (16384, 1024)
+    assert micro_batch_token_budget(GRPOConfig(max_tokens_per_micro_batch=4096), None, None, cpu) == (4096, 1024)
+    assert micro_batch_token_budget(GRPOConfig(max_tokens_per_micro_batch=0, logprob_chunk_tokens=256), None, None,
+                                    cpu) == (0, 256)
+
+
+def test_expandable_segments_are_turned_on_unless_the_user_chose(monkeypatch):
+    import os
+
+    import torch
+
+    from grpo.runtime.gpu_budget import use_expandable_segments
+
+    settings = []
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", settings.append, raising=False)
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        monkeypatch.delenv(name, raising=False)
+    assert use_expandable_segments()
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"  # where vLLM looks for it
+    assert settings == ["expandable_segments:True"]
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")  # other settings kept
+    assert use_expandable_segments()
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:512,expandable_segments:True"
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")  # the user's choice stands
+    assert not use_expandable_segments()
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "expandable_segments:False")
+    assert not use_expandable_segments()
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in os.environ
+    assert len(settings) == 2

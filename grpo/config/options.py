@@ -145,8 +145,8 @@ class GRPOConfig:
         "auto", "Token budget (prompt + completion, padding included) of one micro-batch per rank: a step's rows are "
                 "packed longest first into as many as needed (the step's loss does not depend on the split). auto: "
                 "16384 on CPU; on a GPU the most that fits beside the model and the sleeping rollout engine, in steps "
-                "of 1024 up to 16384, else an error before the first rollout. 0: --per_device_train_batch_size x "
-                "--k_samples rows.", "training")
+                "of 1024 up to 16384 (halving the log-prob chunk where that is what limits it), else an error "
+                "before the first rollout. 0: --per_device_train_batch_size x --k_samples rows.", "training")
     logprob_chunk_tokens: int = _opt(
         1024, "Completion tokens whose logits exist at once: log-probs are computed from hidden states through "
               "the output layer in chunks of this size (never a full [N, T, vocab] logits tensor). 0: the "

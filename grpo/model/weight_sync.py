@@ -317,7 +317,8 @@ def _iter_adapter(model, dtype, zero3, dequantize_frozen: bool, everything: bool
             if not (adapters or everything or (dequantize_frozen and is_4bit(module.get_base_layer().weight))):
                 continue  # unchanged since the checkpoint the engine loaded
             base = module.get_base_layer()
-            seen.update(id(p) for p in base.parameters())
+            if everything:
+                seen.update(id(p) for p in base.parameters())
             out = target(f"{name}.weight") if _plain_lora(module, adapters) else None
             if out is not None:  # the bias, if any, is the base's own
                 yield f"{name}.weight", _lora_merged_into(out, module, adapters, zero3)

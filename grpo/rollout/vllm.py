@@ -115,6 +115,7 @@ class VLLMRolloutEngine(RolloutEngine):
             # log-probs after temperature, like the trainer's log_softmax(logits / T) (vllm/v1/sample/sampler.py)
             logprobs_mode="processed_logprobs", kv_cache_memory_bytes=kv_cache_bytes, **multimodal, **adapter)
         self._asleep: set[str] = set()  # vLLM allocation tags now released: "weights", "kv_cache"
+        self._views: tuple | None = None  # (policy, its writable blocks): found once, as neither changes shape
         self.shares_base = False  # the trainer's base tensors view this engine's: it never releases its weights
         self.sleeps_kv_only = sleep_level == 0  # its sleeps free the KV cache alone (set too when it shares_base)
         self.last_sleep_freed_bytes = 0
@@ -206,16 +207,20 @@ class VLLMRolloutEngine(RolloutEngine):
         """Merged weights on one GPU: the engine's own blocks of the checkpoint's tensors that a sync can overwrite in
         place (grpo.model.engine_layout.writable_blocks), its weights woken first. Empty under tensor parallelism
         (a rank holds shards; load_weights splits them), with the adapter (the base never changes), and for a
-        vision-language model (vLLM renames its checkpoint's tensors; load_weights knows how)."""
+        vision-language model (vLLM renames its checkpoint's tensors; load_weights knows how). Found at the first
+        sync and kept: a sleep and a wake map the engine's weights at the same addresses, so the views stay its own."""
         if self.takes_adapter or self.tp > 1 or self.image_token_id is not None:
             return {}
-        from grpo.model.engine_layout import writable_blocks
-        from grpo.model.weight_sync import checkpoint_shapes
-        from grpo.rollout.vllm_memory import engine_model
-
         self._wake_weights()
-        model = engine_model(self.llm)
-        return writable_blocks(model, getattr(model, "packed_modules_mapping", None) or {}, checkpoint_shapes(policy))
+        if self._views is None or self._views[0] is not policy:
+            from grpo.model.engine_layout import writable_blocks
+            from grpo.model.weight_sync import checkpoint_shapes
+            from grpo.rollout.vllm_memory import engine_model
+
+            model = engine_model(self.llm)
+            self._views = (policy, writable_blocks(model, getattr(model, "packed_modules_mapping", None) or {},
+                                                   checkpoint_shapes(policy)))
+        return self._views[1]
 
     def _wake_weights(self) -> None:
         if "weights" in self._asleep:

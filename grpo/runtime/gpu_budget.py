@@ -1,5 +1,5 @@
-"""--gpu_memory_gib: run within a smaller GPU's memory on a larger one (e.g. a 24 GB card's budget on an 80 GB H100),
-to see what fits before buying or renting the card.
+"""The job's GPU memory: torch's allocator settings, and --gpu_memory_gib, which runs within a smaller GPU's memory on a
+larger one (e.g. a 24 GB card's budget on an 80 GB H100) to see what fits before buying or renting the card.
 
     torch      torch.cuda.set_per_process_memory_fraction(cap / total): the allocator refuses beyond the cap
     vLLM       its --vllm_gpu_memory_utilization share is taken of the cap: share x cap / total of the whole GPU
@@ -10,6 +10,7 @@ driver's figure for the whole process (benchmarks/memory_scale.sh) is the one to
 from __future__ import annotations
 
 import logging
+import os
 from typing import Optional
 
 import torch
@@ -17,6 +18,28 @@ import torch
 from grpo.errors import ConfigError
 
 logger = logging.getLogger("grpo")
+
+
+ALLOC_CONF_VARIABLES = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+
+
+def use_expandable_segments() -> bool:
+    """Let torch's allocator grow its segments in place (expandable_segments:True) unless the user chose either way
+    in PYTORCH_CUDA_ALLOC_CONF / PYTORCH_ALLOC_CONF; whether it is now on. Without it, a step's micro-batches of
+    different lengths leave reserved blocks that later requests do not fit: at Qwen2.5-7B's shape, qlora within
+    --gpu_memory_gib 16, the first update ran out of memory with 2.66 GiB reserved and unused (benchmarks/RESULTS.md).
+    vLLM 0.26 turns it off around its own memory pool (sleep mode), reading PYTORCH_CUDA_ALLOC_CONF, so that is
+    where it is set too."""
+    chosen = [os.environ.get(name, "") for name in ALLOC_CONF_VARIABLES]
+    if any("expandable_segments" in conf for conf in chosen):
+        return any("expandable_segments:True" in conf for conf in chosen)
+    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = f"{conf},expandable_segments:True" if conf else "expandable_segments:True"
+    settings = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or torch.cuda.memory._set_allocator_settings
+    settings("expandable_segments:True")  # the allocator may be running already
+    logger.info("torch's GPU allocator grows its segments in place (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True; "
+                "set expandable_segments:False there to keep fixed segments)")
+    return True
 
 
 def gpu_total_bytes(device: Optional[torch.device] = None) -> int:

@@ -10,8 +10,8 @@ left once the model and the colocated rollout engine are loaded; resolved once, 
 around an evaluation), so what the sleeping engine still holds counts as used; `usable` is --gpu_memory_gib or the
 whole GPU. The cap is torch's per-process fraction, which counts every block torch's allocator has handed out,
 vLLM's pool included: a KV cache asleep is back with the driver but still counted against the cap. `kept`, `transient` and `chunk` come from the model's shape (activation_bytes_per_token,
-logprob_chunk_bytes). If one row does not fit, a ConfigError with the figures and the options that help stops the
-run here, before any rollout.
+logprob_chunk_bytes). Where the log-prob chunk is what limits t, it is halved first (fitted_chunk_tokens). If one
+row does not fit, a ConfigError with the figures and the options that help stops the run here, before any rollout.
 """
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ from grpo.errors import ConfigError
 logger = logging.getLogger("grpo")
 GIB, MIB = 2**30, 2**20
 BUDGET_STEP = 1024
+MIN_CHUNK_TOKENS = 128  # the smallest log-prob chunk auto shrinks --logprob_chunk_tokens to
 # What the equation leaves out (allocator fragmentation, fused kernels' temporaries), on top of it. The equation was
 # checked against three measured runs: Qwen2.5-1.5B's shape, lora, checkpointing, 16384 tokens: 4.4 GiB of
 # activations measured (benchmarks/train_memory.py), 4.7 estimated; a 0.68B Llama, lora, no checkpointing: 22.5
@@ -122,6 +123,15 @@ class GpuFigures:
         return room
 
 
+def fitted_chunk_tokens(room: int, chunk_tokens: int, chunk: int, kept: int, transient: int) -> tuple[int, int]:
+    """(tokens, bytes) of the log-prob chunk, halved down to MIN_CHUNK_TOKENS while it is what limits the
+    micro-batch. The budget t is the least of room / (kept + transient) and (room - chunk) / kept; the chunk stops
+    binding once  chunk <= room x transient / (kept + transient). `room` as resolve_token_budget divides it."""
+    while chunk_tokens > MIN_CHUNK_TOKENS and chunk * (kept + transient) > room * transient:
+        chunk_tokens, chunk = chunk_tokens // 2, chunk // 2
+    return chunk_tokens, chunk
+
+
 def resolve_token_budget(gpu: GpuFigures, kept: int, transient: int, chunk: int, max_seq_length: int,
                          checkpointing: bool) -> tuple[int, str]:
     """(budget, the line that says where it came from): the most tokens t with
@@ -175,14 +185,16 @@ def training_estimate(config, model) -> tuple[int, int, int, bool]:
     return kept, transient, logprob_chunk_bytes(config.logprob_chunk_tokens, shape.vocab, full_logits), checkpointing
 
 
-def micro_batch_token_budget(config, model, engine, device: torch.device) -> int:
-    """--max_tokens_per_micro_batch for this run: as given, 16384 for auto on CPU, else resolved on the GPU (the
-    least any rank fits, so every rank trains alike; a rank that cannot fit one row stops every rank)."""
-    value = config.max_tokens_per_micro_batch
+def micro_batch_token_budget(config, model, engine, device: torch.device) -> tuple[int, int]:
+    """(--max_tokens_per_micro_batch, --logprob_chunk_tokens) for this run: as given, 16384 for auto on CPU, else
+    resolved on the GPU (the least any rank fits, so every rank trains alike; a rank that cannot fit one row stops
+    every rank). auto also halves the log-prob chunk where it is what limits the micro-batch (fitted_chunk_tokens):
+    the log-probs are the same, computed in more pieces."""
+    value, chunk_tokens = config.max_tokens_per_micro_batch, config.logprob_chunk_tokens
     if value != "auto":
-        return value
+        return value, chunk_tokens
     if device.type != "cuda":
-        return MICRO_BATCH_TOKENS
+        return MICRO_BATCH_TOKENS, chunk_tokens
     from grpo.runtime import distributed as dist_utils
     from grpo.runtime.gpu_budget import usable_gpu_bytes
 
@@ -198,8 +210,13 @@ def micro_batch_token_budget(config, model, engine, device: torch.device) -> int
     to_come = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad and p.grad is None)
     gpu = GpuFigures(free, cached, total, usable_gpu_bytes(config.gpu_memory_gib, device), to_come,
                      capped_allocated=allocated if config.gpu_memory_gib else None)
+    if chunk:
+        chunk_tokens, chunk = fitted_chunk_tokens(max(gpu.room, 0) / ESTIMATE_MARGIN, chunk_tokens, chunk, kept,
+                                                  transient)
     try:
         budget, line = resolve_token_budget(gpu, kept, transient, chunk, config.max_seq_length, checkpointing)
+        if chunk_tokens < config.logprob_chunk_tokens:
+            line += f"; log-probs in chunks of {chunk_tokens} tokens, not {config.logprob_chunk_tokens}, to fit"
     except ConfigError as exc:
         budget, line, error = 0, "", exc
     least = -int(dist_utils.all_max([-float(budget)])[0])
@@ -208,4 +225,4 @@ def micro_batch_token_budget(config, model, engine, device: torch.device) -> int
             "--max_tokens_per_micro_batch auto: another rank's GPU cannot train one row of --max_seq_length "
             f"{config.max_seq_length} tokens (its error gives the figures)")
     logger.info(line + (f"; {least} on every rank, the least any rank fits" if least < budget else ""))
-    return least
+    return least, chunk_tokens

@@ -34,7 +34,7 @@ from grpo.runtime import distributed as dist_utils
 from grpo.runtime.deepspeed_config import default_dtype, zero_stage
 from grpo.runtime.distributed import seed_everything
 from grpo.runtime.failures import FailureReporter, phase
-from grpo.runtime.gpu_budget import cap_gpu_memory
+from grpo.runtime.gpu_budget import cap_gpu_memory, use_expandable_segments
 from grpo.runtime.roles import job_rank, rollout_index, rollout_ranks_of
 from grpo.runtime.signals import GracefulStop
 from grpo.train.metrics import eval_metrics, eval_sample_rows, mean_over_ranks, step_metrics, step_std
@@ -84,6 +84,8 @@ class GRPOTrainer:
 
         # --- models, DeepSpeed, rollout engine --------------------------------------------------------
         self.device, self.dtype = dist_utils.device(), default_dtype()
+        if self.device.type == "cuda":
+            use_expandable_segments()
         cap_gpu_memory(config.gpu_memory_gib, self.device)
         self.ds_config = data.ds_config
         self.zero3 = zero_stage(self.ds_config) == 3
@@ -104,7 +106,8 @@ class GRPOTrainer:
                                          episode_datasets=data.episode_datasets)
         try:
             self._restore_and_sync()
-            self.micro_batch_tokens = micro_batch_token_budget(config, self.engine, engine, self.device)
+            self.micro_batch_tokens, chunk_tokens = micro_batch_token_budget(config, self.engine, engine, self.device)
+            config.logprob_chunk_tokens = chunk_tokens  # auto may have halved it to fit (memory only)
         except BaseException:
             self.close()  # server mode: the rollout ranks stop with us
             raise
