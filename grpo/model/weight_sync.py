@@ -118,6 +118,8 @@ def sync_weights(engine, model, strategy: str, *, zero3: bool = False, first_syn
     """Stream the policy's weights into `engine.load_weights`, at most ~chunk_bytes per call (plus one tensor).
     All of them when the engine says it `needs_every_weight`, else what changed since the last sync. An engine that
     `takes_adapter` gets the LoRA adapter alone, in one call."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()  # the update's queued kernels are its own time, not the sync's
     start = time.perf_counter()
     if engine.takes_adapter:
         tensors = dict(iter_adapter_tensors(model, dtype=dtype, zero3=zero3))

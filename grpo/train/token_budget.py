@@ -30,12 +30,11 @@ MIN_CHUNK_TOKENS = 128  # the smallest log-prob chunk auto shrinks --logprob_chu
 # What the equation leaves out (allocator fragmentation, fused kernels' temporaries), on top of it. The equation was
 # checked against three measured runs: Qwen2.5-1.5B's shape, lora, checkpointing, 16384 tokens: 4.4 GiB of
 # activations measured (benchmarks/train_memory.py), 4.7 estimated; a 0.68B Llama, lora, no checkpointing: 22.5
-# measured, 28 estimated. The margin was set on Qwen2.5-7B's shape, qlora, checkpointing, --gpu_memory_gib 24 on one
-# H100 (benchmarks/RESULTS.md, 2026-11-26): 16384 tokens ran out of memory in the first update, 8192 ran with a
-# 19.0 GiB peak, taking the residual stream as fp32 (peft's upcast of the embeddings). On a GPU DeepSpeed's bf16
-# engine casts those back to bf16, and the estimate reads the dtype as trained (a = 2 there), which gives about
-# half as much kept per token: whether auto still resolves to 8192 at that point is not measured yet.
-ESTIMATE_MARGIN = 1.25
+# measured, 28 estimated. The margin is set on Qwen2.5-7B's shape, qlora, checkpointing, bf16 activations, one H100
+# with expandable segments (benchmarks/RESULTS.md, 2026-11-26 evening): --gpu_memory_gib 16 ran 6144 tokens (15.88 GiB
+# for the whole process); --gpu_memory_gib 15 ran out of memory at 5120, which 1.25 had picked from 4.4 GiB of room:
+# the first update held 4.8 GiB beyond the model, and 0.76 GiB more sat reserved and unused. 1.5 picks 4096 there.
+ESTIMATE_MARGIN = 1.5
 
 
 @dataclass(frozen=True)
