@@ -3,7 +3,7 @@ resolves to for given GPU figures (no GPU needed: the figures are passed in)."""
 import pytest
 
 from grpo.errors import ConfigError
-from grpo.train.token_budget import (GIB, MIB, GpuFigures, ModelShape, activation_bytes_per_token,
+from grpo.train.token_budget import (ESTIMATE_MARGIN, GIB, MIB, GpuFigures, ModelShape, activation_bytes_per_token,
                                      fitted_chunk_tokens, logprob_chunk_bytes, micro_batch_bytes,
                                      micro_batch_token_budget, model_shape, resolve_token_budget, training_estimate)
 
@@ -104,6 +104,11 @@ def test_the_log_prob_chunk_is_halved_while_it_limits_the_micro_batch():
     assert fitted_chunk_tokens(8 * GIB, 1024, 16 * GIB, MIB, 3 * MIB) == (256, 4 * GIB)
     assert fitted_chunk_tokens(8 * GIB, 1024, GIB, MIB, 3 * MIB) == (1024, GIB)  # not binding: kept as given
     assert fitted_chunk_tokens(GIB // 10, 1024, 16 * GIB, MIB, 3 * MIB) == (128, 2 * GIB)  # never below 128
+    assert fitted_chunk_tokens(GIB // 10, 200, 16 * GIB, MIB, 3 * MIB) == (200, 16 * GIB)
+    # room 80 GiB: 20480 tokens by the activations, capped at 16384, so the chunk binds only above
+    # 80 - 16 GiB = 64 GiB (not 80 x 3 / 4 = 60): 62 GiB is kept, 70 halved
+    assert fitted_chunk_tokens(80 * GIB, 1024, 62 * GIB, MIB, 3 * MIB) == (1024, 62 * GIB)
+    assert fitted_chunk_tokens(80 * GIB, 1024, 70 * GIB, MIB, 3 * MIB) == (512, 35 * GIB)
     # room 12 GiB before the 1.5 margin: with the 16 GiB chunk no row fits; with 4 GiB, 2048 tokens
     gpu = figures(4 + 12, usable_gib=80)
     assert resolve_token_budget(gpu, MIB, 3 * MIB, 4 * GIB, 768, True)[0] == 2048
@@ -136,7 +141,7 @@ def test_qwen_7b_qlora_within_15_and_16_gib_comes_out_below_the_measured_failure
 
     def auto(cap_gib):
         gpu = figures(75, usable_gib=cap_gib, to_come_gib=0.1, capped_allocated_gib=9.5)
-        chunk_tokens, chunk_bytes = fitted_chunk_tokens(gpu.room / 1.5, 1024, chunk, kept, transient)
+        chunk_tokens, chunk_bytes = fitted_chunk_tokens(gpu.room / ESTIMATE_MARGIN, 1024, chunk, kept, transient)
         return resolve_token_budget(gpu, kept, transient, chunk_bytes, 768, True)[0], chunk_tokens
 
     assert auto(16) == (5120, 1024)  # 5.4 / 1.5 = 3.6 GiB: min(3.6 GiB / 0.64 MiB, (3.6 - 2.32) GiB / 0.22 MiB)
@@ -165,7 +170,8 @@ def test_expandable_segments_are_turned_on_unless_the_user_chose(monkeypatch):
     settings = []
     monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", settings.append, raising=False)
     for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
-        monkeypatch.delenv(name, raising=False)
+        monkeypatch.setenv(name, "")  # recorded, so that what the function sets is undone after the test
+        monkeypatch.delenv(name)
     assert use_expandable_segments()
     assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"  # where vLLM looks for it
     assert settings == ["expandable_segments:True"]
@@ -178,4 +184,7 @@ def test_expandable_segments_are_turned_on_unless_the_user_chose(monkeypatch):
     monkeypatch.setenv("PYTORCH_ALLOC_CONF", "expandable_segments:False")
     assert not use_expandable_segments()
     assert "PYTORCH_CUDA_ALLOC_CONF" not in os.environ
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "expandable_segments:True")  # torch applies it; vLLM must see it too
+    assert use_expandable_segments()
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
     assert len(settings) == 2

@@ -30,15 +30,19 @@ def use_expandable_segments() -> bool:
     --gpu_memory_gib 16, the first update ran out of memory with 2.66 GiB reserved and unused (benchmarks/RESULTS.md).
     vLLM 0.26 turns it off around its own memory pool (sleep mode), reading PYTORCH_CUDA_ALLOC_CONF, so that is
     where it is set too."""
-    chosen = [os.environ.get(name, "") for name in ALLOC_CONF_VARIABLES]
-    if any("expandable_segments" in conf for conf in chosen):
-        return any("expandable_segments:True" in conf for conf in chosen)
-    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
-    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = f"{conf},expandable_segments:True" if conf else "expandable_segments:True"
-    settings = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or torch.cuda.memory._set_allocator_settings
-    settings("expandable_segments:True")  # the allocator may be running already
-    logger.info("torch's GPU allocator grows its segments in place (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True; "
-                "set expandable_segments:False there to keep fixed segments)")
+    chosen = {name: os.environ.get(name, "") for name in ALLOC_CONF_VARIABLES}
+    user_choice = [conf for conf in chosen.values() if "expandable_segments" in conf]
+    if user_choice and not any("expandable_segments:True" in conf for conf in user_choice):
+        return False
+    conf = chosen["PYTORCH_CUDA_ALLOC_CONF"]
+    if "expandable_segments" not in conf:  # (also where the user chose it in PYTORCH_ALLOC_CONF: vLLM reads this one)
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ",".join(filter(None, [conf, "expandable_segments:True"]))
+    if not user_choice:
+        settings = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or \
+            torch.cuda.memory._set_allocator_settings
+        settings("expandable_segments:True")  # the allocator may be running already
+        logger.info("torch's GPU allocator grows its segments in place (PYTORCH_CUDA_ALLOC_CONF="
+                    "expandable_segments:True; set expandable_segments:False there to keep fixed segments)")
     return True
 
 

@@ -9,9 +9,10 @@ left once the model and the colocated rollout engine are loaded; resolved once, 
 `free` is measured with the rollout engine asleep, as it is during every update (a level-1 sleep and a wake, as
 around an evaluation), so what the sleeping engine still holds counts as used; `usable` is --gpu_memory_gib or the
 whole GPU. The cap is torch's per-process fraction, which counts every block torch's allocator has handed out,
-vLLM's pool included: a KV cache asleep is back with the driver but still counted against the cap. `kept`, `transient` and `chunk` come from the model's shape (activation_bytes_per_token,
-logprob_chunk_bytes). Where the log-prob chunk is what limits t, it is halved first (fitted_chunk_tokens). If one
-row does not fit, a ConfigError with the figures and the options that help stops the run here, before any rollout.
+vLLM's pool included: a KV cache asleep is back with the driver but still counted against the cap. `kept`,
+`transient` and `chunk` come from the model's shape (activation_bytes_per_token, logprob_chunk_bytes). Where the
+log-prob chunk is what limits t, it is halved first (fitted_chunk_tokens). If one row does not fit, a ConfigError with
+the figures and the options that help stops the run here, before any rollout.
 """
 from __future__ import annotations
 
@@ -123,10 +124,12 @@ class GpuFigures:
 
 
 def fitted_chunk_tokens(room: int, chunk_tokens: int, chunk: int, kept: int, transient: int) -> tuple[int, int]:
-    """(tokens, bytes) of the log-prob chunk, halved down to MIN_CHUNK_TOKENS while it is what limits the
-    micro-batch. The budget t is the least of room / (kept + transient) and (room - chunk) / kept; the chunk stops
-    binding once  chunk <= room x transient / (kept + transient). `room` as resolve_token_budget divides it."""
-    while chunk_tokens > MIN_CHUNK_TOKENS and chunk * (kept + transient) > room * transient:
+    """(tokens, bytes) of the log-prob chunk, halved (never below MIN_CHUNK_TOKENS) while it is what limits the
+    micro-batch. The budget t is the least of 16384, room / (kept + transient) and (room - chunk) / kept; the chunk
+    stops binding once  chunk <= room - kept x min(16384, room / (kept + transient)). `room` as resolve_token_budget
+    divides it."""
+    limit = room - kept * min(MICRO_BATCH_TOKENS, room // (kept + transient))
+    while chunk_tokens // 2 >= MIN_CHUNK_TOKENS and chunk > limit:
         chunk_tokens, chunk = chunk_tokens // 2, chunk // 2
     return chunk_tokens, chunk
 

@@ -8,6 +8,7 @@ grpo/model/weight_sync.py, checkpoints in grpo/checkpoint/, the step's metrics i
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -107,7 +108,9 @@ class GRPOTrainer:
         try:
             self._restore_and_sync()
             self.micro_batch_tokens, chunk_tokens = micro_batch_token_budget(config, self.engine, engine, self.device)
-            config.logprob_chunk_tokens = chunk_tokens  # auto may have halved it to fit (memory only)
+            # the options as scoring and updates read them: auto may have halved the log-prob chunk to fit (memory
+            # only); the options saved stay those given
+            self.update_config = dataclasses.replace(config, logprob_chunk_tokens=chunk_tokens)
         except BaseException:
             self.close()  # server mode: the rollout ranks stop with us
             raise
@@ -267,7 +270,7 @@ class GRPOTrainer:
         """The policy's log-probs before the update (only for --kl_in_reward, whose penalty the advantages need
         first) and the reference's (KL), each step-wide [N, T] on the training device, or None. The loss's ratio
         takes its old log-probs from the first update's own forward instead (see _optimize)."""
-        cfg = self.config
+        cfg = self.update_config
         start = time.perf_counter()
         policy = torch.zeros(batch.completion_ids.shape, device=self.device) if cfg.kl_in_reward else None
         ref = torch.zeros(batch.completion_ids.shape, device=self.device) if cfg.kl_beta > 0 else None
@@ -280,9 +283,9 @@ class GRPOTrainer:
 
     def _reference_logprobs(self, mb: MicroBatch) -> torch.Tensor:
         if self.reference is not None:  # full fine-tuning: a frozen copy of the base model
-            return score(self.reference, mb, self.config)[0].float()
+            return score(self.reference, mb, self.update_config)[0].float()
         with reference_mode(self.engine.module):  # lora / qlora: the same weights, adapter off
-            return score(self.engine, mb, self.config)[0].float()
+            return score(self.engine, mb, self.update_config)[0].float()
 
     @phase("optimize")
     def _optimize(self, step: StepData) -> tuple[dict, float]:
@@ -297,7 +300,7 @@ class GRPOTrainer:
                                         and has_dropout(self.engine.module))
         metrics: dict = {}
         for iteration in range(self.config.num_iterations):
-            result = update(self.engine, step, self.config, first_pass=iteration == 0)
+            result = update(self.engine, step, self.update_config, first_pass=iteration == 0)
             metrics = {**result.metrics, **{k: v for k, v in metrics.items() if k.startswith("rollout/")}}
             grad_norm = self._grad_norm()
             if result.bad or not math.isfinite(grad_norm):
@@ -313,7 +316,7 @@ class GRPOTrainer:
         """--warm_start_steps supervised steps on the datasets' demonstrations (grpo.train.warm_start), with the
         rollout engine asleep as during an update; then it gets the result."""
         self.rollout_engine.sleep()
-        self.warm_start_losses = run_warm_start(self.engine, self.config, self.demonstrations, self.tokenizer,
+        self.warm_start_losses = run_warm_start(self.engine, self.update_config, self.demonstrations, self.tokenizer,
                                                 self.rollouts.episode_datasets, self.max_completion_tokens,
                                                 self.micro_batch_tokens, self.device)
         self._sync_rollout_weights()
