@@ -128,6 +128,11 @@ def test_one_row_that_does_not_fit_is_an_error_with_the_figures_and_the_remedies
     with pytest.raises(ConfigError) as err:  # already on: not suggested
         resolve_token_budget(figures(58, usable_gib=24), MIB, MIB, GIB, 768, True)
     assert "--gradient_checkpointing true" not in str(err.value)
+    assert "--logprob_chunk_tokens" in str(err.value) and "--vllm_kv_cache_gib" not in str(err.value)
+    with pytest.raises(ConfigError) as err:  # the chunk as small as auto makes it; under a cap the KV cache counts
+        resolve_token_budget(figures(58, usable_gib=24, capped_allocated_gib=20), MIB, MIB, GIB, 768, True,
+                             smallest_chunk=True)
+    assert "--logprob_chunk_tokens" not in str(err.value) and "--vllm_kv_cache_gib" in str(err.value)
 
 
 def test_qwen_7b_qlora_within_15_and_16_gib_comes_out_below_the_measured_failure():

@@ -135,10 +135,11 @@ def fitted_chunk_tokens(room: int, chunk_tokens: int, chunk: int, kept: int, tra
 
 
 def resolve_token_budget(gpu: GpuFigures, kept: int, transient: int, chunk: int, max_seq_length: int,
-                         checkpointing: bool) -> tuple[int, str]:
+                         checkpointing: bool, smallest_chunk: bool = False) -> tuple[int, str]:
     """(budget, the line that says where it came from): the most tokens t with
     ESTIMATE_MARGIN x micro_batch_bytes(t) <= room, in steps of 1024 up to 16384 and at least one row of
-    max_seq_length; a ConfigError if that row does not fit."""
+    max_seq_length; a ConfigError if that row does not fit. `smallest_chunk`: the log-prob chunk is already as small
+    as auto makes it (not suggested then)."""
     room = max(gpu.room, 0) / ESTIMATE_MARGIN
     fits = int(min(room // (kept + transient), max(room - chunk, 0) // kept))
     figures = (f"{gpu.room / GIB:.1f} GiB free for training ({gpu.usable / GIB:.1f} GiB usable, "
@@ -157,7 +158,10 @@ def resolve_token_budget(gpu: GpuFigures, kept: int, transient: int, chunk: int,
                 (["--gradient_checkpointing true"] if not checkpointing else []) +
                 ["a smaller --max_seq_length", "a larger --gpu_memory_gib (or a GPU with more memory)",
                  "--rollout_weights adapter (lora / qlora: the engine keeps no 16-bit copy)",
-                 "--tuning_strategy qlora", "a smaller --logprob_chunk_tokens"]))
+                 "--tuning_strategy qlora"] +
+                (["a smaller --vllm_kv_cache_gib (under --gpu_memory_gib vLLM's KV cache counts even while it "
+                  "sleeps)"] if gpu.capped_allocated is not None else []) +
+                (["a smaller --logprob_chunk_tokens"] if chunk and not smallest_chunk else [])))
     budget = min(MICRO_BATCH_TOKENS, max(fits // BUDGET_STEP * BUDGET_STEP, max_seq_length))
     return budget, f"micro-batches of up to {budget} tokens (--max_tokens_per_micro_batch auto): {figures}"
 
@@ -216,7 +220,8 @@ def micro_batch_token_budget(config, model, engine, device: torch.device) -> tup
         chunk_tokens, chunk = fitted_chunk_tokens(max(gpu.room, 0) / ESTIMATE_MARGIN, chunk_tokens, chunk, kept,
                                                   transient)
     try:
-        budget, line = resolve_token_budget(gpu, kept, transient, chunk, config.max_seq_length, checkpointing)
+        budget, line = resolve_token_budget(gpu, kept, transient, chunk, config.max_seq_length, checkpointing,
+                                            smallest_chunk=chunk_tokens // 2 < MIN_CHUNK_TOKENS)
         if chunk_tokens < config.logprob_chunk_tokens:
             line += f"; log-probs in chunks of {chunk_tokens} tokens, not {config.logprob_chunk_tokens}, to fit"
     except ConfigError as exc:
