@@ -59,21 +59,32 @@ def _merge(out_ptr, w_ptr, code_ptr, absmax_ptr, code2_ptr, absmax2_ptr, offset_
     tl.store(out_ptr + idx, (weight.to(tl.float32) + scale * delta).to(dtype), mask=mask)
 
 
+MAX_RANK = 64  # B's and A's tiles in shared memory (24 KiB at 64 in 16 bits), within what any GPU since Ampere has
+
+
 def fits(out: torch.Tensor, weight, lora_b: torch.Tensor, lora_a: torch.Tensor) -> bool:
-    """Whether merge_into can write this layer: CUDA tensors, `out` contiguous in 16 bits and shaped as the weight, the
-    weight in out's dtype or 4-bit nf4 whose dequantized dtype is out's, in blocks of at most 128 that tile a row."""
+    """Whether merge_into can write this layer: `out` a contiguous 16-bit CUDA tensor (bf16 from compute capability
+    8.0), B and A contiguous floating-point tensors on its device with a rank of at most MAX_RANK, and the weight in
+    out's dtype and shape, or 4-bit nf4 codes in bytes whose dequantized dtype is out's, in blocks of at most 128 that
+    tile a row. Anything else takes the unfused path."""
     if not (out.is_cuda and out.is_contiguous() and out.dtype in (torch.bfloat16, torch.float16)):
         return False
-    if not (lora_b.is_contiguous() and lora_a.is_contiguous() and lora_b.shape[1] == lora_a.shape[0] <= 256
-            and lora_b.shape[0] == out.shape[0] and lora_a.shape[1] == out.shape[1]):
+    if out.dtype == torch.bfloat16 and torch.cuda.get_device_capability(out.device)[0] < 8:
+        return False
+    if not all(t.device == out.device and t.is_contiguous() and t.dtype.is_floating_point for t in (lora_b, lora_a)):
+        return False
+    if not (lora_b.shape[1] == lora_a.shape[0] <= MAX_RANK and lora_b.shape[0] == out.shape[0]
+            and lora_a.shape[1] == out.shape[1]):
         return False
     if weight.__class__.__name__ == "Params4bit":
         state = weight.quant_state
+        if state is None or weight.data.device != out.device or weight.data.dtype != torch.uint8:
+            return False  # (codes stored in another dtype, e.g. bnb_4bit_quant_storage=bfloat16)
         return (state.quant_type == "nf4" and state.dtype == out.dtype and tuple(state.shape) == tuple(out.shape)
                 and state.blocksize <= COLUMNS and out.shape[1] % state.blocksize == 0
-                and weight.data.is_cuda and state.code.is_cuda and weight.data.is_contiguous()
+                and state.code.device == out.device and weight.data.is_contiguous()
                 and not getattr(state, "packing_format_for_cpu", False))
-    return (weight.is_cuda and weight.dtype == out.dtype and weight.shape == out.shape
+    return (weight.device == out.device and weight.dtype == out.dtype and weight.shape == out.shape
             and weight.is_contiguous())
 
 

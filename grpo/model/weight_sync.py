@@ -19,6 +19,7 @@ padded vocabulary) goes through load_weights.
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from dataclasses import dataclass
 from typing import Iterator
@@ -30,6 +31,8 @@ from grpo.errors import ConfigError
 from grpo.model.vision import checkpoint_prefixes, rename
 
 PEFT_PREFIX = "base_model.model."
+logger = logging.getLogger("grpo")
+_KERNEL_FAILED: list[Exception] = []  # the merge kernel's failure, once: later syncs take the unfused path
 
 
 @dataclass
@@ -280,10 +283,15 @@ def _lora_merged_into(out: torch.Tensor, module, adapters: list[str], zero3: boo
     parts = [base.weight] + [p for a in adapters for p in (module.lora_A[a].weight, module.lora_B[a].weight)]
     with _gathered(parts, zero3), torch.no_grad():
         kernel = _merge_kernel(out) if len(adapters) == 1 else None
-        if kernel is not None:
-            lora_b, lora_a = module.lora_B[adapters[0]].weight, module.lora_A[adapters[0]].weight
-            if kernel.fits(out, base.weight, lora_b.data, lora_a.data):
-                return kernel.merge_into(out, base.weight, lora_b.data, lora_a.data, module.scaling[adapters[0]])
+        lora_b, lora_a = (module.lora_B[adapters[0]].weight.data, module.lora_A[adapters[0]].weight.data) \
+            if kernel is not None else (None, None)
+        if kernel is not None and kernel.fits(out, base.weight, lora_b, lora_a):
+            try:
+                return kernel.merge_into(out, base.weight, lora_b, lora_a, module.scaling[adapters[0]])
+            except Exception as exc:  # e.g. a GPU Triton cannot compile it for: the unfused path from now on
+                _KERNEL_FAILED.append(exc)
+                logger.warning(f"the one-pass merge kernel failed ({type(exc).__name__}: {exc}); weight syncs "
+                               "dequantize (or copy) and add one GEMM instead")
         write_weight(out, base.weight)
         for a in adapters:
             lora_b, lora_a = module.lora_B[a].weight.to(out.dtype), module.lora_A[a].weight.to(out.dtype)
@@ -292,8 +300,9 @@ def _lora_merged_into(out: torch.Tensor, module, adapters: list[str], zero3: boo
 
 
 def _merge_kernel(out: torch.Tensor):
-    """grpo.model.merge_kernel (one pass per layer) for an engine tensor on the GPU, where Triton is installed."""
-    if not out.is_cuda:
+    """grpo.model.merge_kernel (one pass per layer) for an engine tensor on the GPU, where Triton is installed and
+    the kernel has not failed in this process."""
+    if not out.is_cuda or _KERNEL_FAILED:
         return None
     try:
         from grpo.model import merge_kernel
