@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from grpo.model.weight_sync import is_4bit
+
 ROWS, COLUMNS = 64, 128  # the output tile of one program
 
 
@@ -76,7 +78,7 @@ def fits(out: torch.Tensor, weight, lora_b: torch.Tensor, lora_a: torch.Tensor) 
     if not (lora_b.shape[1] == lora_a.shape[0] <= MAX_RANK and lora_b.shape[0] == out.shape[0]
             and lora_a.shape[1] == out.shape[1]):
         return False
-    if weight.__class__.__name__ == "Params4bit":
+    if is_4bit(weight):
         state = weight.quant_state
         if state is None or weight.data.device != out.device or weight.data.dtype != torch.uint8:
             return False  # (codes stored in another dtype, e.g. bnb_4bit_quant_storage=bfloat16)
@@ -95,7 +97,7 @@ def merge_into(out: torch.Tensor, weight, lora_b: torch.Tensor, lora_a: torch.Te
     grid = (triton.cdiv(rows, ROWS), triton.cdiv(columns, COLUMNS))
     common = dict(BM=ROWS, BN=COLUMNS, BR=max(16, triton.next_power_of_2(rank)),
                   enable_fp_fusion=False)  # bitsandbytes rounds the scale's product before adding the offset
-    if weight.__class__.__name__ == "Params4bit":
+    if is_4bit(weight):
         state = weight.quant_state
         nested = bool(state.nested)
         scales = state.state2 if nested else state

@@ -282,16 +282,8 @@ def _lora_merged_into(out: torch.Tensor, module, adapters: list[str], zero3: boo
     base = module.get_base_layer()
     parts = [base.weight] + [p for a in adapters for p in (module.lora_A[a].weight, module.lora_B[a].weight)]
     with _gathered(parts, zero3), torch.no_grad():
-        kernel = _merge_kernel(out) if len(adapters) == 1 else None
-        lora_b, lora_a = (module.lora_B[adapters[0]].weight.data, module.lora_A[adapters[0]].weight.data) \
-            if kernel is not None else (None, None)
-        if kernel is not None and kernel.fits(out, base.weight, lora_b, lora_a):
-            try:
-                return kernel.merge_into(out, base.weight, lora_b, lora_a, module.scaling[adapters[0]])
-            except Exception as exc:  # e.g. a GPU Triton cannot compile it for: the unfused path from now on
-                _KERNEL_FAILED.append(exc)
-                logger.warning(f"the one-pass merge kernel failed ({type(exc).__name__}: {exc}); weight syncs "
-                               "dequantize (or copy) and add one GEMM instead")
+        if len(adapters) == 1 and _merged_in_one_pass(out, module, adapters[0]):
+            return out
         write_weight(out, base.weight)
         for a in adapters:
             lora_b, lora_a = module.lora_B[a].weight.to(out.dtype), module.lora_A[a].weight.to(out.dtype)
@@ -299,16 +291,27 @@ def _lora_merged_into(out: torch.Tensor, module, adapters: list[str], zero3: boo
     return out
 
 
-def _merge_kernel(out: torch.Tensor):
-    """grpo.model.merge_kernel (one pass per layer) for an engine tensor on the GPU, where Triton is installed and
-    the kernel has not failed in this process."""
+def _merged_in_one_pass(out: torch.Tensor, module, adapter: str) -> bool:
+    """out <- W + s * B @ A by grpo.model.merge_kernel, for an engine tensor on the GPU where Triton is installed, the
+    kernel takes the layer and has not failed in this process; False where it did not write."""
     if not out.is_cuda or _KERNEL_FAILED:
-        return None
+        return False
     try:
         from grpo.model import merge_kernel
     except ImportError:  # no Triton: dequantize (or copy), then one GEMM
-        return None
-    return merge_kernel
+        return False
+    weight = module.get_base_layer().weight
+    lora_b, lora_a = module.lora_B[adapter].weight.data, module.lora_A[adapter].weight.data
+    if not merge_kernel.fits(out, weight, lora_b, lora_a):
+        return False
+    try:
+        merge_kernel.merge_into(out, weight, lora_b, lora_a, module.scaling[adapter])
+        return True
+    except Exception as exc:  # e.g. a GPU Triton cannot compile it for: the unfused path from now on
+        _KERNEL_FAILED.append(exc)
+        logger.warning(f"the one-pass merge kernel failed ({type(exc).__name__}: {exc}); weight syncs dequantize "
+                       "(or copy) and add one GEMM instead")
+        return False
 
 
 def _plain_lora(module, adapters: list[str]) -> bool:
