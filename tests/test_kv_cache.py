@@ -137,3 +137,15 @@ def test_flag_values_and_defaults(monkeypatch):
     assert parse_args(server + ["--vllm_kv_cache_gib", "8"]).vllm_kv_cache == 8.0
     with pytest.raises(ConfigError, match="--vllm_kv_cache_gib: auto is for colocated engines"):
         parse_args(server + ["--vllm_kv_cache_gib", "auto"])
+
+
+def test_wake_keeps_torch_cache_only_with_room_to_spare():
+    from grpo.rollout.vllm import WAKE_MARGIN_BYTES, room_beside_cache
+
+    gib = 2**30
+    assert WAKE_MARGIN_BYTES == gib
+    # 3.5 GiB of KV cache to map: 4.5 GiB free is exactly enough with the 1 GiB margin, a byte less is not
+    assert room_beside_cache(int(4.5 * gib), int(3.5 * gib))
+    assert not room_beside_cache(int(4.5 * gib) - 1, int(3.5 * gib))
+    # nothing to map still needs the margin (vLLM's own temporaries outside torch's cache)
+    assert not room_beside_cache(gib // 2, 0)

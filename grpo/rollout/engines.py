@@ -215,7 +215,9 @@ def _vllm_engine(config, model_path: str, rank: int, vision, stops, lora_rank: i
                                  stop_token_ids=stops,
                                  max_images_per_prompt=config.max_images_per_prompt if vision else 0,
                                  image_token_id=vision.image_token_id if vision else None,
-                                 lora_rank=lora_rank, quantized=quantized)
+                                 lora_rank=lora_rank, quantized=quantized,
+                                 # a cap on torch counts its cached blocks: hand them back at every sleep and wake
+                                 keep_torch_cache=config.gpu_memory_gib is None)
 
 
 def check_tensor_parallel(model_path: str, config) -> None:

@@ -64,14 +64,18 @@ class VLLMRolloutEngine(RolloutEngine):
                  dtype: str = "bfloat16", max_model_len: int = 2048, seed: int = 0, enable_sleep: bool = True,
                  sleep_level: int = 2, enforce_eager: bool = False, stop_token_ids: list[int] | None = None,
                  max_images_per_prompt: int = 0, image_token_id: int | None = None,
-                 kv_cache_bytes: int | None = None, lora_rank: int | None = None, quantized: bool = False):
+                 kv_cache_bytes: int | None = None, lora_rank: int | None = None, quantized: bool = False,
+                 keep_torch_cache: bool = True):
         """`max_images_per_prompt` > 0 (with the model's `image_token_id`) serves a vision-language model: prompts
         then come with their images, passed as multi_modal_data (vLLM runs the model's own image processor).
         `sleep_level` 2 drops the weights in sleep(), so every sync must send all of them; 0 keeps them and frees
         the KV cache alone (see the module docstring).
         `kv_cache_bytes`: the KV cache's size, instead of what `gpu_memory_utilization` leaves after the weights.
         `lora_rank`: adapter mode (module docstring), for adapters of up to this rank; `quantized`: `model_path` is a
-        pre-quantized bitsandbytes folder (grpo.model.quantized_checkpoint)."""
+        pre-quantized bitsandbytes folder (grpo.model.quantized_checkpoint).
+        `keep_torch_cache`: the blocks torch's allocator caches stay through sleep and wake where the GPU has room
+        for what the wake maps beside them (False: always handed back to the driver, as under --gpu_memory_gib,
+        whose cap on torch counts them)."""
         if sleep_level not in (0, 1, 2):
             raise ConfigError(f"sleep_level={sleep_level}: vLLM sleeps at level 0 (weights kept on the GPU), 1 (kept "
                               "in CPU memory) or 2 (dropped)")
@@ -118,6 +122,7 @@ class VLLMRolloutEngine(RolloutEngine):
         self._views: tuple | None = None  # (policy, its writable blocks): found once, as neither changes shape
         self.shares_base = False  # the trainer's base tensors view this engine's: it never releases its weights
         self.sleeps_kv_only = sleep_level == 0  # its sleeps free the KV cache alone (set too when it shares_base)
+        self.keep_torch_cache = keep_torch_cache
         self.last_sleep_freed_bytes = 0
         self._sleeps = 0
         self._warned_top_p = False
@@ -224,7 +229,7 @@ class VLLMRolloutEngine(RolloutEngine):
 
     def _wake_weights(self) -> None:
         if "weights" in self._asleep:
-            release_cached_blocks()
+            self._make_room({"weights"})
             self.llm.wake_up(tags=["weights"])  # parked weights come back before they are partly overwritten
             self._asleep.discard("weights")
 
@@ -280,7 +285,7 @@ class VLLMRolloutEngine(RolloutEngine):
             from grpo.rollout.vllm_memory import release_kv_cache
 
             self.llm.reset_prefix_cache()  # the cached blocks' contents are about to go
-            release_kv_cache()
+            release_kv_cache(empty_torch_cache=not self.keep_torch_cache)
         else:
             self.llm.sleep(level=level)
         torch.cuda.synchronize()
@@ -297,7 +302,7 @@ class VLLMRolloutEngine(RolloutEngine):
                                "call grpo.model.weight_sync.sync_weights(engine, ...) after sleep() and before "
                                "generating")
         if self._asleep:
-            release_cached_blocks()
+            self._make_room(self._asleep)
             if self.sleeps_kv_only:
                 from grpo.rollout.vllm_memory import restore_kv_cache
 
@@ -307,6 +312,18 @@ class VLLMRolloutEngine(RolloutEngine):
             self._asleep = set()
         if self._pending_adapter is not None:
             self._apply_adapter(self._pending_adapter)
+
+    def _make_room(self, tags: set[str]) -> None:
+        """Before a wake: hand torch's cached blocks (the update's freed activations) back to the driver, through
+        which vLLM maps its memory, unless the GPU has room for that memory beside them. Emptying the cache and
+        filling it again in the next update cost about 0.1 s a step at 0.68B (benchmarks/RESULTS.md)."""
+        torch.cuda.synchronize()
+        if self.keep_torch_cache:
+            from grpo.rollout.vllm_memory import asleep_bytes
+
+            if room_beside_cache(torch.cuda.mem_get_info()[0], asleep_bytes(tags)):
+                return
+        torch.cuda.empty_cache()
 
     # --------------------------------------------------------------------------- tensor-parallel groups
     def _gather_group_prompts(self, prompts: list) -> tuple[list, int]:
@@ -321,11 +338,14 @@ class VLLMRolloutEngine(RolloutEngine):
         return [p for part in parts for p in part], sum(len(part) for part in parts[:group.rank_in_group])
 
 
-def release_cached_blocks() -> None:
-    """Hand the blocks torch's allocator keeps cached from training back to the driver: vLLM's wake maps its memory
-    through the driver, and would otherwise find it held by the freed activations of the step."""
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
+# free memory a wake leaves beside torch's cached blocks, beyond what it maps: vLLM's own temporaries outside torch's
+# cache, and the driver's granularity
+WAKE_MARGIN_BYTES = 2**30
+
+
+def room_beside_cache(free_bytes: int, mapped_bytes: int) -> bool:
+    """Whether a wake that maps `mapped_bytes` fits in the driver's `free_bytes` with WAKE_MARGIN_BYTES to spare."""
+    return free_bytes >= mapped_bytes + WAKE_MARGIN_BYTES
 
 
 def _image_lists(images: list | None, count: int) -> list:

@@ -26,8 +26,10 @@ def engine_model(llm) -> torch.nn.Module:
     return model_runner(llm).get_model()
 
 
-def release_kv_cache() -> int:
-    """Unmap the KV cache's GPU memory (the weights stay); the bytes released."""
+def release_kv_cache(empty_torch_cache: bool = True) -> int:
+    """Unmap the KV cache's GPU memory (the weights stay); the bytes released. `empty_torch_cache`: also hand the
+    blocks torch's allocator keeps cached (the rollout's temporaries) back to the driver; the trainer's own
+    allocations come from that cache anyway, so this is only needed where a cap on torch counts them."""
     from vllm.device_allocator.cumem import CuMemAllocator, unmap_and_release
 
     released = 0
@@ -36,9 +38,18 @@ def release_kv_cache() -> int:
             unmap_and_release(data.handle)
             data.is_asleep = True
             released += data.handle[1]
-    gc.collect()
-    torch.cuda.empty_cache()
+    if empty_torch_cache:
+        gc.collect()
+        torch.cuda.empty_cache()
     return released
+
+
+def asleep_bytes(tags: set[str]) -> int:
+    """GPU bytes of the engine's released allocations with these tags: what waking them maps again."""
+    from vllm.device_allocator.cumem import CuMemAllocator
+
+    return sum(data.handle[1] for data in CuMemAllocator.get_instance().pointer_to_data.values()
+               if data.is_asleep and data.tag in tags)
 
 
 def restore_kv_cache(llm) -> None:
