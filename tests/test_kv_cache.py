@@ -11,7 +11,7 @@ from transformers import DeepseekV3Config, LlamaConfig, Qwen2VLConfig, Qwen3Next
 from grpo.config import parse_args
 from grpo.errors import ConfigError
 from grpo.rollout.kv_cache import (auto_kv_cache_bytes, checkpoint_weight_bytes, engine_kv_cache_bytes,
-                                   kv_bytes_per_token, within_share)
+                                   kv_bytes_per_token, within_free, within_share)
 
 from .tiny_models import make_tiny_model_dir
 
@@ -64,6 +64,39 @@ def test_within_share_by_hand():
     # 0.3 of 80 GiB = 24 GiB, minus 14 GiB of weights leaves 10: auto may take up to half of it, 5 GiB
     assert within_share(5 * 2**30, 0.3, 80 * 2**30, 14 * 2**30)
     assert not within_share(5 * 2**30 + 1, 0.3, 80 * 2**30, 14 * 2**30)
+
+
+def test_within_free_by_hand():
+    # 60 GiB free, 17.9 GiB of 4-bit 32B weights: (60 - 17.9) / 2 = 21.05 GiB for the cache
+    gib = 2**30
+    assert within_free(10 * gib, 60 * gib, int(17.9 * gib))
+    assert within_free(int(21.05 * gib), 60 * gib, int(17.9 * gib))
+    assert not within_free(int(21.05 * gib) + 2, 60 * gib, int(17.9 * gib))
+    assert not within_free(1, 10 * gib, 12 * gib)  # the weights alone do not fit
+
+
+def test_adapters_may_take_the_free_memory_beyond_the_share(tmp_path):
+    model = make_tiny_model_dir(str(tmp_path / "tiny"))
+    flags = ["--per_device_train_batch_size", "2", "--k_samples", "4", "--max_prompt_length", "128",
+             "--rollout_max_new_tokens", "64", "--max_seq_length", "512"]
+    size = 1_920 * (2 * 2 * 2 * 16 * 2)  # 2 x 4 sequences of 128 + 64 tokens, +25%; 2 layers, 2 KV heads of 16
+    weights = checkpoint_weight_bytes(model)
+    # a GPU whose 0.3 share leaves too little: weights + 2 x size is 0.6 of it
+    total = int((2 * size + weights) / 0.6)
+    free_enough, free_short = 2 * size + weights, 2 * size + weights - 2
+    for strategy in ("lora", "qlora"):
+        cfg = parse_args(flags + ["--tuning_strategy", strategy])
+        assert engine_kv_cache_bytes(cfg, model, gpu_total_bytes=total, gpu_free_bytes=free_enough) == size
+        assert engine_kv_cache_bytes(cfg, model, gpu_total_bytes=total, gpu_free_bytes=free_short) is None
+        assert engine_kv_cache_bytes(cfg, model, gpu_total_bytes=total) is None  # free memory unknown
+    # full fine-tuning's optimizer state arrives after the engine: the share alone decides
+    full = parse_args(flags + ["--tuning_strategy", "full"])
+    assert engine_kv_cache_bytes(full, model, gpu_total_bytes=total, gpu_free_bytes=total) is None
+    # --gpu_memory_gib keeps what lies beyond the cap out of reach: all of the GPU free, but a cap of half of it
+    lora = parse_args(flags + ["--tuning_strategy", "lora"])
+    assert engine_kv_cache_bytes(lora, model, gpu_total_bytes=total, gpu_free_bytes=total) == size
+    capped = parse_args(flags + ["--tuning_strategy", "lora", "--gpu_memory_gib", str(total / 2 / 2**30)])
+    assert engine_kv_cache_bytes(capped, model, gpu_total_bytes=total, gpu_free_bytes=total) is None
 
 
 def test_checkpoint_weight_bytes_from_headers(tmp_path):

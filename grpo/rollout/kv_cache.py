@@ -12,10 +12,14 @@ sizes it to one step's rollouts instead, per GPU:
     tokens           = margin x sequences x (max_prompt_length + rollout_max_new_tokens),
                        at least one max_seq_length sequence and a few blocks (vLLM's start-up check)
 
-so the step's rollouts fit at once; larger batches (an eval over more prompts) run in waves. auto never asks for more
-than the share would have given: where the rollouts need more than half of what the share leaves after the weights
-(the other half standing for vLLM's activations, which only its own profiling knows), the share sizes the cache as
-before. Models whose cache is not one K and V per attention layer and token (MLA, hybrid linear-attention /
+so the step's rollouts fit at once; larger batches (an eval over more prompts) run in waves. auto asks for that size
+where it is at most half of what the share leaves after the weights (the other half standing for vLLM's activations,
+which only its own profiling knows). With lora / qlora it also asks for it where it is at most half of what the GPU
+has free (within --gpu_memory_gib) once the weights are loaded: the cache is freed at every sleep, so it shares the
+GPU with the trainer's persistent state alone, which adapters keep small (full fine-tuning's optimizer state comes
+after the engine starts and is not counted here). A 32B qlora model in 4 bits (17.9 GiB of weights on an 80 GiB GPU)
+needs 10 GiB for 8 x 8 sequences of 768 tokens, where the 0.3 share left 0.62 GiB and its rollouts 70 s a step.
+Otherwise the share sizes the cache. Models whose cache is not one K and V per attention layer and token (MLA, hybrid linear-attention /
 state-space stacks, per-layer head sizes, vision-language models whose engine also reserves image memory) keep the
 share: kv_bytes_per_token returns None for them.
 """
@@ -77,6 +81,11 @@ def within_share(kv_bytes: int, share: float, gpu_total_bytes: int, weight_bytes
     return kv_bytes <= (share * gpu_total_bytes - weight_bytes) / 2
 
 
+def within_free(kv_bytes: int, free_bytes: int, weight_bytes: int) -> bool:
+    """Whether kv_bytes is at most half of what the GPU's free memory leaves after the weights (module docstring)."""
+    return kv_bytes <= (free_bytes - weight_bytes) / 2
+
+
 INTEGER_BYTES = {"I64": 8, "I32": 4, "U32": 4, "I16": 2, "U16": 2, "I8": 1, "U8": 1, "BOOL": 1}  # safetensors dtypes
 
 
@@ -98,11 +107,12 @@ def checkpoint_weight_bytes(model_path: str, tensor_parallel_size: int = 1, floa
 
 
 def engine_kv_cache_bytes(config, model_path: str, gpu_total_bytes: int | None = None,
-                          completion_tokens: int | None = None) -> int | None:
+                          completion_tokens: int | None = None, gpu_free_bytes: int | None = None) -> int | None:
     """--vllm_kv_cache_gib in bytes per GPU: a number as given; auto sized to a colocated step's rollouts when that
-    stays well within the memory share (module docstring); None leaves vLLM the --vllm_gpu_memory_utilization share.
-    `gpu_total_bytes`: this GPU's memory (default: asked of CUDA). `completion_tokens`: the longest a completion may
-    grow (a multi-turn episode's token budget; default --rollout_max_new_tokens)."""
+    stays well within the memory share or, for adapters, the GPU's free memory (module docstring); None leaves vLLM
+    the --vllm_gpu_memory_utilization share. `gpu_total_bytes`, `gpu_free_bytes`: this GPU's memory and what is free
+    of it before the engine loads (default: asked of CUDA). `completion_tokens`: the longest a completion may grow (a
+    multi-turn episode's token budget; default --rollout_max_new_tokens)."""
     choice = config.vllm_kv_cache
     if choice == "share":
         return None
@@ -123,17 +133,31 @@ def engine_kv_cache_bytes(config, model_path: str, gpu_total_bytes: int | None =
     longest = min(config.max_seq_length, config.max_prompt_length + completion)
     size = auto_kv_cache_bytes(per_token, sequences, longest, config.max_seq_length)
     if gpu_total_bytes is None and torch.cuda.is_available():
-        gpu_total_bytes = torch.cuda.mem_get_info()[1]
+        gpu_free_bytes, gpu_total_bytes = torch.cuda.mem_get_info()
     weights = checkpoint_weight_bytes(model_path, config.vllm_tp)
     if weights is None:
         logger.info(f"vLLM KV cache: the memory share (no safetensors files found for {model_path}, so auto cannot "
                     "tell how much of the share the weights take)")
         return None
+    where = ""
     if gpu_total_bytes and not within_share(size, config.vllm_memory_share, gpu_total_bytes, weights):
-        logger.info(f"vLLM KV cache: the memory share (the step's rollouts need {size / 2**30:.2f} GiB, more than "
-                    f"half of what --vllm_gpu_memory_utilization {config.vllm_memory_share} leaves after "
-                    f"{weights / 2**30:.2f} GiB of weights)")
-        return None
+        free = _free_within_cap(gpu_free_bytes, gpu_total_bytes, config.gpu_memory_gib)
+        adapters = config.tuning_strategy in ("lora", "qlora")
+        if not (adapters and free is not None and within_free(size, free, weights)):
+            logger.info(f"vLLM KV cache: the memory share (the step's rollouts need {size / 2**30:.2f} GiB, more "
+                        f"than half of what --vllm_gpu_memory_utilization {config.vllm_memory_share} leaves after "
+                        f"{weights / 2**30:.2f} GiB of weights" + (f", and of what the GPU's {free / 2**30:.1f} GiB "
+                        "free leave" if adapters and free is not None else "") + ")")
+            return None
+        where = (f"; more than the {config.vllm_memory_share:g} share leaves, within half of the "
+                 f"{free / 2**30:.1f} GiB free beside {weights / 2**30:.2f} GiB of weights")
     logger.info(f"vLLM KV cache: {size / 2**30:.2f} GiB per GPU (auto: {sequences} sequences x {longest} tokens x "
-                f"{per_token / 1024:.1f} KiB per token, +25%)")
+                f"{per_token / 1024:.1f} KiB per token, +25%{where})")
     return size
+
+
+def _free_within_cap(free_bytes: int | None, total_bytes: int, cap_gib: float | None) -> int | None:
+    """What the job may still take of the GPU: its free memory, less what --gpu_memory_gib keeps out of reach."""
+    if free_bytes is None:
+        return None
+    return free_bytes - max(0, total_bytes - int(cap_gib * 2**30)) if cap_gib else free_bytes
