@@ -3,6 +3,8 @@ import glob
 import json
 import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -14,6 +16,7 @@ from grpo.rollout.kv_cache import (auto_kv_cache_bytes, checkpoint_weight_bytes,
                                    kv_bytes_per_token, within_free, within_share)
 
 from .tiny_models import make_tiny_model_dir
+from .trainer_setup import ROOT, child_env
 
 # the 0.68B Llama of the rollout benchmark: 20 layers, 16 heads of 96 over hidden 1536, 8 KV heads
 LLAMA_068 = LlamaConfig(num_hidden_layers=20, num_attention_heads=16, num_key_value_heads=8, hidden_size=1536)
@@ -182,3 +185,34 @@ def test_wake_keeps_torch_cache_only_with_room_to_spare():
     assert not room_beside_cache(int(4.5 * gib) - 1, int(3.5 * gib))
     # nothing to map still needs the margin (vLLM's own temporaries outside torch's cache)
     assert not room_beside_cache(gib // 2, 0)
+
+
+# two gloo ranks whose GPUs report different memory: both must size the KV cache from the same figures
+RANKS_AGREE = """
+import os, socket, torch, torch.distributed as dist, torch.multiprocessing as mp
+
+def rank_main(rank, port):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
+                      LOCAL_RANK=str(rank))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    gib = 2**30
+    torch.cuda.mem_get_info = lambda device=None: ((70 - 9 * rank) * gib, (80 - rank) * gib)
+    from grpo.runtime.gpu_budget import least_gpu_memory
+    assert least_gpu_memory() == (61 * gib, 79 * gib), least_gpu_memory()
+    dist.destroy_process_group()
+
+if __name__ == "__main__":
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(rank_main, args=(port,), nprocs=2)
+    print("agreed")
+"""
+
+
+def test_every_rank_counts_on_the_least_gpu_memory(tmp_path):
+    script = tmp_path / "ranks_agree.py"
+    script.write_text(RANKS_AGREE)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=ROOT, timeout=300,
+                          env=child_env())
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("agreed"), proc.stderr[-3000:]

@@ -11,7 +11,7 @@ import torch
 from grpo.errors import ConfigError
 from grpo.model.base_weights import saved_4bit
 from grpo.model.shared_base import park_frozen_base, restore_parked
-from grpo.runtime.gpu_budget import engine_memory_share
+from grpo.runtime.gpu_budget import engine_memory_share, least_gpu_memory
 from grpo.rollout.hf import HFRolloutEngine, stop_token_ids
 from grpo.rollout.kv_cache import engine_kv_cache_bytes
 
@@ -203,11 +203,13 @@ def _vllm_engine(config, model_path: str, rank: int, vision, stops, lora_rank: i
                  quantized: bool = False, completion_tokens: int | None = None, sleep_level: int = 2):
     from grpo.rollout.vllm import VLLMRolloutEngine
 
+    free, total = least_gpu_memory()  # every rank sizes its KV cache alike
     # ranks of one tensor-parallel group share a seed: they must sample the same completions
     return VLLMRolloutEngine(model_path, tensor_parallel_size=config.vllm_tp,
                                  gpu_memory_utilization=engine_memory_share(config.vllm_memory_share,
                                                                             config.gpu_memory_gib),
-                                 kv_cache_bytes=engine_kv_cache_bytes(config, model_path,
+                                 kv_cache_bytes=engine_kv_cache_bytes(config, model_path, gpu_total_bytes=total,
+                                                                      gpu_free_bytes=free,
                                                                       completion_tokens=completion_tokens),
                                  max_model_len=config.max_seq_length, seed=config.seed + rank // config.vllm_tp,
                                  enable_sleep=config.vllm_sleep,

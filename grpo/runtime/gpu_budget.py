@@ -68,6 +68,17 @@ def cap_gpu_memory(cap_gib: Optional[float], device: torch.device) -> None:
     logger.info(f"GPU memory capped at {cap_gib:g} GiB of {total / 2**30:.1f} (--gpu_memory_gib)")
 
 
+def least_gpu_memory() -> tuple[int, int]:
+    """(free, total) bytes of this rank's GPU, each the least over all ranks (all must call it together): what every
+    rank can count on, so that what is sized from it (vLLM's KV cache) comes out the same on every rank, as the
+    ranks of a tensor-parallel group need."""
+    from grpo.runtime import distributed as dist_utils
+
+    free, total = torch.cuda.mem_get_info()
+    least = dist_utils.all_max([-float(free), -float(total)])  # float64: exact for byte counts below 2**53
+    return int(-least[0]), int(-least[1])
+
+
 def engine_memory_share(share: float, cap_gib: Optional[float]) -> float:
     """vLLM's gpu_memory_utilization (a share of the whole GPU) for `share` of what the job may use."""
     if not cap_gib or not torch.cuda.is_available():
