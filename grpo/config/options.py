@@ -245,8 +245,9 @@ class GRPOConfig:
     vllm_kv_cache_gib: Optional[str] = _opt(
         None, "vLLM's KV cache per GPU. auto: sized to one step's rollouts (tp x prompts per rank x k sequences of "
               "--max_prompt_length + --rollout_max_new_tokens tokens, plus a quarter), so sleep and wake move less "
-              "memory, where that is at most half of what the share leaves after the weights (lora / qlora: or of "
-              "what the GPU has free beside them); else the share, as for models it cannot size (MLA, hybrid, "
+              "memory, where that is at most half of what the share leaves after the weights (lora / qlora with "
+              "--vllm_sleep and no --gpu_memory_gib: or of what the GPU has free beside them); else the share, as "
+              "for models it cannot size (MLA, hybrid, "
               "vision-language). A number: that many GiB. share: "
               "what --vllm_gpu_memory_utilization leaves after the weights and activations. Default: auto colocated, "
               "share in server mode.", "rollout")

@@ -14,12 +14,13 @@ sizes it to one step's rollouts instead, per GPU:
 
 so the step's rollouts fit at once; larger batches (an eval over more prompts) run in waves. auto asks for that size
 where it is at most half of what the share leaves after the weights (the other half standing for vLLM's activations,
-which only its own profiling knows). With lora / qlora it also asks for it where it is at most half of what the GPU
-has free (within --gpu_memory_gib) once the weights are loaded: the cache is freed at every sleep, so it shares the
-GPU with the trainer's persistent state alone, which adapters keep small (full fine-tuning's optimizer state comes
-after the engine starts and is not counted here). A 32B qlora model in 4 bits (17.9 GiB of weights on an 80 GiB GPU)
-needs 10 GiB for 8 x 8 sequences of 768 tokens, where the 0.3 share left 0.62 GiB and its rollouts 70 s a step.
-Otherwise the share sizes the cache. Models whose cache is not one K and V per attention layer and token (MLA, hybrid linear-attention /
+which only its own profiling knows). With lora / qlora, an engine that sleeps while the trainer runs and no
+--gpu_memory_gib, it also asks for it where it is at most half of what the GPU has free once the weights are loaded:
+the cache is freed at every sleep, so it shares the GPU with the trainer's persistent state alone, which adapters keep
+small (full fine-tuning's optimizer state comes after the engine starts and is not counted here; an awake engine keeps
+its cache through training; torch's cap counts vLLM's pool even while it sleeps). A 32B qlora model in 4 bits (17.9
+GiB of weights on an 80 GiB GPU) needs 10 GiB for 8 x 8 sequences of 512 tokens, where the 0.3 share left 0.62 GiB
+and its rollouts took 70 s a step. Otherwise the share sizes the cache. Models whose cache is not one K and V per attention layer and token (MLA, hybrid linear-attention /
 state-space stacks, per-layer head sizes, vision-language models whose engine also reserves image memory) keep the
 share: kv_bytes_per_token returns None for them.
 """
@@ -142,7 +143,9 @@ def engine_kv_cache_bytes(config, model_path: str, gpu_total_bytes: int | None =
     where = ""
     if gpu_total_bytes and not within_share(size, config.vllm_memory_share, gpu_total_bytes, weights):
         free = _free_within_cap(gpu_free_bytes, gpu_total_bytes, config.gpu_memory_gib)
-        adapters = config.tuning_strategy in ("lora", "qlora")
+        # the free memory counts only where the cache goes at every sleep: not awake through training, and not
+        # under --gpu_memory_gib, whose cap on torch counts vLLM's pool even while it sleeps
+        adapters = config.tuning_strategy in ("lora", "qlora") and config.vllm_sleep and not config.gpu_memory_gib
         if not (adapters and free is not None and within_free(size, free, weights)):
             logger.info(f"vLLM KV cache: the memory share (the step's rollouts need {size / 2**30:.2f} GiB, more "
                         f"than half of what --vllm_gpu_memory_utilization {config.vllm_memory_share} leaves after "

@@ -75,7 +75,8 @@ class OutOfMemory(TrainingError):
 
 # what helps, per phase: the flags worth trying first
 _OOM_KNOBS = {
-    "rollout": ["--vllm_gpu_memory_utilization (lower leaves more for training, higher more KV cache for vLLM)",
+    "rollout": ["--vllm_kv_cache_gib (a number of GiB: vLLM's KV cache; auto sizes it to the step)",
+                "--vllm_gpu_memory_utilization (lower leaves more for training, higher more KV cache for vLLM)",
                 "fewer --per_device_train_batch_size prompts or --k_samples", "--rollout_max_new_tokens"],
     "log-probs": ["--max_tokens_per_micro_batch (lower)", "--logprob_chunk_tokens (lower)",
                   "--vllm_gpu_memory_utilization (lower, with --vllm_sleep)"],
