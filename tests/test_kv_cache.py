@@ -76,13 +76,19 @@ def test_within_free_by_hand():
     assert within_free(int(21.05 * gib), 60 * gib, int(17.9 * gib))
     assert not within_free(int(21.05 * gib) + 2, 60 * gib, int(17.9 * gib))
     assert not within_free(1, 10 * gib, 12 * gib)  # the weights alone do not fit
+    # and 6 GiB stay beside the cache for the engine's own use: 20 GiB free, 10 of weights, 4 of cache leaves 6
+    assert within_free(4 * gib, 20 * gib, 10 * gib)
+    assert not within_free(4 * gib + 1, 20 * gib, 10 * gib)
+    assert not within_free(gib, 10 * gib + 2 * gib - 1, 5 * gib)  # half of 7 GiB holds 1, but 6 do not stay
 
 
 def test_adapters_may_take_the_free_memory_beyond_the_share(tmp_path):
     model = make_tiny_model_dir(str(tmp_path / "tiny"))
-    flags = ["--per_device_train_batch_size", "2", "--k_samples", "4", "--max_prompt_length", "128",
-             "--rollout_max_new_tokens", "64", "--max_seq_length", "512"]
-    size = 1_920 * (2 * 2 * 2 * 16 * 2)  # 2 x 4 sequences of 128 + 64 tokens, +25%; 2 layers, 2 KV heads of 16
+    flags = ["--per_device_train_batch_size", "128", "--k_samples", "64", "--max_prompt_length", "2048",
+             "--rollout_max_new_tokens", "2048", "--max_seq_length", "4096"]
+    # 128 x 64 sequences of 4,096 tokens, +25%, at 2 layers x 2 KV heads x 16 x 2 (K, V) x 2 bytes: 10 GiB
+    size = 8_192 * 4_096 * 5 // 4 * (2 * 2 * 2 * 16 * 2)
+    assert size == 10 * 2**30
     weights = checkpoint_weight_bytes(model)
     # a GPU whose 0.3 share leaves too little: weights + 2 x size is 0.6 of it
     total = int((2 * size + weights) / 0.6)

@@ -15,14 +15,15 @@ sizes it to one step's rollouts instead, per GPU:
 so the step's rollouts fit at once; larger batches (an eval over more prompts) run in waves. auto asks for that size
 where it is at most half of what the share leaves after the weights (the other half standing for vLLM's activations,
 which only its own profiling knows). With lora / qlora, an engine that sleeps while the trainer runs and no
---gpu_memory_gib, it also asks for it where it is at most half of what the GPU has free once the weights are loaded:
-the cache is freed at every sleep, so it shares the GPU with the trainer's persistent state alone, which adapters keep
-small (full fine-tuning's optimizer state comes after the engine starts and is not counted here; an awake engine keeps
-its cache through training; torch's cap counts vLLM's pool even while it sleeps). A 32B qlora model in 4 bits (17.9
-GiB of weights on an 80 GiB GPU) needs 10 GiB for 8 x 8 sequences of 512 tokens, where the 0.3 share left 0.62 GiB
-and its rollouts took 70 s a step. Otherwise the share sizes the cache. Models whose cache is not one K and V per attention layer and token (MLA, hybrid linear-attention /
-state-space stacks, per-layer head sizes, vision-language models whose engine also reserves image memory) keep the
-share: kv_bytes_per_token returns None for them.
+--gpu_memory_gib, it also asks for it where it is at most half of what the GPU has free once the weights are loaded
+(and ENGINE_OWN_BYTES stay beside it): the cache is freed at every sleep, so it shares the GPU with the trainer's
+persistent state alone, which adapters keep small (full fine-tuning's optimizer state comes after the engine starts
+and is not counted here; an awake engine keeps its cache through training; torch's cap counts vLLM's pool even while
+it sleeps). A 32B qlora model in 4 bits (17.9 GiB of weights on an 80 GiB GPU) needs 10 GiB for 8 x 8 sequences of 512
+tokens, where the 0.3 share left 0.62 GiB and its rollouts took 70 s a step. Otherwise the share sizes the cache.
+Models whose cache is not one K and V per attention layer and token (MLA, hybrid linear-attention / state-space
+stacks, per-layer head sizes, vision-language models whose engine also reserves image memory) keep the share:
+kv_bytes_per_token returns None for them.
 """
 from __future__ import annotations
 
@@ -82,9 +83,17 @@ def within_share(kv_bytes: int, share: float, gpu_total_bytes: int, weight_bytes
     return kv_bytes <= (share * gpu_total_bytes - weight_bytes) / 2
 
 
+# what a colocated engine takes beside its weights and KV cache (activations of a 16,384-token prefill chunk, the
+# sampler, CUDA graphs): 5.3 GiB at Qwen2.5-32B's shape in 4 bits on an H100 (0.3 x 79.2 GiB less 17.9 of weights
+# and 0.62 of cache), less for smaller models
+ENGINE_OWN_BYTES = 6 * 2**30
+
+
 def within_free(kv_bytes: int, free_bytes: int, weight_bytes: int) -> bool:
-    """Whether kv_bytes is at most half of what the GPU's free memory leaves after the weights (module docstring)."""
-    return kv_bytes <= (free_bytes - weight_bytes) / 2
+    """Whether kv_bytes is at most half of what the GPU's free memory leaves after the weights, with at least
+    ENGINE_OWN_BYTES left beside it for the engine's own use (module docstring)."""
+    room = free_bytes - weight_bytes
+    return kv_bytes <= room / 2 and room - kv_bytes >= ENGINE_OWN_BYTES
 
 
 INTEGER_BYTES = {"I64": 8, "I32": 4, "U32": 4, "I16": 2, "U16": 2, "I8": 1, "U8": 1, "BOOL": 1}  # safetensors dtypes
