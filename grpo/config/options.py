@@ -247,8 +247,7 @@ class GRPOConfig:
               "--max_prompt_length + --rollout_max_new_tokens tokens, plus a quarter), so sleep and wake move less "
               "memory, where that is at most half of what the share leaves after the weights (lora / qlora with "
               "--vllm_sleep and no --gpu_memory_gib: or of what the GPU has free beside them); else the share, as "
-              "for models it cannot size (MLA, hybrid, "
-              "vision-language). A number: that many GiB. share: "
+              "for models it cannot size (MLA, hybrid, vision-language). A number: that many GiB. share: "
               "what --vllm_gpu_memory_utilization leaves after the weights and activations. Default: auto colocated, "
               "share in server mode.", "rollout")
     vllm_sleep: bool = _opt(True, "Put vLLM to sleep while DeepSpeed trains: its KV cache and weights are freed, and "

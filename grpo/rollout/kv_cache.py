@@ -151,25 +151,19 @@ def engine_kv_cache_bytes(config, model_path: str, gpu_total_bytes: int | None =
         return None
     where = ""
     if gpu_total_bytes and not within_share(size, config.vllm_memory_share, gpu_total_bytes, weights):
-        free = _free_within_cap(gpu_free_bytes, gpu_total_bytes, config.gpu_memory_gib)
         # the free memory counts only where the cache goes at every sleep: not awake through training, and not
         # under --gpu_memory_gib, whose cap on torch counts vLLM's pool even while it sleeps
-        adapters = config.tuning_strategy in ("lora", "qlora") and config.vllm_sleep and not config.gpu_memory_gib
-        if not (adapters and free is not None and within_free(size, free, weights)):
+        by_free = config.tuning_strategy in ("lora", "qlora") and config.vllm_sleep and not config.gpu_memory_gib \
+            and gpu_free_bytes is not None
+        if not (by_free and within_free(size, gpu_free_bytes, weights)):
             logger.info(f"vLLM KV cache: the memory share (the step's rollouts need {size / 2**30:.2f} GiB, more "
                         f"than half of what --vllm_gpu_memory_utilization {config.vllm_memory_share} leaves after "
-                        f"{weights / 2**30:.2f} GiB of weights" + (f", and of what the GPU's {free / 2**30:.1f} GiB "
-                        "free leave" if adapters and free is not None else "") + ")")
+                        f"{weights / 2**30:.2f} GiB of weights" + (f", and of what the GPU's "
+                        f"{gpu_free_bytes / 2**30:.1f} GiB free leave" if by_free else "") + ")")
             return None
         where = (f"; more than the {config.vllm_memory_share:g} share leaves, within half of the "
-                 f"{free / 2**30:.1f} GiB free beside {weights / 2**30:.2f} GiB of weights")
+                 f"{gpu_free_bytes / 2**30:.1f} GiB free beside {weights / 2**30:.2f} GiB of weights")
     logger.info(f"vLLM KV cache: {size / 2**30:.2f} GiB per GPU (auto: {sequences} sequences x {longest} tokens x "
                 f"{per_token / 1024:.1f} KiB per token, +25%{where})")
     return size
 
-
-def _free_within_cap(free_bytes: int | None, total_bytes: int, cap_gib: float | None) -> int | None:
-    """What the job may still take of the GPU: its free memory, less what --gpu_memory_gib keeps out of reach."""
-    if free_bytes is None:
-        return None
-    return free_bytes - max(0, total_bytes - int(cap_gib * 2**30)) if cap_gib else free_bytes
