@@ -483,7 +483,8 @@ def test_a_merged_lora_engine_keeps_its_weights_through_training_where_they_are_
 
 def test_rollout_weights_auto_picks_adapter_only_where_the_16bit_copy_crowds_the_gpu(model_dir, monkeypatch):
     """qlora with vLLM: merged while a 16-bit copy of the model takes at most ADAPTER_FROM_SHARE of the GPU (it
-    generates faster), adapter beyond; an explicit adapter where vLLM's LoRA cannot take the model is an error."""
+    generates faster), adapter beyond; an explicit adapter where vLLM's LoRA cannot take the model is an error.
+    lora: merged while its 16-bit copy takes at most KEEP_WEIGHTS_UP_TO_SHARE of the GPU, in_place beyond."""
     from grpo.model.loading import parameter_count
     from grpo.rollout import engines
 
@@ -511,11 +512,23 @@ def test_rollout_weights_auto_picks_adapter_only_where_the_16bit_copy_crowds_the
     assert engines.engine_weights(skips_down, policy, vision=None) == "adapter"
     lora = GRPOConfig(model_name_or_path=model_dir, tuning_strategy="lora", rollout_engine="vllm", lora_rank=4,
                       lora_alpha=8, lora_dropout=0.0)
-    assert lora.engine_weights == "adapter"  # lora by the same rule: its adapter engine shares the trainer's base
+    assert lora.engine_weights == "in_place"  # lora: a candidate, the base shared and the adapter merged into it
     lora_policy = trained_policy(model_dir, "lora")
-    assert engines.engine_weights(lora, lora_policy, vision=None) == "adapter"  # the small GPU set above
+    lora_copy = 2 * parameter_count(lora_policy)
+    keep_share = engines.KEEP_WEIGHTS_UP_TO_SHARE
+    monkeypatch.setattr(engines, "gpu_memory_bytes", lambda cap=None: int(lora_copy / keep_share) + 1)
+    assert engines.engine_weights(lora, lora_policy, vision=None) == "merged"  # a quarter of the GPU: merged is faster
+    monkeypatch.setattr(engines, "gpu_memory_bytes", lambda cap=None: int(lora_copy / keep_share) - 1)
+    assert engines.engine_weights(lora, lora_policy, vision=None) == "in_place"  # beyond it: one base
+    explicit_in_place = GRPOConfig(**{**lora.__dict__, "rollout_weights": "in_place"})
     monkeypatch.setattr(engines, "gpu_memory_bytes", lambda cap=None: 10**15)
-    assert engines.engine_weights(lora, lora_policy, vision=None) == "merged"
+    assert engines.engine_weights(explicit_in_place, lora_policy, vision=None) == "in_place"  # as asked, at any size
+    # what in_place cannot take falls back as qlora's auto does: here a vision-language model, merged
+    assert engines.engine_weights(lora, lora_policy, vision=object()) == "merged"
+    with pytest.raises(ConfigError, match="in_place merges one plain LoRA adapter.*vision-language"):
+        engines.engine_weights(explicit_in_place, lora_policy, vision=object())
+    with pytest.raises(ConfigError, match="in_place.*--tuning_strategy lora"):
+        GRPOConfig(**{**cfg.__dict__, "rollout_weights": "in_place"})
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert GRPOConfig(**{**lora.__dict__, "vllm_tp": 2}).engine_weights == "merged"
     with pytest.raises(ConfigError, match="rollout_weights.*--vllm_tp 1"):

@@ -123,7 +123,7 @@ def test_one_row_that_does_not_fit_is_an_error_with_the_figures_and_the_remedies
     message = str(err.value)
     for part in ("--max_tokens_per_micro_batch auto", "--max_seq_length 768", "needs about 2.6 GiB",
                  "0.8 GiB is free for training", "24.0 GiB usable", "--gradient_checkpointing true",
-                 "--gpu_memory_gib", "--rollout_weights adapter", "checkpointing off"):
+                 "--gpu_memory_gib", "--rollout_weights in_place (lora) or adapter (qlora)", "checkpointing off"):
         assert part in message, part
     with pytest.raises(ConfigError) as err:  # already on: not suggested
         resolve_token_budget(figures(58, usable_gib=24), MIB, MIB, GIB, 768, True)

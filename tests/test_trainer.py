@@ -354,6 +354,9 @@ def test_out_of_memory_names_phase_sizes_and_knobs(tiny_model, registry, tmp_pat
     assert "--gradient_checkpointing" not in qlora and "--tuning_strategy" not in qlora, qlora
     assert "--vllm_sleep_level 2" in qlora and "--deepspeed zero3 (several GPUs)" in qlora, qlora
     assert "--vllm_sleep_level" not in out_of_memory_message("rollout", {}, None, error, {"engine_keeps_weights": True})
+    assert "--rollout_weights in_place" not in qlora  # lora's alone: a qlora trainer holds no 16-bit base to share
+    lora = out_of_memory_message("optimize", {}, None, error, {"strategy": "lora", "engine_keeps_weights": True})
+    assert "--rollout_weights in_place (vLLM and the trainer share one 16-bit base)" in lora, lora
 
 
 def test_resume_refuses_options_that_rebuild_another_policy(tmp_path):

@@ -18,7 +18,7 @@ KL_ESTIMATORS = ("k1", "k2", "k3")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 ROLLOUT_ENGINES = ("hf", "vllm")
 ROLLOUT_MODES = ("colocate", "server")
-ROLLOUT_WEIGHTS = ("auto", "merged", "adapter")
+ROLLOUT_WEIGHTS = ("auto", "merged", "adapter", "in_place")
 SCHEDULERS = ("constant", "linear", "cosine")
 # --max_tokens_per_micro_batch auto: this on CPU; on a GPU the most that fits, never more than this
 MICRO_BATCH_TOKENS = 16384

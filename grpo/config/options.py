@@ -227,10 +227,12 @@ class GRPOConfig:
     rollout_weights: str = _opt(
         "auto", "What the vLLM engine holds of a lora / qlora policy. merged: a 16-bit copy of the whole model, the "
                 "adapter merged in at every sync. adapter: the base once (lora: shared with the trainer; qlora: the "
-                "trainer's 4-bit base) plus the adapter, which is all a sync sends. auto: adapter once the 16-bit "
-                "copy would take over 40 percent of the GPU (merged is faster where both fit), merged otherwise (and "
-                "for vision-language models, --vllm_tp > 1, --qlora_init loftq, --qlora_skip_modules naming a part of "
-                "q/k/v_proj or gate/up_proj).", "rollout",
+                "trainer's 4-bit base) plus the adapter, which is all a sync sends. in_place (lora): the base once, "
+                "shared with the trainer; each rollout merges the adapter into it and takes it out after, bit for "
+                "bit, so it samples from the merged weights. auto: for lora in_place once the 16-bit copy would take "
+                "over 25 percent of the GPU, for qlora adapter once it would take over 40 percent (merged is faster "
+                "where both fit), merged otherwise (and for vision-language models, --vllm_tp > 1, --qlora_init "
+                "loftq, --qlora_skip_modules naming a part of q/k/v_proj or gate/up_proj).", "rollout",
         choices=ROLLOUT_WEIGHTS)
     async_rollout: bool = _opt(
         False, "With --rollout_mode server: the rollout ranks generate the next step's rollouts while this step trains "
@@ -380,10 +382,12 @@ class GRPOConfig:
 
     @property
     def engine_weights(self) -> str:
-        """--rollout_weights with auto decided from the options alone ("merged" or "adapter"); the engine's builder
-        may still fall back to merged for a model vLLM's LoRA cannot take (grpo.rollout.engines)."""
+        """--rollout_weights with auto decided from the options alone ("in_place", "adapter" or "merged"); the
+        engine's builder may still fall back for a model the choice cannot take (grpo.rollout.engines)."""
         if self.rollout_weights != "auto":
             return self.rollout_weights
+        if self.tuning_strategy == "lora" and self.uses_vllm and self.vllm_tp == 1 and self.rollout_mode == "colocate":
+            return "in_place"
         adapter = (self.uses_lora and self.uses_vllm and self.vllm_tp == 1
                    and not (self.tuning_strategy == "qlora" and self.qlora_init == "loftq"))
         return "adapter" if adapter else "merged"

@@ -118,6 +118,13 @@ def validate(cfg) -> None:
              f"model): use --vllm_tp 1 or --rollout_weights merged (got --vllm_tp {cfg.vllm_tp})")
         need(cfg.qlora_init != "loftq" or cfg.tuning_strategy != "qlora", "rollout_weights",
              "adapter cannot carry --qlora_init loftq's rounding correction: use merged")
+    if cfg.rollout_weights == "in_place":
+        need(cfg.tuning_strategy == "lora", "rollout_weights",
+             "in_place merges a LoRA adapter into a 16-bit base the trainer shares with vLLM: it is for --tuning_strategy "
+             "lora (qlora: adapter or merged)")
+        need(cfg.rollout_engine == "vllm" and cfg.rollout_mode == "colocate" and cfg.vllm_tp == 1, "rollout_weights",
+             "in_place shares the base between the trainer and a colocated vLLM engine on the same GPU: it needs "
+             "--rollout_engine vllm, --rollout_mode colocate and --vllm_tp 1 (else use adapter or merged)")
     need(not (cfg.async_rollout and cfg.filter_zero_std_groups), "async_rollout",
          "and --filter_zero_std_groups do not combine yet (dynamic sampling decides on more rounds after seeing "
          "the rewards); drop one of them")

@@ -12,6 +12,10 @@ dequantize_4bit does and rounded to out's dtype first:
 The unfused path (dequantize_4bit into out, then out.addmm_) writes out and reads it back, and dequantizes each
 layer's scales into a temporary first; this kernel reads the codes and writes out once. It needs Triton (it comes
 with CUDA builds of torch) and is imported only where a sync writes into a CUDA tensor.
+
+The recorded merge of lora's in-place mode (grpo.model.in_place_merge) has its own pair of kernels below: one writes
+W' = round(W + s * B @ A) over a 16-bit W in place with a 2-bit code per element (and the elements it keeps beside),
+one takes it out again. Their s * B @ A is one tl.dot per 64 x 32 block, the same in both, so the two agree.
 """
 from __future__ import annotations
 
@@ -109,3 +113,162 @@ def merge_into(out: torch.Tensor, weight, lora_b: torch.Tensor, lora_a: torch.Te
         _merge[grid](out, weight.data, out, out, out, out, out, lora_b, lora_a, float(scale), rows, columns, rank,
                      BLOCKSIZE=1, BLOCKSIZE2=1, FOUR_BIT=False, NESTED=False, **common)
     return out
+
+
+# ------------------------------------------------------------------- the recorded merge (grpo.model.in_place_merge)
+# A program takes 64 rows x 128 columns as four column blocks of 32; byte j of its 32 bytes of codes per row holds
+# the code of column j of block q in bits 2q..2q+1, so that no tile is reshaped. Codes: [rows, code_columns(N)].
+QUARTER = COLUMNS // 4
+
+
+@triton.jit
+def _lora_delta(b, a_ptr, cols, col_ok, N, scale, R, BR: tl.constexpr):
+    """D = s * (B @ A) for one block: B's rows [BM, BR] (loaded once per program) times A's columns, one tl.dot with
+    fp32 accumulation, of the same shapes in the merge and the unmerge, so both get the same D."""
+    ranks = tl.arange(0, BR)
+    a = tl.load(a_ptr + ranks[:, None] * N + cols[None, :], mask=(ranks[:, None] < R) & col_ok[None, :], other=0.0)
+    return tl.dot(b, a) * scale
+
+
+@triton.jit
+def _merge_recording(w_ptr, b_ptr, a_ptr, codes_ptr, escape_index_ptr, escape_bits_ptr, counter_ptr, capacity, scale,
+                     M, N, CODE_COLUMNS, R, BM: tl.constexpr, BR: tl.constexpr, BQ: tl.constexpr):
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)
+    row_ok = rows < M
+    ranks = tl.arange(0, BR)
+    b = tl.load(b_ptr + rows[:, None] * R + ranks[None, :], mask=row_ok[:, None] & (ranks[None, :] < R), other=0.0)
+    dtype = w_ptr.dtype.element_ty
+    packed = tl.zeros([BM, BQ], dtype=tl.int32)
+    for q in tl.static_range(4):
+        cols = tl.program_id(1) * 4 * BQ + q * BQ + tl.arange(0, BQ)
+        col_ok = cols < N
+        mask = row_ok[:, None] & col_ok[None, :]
+        idx = rows[:, None].to(tl.int64) * N + cols[None, :]
+        weight = tl.load(w_ptr + idx, mask=mask, other=0.0)
+        delta = _lora_delta(b, a_ptr, cols, col_ok, N, scale, R, BR)
+        merged = (weight.to(tl.float32) + delta).to(dtype)                               # W' = round(W + D)
+        guess = (merged.to(tl.float32) - delta).to(dtype)                                # g  = round(W' - D)
+        weight_bits = weight.to(tl.int16, bitcast=True)
+        miss = weight_bits.to(tl.int32) - guess.to(tl.int16, bitcast=True).to(tl.int32)  # c  = bits(W) - bits(g)
+        escaped = ((miss > 1) | (miss < -1)) & mask
+        packed = packed | (tl.where(escaped, 3, miss + 1) << (2 * q))
+        out = merged
+        flags = escaped.to(tl.int32)
+        total = tl.sum(tl.sum(flags, axis=1), axis=0)
+        if total > 0:  # each escape takes the next free slot; one that finds none leaves its element unmerged
+            per_row = tl.sum(flags, axis=1)
+            first = tl.atomic_add(counter_ptr, total)
+            slot = first + (tl.cumsum(per_row, axis=0) - per_row)[:, None] + tl.cumsum(flags, axis=1) - 1
+            kept = escaped & (slot < capacity)
+            tl.store(escape_index_ptr + slot, idx.to(tl.int32), mask=kept)
+            tl.store(escape_bits_ptr + slot, weight_bits, mask=kept)
+            out = tl.where(escaped & (slot >= capacity), weight, merged)
+        tl.store(w_ptr + idx, out, mask=mask)
+    byte_cols = tl.program_id(1) * BQ + tl.arange(0, BQ)
+    tl.store(codes_ptr + rows[:, None].to(tl.int64) * CODE_COLUMNS + byte_cols[None, :], packed.to(tl.uint8),
+             mask=row_ok[:, None] & (byte_cols[None, :] < CODE_COLUMNS))
+
+
+@triton.jit
+def _unmerge_recorded(w_ptr, b_ptr, a_ptr, codes_ptr, scale, M, N, CODE_COLUMNS, R, BM: tl.constexpr,
+                      BR: tl.constexpr, BQ: tl.constexpr):
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)
+    row_ok = rows < M
+    ranks = tl.arange(0, BR)
+    b = tl.load(b_ptr + rows[:, None] * R + ranks[None, :], mask=row_ok[:, None] & (ranks[None, :] < R), other=0.0)
+    dtype = w_ptr.dtype.element_ty
+    byte_cols = tl.program_id(1) * BQ + tl.arange(0, BQ)
+    packed = tl.load(codes_ptr + rows[:, None].to(tl.int64) * CODE_COLUMNS + byte_cols[None, :],
+                     mask=row_ok[:, None] & (byte_cols[None, :] < CODE_COLUMNS), other=0).to(tl.int32)
+    for q in tl.static_range(4):
+        cols = tl.program_id(1) * 4 * BQ + q * BQ + tl.arange(0, BQ)
+        col_ok = cols < N
+        mask = row_ok[:, None] & col_ok[None, :]
+        idx = rows[:, None].to(tl.int64) * N + cols[None, :]
+        merged = tl.load(w_ptr + idx, mask=mask, other=0.0)
+        delta = _lora_delta(b, a_ptr, cols, col_ok, N, scale, R, BR)
+        guess = (merged.to(tl.float32) - delta).to(dtype)                                # g = round(W' - D)
+        code = (packed >> (2 * q)) & 3
+        restored = (guess.to(tl.int16, bitcast=True).to(tl.int32) + code - 1).to(tl.int16).to(dtype, bitcast=True)
+        tl.store(w_ptr + idx, tl.where(code == 3, merged, restored), mask=mask)
+
+
+def code_columns(columns: int) -> int:
+    """Bytes of codes per row: 32 per block of 128 columns (the last one whole)."""
+    return triton.cdiv(columns, COLUMNS) * QUARTER
+
+
+def _recorded_launch(weight: torch.Tensor, lora_a: torch.Tensor) -> tuple:
+    rows, columns = weight.shape
+    grid = (triton.cdiv(rows, ROWS), triton.cdiv(columns, COLUMNS))
+    return grid, dict(BM=ROWS, BR=max(16, triton.next_power_of_2(lora_a.shape[0])), BQ=QUARTER,
+                      enable_fp_fusion=False)
+
+
+def fits_recorded(weight: torch.Tensor, lora_b: torch.Tensor) -> bool:
+    """Whether the recorded kernels take this layer: a contiguous 16-bit CUDA weight (bf16 from compute capability
+    8.0) of fewer than 2^31 elements, with B on its device, contiguous, in its dtype, of a rank of at most MAX_RANK."""
+    if not (weight.is_cuda and weight.is_contiguous() and weight.dtype in (torch.bfloat16, torch.float16)):
+        return False
+    if weight.dtype == torch.bfloat16 and torch.cuda.get_device_capability(weight.device)[0] < 8:
+        return False
+    return (weight.dim() == 2 and weight.numel() < 2**31 and lora_b.shape[1] <= MAX_RANK
+            and lora_b.device == weight.device and lora_b.dtype == weight.dtype and lora_b.is_contiguous())
+
+
+def merge_recording(weight: torch.Tensor, lora_b: torch.Tensor, lora_a: torch.Tensor, scale: float, record=None):
+    """weight <- round(W + s * B @ A) in place, as grpo.model.in_place_merge.merge_recording, in one pass (codes in
+    this kernel's layout); `record`: the layer's buffers from an earlier merge, reused. The escapes are counted on
+    the GPU: read_escape_counts."""
+    from grpo.model.in_place_merge import FIRST_ESCAPE_SHARE, LayerRecord
+
+    rows, columns = weight.shape
+    if record is None:
+        capacity = max(1024, int(weight.numel() * FIRST_ESCAPE_SHARE))
+        record = LayerRecord(torch.empty(rows, code_columns(columns), dtype=torch.uint8, device=weight.device),
+                             torch.empty(capacity, dtype=torch.int32, device=weight.device),
+                             torch.empty(capacity, dtype=torch.int16, device=weight.device))
+    if record.counter is None:
+        record.counter = torch.zeros(1, dtype=torch.int32, device=weight.device)
+    record.counter.zero_()
+    grid, constants = _recorded_launch(weight, lora_a)
+    _merge_recording[grid](weight, lora_b, lora_a, record.codes, record.escape_index, record.escape_bits,
+                           record.counter, record.escape_index.numel(), float(scale), rows, columns,
+                           code_columns(columns), lora_a.shape[0], **constants)
+    return record
+
+
+def read_escape_counts(layers: list, must_fit: bool = False) -> list:
+    """Set each layer's record.escapes from the kernel's counts (one read for all); returns the layers whose escapes
+    outgrew their buffer (their extra elements were left unmerged)."""
+    counts = torch.cat([layer.record.counter for layer in layers]).tolist()
+    overflowed = []
+    for layer, count in zip(layers, counts):
+        capacity = layer.record.escape_index.numel()
+        layer.record.escapes, layer.record.needed = min(count, capacity), count
+        if count > capacity:
+            overflowed.append(layer)
+    if overflowed and must_fit:
+        raise RuntimeError(f"the in-place merge's escapes outgrew a buffer sized for them ({counts})")
+    return overflowed
+
+
+def grown(record):
+    """The record with an escape buffer for every escape its last merge had, and a quarter more."""
+    capacity = record.needed + record.needed // 4 + 1024
+    device = record.codes.device
+    record.escape_index = torch.empty(capacity, dtype=torch.int32, device=device)
+    record.escape_bits = torch.empty(capacity, dtype=torch.int16, device=device)
+    record.escapes = 0
+    return record
+
+
+def unmerge_recorded(weight: torch.Tensor, lora_b: torch.Tensor, lora_a: torch.Tensor, scale: float, record) -> None:
+    """weight <- W from W' and its record in one pass, then the kept elements written back."""
+    from grpo.model.in_place_merge import restore_escapes
+
+    rows, columns = weight.shape
+    grid, constants = _recorded_launch(weight, lora_a)
+    _unmerge_recorded[grid](weight, lora_b, lora_a, record.codes, float(scale), rows, columns, code_columns(columns),
+                            lora_a.shape[0], **constants)
+    restore_escapes(weight, record)

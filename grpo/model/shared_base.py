@@ -56,17 +56,28 @@ def restore_parked(policy: torch.nn.Module, parked: dict[str, torch.device]) -> 
             param.data = param.data.to(parked[name])
 
 
+def lora_base_names(policy: torch.nn.Module) -> set[str]:
+    """The checkpoint names of the base weights the policy's LoRA layers adapt."""
+    return {checkpoint_name(f"{name}.weight") for name, module in policy.named_modules()
+            if hasattr(module, "lora_A") and hasattr(module, "get_base_layer")}
+
+
 def share_base_weights(policy: torch.nn.Module, engine_model: torch.nn.Module,
                        packed: Optional[dict[str, list[str]]] = None,
-                       parked: Optional[dict[str, torch.device]] = None) -> SharedBase:
+                       parked: Optional[dict[str, torch.device]] = None,
+                       required: Optional[set[str]] = None) -> SharedBase:
     """Make the policy's frozen base tensors views of `engine_model`'s equal ones; the trainer's copies are freed.
-    `parked`: tensors park_frozen_base moved to CPU memory; those with no equal block go back to their device."""
+    `parked`: tensors park_frozen_base moved to CPU memory; those with no equal block go back to their device.
+    `required`: names that must all be shared, or nothing is (every tensor then stays the trainer's own)."""
     frozen = frozen_base(policy)
     blocks = engine_blocks(engine_model, packed or {}, {name: p.shape for name, p in frozen.items()})
     parked = dict(parked or {})
     result = SharedBase()
+    views = {name: _equal_block(param, *blocks[name]) if name in blocks else None for name, param in frozen.items()}
+    if required and any(views.get(name) is None for name in required):
+        views = dict.fromkeys(views)
     for name, param in frozen.items():
-        view = _equal_block(param, *blocks[name]) if name in blocks else None
+        view = views[name]
         if view is None:
             result.kept += 1
             continue

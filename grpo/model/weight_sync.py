@@ -121,10 +121,19 @@ def sync_weights(engine, model, strategy: str, *, zero3: bool = False, first_syn
                  dtype: torch.dtype = torch.bfloat16, chunk_bytes: int = 256 * 2**20) -> SyncStats:
     """Stream the policy's weights into `engine.load_weights`, at most ~chunk_bytes per call (plus one tensor).
     All of them when the engine says it `needs_every_weight`, else what changed since the last sync. An engine that
-    `takes_adapter` gets the LoRA adapter alone, in one call."""
+    `takes_adapter` gets the LoRA adapter alone, in one call; one that `merges_in_place` the LoRA layers' B and A."""
     if torch.cuda.is_available():
         torch.cuda.synchronize()  # the update's queued kernels are its own time, not the sync's
     start = time.perf_counter()
+    if engine.merges_in_place:  # the adapter, merged by the engine into the base it shares
+        from grpo.model.in_place_merge import in_place_layers
+
+        layers = in_place_layers(model)
+        engine.load_merge(layers)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        return SyncStats(seconds=time.perf_counter() - start, tensors=2 * len(layers),
+                         bytes=sum(t.numel() * t.element_size() for _, b, a, _ in layers for t in (b, a)))
     if engine.takes_adapter:
         tensors = dict(iter_adapter_tensors(model, dtype=dtype, zero3=zero3))
         engine.load_adapter(tensors)

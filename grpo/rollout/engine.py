@@ -53,6 +53,8 @@ class RolloutEngine(ABC):
     last_sleep_freed_bytes: Optional[int] = None  # GPU memory the last sleep gave back (None: it never sleeps)
     takes_adapter: bool = False        # holds the base once and takes the LoRA adapter as adapter tensors
     sleeps_kv_only: bool = False       # its sleeps free the KV cache alone: its weights stay on the GPU
+    merges_in_place: bool = False      # lora: merges the adapter into the base it shares with the trainer for a
+                                       # rollout and takes it out before the trainer runs (release_base)
     runs_episodes: bool = False        # runs whole multi-turn episodes where it generates (server mode: on the
                                        # rollout ranks); otherwise the collector runs them turn by turn through generate
 
@@ -100,6 +102,14 @@ class RolloutEngine(ABC):
         """Replace the engine's LoRA adapter by these tensors: peft names (`base_model.model.<module>.lora_A.weight`,
         `...lora_B.weight`), lora_B already multiplied by the layer's scaling. Engines with `takes_adapter` only."""
         raise NotImplementedError(f"{type(self).__name__} takes whole weights, not an adapter")
+
+    def load_merge(self, layers: list) -> None:
+        """The LoRA layers' (base weight, B, A, scale) to merge into the shared base for the next rollouts. Engines
+        with `merges_in_place` only."""
+        raise NotImplementedError(f"{type(self).__name__} does not merge an adapter in place")
+
+    def release_base(self) -> None:
+        """The trainer is about to read its base weights: an engine that merged an adapter into them takes it out."""
 
     def sleep(self, keep_weights: bool = False) -> None:
         """Release memory while the trainer runs; `keep_weights`: no sync follows, so the weights must survive."""

@@ -26,6 +26,11 @@ ADAPTER_FROM_SHARE = 0.4
 # level 2 frees it. At Qwen2.5-7B's shape on one H100 (a 15 GiB copy, 19%), level 2's sync took 0.15-0.18 s
 # (benchmarks/RESULTS.md)
 KEEP_WEIGHTS_UP_TO_SHARE = 0.25
+# --rollout_weights auto, lora: merged (kept through training, as above) where its 16-bit copy takes at most
+# KEEP_WEIGHTS_UP_TO_SHARE of the GPU, in_place beyond. On one H100 at Qwen2.5-7B's shape merged took 5.07-5.17
+# s/step at a 43.3 GiB peak, in_place 5.19-5.24 s at 30.8 GiB: its merge and unmerge cost 0.07 + 0.05 s a step
+# (benchmarks/RESULTS.md, 2026-11-27). Beyond the share a merged copy leaves the GPU at every sleep and comes back
+# whole at every sync (0.15-0.18 s at 7B), so in_place is both smaller and no slower there.
 
 
 def engine_holds_weights(config) -> bool:
@@ -46,7 +51,8 @@ def build_rollout_engine(config, model_path: str, policy, tokenizer, vision, ran
     episode's budget), which a colocated engine's KV cache is sized for. `episode_datasets`: the datasets whose rows
     run as episodes, which server mode's rollout ranks run."""
     stops = stop_token_ids(policy, tokenizer)
-    adapter = config.uses_vllm and engine_weights(config, policy, vision, model_path) == "adapter"
+    weights = engine_weights(config, policy, vision, model_path) if config.uses_vllm else "merged"
+    adapter, in_place = weights == "adapter", weights == "in_place"
     lora_rank = adapter_rank(policy) if adapter else None
     if config.rollout_mode == "server":
         from grpo.rollout.remote import RemoteRolloutEngine
@@ -71,16 +77,19 @@ def build_rollout_engine(config, model_path: str, policy, tokenizer, vision, ran
         # adapter: the engine loads the trainer's own base (lora: the same 16-bit checkpoint; qlora: the trainer's 4-bit
         # base, written for it), while the trainer's waits in CPU memory; then the trainer's views the engine's
         with _engine_base(config, policy, model_path if quantized else None) as base:  # vLLM keeps weights, not files
-            parked = park_frozen_base(policy) if adapter and config.vllm_tp == 1 else {}
+            parked = park_frozen_base(policy) if (adapter or in_place) and config.vllm_tp == 1 else {}
             try:
                 engine = _vllm_engine(config, base or model_path, rank, vision, stops, lora_rank=lora_rank,
                                       quantized=quantized, completion_tokens=completion_tokens,
-                                      sleep_level=engine_sleep_level(config, policy, adapter))
+                                      sleep_level=engine_sleep_level(config, policy, adapter),
+                                      merge_in_place=in_place)
             except BaseException:
                 restore_parked(policy, parked)
                 raise
-        if adapter:
+        if adapter or in_place:
             _share_base(engine, policy, parked)
+        if in_place:
+            release_base_before_forward(engine, policy)
         return engine
     return HFRolloutEngine(policy, tokenizer, suppress_token_ids=vision.placeholder_token_ids if vision else None)
 
@@ -88,10 +97,20 @@ def build_rollout_engine(config, model_path: str, policy, tokenizer, vision, ran
 def _share_base(engine, policy, parked: dict) -> None:
     shared = engine.share_base(policy, parked)
     if shared is None or not shared.shared:
-        logger.info("vLLM and the trainer each hold the base (its tensors could not be shared here)")
+        logger.info("vLLM and the trainer each hold the base (its tensors could not be shared here"
+                    + ("; the engine takes merged weights instead" if engine.takes_adapter is False else "") + ")")
         return
     logger.info(f"the trainer's frozen base is the vLLM engine's own: {shared.shared_bytes / 2**30:.2f} GiB held once "
-                f"({shared.shared} tensors shared, {shared.kept} kept); the engine's sleeps drop its KV cache only")
+                f"({shared.shared} tensors shared, {shared.kept} kept); the engine's sleeps drop its KV cache only"
+                + ("; the adapter is merged into it for each rollout and taken out after" if engine.merges_in_place
+                   else ""))
+
+
+def release_base_before_forward(engine, policy) -> None:
+    """In-place mode: every forward of the policy starts by taking the adapter out of the shared base (a no-op
+    unless merged: the engine merges for a rollout and takes it out when it sleeps, so this guards other orders)."""
+    if engine.merges_in_place:
+        policy.get_input_embeddings().register_forward_pre_hook(lambda module, args: engine.release_base())
 
 
 @contextlib.contextmanager
@@ -113,10 +132,29 @@ def _engine_base(config, policy, model_path: str | None, parent: str | None = No
 
 
 def engine_weights(config, policy, vision, model_path: str | None = None) -> str:
-    """--rollout_weights for this model: "adapter" or "merged". auto falls back to merged, said once, where vLLM's
-    LoRA cannot take the adapter; an explicit adapter is then an error. A checkpoint saved in 4 bits has no 16-bit
-    weights for a merged engine to start from: adapter."""
+    """--rollout_weights for this model: "in_place", "adapter" or "merged". auto takes in_place for lora where it
+    can, else falls back as adapter does; adapter falls back to merged, said once, where vLLM's LoRA cannot take
+    the adapter; an explicit choice that cannot be is an error. A checkpoint saved in 4 bits has no 16-bit weights
+    for a merged engine to start from: adapter."""
     choice = config.engine_weights
+    if choice == "in_place":
+        why = _in_place_refusal(policy, vision)
+        if why is None:
+            from grpo.model.loading import parameter_count
+
+            copy_bytes, gpu_bytes = 2 * parameter_count(policy), gpu_memory_bytes(config.gpu_memory_gib)
+            if config.rollout_weights == "auto" and copy_bytes <= KEEP_WEIGHTS_UP_TO_SHARE * gpu_bytes:
+                logger.info(f"vLLM takes merged weights: their 16-bit copy ({copy_bytes / 2**30:.1f} GiB) fits "
+                            f"{KEEP_WEIGHTS_UP_TO_SHARE:.0%} of the GPU's {gpu_bytes / 2**30:.0f} GiB, where merged is "
+                            "a little faster (--rollout_weights auto; in_place holds the base once)")
+                return "merged"
+            logger.info("vLLM holds the base once, shared with the trainer; each rollout merges the adapter into it "
+                        f"and takes it out after (--rollout_weights {config.rollout_weights})")
+            return "in_place"
+        if config.rollout_weights == "in_place":
+            raise ConfigError(f"--rollout_weights in_place merges one plain LoRA adapter into the shared base, which "
+                              f"cannot take {why}: use --rollout_weights merged")
+        choice = "adapter"  # auto: as for qlora
     stored_4bit = model_path is not None and config.tuning_strategy == "qlora" and bool(saved_4bit(model_path))
     if stored_4bit:
         if config.rollout_weights == "merged":
@@ -152,6 +190,18 @@ def engine_weights(config, policy, vision, model_path: str | None = None) -> str
     logger.info("vLLM holds the base once and takes the adapter at each sync (--rollout_weights "
                 f"{config.rollout_weights})")
     return "adapter"
+
+
+def _in_place_refusal(policy, vision) -> str | None:
+    """Why in-place mode cannot take this policy, or None."""
+    peft_config = getattr(policy, "peft_config", {}).get("default")
+    if vision:
+        return "a vision-language model (vLLM renames its tensors)"
+    for option, why in (("modules_to_save", "modules_to_save"), ("use_dora", "DoRA"), ("lora_bias", "lora_bias"),
+                        ("fan_in_fan_out", "fan_in_fan_out layers")):
+        if getattr(peft_config, option, None):
+            return why
+    return None
 
 
 # layers vLLM fuses into one (packed_modules_mapping) and so quantizes, or leaves in 16 bits, as a whole
@@ -200,7 +250,8 @@ def adapter_rank(policy) -> int:
 
 
 def _vllm_engine(config, model_path: str, rank: int, vision, stops, lora_rank: int | None = None,
-                 quantized: bool = False, completion_tokens: int | None = None, sleep_level: int = 2):
+                 quantized: bool = False, completion_tokens: int | None = None, sleep_level: int = 2,
+                 merge_in_place: bool = False):
     from grpo.rollout.vllm import VLLMRolloutEngine
 
     free, total = least_gpu_memory()  # every rank sizes its KV cache alike
@@ -217,7 +268,7 @@ def _vllm_engine(config, model_path: str, rank: int, vision, stops, lora_rank: i
                                  stop_token_ids=stops,
                                  max_images_per_prompt=config.max_images_per_prompt if vision else 0,
                                  image_token_id=vision.image_token_id if vision else None,
-                                 lora_rank=lora_rank, quantized=quantized,
+                                 lora_rank=lora_rank, quantized=quantized, merge_in_place=merge_in_place,
                                  # a cap on torch counts its cached blocks: hand them back at every sleep and wake
                                  keep_torch_cache=config.gpu_memory_gib is None)
 

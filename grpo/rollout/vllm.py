@@ -27,6 +27,13 @@ Adapter mode (`lora_rank` set, --rollout_weights adapter): the engine holds the 
 4-bit base, `quantized`) and samples through vLLM's LoRA layers; a sync hands it the adapter alone (vllm_lora.py).
 It sleeps at level 1, as the base and the LoRA slots must survive; an adapter synced while it sleeps is applied when
 it wakes, so the sync moves adapter bytes only and parks nothing.
+
+In-place mode (`merge_in_place`, lora, --rollout_weights in_place): the engine loads the 16-bit checkpoint with no
+LoRA layers, the trainer's frozen base becomes views of its weights (every LoRA layer's, or the engine falls back to
+merged weights of its own), and a sync hands it the adapter, which it merges into that one base when it generates and
+takes out again, exactly, at its next sleep() (also with --vllm_sleep false, where sleep frees nothing) or when the
+trainer runs a forward (grpo.model.in_place_merge). So the trainer's base is its own whenever the trainer runs; the
+engine samples at merged speed and the GPU holds the base once; its sleeps drop the KV cache only.
 """
 from __future__ import annotations
 
@@ -65,7 +72,7 @@ class VLLMRolloutEngine(RolloutEngine):
                  sleep_level: int = 2, enforce_eager: bool = False, stop_token_ids: list[int] | None = None,
                  max_images_per_prompt: int = 0, image_token_id: int | None = None,
                  kv_cache_bytes: int | None = None, lora_rank: int | None = None, quantized: bool = False,
-                 keep_torch_cache: bool = True):
+                 keep_torch_cache: bool = True, merge_in_place: bool = False):
         """`max_images_per_prompt` > 0 (with the model's `image_token_id`) serves a vision-language model: prompts
         then come with their images, passed as multi_modal_data (vLLM runs the model's own image processor).
         `sleep_level` 2 drops the weights in sleep(), so every sync must send all of them; 0 keeps them and frees
@@ -75,7 +82,9 @@ class VLLMRolloutEngine(RolloutEngine):
         pre-quantized bitsandbytes folder (grpo.model.quantized_checkpoint).
         `keep_torch_cache`: the blocks torch's allocator caches stay through sleep and wake where the GPU has room
         for what the wake maps beside them (False: always handed back to the driver, as under --gpu_memory_gib,
-        whose cap on torch counts them)."""
+        whose cap on torch counts them).
+        `merge_in_place`: in-place mode (module docstring), once share_base has made the trainer's base this
+        engine's."""
         if sleep_level not in (0, 1, 2):
             raise ConfigError(f"sleep_level={sleep_level}: vLLM sleeps at level 0 (weights kept on the GPU), 1 (kept "
                               "in CPU memory) or 2 (dropped)")
@@ -105,6 +114,12 @@ class VLLMRolloutEngine(RolloutEngine):
             adapter = dict(enable_lora=True, max_loras=1, max_cpu_loras=1, max_lora_rank=engine_lora_rank(lora_rank))
             self._lora_request = lora_request()
         self._pending_adapter: dict | None = None  # synced while asleep: applied at wake
+        self._in_place = None
+        if merge_in_place:
+            from grpo.model.in_place_merge import InPlaceMerge
+
+            self._in_place = InPlaceMerge()
+        self.merges_in_place = False  # set by share_base once the trainer's LoRA layers view this engine's weights
         self._adapter_loaded = False
         if quantized:
             adapter["quantization"] = "bitsandbytes"
@@ -139,6 +154,7 @@ class VLLMRolloutEngine(RolloutEngine):
             raise ConfigError(f"a prompt of {max(too_long)} tokens does not fit vLLM's max_model_len "
                               f"{self.max_model_len}: raise --max_seq_length or lower --max_prompt_length")
         self._warn_top_p(sampling)
+        self._merge_adapter()
         mine = list(zip(prompt_token_ids, _image_lists(images, len(prompt_token_ids))))
         prompts, offset = self._gather_group_prompts(mine)  # (token ids, PIL images or None) per prompt
         params = self._vllm.SamplingParams(
@@ -167,6 +183,7 @@ class VLLMRolloutEngine(RolloutEngine):
         returned list then has one entry per token of the sequence vLLM expands them to (the same length).
         """
         params = self._vllm.SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
+        self._merge_adapter()
         out = self.llm.generate([self._request(token_ids, images)], params, use_tqdm=False,
                                 **self._adapter_request())[0]
         ids = out.prompt_token_ids
@@ -251,28 +268,55 @@ class VLLMRolloutEngine(RolloutEngine):
         self._adapter_loaded = True
         self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old adapter
 
+    def load_merge(self, layers: list) -> None:
+        """In-place mode: the adapter to merge into the shared base from now on, (weight, B, A, scale) per LoRA
+        layer (grpo.model.in_place_merge.in_place_layers); merged by the next generate."""
+        if not self.merges_in_place:
+            raise RuntimeError("this vLLM engine does not share its base with the trainer: it takes whole weights")
+        self._in_place.unmerge()
+        self._in_place.set_adapter(layers)
+
+    def _merge_adapter(self) -> None:
+        if self.merges_in_place and not self._in_place.merged:
+            self._in_place.merge()
+            self.llm.reset_prefix_cache()  # cached KV blocks were computed with other weights
+
+    def release_base(self) -> None:
+        """In-place mode: take the adapter out of the shared base, exactly, before the trainer reads it (its
+        forward calls this; so does sleep()). The next generate merges it again."""
+        if self.merges_in_place and self._in_place.merged:
+            self._in_place.unmerge()
+
     # ------------------------------------------------------------------------------------------ memory
     def share_base(self, policy, parked: dict | None = None) -> "SharedBase | None":
         """Adapter mode, one GPU per engine: the policy's frozen base tensors (qlora: its packed 4-bit weights too)
         become views of this engine's weights (grpo.model.shared_base), so the GPU holds the base once; from then on
         a sleep drops the KV cache only. `parked`: the tensors grpo.model.shared_base.park_frozen_base moved to CPU
         memory before this engine loaded. None where nothing can be shared (the parked tensors then go back)."""
-        from grpo.model.shared_base import restore_parked, share_base_weights
+        from grpo.model.shared_base import lora_base_names, restore_parked, share_base_weights
         from grpo.rollout.vllm_memory import engine_model
 
-        if not self.takes_adapter or self.tp > 1:
+        if not (self.takes_adapter or self._in_place is not None) or self.tp > 1:
             restore_parked(policy, parked or {})
             return None
         model = engine_model(self.llm)
-        result = share_base_weights(policy, model, getattr(model, "packed_modules_mapping", None), parked)
+        # in-place mode merges into the trainer's tensors: every LoRA layer's base must be the engine's, or none
+        required = lora_base_names(policy) if self._in_place is not None else None
+        result = share_base_weights(policy, model, getattr(model, "packed_modules_mapping", None), parked,
+                                    required=required)
         self.shares_base = result.shared > 0
+        self.merges_in_place = self._in_place is not None and self.shares_base
+        if self.merges_in_place:  # its weights stay, whatever the sleep level: a sync hands over B and A alone
+            self.needs_every_weight = False
         self.sleeps_kv_only = self.sleeps_kv_only or self.shares_base
         return result
 
     def sleep(self, keep_weights: bool = False) -> None:
         """Free the KV cache and the weights (level 2: dropped; level 1: parked in CPU memory) while the trainer
         uses the GPU. `keep_weights`: level 1 this time, for a sleep that no sync follows (after an evaluation).
-        An engine at level 0, or that shares its base with the trainer, frees its KV cache only."""
+        An engine at level 0, or that shares its base with the trainer, frees its KV cache only. In-place mode takes
+        the adapter out of the base first, sleep or not."""
+        self.release_base()
         if not self.enable_sleep or self._asleep:
             return
         level = 1 if keep_weights else self.sleep_level

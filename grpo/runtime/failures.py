@@ -94,6 +94,8 @@ def _knobs_for(phase_name: str, settings: dict) -> list[str]:
         knobs = [k.replace(" or --tuning_strategy lora / qlora", "") for k in knobs]
     if settings.get("engine_keeps_weights") and phase_name != "rollout":
         knobs.insert(1, "--vllm_sleep_level 2 (vLLM's 16-bit weights leave the GPU while the trainer runs)")
+        if settings.get("strategy") == "lora":
+            knobs.insert(1, "--rollout_weights in_place (vLLM and the trainer share one 16-bit base)")
     return knobs
 
 

@@ -255,7 +255,7 @@ class GRPOTrainer:
         engine = self.rollout_engine
         return {"checkpointing": checkpointing_on(self.engine.module),
                 "strategy": self.config.tuning_strategy,
-                "engine_keeps_weights": engine.sleeps_kv_only and not engine.takes_adapter}
+                "engine_keeps_weights": engine.sleeps_kv_only and not (engine.takes_adapter or engine.merges_in_place)}
 
     def _advantages(self, rewards: torch.Tensor) -> torch.Tensor:
         """Group-relative advantages; with --scale_rewards batch the std is the whole step's, over every rank
@@ -425,6 +425,7 @@ class GRPOTrainer:
 
     @phase("save final model", after_step=True)
     def _save_final_model(self) -> dict:
+        self.rollout_engine.release_base()  # (in-place mode: a merged model reads the base, which must be its own)
         state_dict = self.engine._zero3_consolidated_16bit_state_dict() if self.zero3 else None
         saved = {}
         if self.is_main:

@@ -17,7 +17,9 @@ With --rollout_weights adapter (lora / qlora), the engine holds the base once (q
 written as a pre-quantized folder) and each sync sends the adapter alone; it sleeps at level 1, so a wake without a
 sync is allowed and samples the last synced adapter. With one GPU per engine the trainer's frozen base (qlora: its
 packed 4-bit weights too) then becomes views of the engine's weights (held once), and the engine's sleeps drop its
-KV cache only. --sleep_level 0: a merged engine that keeps its weights too (sleeps free the KV cache alone), so a
+KV cache only. With --rollout_weights in_place (lora) the engine loads the 16-bit checkpoint without LoRA, shares
+its weights with the trainer's base in the same way, and merges each synced adapter into them while it is awake
+(taken out, exactly, when it sleeps or the trainer runs a forward). --sleep_level 0: a merged engine that keeps its weights too (sleeps free the KV cache alone), so a
 sync writes only what changed.
 """
 import argparse
@@ -60,7 +62,7 @@ def main():
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--tp", type=int, default=1, help="vLLM tensor-parallel size (= the number of ranks)")
     parser.add_argument("--local_rank", type=int, default=0, help="set by the DeepSpeed launcher")
-    parser.add_argument("--rollout_weights", choices=["merged", "adapter"], default="merged")
+    parser.add_argument("--rollout_weights", choices=["merged", "adapter", "in_place"], default="merged")
     parser.add_argument("--sleep_level", type=int, choices=[0, 2], default=2,
                         help="0: the engine keeps its weights (frees its KV cache alone), so a sync writes only what "
                              "changed, in place")
@@ -95,6 +97,7 @@ def main():
                                       config=load_deepspeed_config(cfg, use_bf16=True))
     start = time.perf_counter()
     adapter = args.rollout_weights == "adapter"
+    in_place = args.rollout_weights == "in_place"
     engine_path = path
     if adapter and args.strategy == "qlora":
         from grpo.model.quantized_checkpoint import write_4bit_checkpoint
@@ -102,21 +105,29 @@ def main():
         engine_path = f"{MODEL_DIR}.4bit.rank{dist_utils.rank()}"
         write_4bit_checkpoint(engine.module, engine_path)
     parked = {}
-    if adapter and args.tp == 1:  # as the trainer does: its base waits in CPU memory
+    if (adapter or in_place) and args.tp == 1:  # as the trainer does: its base waits in CPU memory
         from grpo.model.shared_base import park_frozen_base
 
         parked = park_frozen_base(engine.module)
     vllm = VLLMRolloutEngine(engine_path, tensor_parallel_size=args.tp, gpu_memory_utilization=0.3, max_model_len=512,
                              seed=0, enforce_eager=True, lora_rank=16 if adapter else None, sleep_level=args.sleep_level,
-                             quantized=adapter and args.strategy == "qlora")
+                             quantized=adapter and args.strategy == "qlora", merge_in_place=in_place)
     main_rank = dist_utils.rank() == 0
     engine_start_s = time.perf_counter() - start
     shared = None
-    if adapter:  # ... then its frozen base (qlora: its packed 4-bit weights too) becomes views of the engine's own
+    if adapter or in_place:  # ... then its frozen base (qlora: its packed 4-bit weights too) becomes views of the engine's own
         shared = vllm.share_base(engine.module, parked)
         shared = shared and {"shared_tensors": shared.shared, "kept_tensors": shared.kept,
                              "shared_gib": shared.shared_bytes / 2**30, "parked_tensors": len(parked),
                              "base_on_gpu": all(p.is_cuda for p in engine.module.parameters())}
+    if in_place:  # as the trainer does: a forward of the policy takes the adapter out of the shared base first
+        from grpo.rollout.engines import release_base_before_forward
+
+        assert vllm.merges_in_place, shared
+        release_base_before_forward(vllm, engine.module)
+    # the frozen base as loaded: in-place mode must give it back bit for bit after every merge
+    base_copy = {n: p.detach().cpu().clone() for n, p in engine.module.named_parameters() if not p.requires_grad} \
+        if in_place else {}
 
     sequence = torch.randint(3, 32000, (1, 96), generator=torch.Generator().manual_seed(1))
     ids = sequence.to(device)
@@ -172,7 +183,11 @@ def main():
     start = time.perf_counter()
     out = vllm.generate([sequence[0, :16].tolist(), sequence[0, 16:40].tolist()],
                         SamplingSettings(n=4, max_new_tokens=32))
-    rows.append({"generate_s": time.perf_counter() - start, "completions": len(out),
+    generate_s = time.perf_counter() - start
+    vllm.sleep()  # in-place mode: the adapter taken out of the shared base
+    base_exact = all(torch.equal(p.detach().cpu(), base_copy[n]) for n, p in engine.module.named_parameters()
+                     if n in base_copy)
+    rows.append({"generate_s": generate_s, "completions": len(out), "base_exact": base_exact,
                  "unsynced_wake_refused": refused, "prompt_order": [c.prompt_index for c in out],
                  "lengths_ok": all(len(c.token_ids) == len(c.logprobs) > 0 for c in out),
                  "finite_logprobs": all(torch.isfinite(torch.tensor(c.logprobs)).all().item() for c in out)})

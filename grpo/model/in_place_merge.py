@@ -1,0 +1,229 @@
+"""lora with one 16-bit base: the adapter merged into the base the trainer and vLLM share, for a rollout, and taken
+out again, bit for bit, before the trainer reads it.
+
+The trainer's frozen base tensors are views of the engine's (grpo.model.shared_base), so the engine samples the
+merged policy at merged speed, and the GPU holds the base once. Per element of a LoRA layer's weight W (16 bits):
+
+    D  = s * (B @ A)                 B [out, r], A [r, in] rounded to W's dtype, the product in fp32, s = alpha / r
+    W' = round(W + D)                what the engine samples with (the merged sync's weight)
+    g  = round(W' - D)               the unmerge's guess: W itself in all but about 0.1-4% of the elements
+    c  = bits(W) - bits(g)           (the weights' bit patterns as integers: c = +-1 is one step of the format)
+
+Rounding makes g miss W where W + D rounds across more than one of W's steps (|W| small next to |D|, or a power of 2
+crossed), so the merge also records, per element, code = c + 1 for c in {-1, 0, 1}, else ESCAPE, with W itself
+kept beside it (its index and bits); the unmerge then writes bits(g) + code - 1, or W. A 2-bit code per element (a
+byte holds four) costs an eighth of the 16-bit base: 1.6 GiB for Qwen2.5-7B's linear layers, where a second copy
+of the base is 14.2 GiB. D must be the same number in the merge and the unmerge: both take it from one function
+(in torch a loop of fp32 multiply-adds; in the Triton kernels one tl.dot per tile of the same shapes in both),
+so the round trip is exact.
+
+On the GPU one Triton pass per layer merges (reads W, writes W' and the codes) and one unmerges
+(grpo.model.merge_kernel); elsewhere the same equations run in torch. The escapes of a kernel pass go to a buffer of
+a fixed size per layer; an element whose escape finds no room is left unmerged (code ESCAPE, W unchanged), the layer
+is counted as overflowed, and merge() takes it out again and merges it once more with a buffer that holds them all.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+ESCAPE = 3                  # the code of an element whose W is kept beside the codes (or was left unmerged)
+CODES_PER_BYTE = 4          # 2 bits each, the first element in the lowest bits
+FIRST_ESCAPE_SHARE = 1 / 256  # a layer's first escape buffer, per element (0.4%); misses of more than one step
+                              # took 0.01-0.5% of a Qwen2.5-7B-like layer's elements with |B| of 1e-4 to 1e-2 (rank
+                              # 16), and grow with |s B A| / |W|: a layer that needs more gets it (merge)
+BITS_OF = {2: torch.int16, 4: torch.int32}  # a weight's element size -> the integer type of its bit pattern
+
+
+@dataclass
+class LayerRecord:
+    """What a merge of one layer keeps for its unmerge."""
+    codes: torch.Tensor                   # uint8, 4 codes a byte (torch: [numel / 4]; the kernel: its own layout)
+    escape_index: torch.Tensor            # int32 [capacity]: flat positions of the kept elements
+    escape_bits: torch.Tensor             # [capacity], W's bit pattern at those positions
+    escapes: int = 0                      # how many of them hold an element (after a merge)
+    counter: Optional[torch.Tensor] = None  # the kernel's escape count (int32 [1]; may pass the capacity)
+    needed: int = 0                       # escapes of the last kernel merge, room or not
+
+
+@dataclass
+class MergedLayer:
+    """One LoRA layer merged in place: its weight (the tensor the engine reads) and the adapter merged into it."""
+    weight: torch.Tensor                  # [out, in], 16-bit, contiguous
+    lora_b: torch.Tensor                  # [out, r] in weight's dtype
+    lora_a: torch.Tensor                  # [r, in] in weight's dtype
+    scale: float
+    record: Optional[LayerRecord] = None
+    use_kernel: bool = field(default=False)
+
+
+def can_merge_in_place(weight: torch.Tensor) -> bool:
+    """A weight the recorded merge can take: 16 or 32 bits, contiguous, a whole number of code bytes per row, and
+    small enough for int32 positions."""
+    return (weight.dtype.is_floating_point and weight.element_size() in BITS_OF and weight.is_contiguous()
+            and weight.dim() == 2 and weight.shape[1] % CODES_PER_BYTE == 0 and 0 < weight.numel() < 2**31)
+
+
+# ------------------------------------------------------------------------------------------- the equations in torch
+def lora_delta(lora_b: torch.Tensor, lora_a: torch.Tensor, scale: float) -> torch.Tensor:
+    """D = s * (B @ A) in fp32 [out, in]: the rank's products added in order, one multiply-add at a time (as the
+    kernel does), so that the merge and the unmerge compute the same D."""
+    delta = torch.zeros(lora_b.shape[0], lora_a.shape[1], dtype=torch.float32, device=lora_b.device)
+    for k in range(lora_a.shape[0]):
+        delta += lora_b[:, k, None].float() * lora_a[None, k, :].float()
+    return delta * scale
+
+
+def pack_codes(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 codes in 0..3 [n], n a multiple of 4 -> [n / 4] bytes, element 4j + i in bits 2i..2i+1 of byte j."""
+    quads = codes.reshape(-1, CODES_PER_BYTE).to(torch.uint8)
+    return quads[:, 0] | (quads[:, 1] << 2) | (quads[:, 2] << 4) | (quads[:, 3] << 6)
+
+
+def unpack_codes(packed: torch.Tensor) -> torch.Tensor:
+    """pack_codes' inverse: [n / 4] bytes -> [n] codes."""
+    shifts = torch.arange(0, 8, 2, device=packed.device, dtype=torch.uint8)
+    return ((packed[:, None] >> shifts) & 3).reshape(-1)
+
+
+def merge_recording(weight: torch.Tensor, lora_b: torch.Tensor, lora_a: torch.Tensor, scale: float) -> LayerRecord:
+    """weight <- round(W + D) in place; returns what unmerge_recorded needs to give W back exactly."""
+    bits = BITS_OF[weight.element_size()]
+    delta = lora_delta(lora_b, lora_a, scale)
+    merged = (weight.float() + delta).to(weight.dtype)                        # W' = round(W + D)
+    guess = (merged.float() - delta).to(weight.dtype)                        # g  = round(W' - D)
+    miss = weight.view(bits).long() - guess.view(bits).long()                # c  = bits(W) - bits(g)
+    escaped = miss.abs() > 1
+    codes = torch.where(escaped, torch.full_like(miss, ESCAPE), miss + 1).reshape(-1)
+    index = escaped.reshape(-1).nonzero().squeeze(1)
+    record = LayerRecord(pack_codes(codes), index.to(torch.int32), weight.view(bits).reshape(-1)[index].clone(),
+                         escapes=index.numel())
+    weight.copy_(merged)
+    return record
+
+
+def unmerge_recorded(weight: torch.Tensor, lora_b: torch.Tensor, lora_a: torch.Tensor, scale: float,
+                     record: LayerRecord) -> None:
+    """weight <- W, from W' (what merge_recording left) and its record."""
+    bits = BITS_OF[weight.element_size()]
+    guess = (weight.float() - lora_delta(lora_b, lora_a, scale)).to(weight.dtype)     # g = round(W' - D)
+    codes = unpack_codes(record.codes).reshape(weight.shape).long()
+    restored = (guess.view(bits).long() + codes - 1).to(bits)                        # bits(g) + c
+    weight.view(bits).copy_(torch.where(codes == ESCAPE, weight.view(bits), restored))
+    restore_escapes(weight, record)
+
+
+def restore_escapes(weight: torch.Tensor, record: LayerRecord) -> None:
+    """The kept elements' W back in place (the last step of an unmerge)."""
+    if record.escapes:
+        flat = weight.view(BITS_OF[weight.element_size()]).reshape(-1)
+        flat[record.escape_index[:record.escapes].long()] = record.escape_bits[:record.escapes]
+
+
+# ---------------------------------------------------------------------------------------------------- the state
+class InPlaceMerge:
+    """The adapter of every LoRA layer, merged into the shared base on merge() and taken out on unmerge()."""
+
+    def __init__(self):
+        self.layers: list[MergedLayer] = []
+        self.merged = False
+
+    def set_adapter(self, layers: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]]) -> None:
+        """The adapter to merge from now on: (weight, B, A, scale) per layer, B and A copied (in weight's dtype, as
+        the merge rounds them) so that later updates of the trainer's own leave the unmerge exact. Taken while
+        unmerged only; the records of a previous adapter are reused."""
+        if self.merged:
+            raise RuntimeError("the adapter of a merged base cannot change: unmerge() first")
+        records = {layer.weight.data_ptr(): layer.record for layer in self.layers}
+        self.layers = []
+        for weight, lora_b, lora_a, scale in layers:
+            if not can_merge_in_place(weight):
+                raise ValueError(f"a {tuple(weight.shape)} {weight.dtype} weight cannot be merged in place")
+            layer = MergedLayer(weight, lora_b.detach().to(weight.dtype, copy=True).contiguous(),
+                                lora_a.detach().to(weight.dtype, copy=True).contiguous(), float(scale),
+                                records.get(weight.data_ptr()))
+            layer.use_kernel = _kernel_fits(weight, layer.lora_b)
+            self.layers.append(layer)
+
+    @property
+    def adapter_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for layer in self.layers for t in (layer.lora_b, layer.lora_a))
+
+    @property
+    def record_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for layer in self.layers if layer.record is not None
+                   for t in (layer.record.codes, layer.record.escape_index, layer.record.escape_bits))
+
+    def merge(self) -> None:
+        if self.merged:
+            return
+        by_kernel = []
+        for layer in self.layers:
+            if layer.use_kernel:
+                from grpo.model import merge_kernel
+
+                layer.record = merge_kernel.merge_recording(layer.weight, layer.lora_b, layer.lora_a, layer.scale,
+                                                            layer.record)
+                by_kernel.append(layer)
+            else:
+                layer.record = merge_recording(layer.weight, layer.lora_b, layer.lora_a, layer.scale)
+        self.merged = True
+        if by_kernel:  # one read of the kernel's escape counts for all its layers
+            from grpo.model import merge_kernel
+
+            for layer in merge_kernel.read_escape_counts(by_kernel):
+                # its elements left unmerged are still W: take the layer out, then merge it with room for every escape
+                self._unmerge_layer(layer)
+                layer.record = merge_kernel.merge_recording(layer.weight, layer.lora_b, layer.lora_a, layer.scale,
+                                                            merge_kernel.grown(layer.record))
+                merge_kernel.read_escape_counts([layer], must_fit=True)
+
+    def unmerge(self) -> None:
+        if not self.merged:
+            return
+        for layer in self.layers:
+            self._unmerge_layer(layer)
+        self.merged = False
+
+    @staticmethod
+    def _unmerge_layer(layer: MergedLayer) -> None:
+        if layer.use_kernel:
+            from grpo.model import merge_kernel
+
+            merge_kernel.unmerge_recorded(layer.weight, layer.lora_b, layer.lora_a, layer.scale, layer.record)
+        else:
+            unmerge_recorded(layer.weight, layer.lora_b, layer.lora_a, layer.scale, layer.record)
+
+
+def _kernel_fits(weight: torch.Tensor, lora_b: torch.Tensor) -> bool:
+    """Whether the Triton kernels take this layer (a 16-bit CUDA weight, Triton installed); else torch does."""
+    if not weight.is_cuda or weight.element_size() != 2:
+        return False
+    try:
+        from grpo.model import merge_kernel
+    except ImportError:
+        return False
+    return merge_kernel.fits_recorded(weight, lora_b)
+
+
+def in_place_layers(model) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]]:
+    """(base weight, B, A, scale) of every LoRA layer of a peft model with one plain adapter active per layer (what
+    --rollout_weights in_place takes); a clear error for anything else."""
+    from grpo.errors import ConfigError
+    from grpo.model.weight_sync import _lora_adapters, _plain_lora
+
+    layers = []
+    for name, module in model.named_modules():
+        if not (hasattr(module, "lora_A") and hasattr(module, "get_base_layer")):
+            continue
+        adapters = _lora_adapters(module)
+        if len(adapters) > 1 or not _plain_lora(module, adapters):
+            raise ConfigError(f"--rollout_weights in_place merges one plain LoRA adapter per layer ({name} has "
+                              f"{len(adapters)}, fan_in_fan_out or lora_bias): use --rollout_weights merged")
+        if adapters:
+            adapter = adapters[0]
+            layers.append((module.get_base_layer().weight.data, module.lora_B[adapter].weight.data,
+                           module.lora_A[adapter].weight.data, module.scaling[adapter]))
+    return layers

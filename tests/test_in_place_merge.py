@@ -1,0 +1,159 @@
+"""lora's in-place merge (grpo.model.in_place_merge): the adapter merged into the base the trainer shares with the
+engine, and taken out again bit for bit."""
+import pytest
+import torch
+
+from grpo.model.in_place_merge import (BITS_OF, ESCAPE, InPlaceMerge, in_place_layers, lora_delta, merge_recording,
+                                       pack_codes, unmerge_recorded, unpack_codes)
+from grpo.model.shared_base import lora_base_names, share_base_weights
+from grpo.model.weight_sync import checkpoint_name, sync_weights
+
+from .test_sync import IDS, VLLM_PACKED, RecordingEngine, trained_policy, vllm_layout
+from .tiny_models import make_tiny_model_dir
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_model_dir(str(tmp_path_factory.mktemp("tiny")))
+
+
+def bits(tensor):
+    return tensor.view(BITS_OF[tensor.element_size()])
+
+
+def test_a_merge_by_hand_and_its_exact_unmerge():
+    """bf16 steps: 2^-8 below 1, 2^-7 from 1 to 2. D = s * B @ A with B = [[1]], A = [[d0, d1, d2, d3]], s = 1.
+      W = 1 - 2^-8, D = 3 * 2^-9: W + D = 1.001953..., W' = 1;  W' - D = 0.994140625, halfway between 0.9921875
+          (even mantissa) and W: g = 0.9921875, one step below W: code c + 1 = 2
+      W = 1, D = 3 * 2^-9: W' = 1.0078125 (1.005859375 is nearer it than 1);  g = round(1.001953125) = 1: code 1
+      W = 2^-10, D = 1: W' = 1 (2^-10 is under half a step of 1);  g = 0, thousands of steps from W: ESCAPE, W kept
+      W = -0.5, D = 0: W' = g = W: code 1
+    Codes 2, 1, 3, 1 in one byte, the first in the lowest bits: 2 + 1 * 4 + 3 * 16 + 1 * 64 = 118. W = 2^-10 in bf16
+    has exponent 127 - 10 = 117 and no mantissa bits: 117 * 2^7 = 14976."""
+    weight = torch.tensor([[1 - 2**-8, 1.0, 2**-10, -0.5]], dtype=torch.bfloat16)
+    original = weight.clone()
+    lora_b, lora_a = torch.tensor([[1.0]]), torch.tensor([[3 * 2**-9, 3 * 2**-9, 1.0, 0.0]])
+    record = merge_recording(weight, lora_b, lora_a, 1.0)
+    assert weight.tolist() == [[1.0, 1.0078125, 1.0, -0.5]]
+    assert record.codes.tolist() == [118] and unpack_codes(record.codes).tolist() == [2, 1, ESCAPE, 1]
+    assert record.escapes == 1 and record.escape_index.tolist() == [2] and record.escape_bits.tolist() == [14976]
+    unmerge_recorded(weight, lora_b, lora_a, 1.0, record)
+    assert torch.equal(bits(weight), bits(original))
+
+
+def test_codes_pack_four_to_a_byte():
+    codes = torch.tensor([3, 0, 1, 2, 0, 0, 0, 3], dtype=torch.uint8)
+    assert pack_codes(codes).tolist() == [3 + 0 + 1 * 16 + 2 * 64, 3 * 64]
+    assert torch.equal(unpack_codes(pack_codes(codes)), codes)
+
+
+def test_lora_delta_is_s_times_b_at_a():
+    lora_b, lora_a = torch.tensor([[1.0, 2.0], [0.0, -1.0]]), torch.tensor([[1.0, 0.5], [3.0, -2.0]])
+    # B @ A = [[1 + 6, 0.5 - 4], [-3, 2]], times s = 0.5
+    assert lora_delta(lora_b, lora_a, 0.5).tolist() == [[3.5, -1.75], [-1.5, 1.0]]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("b_scale", [1e-4, 1e-2, 1.0])
+def test_the_round_trip_is_exact_for_any_adapter_size(dtype, b_scale):
+    """W' = round(W + D) as a merged sync computes it, and W back bit for bit, from adapters far smaller than W to
+    far larger (most elements then escape)."""
+    torch.manual_seed(0)
+    weight = (torch.randn(64, 96) * 0.02).to(dtype)
+    original = weight.clone()
+    lora_b, lora_a = (torch.randn(64, 8) * b_scale).to(dtype), ((torch.rand(8, 96) * 2 - 1) / 96**0.5).to(dtype)
+    merge = InPlaceMerge()
+    merge.set_adapter([(weight, lora_b, lora_a, 2.0)])
+    merge.merge()
+    assert torch.equal(weight, (original.float() + lora_delta(lora_b, lora_a, 2.0)).to(dtype))
+    merge.merge()  # merging a merged base changes nothing
+    assert torch.equal(weight, (original.float() + lora_delta(lora_b, lora_a, 2.0)).to(dtype))
+    merge.unmerge()
+    merge.unmerge()
+    assert torch.equal(bits(weight), bits(original))
+
+
+def test_a_merged_base_refuses_a_new_adapter():
+    weight = torch.zeros(2, 4)
+    merge = InPlaceMerge()
+    merge.set_adapter([(weight, torch.ones(2, 1), torch.ones(1, 4), 1.0)])
+    merge.merge()
+    with pytest.raises(RuntimeError, match="unmerge"):
+        merge.set_adapter([(weight, torch.ones(2, 1), torch.ones(1, 4), 1.0)])
+    with pytest.raises(ValueError, match="cannot be merged in place"):
+        InPlaceMerge().set_adapter([(torch.zeros(2, 3), torch.ones(2, 1), torch.ones(1, 3), 1.0)])
+
+
+class SharedBaseEngine(RecordingEngine):
+    """The engine side of in-place mode on CPU: its weights (vLLM's layout) are the trainer's base, and it merges the
+    synced adapter into them (as grpo.rollout.vllm.VLLMRolloutEngine does when it generates)."""
+    merges_in_place = True
+
+    def __init__(self):
+        super().__init__()
+        self.merge = InPlaceMerge()
+
+    def load_merge(self, layers):
+        self.merge.unmerge()
+        self.merge.set_adapter(layers)
+
+
+def test_the_trainer_and_the_engine_share_one_base_that_samples_the_merged_policy(model_dir):
+    """A trained lora policy shares its base with an engine in vLLM's layout; a sync hands over B and A (never a
+    base tensor); merged, the engine's weights are what peft's merge gives and the base model computes the merged
+    policy; unmerged, the policy computes bit for bit as before. An update after the sync does not reach the merge."""
+    policy = trained_policy(model_dir, "lora").eval()
+    with torch.no_grad():
+        before = policy(IDS).logits
+    peft_merged = {checkpoint_name(name): p.detach().clone()
+                   for name, p in __import__("copy").deepcopy(policy).merge_and_unload().named_parameters()}
+    engine_model = vllm_layout(model_dir, vocab_rows=64 * -(-policy.config.vocab_size // 64) + 64)
+    required = lora_base_names(policy)
+    assert "model.layers.1.self_attn.k_proj.weight" in required and len(required) == 14  # 2 layers x 7 linears
+    shared = share_base_weights(policy, engine_model, VLLM_PACKED, required=required)
+    assert shared.kept == 0
+    engine = SharedBaseEngine()
+    stats = sync_weights(engine, policy, "lora")
+    assert engine.calls == [] and stats.tensors == 2 * 14
+    assert stats.bytes == sum(p.numel() * 4 for name, p in policy.named_parameters() if "lora_" in name)
+    synced = {name: p.detach().clone() for name, p in policy.named_parameters() if "lora_B" in name}
+    with torch.no_grad():  # an optimizer step after the sync: the engine merges what it was handed
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.mul_(3.0)
+        after_update = policy(IDS).logits
+    engine.merge.merge()
+    k_rows = engine_model.get_parameter("model.layers.1.self_attn.qkv_proj.base_layer.weight")[64:96]
+    k_merged = peft_merged["model.layers.1.self_attn.k_proj.weight"]
+    assert not torch.equal(k_rows, k_merged)  # peft multiplies in another order: equal to rounding
+    torch.testing.assert_close(k_rows, k_merged, atol=1e-6, rtol=1e-6)
+    with torch.no_grad(), policy.disable_adapter():  # the shared base now holds the merged policy of the sync
+        torch.testing.assert_close(policy(IDS).logits, before, atol=1e-5, rtol=1e-5)
+    engine.merge.unmerge()
+    with torch.no_grad():
+        assert torch.equal(policy(IDS).logits, after_update)
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.copy_(synced[name])
+        assert torch.equal(policy(IDS).logits, before)
+
+
+def test_in_place_layers_are_the_lora_layers_with_their_scale(model_dir):
+    policy = trained_policy(model_dir, "lora")
+    layers = in_place_layers(policy)
+    q = policy.base_model.model.model.layers[0].self_attn.q_proj
+    assert len(layers) == 14 and layers[0][0].data_ptr() == q.base_layer.weight.data_ptr()
+    assert layers[0][1].data_ptr() == q.lora_B["default"].weight.data_ptr() and layers[0][3] == 8 / 4  # alpha / r
+
+
+def test_sharing_for_an_in_place_merge_is_all_or_nothing(model_dir):
+    """One LoRA layer whose base the engine does not hold exactly: merging into the trainer's tensors would miss the
+    engine there, so nothing is shared (the engine then takes merged weights of its own)."""
+    policy = trained_policy(model_dir, "lora").eval()
+    engine_model = vllm_layout(model_dir, vocab_rows=64 * -(-policy.config.vocab_size // 64) + 64)
+    with torch.no_grad():
+        engine_model.get_parameter("model.layers.0.mlp.down_proj.base_layer.weight")[0, 0] += 1.0
+    result = share_base_weights(policy, engine_model, VLLM_PACKED, required=lora_base_names(policy))
+    frozen = [p for name, p in policy.named_parameters() if not p.requires_grad]
+    assert (result.shared, result.kept) == (0, len(frozen))
+    assert policy.base_model.model.lm_head.weight.data_ptr() != engine_model.lm_head.weight.data_ptr()
