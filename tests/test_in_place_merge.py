@@ -157,3 +157,43 @@ def test_sharing_for_an_in_place_merge_is_all_or_nothing(model_dir):
     frozen = [p for name, p in policy.named_parameters() if not p.requires_grad]
     assert (result.shared, result.kept) == (0, len(frozen))
     assert policy.base_model.model.lm_head.weight.data_ptr() != engine_model.lm_head.weight.data_ptr()
+
+
+def test_a_merge_cut_off_halfway_leaves_the_base_whole_and_an_unmerge_finishes_later(monkeypatch):
+    """An error in the second layer's merge (out of memory, an interrupt) takes the first out again before it
+    propagates; an unmerge cut off after one layer leaves the others merged, and the next unmerge finishes them."""
+    from grpo.model import in_place_merge
+
+    torch.manual_seed(0)
+    weights = [(torch.randn(8, 16) * 0.02).to(torch.bfloat16) for _ in range(3)]
+    originals = [w.clone() for w in weights]
+    merge = InPlaceMerge()
+    merge.set_adapter([(w, torch.randn(8, 2) * 0.01, torch.randn(2, 16), 2.0) for w in weights])
+    real_merge, real_unmerge, calls = in_place_merge.merge_recording, in_place_merge.unmerge_recorded, []
+
+    def fails_second(*args):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real_merge(*args)
+
+    monkeypatch.setattr(in_place_merge, "merge_recording", fails_second)
+    with pytest.raises(KeyboardInterrupt):
+        merge.merge()
+    assert not merge.merged and all(torch.equal(bits(w), bits(o)) for w, o in zip(weights, originals))
+    monkeypatch.setattr(in_place_merge, "merge_recording", real_merge)
+    merge.merge()
+    assert all(layer.merged for layer in merge.layers) and not torch.equal(weights[0], originals[0])
+
+    def fails_after_first(*args):
+        monkeypatch.setattr(in_place_merge, "unmerge_recorded", lambda *a: (_ for _ in ()).throw(MemoryError()))
+        return real_unmerge(*args)
+
+    monkeypatch.setattr(in_place_merge, "unmerge_recorded", fails_after_first)
+    with pytest.raises(MemoryError):
+        merge.unmerge()
+    assert [layer.merged for layer in merge.layers] == [False, True, True] and merge.merged
+    assert torch.equal(bits(weights[0]), bits(originals[0]))
+    monkeypatch.setattr(in_place_merge, "unmerge_recorded", real_unmerge)
+    merge.unmerge()
+    assert not merge.merged and all(torch.equal(bits(w), bits(o)) for w, o in zip(weights, originals))

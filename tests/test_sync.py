@@ -514,6 +514,7 @@ def test_rollout_weights_auto_picks_adapter_only_where_the_16bit_copy_crowds_the
                       lora_alpha=8, lora_dropout=0.0)
     assert lora.engine_weights == "in_place"  # lora: a candidate, the base shared and the adapter merged into it
     lora_policy = trained_policy(model_dir, "lora")
+    monkeypatch.setattr(engines, "has_triton", lambda: True)  # (a CUDA build of torch brings it)
     lora_copy = 2 * parameter_count(lora_policy)
     keep_share = engines.KEEP_WEIGHTS_UP_TO_SHARE
     monkeypatch.setattr(engines, "gpu_memory_bytes", lambda cap=None: int(lora_copy / keep_share) + 1)
@@ -529,6 +530,19 @@ def test_rollout_weights_auto_picks_adapter_only_where_the_16bit_copy_crowds_the
         engines.engine_weights(explicit_in_place, lora_policy, vision=object())
     with pytest.raises(ConfigError, match="in_place.*--tuning_strategy lora"):
         GRPOConfig(**{**cfg.__dict__, "rollout_weights": "in_place"})
+    from grpo.model import in_place_merge
+
+    monkeypatch.setattr(in_place_merge, "KERNEL_MAX_RANK", 2)  # the policy's rank 4 is above it
+    with pytest.raises(ConfigError, match="in_place.*cannot take a LoRA rank above 2"):
+        engines.engine_weights(explicit_in_place, lora_policy, vision=None)
+    monkeypatch.setattr(in_place_merge, "KERNEL_MAX_RANK", 64)
+    monkeypatch.setattr(engines, "has_triton", lambda: False)
+    with pytest.raises(ConfigError, match="in_place.*cannot take a merge without Triton"):
+        engines.engine_weights(explicit_in_place, lora_policy, vision=None)
+    monkeypatch.setattr(engines, "has_triton", lambda: True)
+    next(lora_policy.parameters()).ds_id = 0  # a ZeRO-3 partition: auto takes what qlora's rule picks
+    monkeypatch.setattr(engines, "gpu_memory_bytes", lambda cap=None: int(lora_copy / engines.ADAPTER_FROM_SHARE) - 1)
+    assert engines.engine_weights(lora, lora_policy, vision=None) == "adapter"
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert GRPOConfig(**{**lora.__dict__, "vllm_tp": 2}).engine_weights == "merged"
     with pytest.raises(ConfigError, match="rollout_weights.*--vllm_tp 1"):

@@ -24,16 +24,21 @@ is counted as overflowed, and merge() takes it out again and merges it once more
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
+
+logger = logging.getLogger("grpo")
+_SAID_NO_KERNEL: list[Exception] = []  # the kernels' import failure, said once
 
 ESCAPE = 3                  # the code of an element whose W is kept beside the codes (or was left unmerged)
 CODES_PER_BYTE = 4          # 2 bits each, the first element in the lowest bits
 FIRST_ESCAPE_SHARE = 1 / 256  # a layer's first escape buffer, per element (0.4%); misses of more than one step
                               # took 0.01-0.5% of a Qwen2.5-7B-like layer's elements with |B| of 1e-4 to 1e-2 (rank
                               # 16), and grow with |s B A| / |W|: a layer that needs more gets it (merge)
+KERNEL_MAX_RANK = 64         # the Triton kernels' largest rank (grpo.model.merge_kernel.MAX_RANK)
 BITS_OF = {2: torch.int16, 4: torch.int32}  # a weight's element size -> the integer type of its bit pattern
 
 
@@ -57,6 +62,7 @@ class MergedLayer:
     scale: float
     record: Optional[LayerRecord] = None
     use_kernel: bool = field(default=False)
+    merged: bool = False                  # W' in place (its record then says how to take it out)
 
 
 def can_merge_in_place(weight: torch.Tensor) -> bool:
@@ -128,12 +134,17 @@ class InPlaceMerge:
 
     def __init__(self):
         self.layers: list[MergedLayer] = []
-        self.merged = False
+
+    @property
+    def merged(self) -> bool:
+        """Whether any layer holds W' (a merge or unmerge cut off halfway leaves some: the next call finishes it)."""
+        return any(layer.merged for layer in self.layers)
 
     def set_adapter(self, layers: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]]) -> None:
         """The adapter to merge from now on: (weight, B, A, scale) per layer, B and A copied (in weight's dtype, as
         the merge rounds them) so that later updates of the trainer's own leave the unmerge exact. Taken while
-        unmerged only; the records of a previous adapter are reused."""
+        unmerged only; the records of a previous adapter are reused, and a kernel layer's are made here (the first
+        sync), so that the memory they take is in use before the trainer sizes its micro-batches."""
         if self.merged:
             raise RuntimeError("the adapter of a merged base cannot change: unmerge() first")
         records = {layer.weight.data_ptr(): layer.record for layer in self.layers}
@@ -145,6 +156,10 @@ class InPlaceMerge:
                                 lora_a.detach().to(weight.dtype, copy=True).contiguous(), float(scale),
                                 records.get(weight.data_ptr()))
             layer.use_kernel = _kernel_fits(weight, layer.lora_b)
+            if layer.use_kernel and layer.record is None:
+                from grpo.model import merge_kernel
+
+                layer.record = merge_kernel.new_record(weight)
             self.layers.append(layer)
 
     @property
@@ -157,35 +172,45 @@ class InPlaceMerge:
                    for t in (layer.record.codes, layer.record.escape_index, layer.record.escape_bits))
 
     def merge(self) -> None:
-        if self.merged:
-            return
+        """Every layer merged, or (on an error) none: the layers done are taken out again before it propagates."""
         by_kernel = []
-        for layer in self.layers:
-            if layer.use_kernel:
+        try:
+            for layer in self.layers:
+                if layer.merged:
+                    continue
+                if layer.use_kernel:
+                    from grpo.model import merge_kernel
+
+                    layer.record = merge_kernel.merge_recording(layer.weight, layer.lora_b, layer.lora_a,
+                                                                layer.scale, layer.record)
+                    by_kernel.append(layer)
+                else:
+                    layer.record = merge_recording(layer.weight, layer.lora_b, layer.lora_a, layer.scale)
+                layer.merged = True
+            if by_kernel:  # one read of the kernel's escape counts for all its layers
                 from grpo.model import merge_kernel
 
-                layer.record = merge_kernel.merge_recording(layer.weight, layer.lora_b, layer.lora_a, layer.scale,
-                                                            layer.record)
-                by_kernel.append(layer)
-            else:
-                layer.record = merge_recording(layer.weight, layer.lora_b, layer.lora_a, layer.scale)
-        self.merged = True
-        if by_kernel:  # one read of the kernel's escape counts for all its layers
-            from grpo.model import merge_kernel
+                overflowed, by_kernel = merge_kernel.read_escape_counts(by_kernel), []
+                for layer in overflowed:
+                    # its elements left unmerged are still W: take the layer out, merge it with room for every escape
+                    self._unmerge_layer(layer)
+                    layer.record = merge_kernel.merge_recording(layer.weight, layer.lora_b, layer.lora_a,
+                                                                layer.scale, merge_kernel.grown(layer.record))
+                    layer.merged = True
+                    merge_kernel.read_escape_counts([layer], must_fit=True)
+        except BaseException:
+            if by_kernel:  # merged by the kernel, their escapes not yet counted
+                from grpo.model import merge_kernel
 
-            for layer in merge_kernel.read_escape_counts(by_kernel):
-                # its elements left unmerged are still W: take the layer out, then merge it with room for every escape
-                self._unmerge_layer(layer)
-                layer.record = merge_kernel.merge_recording(layer.weight, layer.lora_b, layer.lora_a, layer.scale,
-                                                            merge_kernel.grown(layer.record))
-                merge_kernel.read_escape_counts([layer], must_fit=True)
+                merge_kernel.read_escape_counts(by_kernel)
+            self.unmerge()
+            raise
 
     def unmerge(self) -> None:
-        if not self.merged:
-            return
+        """Every merged layer back to W (one cut off halfway is finished by the next call)."""
         for layer in self.layers:
-            self._unmerge_layer(layer)
-        self.merged = False
+            if layer.merged:
+                self._unmerge_layer(layer)
 
     @staticmethod
     def _unmerge_layer(layer: MergedLayer) -> None:
@@ -195,6 +220,7 @@ class InPlaceMerge:
             merge_kernel.unmerge_recorded(layer.weight, layer.lora_b, layer.lora_a, layer.scale, layer.record)
         else:
             unmerge_recorded(layer.weight, layer.lora_b, layer.lora_a, layer.scale, layer.record)
+        layer.merged = False
 
 
 def _kernel_fits(weight: torch.Tensor, lora_b: torch.Tensor) -> bool:
@@ -203,7 +229,11 @@ def _kernel_fits(weight: torch.Tensor, lora_b: torch.Tensor) -> bool:
         return False
     try:
         from grpo.model import merge_kernel
-    except ImportError:
+    except ImportError as exc:
+        if not _SAID_NO_KERNEL:
+            _SAID_NO_KERNEL.append(exc)
+            logger.warning(f"the in-place merge runs in torch, far slower than its Triton kernels, which could not "
+                           f"be imported ({exc})")
         return False
     return merge_kernel.fits_recorded(weight, lora_b)
 

@@ -201,8 +201,9 @@ def code_columns(columns: int) -> int:
 def _recorded_launch(weight: torch.Tensor, lora_a: torch.Tensor) -> tuple:
     rows, columns = weight.shape
     grid = (triton.cdiv(rows, ROWS), triton.cdiv(columns, COLUMNS))
-    return grid, dict(BM=ROWS, BR=max(16, triton.next_power_of_2(lora_a.shape[0])), BQ=QUARTER,
-                      enable_fp_fusion=False)
+    # one launch setting for both kernels (Triton's defaults on CUDA), so that their tl.dot compiles alike
+    return grid, dict(BM=ROWS, BR=max(16, triton.next_power_of_2(lora_a.shape[0])), BQ=QUARTER, num_warps=4,
+                      num_stages=3, enable_fp_fusion=False)
 
 
 def fits_recorded(weight: torch.Tensor, lora_b: torch.Tensor) -> bool:
@@ -220,22 +221,27 @@ def merge_recording(weight: torch.Tensor, lora_b: torch.Tensor, lora_a: torch.Te
     """weight <- round(W + s * B @ A) in place, as grpo.model.in_place_merge.merge_recording, in one pass (codes in
     this kernel's layout); `record`: the layer's buffers from an earlier merge, reused. The escapes are counted on
     the GPU: read_escape_counts."""
-    from grpo.model.in_place_merge import FIRST_ESCAPE_SHARE, LayerRecord
-
     rows, columns = weight.shape
-    if record is None:
-        capacity = max(1024, int(weight.numel() * FIRST_ESCAPE_SHARE))
-        record = LayerRecord(torch.empty(rows, code_columns(columns), dtype=torch.uint8, device=weight.device),
-                             torch.empty(capacity, dtype=torch.int32, device=weight.device),
-                             torch.empty(capacity, dtype=torch.int16, device=weight.device))
-    if record.counter is None:
-        record.counter = torch.zeros(1, dtype=torch.int32, device=weight.device)
+    record = record if record is not None else new_record(weight)
     record.counter.zero_()
     grid, constants = _recorded_launch(weight, lora_a)
     _merge_recording[grid](weight, lora_b, lora_a, record.codes, record.escape_index, record.escape_bits,
                            record.counter, record.escape_index.numel(), float(scale), rows, columns,
                            code_columns(columns), lora_a.shape[0], **constants)
     return record
+
+
+def new_record(weight: torch.Tensor):
+    """A layer's buffers for the recorded merge: its codes in this kernel's layout, a first escape buffer
+    (FIRST_ESCAPE_SHARE of its elements, at least 1024) and the kernel's escape counter."""
+    from grpo.model.in_place_merge import FIRST_ESCAPE_SHARE, LayerRecord
+
+    rows, columns = weight.shape
+    capacity = max(1024, int(weight.numel() * FIRST_ESCAPE_SHARE))
+    return LayerRecord(torch.empty(rows, code_columns(columns), dtype=torch.uint8, device=weight.device),
+                       torch.empty(capacity, dtype=torch.int32, device=weight.device),
+                       torch.empty(capacity, dtype=torch.int16, device=weight.device),
+                       counter=torch.zeros(1, dtype=torch.int32, device=weight.device))
 
 
 def read_escape_counts(layers: list, must_fit: bool = False) -> list:

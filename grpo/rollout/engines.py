@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import logging
 import os
 import tempfile
@@ -88,6 +89,11 @@ def build_rollout_engine(config, model_path: str, policy, tokenizer, vision, ran
                 raise
         if adapter or in_place:
             _share_base(engine, policy, parked)
+        if in_place and not engine.merges_in_place and config.rollout_weights == "in_place":
+            engine.close()
+            raise ConfigError("--rollout_weights in_place: the trainer's LoRA base could not be shared with the vLLM "
+                              "engine (the log says how much was), so the GPU would hold two 16-bit copies; use "
+                              "--rollout_weights merged")
         if in_place:
             release_base_before_forward(engine, policy)
         return engine
@@ -194,6 +200,8 @@ def engine_weights(config, policy, vision, model_path: str | None = None) -> str
 
 def _in_place_refusal(policy, vision) -> str | None:
     """Why in-place mode cannot take this policy, or None."""
+    from grpo.model.in_place_merge import KERNEL_MAX_RANK
+
     peft_config = getattr(policy, "peft_config", {}).get("default")
     if vision:
         return "a vision-language model (vLLM renames its tensors)"
@@ -201,7 +209,17 @@ def _in_place_refusal(policy, vision) -> str | None:
                         ("fan_in_fan_out", "fan_in_fan_out layers")):
         if getattr(peft_config, option, None):
             return why
+    if any(hasattr(p, "ds_id") for p in policy.parameters()):
+        return "ZeRO-3 (a rank holds a partition of the base, which vLLM cannot share)"
+    if adapter_rank(policy) > KERNEL_MAX_RANK:
+        return f"a LoRA rank above {KERNEL_MAX_RANK} (its kernels' limit)"
+    if not has_triton():
+        return "a merge without Triton (its kernels need it)"
     return None
+
+
+def has_triton() -> bool:
+    return importlib.util.find_spec("triton") is not None
 
 
 # layers vLLM fuses into one (packed_modules_mapping) and so quantizes, or leaves in 16 bits, as a whole
