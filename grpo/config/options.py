@@ -225,15 +225,13 @@ class GRPOConfig:
                     "--rollout_engine), the others only train; completions and the updated policy travel between "
                     "them after every step.", "rollout", choices=ROLLOUT_MODES)
     rollout_weights: str = _opt(
-        "auto", "What the vLLM engine holds of a lora / qlora policy. merged: a 16-bit copy of the whole model, the "
-                "adapter merged in at every sync. adapter: the base once (lora: shared with the trainer; qlora: the "
-                "trainer's 4-bit base) plus the adapter, which is all a sync sends. in_place (lora): the base once, "
-                "shared with the trainer; each rollout merges the adapter into it and takes it out after, bit for "
-                "bit, so it samples from the merged weights. auto: for lora in_place once the 16-bit copy would take "
-                "over 25 percent of the GPU, for qlora adapter once it would take over 40 percent (merged is faster "
-                "where both fit), merged otherwise (and for vision-language models, --vllm_tp > 1, --qlora_init "
-                "loftq, --qlora_skip_modules naming a part of q/k/v_proj or gate/up_proj).", "rollout",
-        choices=ROLLOUT_WEIGHTS)
+        "auto", "What the vLLM engine holds of a lora / qlora policy (docs/qlora.md). merged: a 16-bit copy, the "
+                "adapter merged in at every sync. adapter: the base once (lora: shared with the trainer; qlora: its "
+                "4-bit base) plus the adapter, all a sync sends. in_place (lora): the base once, shared with the "
+                "trainer, the adapter merged in for each rollout and taken out after, bit for bit. auto: in_place for "
+                "lora once the 16-bit copy would take over 25 percent of the GPU, adapter for qlora over 40 percent, "
+                "merged otherwise (faster where both fit; the log says why a model can take merged only).",
+        "rollout", choices=ROLLOUT_WEIGHTS)
     async_rollout: bool = _opt(
         False, "With --rollout_mode server: the rollout ranks generate the next step's rollouts while this step trains "
                "(one step off policy, corrected by the truncated IS weights; rollout/staleness is logged).",
