@@ -101,7 +101,8 @@ class SharedBaseEngine(RecordingEngine):
 def test_the_trainer_and_the_engine_share_one_base_that_samples_the_merged_policy(model_dir):
     """A trained lora policy shares its base with an engine in vLLM's layout; a sync hands over B and A (never a
     base tensor); merged, the engine's weights are what peft's merge gives and the base model computes the merged
-    policy; unmerged, the policy computes bit for bit as before. An update after the sync does not reach the merge."""
+    policy; unmerged, the policy computes bit for bit as before. An update after the sync does not reach the merge;
+    the next sync's does."""
     policy = trained_policy(model_dir, "lora").eval()
     with torch.no_grad():
         before = policy(IDS).logits
@@ -136,6 +137,21 @@ def test_the_trainer_and_the_engine_share_one_base_that_samples_the_merged_polic
             if "lora_B" in name:
                 p.copy_(synced[name])
         assert torch.equal(policy(IDS).logits, before)
+    # a later sync copies into the first one's buffers (one batched copy) and merges what it was handed
+    buffers = [layer.lora_b.data_ptr() for layer in engine.merge.layers]
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.mul_(2.0)
+        doubled = policy(IDS).logits
+    sync_weights(engine, policy, "lora")
+    assert [layer.lora_b.data_ptr() for layer in engine.merge.layers] == buffers
+    engine.merge.merge()
+    with torch.no_grad(), policy.disable_adapter():
+        torch.testing.assert_close(policy(IDS).logits, doubled, atol=1e-5, rtol=1e-5)
+    engine.merge.unmerge()
+    with torch.no_grad():
+        assert torch.equal(policy(IDS).logits, doubled)
 
 
 def test_in_place_layers_are_the_lora_layers_with_their_scale(model_dir):
@@ -161,7 +177,8 @@ def test_sharing_for_an_in_place_merge_is_all_or_nothing(model_dir):
 
 def test_a_merge_cut_off_halfway_leaves_the_base_whole_and_an_unmerge_finishes_later(monkeypatch):
     """An error in the second layer's merge (out of memory, an interrupt) takes the first out again before it
-    propagates; an unmerge cut off after one layer leaves the others merged, and the next unmerge finishes them."""
+    propagates; an unmerge cut off after one layer leaves the others merged, a merge then merges that one again, and
+    the next unmerge finishes them."""
     from grpo.model import in_place_merge
 
     torch.manual_seed(0)
@@ -183,7 +200,8 @@ def test_a_merge_cut_off_halfway_leaves_the_base_whole_and_an_unmerge_finishes_l
     assert not merge.merged and all(torch.equal(bits(w), bits(o)) for w, o in zip(weights, originals))
     monkeypatch.setattr(in_place_merge, "merge_recording", real_merge)
     merge.merge()
-    assert all(layer.merged for layer in merge.layers) and not torch.equal(weights[0], originals[0])
+    assert merge.whole and not torch.equal(weights[0], originals[0])
+    merged = [w.clone() for w in weights]
 
     def fails_after_first(*args):
         monkeypatch.setattr(in_place_merge, "unmerge_recorded", lambda *a: (_ for _ in ()).throw(MemoryError()))
@@ -192,8 +210,10 @@ def test_a_merge_cut_off_halfway_leaves_the_base_whole_and_an_unmerge_finishes_l
     monkeypatch.setattr(in_place_merge, "unmerge_recorded", fails_after_first)
     with pytest.raises(MemoryError):
         merge.unmerge()
-    assert [layer.merged for layer in merge.layers] == [False, True, True] and merge.merged
+    assert [layer.merged for layer in merge.layers] == [False, True, True] and merge.merged and not merge.whole
     assert torch.equal(bits(weights[0]), bits(originals[0]))
     monkeypatch.setattr(in_place_merge, "unmerge_recorded", real_unmerge)
+    merge.merge()  # a generate after it merges the layer taken out, and only that one
+    assert merge.whole and all(torch.equal(bits(w), bits(m)) for w, m in zip(weights, merged))
     merge.unmerge()
     assert not merge.merged and all(torch.equal(bits(w), bits(o)) for w, o in zip(weights, originals))

@@ -140,6 +140,11 @@ class InPlaceMerge:
         """Whether any layer holds W' (a merge or unmerge cut off halfway leaves some: the next call finishes it)."""
         return any(layer.merged for layer in self.layers)
 
+    @property
+    def whole(self) -> bool:
+        """Whether every layer holds W' (what the engine must sample with)."""
+        return all(layer.merged for layer in self.layers)
+
     def set_adapter(self, layers: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]]) -> None:
         """The adapter to merge from now on: (weight, B, A, scale) per layer, B and A copied (in weight's dtype, as
         the merge rounds them) so that later updates of the trainer's own leave the unmerge exact. Taken while
@@ -147,20 +152,29 @@ class InPlaceMerge:
         sync), so that the memory they take is in use before the trainer sizes its micro-batches."""
         if self.merged:
             raise RuntimeError("the adapter of a merged base cannot change: unmerge() first")
-        records = {layer.weight.data_ptr(): layer.record for layer in self.layers}
-        self.layers = []
+        previous = {layer.weight.data_ptr(): layer for layer in self.layers}
+        self.layers, targets, sources = [], [], []
         for weight, lora_b, lora_a, scale in layers:
             if not can_merge_in_place(weight):
                 raise ValueError(f"a {tuple(weight.shape)} {weight.dtype} weight cannot be merged in place")
-            layer = MergedLayer(weight, lora_b.detach().to(weight.dtype, copy=True).contiguous(),
-                                lora_a.detach().to(weight.dtype, copy=True).contiguous(), float(scale),
-                                records.get(weight.data_ptr()))
+            old = previous.get(weight.data_ptr())
+            if old is not None and old.lora_b.shape == lora_b.shape and old.lora_a.shape == lora_a.shape:
+                # the last sync's copies, overwritten below in one batched copy (a sync is then a few launches)
+                layer = MergedLayer(weight, old.lora_b, old.lora_a, float(scale), old.record)
+                targets += [old.lora_b, old.lora_a]
+                sources += [lora_b.detach(), lora_a.detach()]
+            else:
+                layer = MergedLayer(weight, lora_b.detach().to(weight.dtype, copy=True).contiguous(),
+                                    lora_a.detach().to(weight.dtype, copy=True).contiguous(), float(scale),
+                                    old.record if old is not None else None)
             layer.use_kernel = _kernel_fits(weight, layer.lora_b)
             if layer.use_kernel and layer.record is None:
                 from grpo.model import merge_kernel
 
                 layer.record = merge_kernel.new_record(weight)
             self.layers.append(layer)
+        if targets:
+            torch._foreach_copy_(targets, sources)  # rounded to the weight's dtype, as .to() does
 
     @property
     def adapter_bytes(self) -> int:

@@ -277,7 +277,7 @@ class VLLMRolloutEngine(RolloutEngine):
         self._in_place.set_adapter(layers)
 
     def _merge_adapter(self) -> None:
-        if self.merges_in_place and not self._in_place.merged:
+        if self.merges_in_place and not self._in_place.whole:  # (an unmerge cut off halfway leaves some merged)
             self._in_place.merge()
             self.llm.reset_prefix_cache()  # cached KV blocks were computed with other weights
 
