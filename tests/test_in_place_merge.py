@@ -175,6 +175,37 @@ def test_sharing_for_an_in_place_merge_is_all_or_nothing(model_dir):
     assert policy.base_model.model.lm_head.weight.data_ptr() != engine_model.lm_head.weight.data_ptr()
 
 
+def test_a_new_adapter_keeps_the_kernel_buffers_of_its_layers_only_where_they_fit(monkeypatch):
+    """A layer whose rank moves it from torch's merge to the kernel's gets buffers in the kernel's layout (torch's
+    record has another), and a set_adapter that fails on a later layer leaves the last adapter as it was."""
+    import sys
+    import types
+
+    from grpo.model import in_place_merge
+
+    weights = [torch.zeros(8, 16, dtype=torch.bfloat16) for _ in range(2)]
+    merge = InPlaceMerge()
+    merge.set_adapter([(w, torch.ones(8, 2), torch.ones(2, 16), 1.0) for w in weights])
+    merge.merge()
+    merge.unmerge()
+    assert all(layer.record is not None and not layer.use_kernel for layer in merge.layers)
+    made = []
+    monkeypatch.setitem(sys.modules, "grpo.model.merge_kernel",
+                        types.SimpleNamespace(new_record=lambda weight: made.append(weight) or f"kernel {len(made)}"))
+    monkeypatch.setattr(in_place_merge, "_kernel_fits", lambda weight, lora_b: lora_b.shape[1] == 1)
+    merge.set_adapter([(weights[0], torch.ones(8, 1), torch.ones(1, 16), 1.0),
+                       (weights[1], torch.ones(8, 2), torch.ones(2, 16), 1.0)])
+    assert [layer.record for layer in merge.layers[:1]] == ["kernel 1"] and not merge.layers[1].use_kernel
+    merge.set_adapter([(weights[0], torch.full((8, 1), 2.0), torch.ones(1, 16), 1.0)])
+    assert merge.layers[0].record == "kernel 1" and len(made) == 1  # the kernel's own buffers, kept
+    kept_b = merge.layers[0].lora_b
+    with pytest.raises(ValueError, match="cannot be merged in place"):
+        merge.set_adapter([(weights[0], torch.full((8, 1), 3.0), torch.ones(1, 16), 1.0),
+                           (torch.zeros(2, 3), torch.ones(2, 1), torch.ones(1, 3), 1.0)])
+    assert len(merge.layers) == 1 and merge.layers[0].lora_b is kept_b and torch.equal(kept_b, torch.full(
+        (8, 1), 2.0, dtype=torch.bfloat16))
+
+
 def test_a_merge_cut_off_halfway_leaves_the_base_whole_and_an_unmerge_finishes_later(monkeypatch):
     """An error in the second layer's merge (out of memory, an interrupt) takes the first out again before it
     propagates; an unmerge cut off after one layer leaves the others merged, a merge then merges that one again, and

@@ -153,28 +153,30 @@ class InPlaceMerge:
         if self.merged:
             raise RuntimeError("the adapter of a merged base cannot change: unmerge() first")
         previous = {layer.weight.data_ptr(): layer for layer in self.layers}
-        self.layers, targets, sources = [], [], []
+        new_layers, targets, sources = [], [], []
         for weight, lora_b, lora_a, scale in layers:
             if not can_merge_in_place(weight):
                 raise ValueError(f"a {tuple(weight.shape)} {weight.dtype} weight cannot be merged in place")
             old = previous.get(weight.data_ptr())
+            if old is not None and old.weight.shape != weight.shape:
+                old = None
             if old is not None and old.lora_b.shape == lora_b.shape and old.lora_a.shape == lora_a.shape:
                 # the last sync's copies, overwritten below in one batched copy (a sync is then a few launches)
-                layer = MergedLayer(weight, old.lora_b, old.lora_a, float(scale), old.record)
+                layer = MergedLayer(weight, old.lora_b, old.lora_a, float(scale))
                 targets += [old.lora_b, old.lora_a]
                 sources += [lora_b.detach(), lora_a.detach()]
             else:
                 layer = MergedLayer(weight, lora_b.detach().to(weight.dtype, copy=True).contiguous(),
-                                    lora_a.detach().to(weight.dtype, copy=True).contiguous(), float(scale),
-                                    old.record if old is not None else None)
+                                    lora_a.detach().to(weight.dtype, copy=True).contiguous(), float(scale))
             layer.use_kernel = _kernel_fits(weight, layer.lora_b)
-            if layer.use_kernel and layer.record is None:
+            if layer.use_kernel:  # the layer's last buffers where the kernel made them (torch's have another layout)
                 from grpo.model import merge_kernel
 
-                layer.record = merge_kernel.new_record(weight)
-            self.layers.append(layer)
+                layer.record = old.record if old is not None and old.use_kernel else merge_kernel.new_record(weight)
+            new_layers.append(layer)
         if targets:
             torch._foreach_copy_(targets, sources)  # rounded to the weight's dtype, as .to() does
+        self.layers = new_layers  # (an error above leaves the last adapter whole)
 
     @property
     def adapter_bytes(self) -> int:

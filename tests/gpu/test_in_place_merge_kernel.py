@@ -10,7 +10,7 @@ import torch
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("triton") is None,
                                 reason="needs CUDA and Triton")
 
-SHAPES = [(300, 192, 8), (512, 3584, 16), (1000, 320, 64)]  # out, in, rank (tiles left partly empty)
+SHAPES = [(300, 192, 8), (512, 3584, 16), (1000, 320, 64), (70, 100, 4)]  # out, in, rank (tiles left partly empty)
 
 
 def layer(rows, columns, rank, dtype, b_scale, seed=0):
