@@ -38,7 +38,7 @@ CODES_PER_BYTE = 4          # 2 bits each, the first element in the lowest bits
 FIRST_ESCAPE_SHARE = 1 / 256  # a layer's first escape buffer, per element (0.4%); misses of more than one step
                               # took 0.01-0.5% of a Qwen2.5-7B-like layer's elements with |B| of 1e-4 to 1e-2 (rank
                               # 16), and grow with |s B A| / |W|: a layer that needs more gets it (merge)
-KERNEL_MAX_RANK = 64         # the Triton kernels' largest rank (grpo.model.merge_kernel.MAX_RANK)
+KERNEL_MAX_RANK = 64         # the Triton kernels' largest rank (grpo.model.merge_kernel.MAX_RANK is this)
 BITS_OF = {2: torch.int16, 4: torch.int32}  # a weight's element size -> the integer type of its bit pattern
 
 

@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from grpo.model.in_place_merge import KERNEL_MAX_RANK
 from grpo.model.weight_sync import is_4bit
 
 ROWS, COLUMNS = 64, 128  # the output tile of one program
@@ -65,7 +66,9 @@ def _merge(out_ptr, w_ptr, code_ptr, absmax_ptr, code2_ptr, absmax2_ptr, offset_
     tl.store(out_ptr + idx, (weight.to(tl.float32) + scale * delta).to(dtype), mask=mask)
 
 
-MAX_RANK = 64  # B's and A's tiles in shared memory (24 KiB at 64 in 16 bits), within what any GPU since Ampere has
+# B's and A's tiles in shared memory (24 KiB at 64 in 16 bits), within what any GPU since Ampere has; the number lives
+# where torch without Triton can read it (auto's rule asks it before this module can be imported)
+MAX_RANK = KERNEL_MAX_RANK
 
 
 def fits(out: torch.Tensor, weight, lora_b: torch.Tensor, lora_a: torch.Tensor) -> bool:

@@ -30,8 +30,9 @@ KEEP_WEIGHTS_UP_TO_SHARE = 0.25
 # --rollout_weights auto, lora: merged (kept through training, as above) where its 16-bit copy takes at most
 # KEEP_WEIGHTS_UP_TO_SHARE of the GPU, in_place beyond. On one H100 at Qwen2.5-7B's shape merged took 5.19-5.21
 # s/step at a 43.3 GiB peak, in_place 5.30-5.39 s at 30.8 GiB: its merge and unmerge (0.04 + 0.02 s) and the
-# rollout around them cost 0.08-0.10 s a step (benchmarks/RESULTS.md, 2026-11-27 07:10). Beyond the share a merged copy leaves the GPU at every sleep and comes back
-# whole at every sync (0.15-0.18 s at 7B), so in_place is both smaller and no slower there.
+# rollout around them cost 0.08-0.10 s a step (benchmarks/RESULTS.md, 2026-11-27 07:10). Beyond the share a merged
+# copy leaves the GPU at every sleep and comes back whole at every sync (0.15-0.18 s at 7B), so in_place is both
+# smaller and no slower there.
 
 
 def engine_holds_weights(config) -> bool:
