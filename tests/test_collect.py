@@ -60,3 +60,40 @@ def test_a_collective_engine_gets_the_requests_every_rank_makes(names, eval_name
     assert engine.requests == expected
     assert tickets.multi == [i for i, s in enumerate(prompts) if s == "calc"]
     assert tickets.single == [i for i, s in enumerate(prompts) if s != "calc"]
+
+
+class ReleasingEngine(RolloutEngine):
+    """The HF engine behind the interface of an in-place engine: records when it generates, gives the base back and
+    sleeps."""
+
+    def __init__(self, engine, calls: list):
+        self.engine, self.calls = engine, calls
+
+    def generate(self, *args, **kwargs):
+        self.calls.append("generate")
+        return self.engine.generate(*args, **kwargs)
+
+    def release_base(self):
+        self.calls.append("release_base")
+
+    def sleep(self, keep_weights=False):
+        self.calls.append("sleep")
+
+    def wake(self):
+        self.calls.append("wake")
+
+
+def test_the_base_is_given_back_before_the_rewards_are_scored(tiny_model, registry, tmp_path):
+    """An in-place engine starts taking the adapter out of the shared base (on the GPU's queue) as soon as the
+    completions are in, so the CPU's scoring overlaps it."""
+    from grpo.train.trainer import GRPOTrainer
+    from .trainer_setup import tiny_config
+
+    trainer = GRPOTrainer(tiny_config(tiny_model, registry, str(tmp_path)))
+    calls = []
+    trainer.rollouts.engine = ReleasingEngine(trainer.rollout_engine, calls)
+    score = trainer.rollouts.rewards
+    trainer.rollouts.rewards = lambda *args, **kwargs: calls.append("score") or score(*args, **kwargs)
+    kept, _ = trainer.rollouts.collect(trainer.state)
+    assert calls == ["wake", "generate", "release_base", "score", "sleep"]
+    assert len(kept.completions) == trainer.config.per_device_train_batch_size * trainer.config.k_samples

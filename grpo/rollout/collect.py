@@ -114,6 +114,9 @@ class RolloutCollector:
             self.position_before_pending = (state.epoch, state.position)
             self.pending = self._request(self._next_prompts(state), state.step, steps_ahead=1)
         completions, texts, messages, times = self._receive(pending)
+        # in-place mode: the adapter leaves the shared base on the GPU while the CPU scores (another round merges it
+        # again)
+        self.engine.release_base()
         result, times["reward"] = self._score(pending.prompts, texts, completions, self.config.k_samples, messages)
         stats = {"rollout/staleness": float(state.step - pending.policy_step)} if self.config.async_rollout else {}
         return RolloutRound(pending.prompts, completions, texts, result, pending.images, times, stats)

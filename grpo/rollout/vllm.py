@@ -31,7 +31,8 @@ it wakes, so the sync moves adapter bytes only and parks nothing.
 In-place mode (`merge_in_place`, lora, --rollout_weights in_place): the engine loads the 16-bit checkpoint with no
 LoRA layers, the trainer's frozen base becomes views of its weights (every LoRA layer's, or the engine falls back to
 merged weights of its own), and a sync hands it the adapter, which it merges into that one base when it generates and
-takes out again, exactly, at its next sleep() (also with --vllm_sleep false, where sleep frees nothing) or when the
+takes out again, exactly, once the rollout's completions are in (release_base: queued on the GPU while the CPU scores
+them), at the latest at its next sleep() (also with --vllm_sleep false, where sleep frees nothing) or when the
 trainer runs a forward (grpo.model.in_place_merge). So the trainer's base is its own whenever the trainer runs; the
 engine samples at merged speed and the GPU holds the base once; its sleeps drop the KV cache only.
 """
@@ -315,8 +316,14 @@ class VLLMRolloutEngine(RolloutEngine):
         """Free the KV cache and the weights (level 2: dropped; level 1: parked in CPU memory) while the trainer
         uses the GPU. `keep_weights`: level 1 this time, for a sleep that no sync follows (after an evaluation).
         An engine at level 0, or that shares its base with the trainer, frees its KV cache only. In-place mode takes
-        the adapter out of the base first, sleep or not."""
-        self.release_base()
+        the adapter out of the base too, sleep or not: last, on the GPU's queue, so that the trainer's first steps on
+        the CPU overlap it."""
+        try:
+            self._release_memory(keep_weights)
+        finally:
+            self.release_base()  # (no wait: the trainer's kernels queue behind it on the same stream)
+
+    def _release_memory(self, keep_weights: bool) -> None:
         if not self.enable_sleep or self._asleep:
             return
         level = 1 if keep_weights else self.sleep_level
