@@ -484,7 +484,8 @@ def test_a_merged_lora_engine_keeps_its_weights_through_training_where_they_are_
 def test_rollout_weights_auto_picks_adapter_only_where_the_16bit_copy_crowds_the_gpu(model_dir, monkeypatch):
     """qlora with vLLM: merged while a 16-bit copy of the model takes at most ADAPTER_FROM_SHARE of the GPU (it
     generates faster), adapter beyond; an explicit adapter where vLLM's LoRA cannot take the model is an error.
-    lora: merged while its 16-bit copy takes at most KEEP_WEIGHTS_UP_TO_SHARE of the GPU, in_place beyond."""
+    lora: merged while its 16-bit copy takes at most KEEP_WEIGHTS_UP_TO_SHARE of the GPU and less than
+    IN_PLACE_FROM_BYTES, in_place beyond either."""
     from grpo.model.loading import parameter_count
     from grpo.rollout import engines
 
@@ -521,6 +522,11 @@ def test_rollout_weights_auto_picks_adapter_only_where_the_16bit_copy_crowds_the
     assert engines.engine_weights(lora, lora_policy, vision=None) == "merged"  # a quarter of the GPU: merged is faster
     monkeypatch.setattr(engines, "gpu_memory_bytes", lambda cap=None: int(lora_copy / keep_share) - 1)
     assert engines.engine_weights(lora, lora_policy, vision=None) == "in_place"  # beyond it: one base
+    monkeypatch.setattr(engines, "gpu_memory_bytes", lambda cap=None: 10**15)
+    assert engines.engine_weights(lora, lora_policy, vision=None) == "merged"  # a small model on a large GPU
+    monkeypatch.setattr(engines, "IN_PLACE_FROM_BYTES", lora_copy)  # a model as large as 7B's: one base, on any GPU
+    assert engines.engine_weights(lora, lora_policy, vision=None) == "in_place"
+    monkeypatch.setattr(engines, "IN_PLACE_FROM_BYTES", lora_copy + 1)
     explicit_in_place = GRPOConfig(**{**lora.__dict__, "rollout_weights": "in_place"})
     monkeypatch.setattr(engines, "gpu_memory_bytes", lambda cap=None: 10**15)
     assert engines.engine_weights(explicit_in_place, lora_policy, vision=None) == "in_place"  # as asked, at any size

@@ -27,12 +27,15 @@ ADAPTER_FROM_SHARE = 0.4
 # level 2 frees it. At Qwen2.5-7B's shape on one H100 (a 15 GiB copy, 19%), level 2's sync took 0.15-0.18 s
 # (benchmarks/RESULTS.md)
 KEEP_WEIGHTS_UP_TO_SHARE = 0.25
-# --rollout_weights auto, lora: merged (kept through training, as above) where its 16-bit copy takes at most
-# KEEP_WEIGHTS_UP_TO_SHARE of the GPU, in_place beyond. On one H100 at Qwen2.5-7B's shape merged took 5.19-5.21
-# s/step at a 43.3 GiB peak, in_place 5.30-5.39 s at 30.8 GiB: its merge and unmerge (0.04 + 0.02 s) and the
-# rollout around them cost 0.08-0.10 s a step (benchmarks/RESULTS.md, 2026-11-27 07:10). Beyond the share a merged
-# copy leaves the GPU at every sleep and comes back whole at every sync (0.15-0.18 s at 7B), so in_place is both
-# smaller and no slower there.
+# --rollout_weights auto, lora: in_place (one 16-bit base) where its 16-bit copy takes IN_PLACE_FROM_BYTES or more, or
+# more than KEEP_WEIGHTS_UP_TO_SHARE of the GPU; merged (kept through training) below both. On one H100 at
+# Qwen2.5-7B's shape (a 14.2 GiB copy), five runs in turn on one GPU: in_place 5.08-5.19 s/step (mean 5.15) at a 30.8
+# GiB peak, merged 5.11-5.21 (mean 5.16) at 43.3 GiB; its merge costs the rollout 0.025 s and its sync saves 0.016,
+# within the steps' spread (benchmarks/RESULTS.md, 2026-11-27 10:00). At 0.68B (a 1.3 GiB copy) in_place took 0.05-0.15
+# s more of a 2.0 s step, its launches and waits weighing more there (03:50, before its kernels were retiled), so
+# merged keeps small models; sizes between are not measured. Beyond the share a merged copy leaves the GPU at every
+# sleep and comes back whole at every sync (0.15-0.18 s at 7B), so in_place is both smaller and faster there.
+IN_PLACE_FROM_BYTES = 8 * 2**30
 
 
 def engine_holds_weights(config) -> bool:
@@ -150,10 +153,11 @@ def engine_weights(config, policy, vision, model_path: str | None = None) -> str
             from grpo.model.loading import parameter_count
 
             copy_bytes, gpu_bytes = 2 * parameter_count(policy), gpu_memory_bytes(config.gpu_memory_gib)
-            if config.rollout_weights == "auto" and copy_bytes <= KEEP_WEIGHTS_UP_TO_SHARE * gpu_bytes:
+            if (config.rollout_weights == "auto" and copy_bytes < IN_PLACE_FROM_BYTES
+                    and copy_bytes <= KEEP_WEIGHTS_UP_TO_SHARE * gpu_bytes):
                 logger.info(f"vLLM takes merged weights: their 16-bit copy ({copy_bytes / 2**30:.1f} GiB) fits "
-                            f"{KEEP_WEIGHTS_UP_TO_SHARE:.0%} of the GPU's {gpu_bytes / 2**30:.0f} GiB, where merged is "
-                            "a little faster (--rollout_weights auto; in_place holds the base once)")
+                            f"{KEEP_WEIGHTS_UP_TO_SHARE:.0%} of the GPU's {gpu_bytes / 2**30:.0f} GiB, and at this "
+                            "size merged is a little faster (--rollout_weights auto; in_place holds the base once)")
                 return "merged"
             logger.info("vLLM holds the base once, shared with the trainer; each rollout merges the adapter into it "
                         f"and takes it out after (--rollout_weights {config.rollout_weights})")
