@@ -580,7 +580,8 @@ def test_a_checkpoint_saved_in_4bit_trains_with_qlora_as_it_is(model_dir, tmp_pa
     assert loaded.quant_state.blocksize == saved.quant_state.blocksize == 64
     with torch.no_grad(), policy.disable_adapter(), trained.disable_adapter():
         torch.testing.assert_close(policy.eval()(IDS).logits, trained.eval()(IDS).logits)
-    monkeypatch.setattr(engines, "gpu_memory_bytes", lambda cap=None: 10**15)  # auto would pick merged for a 16-bit model
+    # auto would pick merged for a 16-bit model
+    monkeypatch.setattr(engines, "gpu_memory_bytes", lambda cap=None: 10**15)
     assert engines.engine_weights(cfg, policy, None, folder) == "adapter"
     for options, message in ((dict(rollout_weights="merged"), "saved in 4 bits: use --rollout_weights adapter"),):
         with pytest.raises(ConfigError, match=message):
@@ -715,9 +716,11 @@ def test_lora_shares_one_base_with_the_engine(model_dir):
     q = policy.base_model.model.model.layers[1].self_attn.k_proj.base_layer.weight
     blocks = engine_blocks(engine, VLLM_PACKED, {checkpoint_name(n): p.shape for n, p in frozen})
     fused, first = blocks["model.layers.1.self_attn.k_proj.weight"]
-    assert fused is engine.get_parameter("model.layers.1.self_attn.qkv_proj.base_layer.weight") and first == 64  # after q's 64 rows
+    # k's rows come after q's 64 rows
+    assert fused is engine.get_parameter("model.layers.1.self_attn.qkv_proj.base_layer.weight") and first == 64
     with torch.no_grad():
-        engine.get_parameter("model.layers.0.mlp.down_proj.base_layer.weight")[0, 0] += 1.0  # not the checkpoint's any more
+        # not the checkpoint's any more
+        engine.get_parameter("model.layers.0.mlp.down_proj.base_layer.weight")[0, 0] += 1.0
     result = share_base_weights(policy, engine, VLLM_PACKED)
     assert (result.shared, result.kept) == (len(frozen) - 1, 1)
     assert result.shared_bytes == sum(p.numel() * 4 for _, p in frozen) - 128 * 64 * 4
