@@ -83,17 +83,24 @@ class ReleasingEngine(RolloutEngine):
         self.calls.append("wake")
 
 
-def test_the_base_is_given_back_before_the_rewards_are_scored(tiny_model, registry, tmp_path):
+@pytest.mark.parametrize("rounds", ["one", "dynamic"])
+def test_the_base_is_given_back_before_the_rewards_are_scored(tiny_model, registry, tmp_path, rounds):
     """An in-place engine starts taking the adapter out of the shared base (on the GPU's queue) as soon as the
-    completions are in, so the CPU's scoring overlaps it."""
+    completions are in, so the CPU's scoring overlaps it; where another round may follow (dynamic sampling) it keeps
+    the adapter until its sleep."""
     from grpo.train.trainer import GRPOTrainer
     from .trainer_setup import tiny_config
 
-    trainer = GRPOTrainer(tiny_config(tiny_model, registry, str(tmp_path)))
+    dynamic = rounds == "dynamic"
+    trainer = GRPOTrainer(tiny_config(tiny_model, registry, str(tmp_path), filter_zero_std_groups=dynamic))
     calls = []
     trainer.rollouts.engine = ReleasingEngine(trainer.rollout_engine, calls)
     score = trainer.rollouts.rewards
     trainer.rollouts.rewards = lambda *args, **kwargs: calls.append("score") or score(*args, **kwargs)
     kept, _ = trainer.rollouts.collect(trainer.state)
-    assert calls == ["wake", "generate", "release_base", "score", "sleep"]
+    if dynamic:
+        assert calls[0] == "wake" and calls[-1] == "sleep" and "release_base" not in calls
+        assert calls[1:-1] == ["generate", "score"] * (len(calls[1:-1]) // 2)
+    else:
+        assert calls == ["wake", "generate", "release_base", "score", "sleep"]
     assert len(kept.completions) == trainer.config.per_device_train_batch_size * trainer.config.k_samples

@@ -248,3 +248,36 @@ def test_a_merge_cut_off_halfway_leaves_the_base_whole_and_an_unmerge_finishes_l
     assert merge.whole and all(torch.equal(bits(w), bits(m)) for w, m in zip(weights, merged))
     merge.unmerge()
     assert not merge.merged and all(torch.equal(bits(w), bits(o)) for w, o in zip(weights, originals))
+
+
+def sleeping_engine(merge: InPlaceMerge, calls: list, fail: Exception | None = None):
+    """A VLLMRolloutEngine around a CPU merge, without vLLM: its memory release recorded (or failing)."""
+    from grpo.rollout.vllm import VLLMRolloutEngine
+
+    engine = object.__new__(VLLMRolloutEngine)
+    engine._in_place, engine.merges_in_place = merge, True
+
+    def release_memory(keep_weights):
+        calls.append(("memory", merge.merged))
+        if fail is not None:
+            raise fail
+
+    engine._release_memory = release_memory
+    return engine
+
+
+def test_a_sleep_frees_the_engine_memory_first_and_takes_the_adapter_out_even_when_that_fails():
+    torch.manual_seed(0)
+    weight = (torch.randn(8, 16) * 0.02).to(torch.bfloat16)
+    original = weight.clone()
+    merge = InPlaceMerge()
+    merge.set_adapter([(weight, torch.randn(8, 2).to(torch.bfloat16), torch.randn(2, 16).to(torch.bfloat16), 2.0)])
+    calls = []
+    merge.merge()
+    sleeping_engine(merge, calls).sleep()
+    assert calls == [("memory", True)] and not merge.merged  # the KV cache went first, then the adapter came out
+    assert torch.equal(bits(weight), bits(original))
+    merge.merge()
+    with pytest.raises(RuntimeError, match="the sleep's own error"):  # its error, not a later one, propagates
+        sleeping_engine(merge, calls, fail=RuntimeError("the sleep's own error")).sleep()
+    assert not merge.merged and torch.equal(bits(weight), bits(original))

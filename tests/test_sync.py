@@ -524,10 +524,25 @@ def test_rollout_weights_auto_picks_adapter_only_where_the_16bit_copy_crowds_the
     assert engines.engine_weights(lora, lora_policy, vision=None) == "in_place"  # beyond it: one base
     monkeypatch.setattr(engines, "gpu_memory_bytes", lambda cap=None: 10**15)
     assert engines.engine_weights(lora, lora_policy, vision=None) == "merged"  # a small model on a large GPU
-    monkeypatch.setattr(engines, "IN_PLACE_FROM_BYTES", lora_copy)  # a model as large as 7B's: one base, on any GPU
+    monkeypatch.setattr(engines, "IN_PLACE_FROM_BYTES", lora_copy)  # a model as large as the bar: one base, on any GPU
     assert engines.engine_weights(lora, lora_policy, vision=None) == "in_place"
-    monkeypatch.setattr(engines, "IN_PLACE_FROM_BYTES", lora_copy + 1)
+    monkeypatch.undo()
+    import grpo.model.loading
+
     explicit_in_place = GRPOConfig(**{**lora.__dict__, "rollout_weights": "in_place"})
+
+    monkeypatch.setattr(engines, "has_triton", lambda: True)
+    monkeypatch.setattr(engines, "gpu_memory_bytes", lambda cap=None: 80 * 2**30)
+    for parameters, expected in ((7.62e9, "in_place"), (4.0e9, "merged"), (0.68e9, "merged")):  # Qwen2.5-7B, ...
+        monkeypatch.setattr(grpo.model.loading, "parameter_count", lambda model, n=int(parameters): n)
+        assert engines.engine_weights(lora, lora_policy, vision=None) == expected, parameters
+    monkeypatch.setattr(grpo.model.loading, "parameter_count", lambda model: int(7.62e9))
+    monkeypatch.setattr(lora_policy.config, "kv_lora_rank", 512, raising=False)  # MLA: vLLM derives from kv_b_proj
+    assert engines.engine_weights(lora, lora_policy, vision=None) == "merged"  # auto: as for qlora (15 GB of 80)
+    with pytest.raises(ConfigError, match="in_place merges one plain LoRA adapter.*MLA attention"):
+        engines.engine_weights(explicit_in_place, lora_policy, vision=None)
+    monkeypatch.undo()
+    monkeypatch.setattr(engines, "has_triton", lambda: True)
     monkeypatch.setattr(engines, "gpu_memory_bytes", lambda cap=None: 10**15)
     assert engines.engine_weights(explicit_in_place, lora_policy, vision=None) == "in_place"  # as asked, at any size
     # what in_place cannot take falls back as qlora's auto does: here a vision-language model, merged

@@ -229,8 +229,8 @@ class GRPOConfig:
                 "adapter merged in at every sync. adapter: the base once (lora: shared with the trainer; qlora: its "
                 "4-bit base) plus the adapter, all a sync sends. in_place (lora): the base once, shared with the "
                 "trainer, the adapter merged in for each rollout and taken out after, bit for bit. auto: in_place for "
-                "lora once the 16-bit copy would take 8 GiB (a 4B model) or over 25 percent of the GPU, adapter for "
-                "qlora over 40 percent, merged otherwise (faster there; the log says why a model takes merged only).",
+                "lora once the 16-bit copy would take 8 GiB (4.3B parameters) or over 25 percent of the GPU, adapter "
+                "for qlora over 40 percent, merged otherwise (faster there; the log says why it picked merged).",
         "rollout", choices=ROLLOUT_WEIGHTS)
     async_rollout: bool = _opt(
         False, "With --rollout_mode server: the rollout ranks generate the next step's rollouts while this step trains "

@@ -114,9 +114,8 @@ class RolloutCollector:
             self.position_before_pending = (state.epoch, state.position)
             self.pending = self._request(self._next_prompts(state), state.step, steps_ahead=1)
         completions, texts, messages, times = self._receive(pending)
-        # in-place mode: the adapter leaves the shared base on the GPU while the CPU scores (another round merges it
-        # again)
-        self.engine.release_base()
+        if not self.config.filter_zero_std_groups:  # (with more rounds to come it stays, and the sleep takes it out)
+            self.engine.release_base()  # in-place mode: the adapter leaves the shared base while the CPU scores
         result, times["reward"] = self._score(pending.prompts, texts, completions, self.config.k_samples, messages)
         stats = {"rollout/staleness": float(state.step - pending.policy_step)} if self.config.async_rollout else {}
         return RolloutRound(pending.prompts, completions, texts, result, pending.images, times, stats)

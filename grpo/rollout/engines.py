@@ -28,12 +28,12 @@ ADAPTER_FROM_SHARE = 0.4
 # (benchmarks/RESULTS.md)
 KEEP_WEIGHTS_UP_TO_SHARE = 0.25
 # --rollout_weights auto, lora: in_place (one 16-bit base) where its 16-bit copy takes IN_PLACE_FROM_BYTES or more, or
-# more than KEEP_WEIGHTS_UP_TO_SHARE of the GPU; merged (kept through training) below both. On one H100 at
-# Qwen2.5-7B's shape (a 14.2 GiB copy), five runs in turn on one GPU: in_place 5.08-5.19 s/step (mean 5.15) at a 30.8
-# GiB peak, merged 5.11-5.21 (mean 5.16) at 43.3 GiB; its merge costs the rollout 0.025 s and its sync saves 0.016,
-# within the steps' spread (benchmarks/RESULTS.md, 2026-11-27 10:00). At 0.68B (a 1.3 GiB copy) in_place took 0.05-0.15
-# s more of a 2.0 s step, its launches and waits weighing more there (03:50, before its kernels were retiled), so
-# merged keeps small models; sizes between are not measured. Beyond the share a merged copy leaves the GPU at every
+# more than KEEP_WEIGHTS_UP_TO_SHARE of the GPU; merged (kept through training) below both (8 GiB: 4.3B parameters). On
+# one H100 at Qwen2.5-7B's shape (a 14.2 GiB copy), five runs in turn on one GPU: in_place 5.08-5.19 s/step (mean 5.15)
+# at a 30.8 GiB peak, merged 5.11-5.21 (mean 5.16) at 43.3 GiB; its merge costs the rollout 0.025 s and its sync saves
+# 0.016, within the steps' spread (benchmarks/RESULTS.md, 2026-11-27 10:00). At 0.68B (a 1.3 GiB copy) in_place took
+# 0.05-0.15 s more of a 2.0 s step, its launches and waits weighing more there (03:50, before its kernels were retiled),
+# so merged keeps small models; sizes between are not measured. Beyond the share a merged copy leaves the GPU at every
 # sleep and comes back whole at every sync (0.15-0.18 s at 7B), so in_place is both smaller and faster there.
 IN_PLACE_FROM_BYTES = 8 * 2**30
 
@@ -118,7 +118,8 @@ def _share_base(engine, policy, parked: dict) -> None:
 
 def release_base_before_forward(engine, policy) -> None:
     """In-place mode: every forward of the policy starts by taking the adapter out of the shared base (a no-op
-    unless merged: the engine merges for a rollout and takes it out when it sleeps, so this guards other orders)."""
+    unless merged: the engine merges for a rollout and takes it out once the completions are in or when it sleeps,
+    so this guards other orders)."""
     if engine.merges_in_place:
         policy.get_input_embeddings().register_forward_pre_hook(lambda module, args: engine.release_base())
 
@@ -210,6 +211,8 @@ def _in_place_refusal(policy, vision) -> str | None:
     peft_config = getattr(policy, "peft_config", {}).get("default")
     if vision:
         return "a vision-language model (vLLM renames its tensors)"
+    if getattr(getattr(policy, "config", None), "kv_lora_rank", None):
+        return "MLA attention (vLLM derives its W_UK_T / W_UV from kv_b_proj at load, which a merge cannot reach)"
     for option, why in (("modules_to_save", "modules_to_save"), ("use_dora", "DoRA"), ("lora_bias", "lora_bias"),
                         ("fan_in_fan_out", "fan_in_fan_out layers")):
         if getattr(peft_config, option, None):

@@ -320,8 +320,13 @@ class VLLMRolloutEngine(RolloutEngine):
         the CPU overlap it."""
         try:
             self._release_memory(keep_weights)
-        finally:
-            self.release_base()  # (no wait: the trainer's kernels queue behind it on the same stream)
+        except BaseException:
+            try:
+                self.release_base()
+            except Exception as exc:  # (a CUDA error sticks to the context: the first one says what went wrong)
+                logger.warning(f"the adapter could not be taken out of the shared base after a failed sleep: {exc}")
+            raise
+        self.release_base()  # (no wait: the trainer's kernels queue behind it on the same stream)
 
     def _release_memory(self, keep_weights: bool) -> None:
         if not self.enable_sleep or self._asleep:

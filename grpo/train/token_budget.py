@@ -157,7 +157,7 @@ def resolve_token_budget(gpu: GpuFigures, kept: int, transient: int, chunk: int,
             f"What helps: " + ", ".join(
                 (["--gradient_checkpointing true"] if not checkpointing else []) +
                 ["a smaller --max_seq_length", "a larger --gpu_memory_gib (or a GPU with more memory)",
-                 "--rollout_weights in_place (lora) or adapter (qlora): the engine keeps no 16-bit copy",
+                 "--rollout_weights in_place (lora) or adapter (qlora), where the engine keeps a 16-bit copy",
                  "--tuning_strategy qlora"] +
                 (["a smaller --vllm_kv_cache_gib (under --gpu_memory_gib vLLM's KV cache counts even while it "
                   "sleeps)"] if gpu.capped_allocated is not None else []) +
