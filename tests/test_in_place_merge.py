@@ -281,3 +281,48 @@ def test_a_sleep_frees_the_engine_memory_first_and_takes_the_adapter_out_even_wh
     with pytest.raises(RuntimeError, match="the sleep's own error"):  # its error, not a later one, propagates
         sleeping_engine(merge, calls, fail=RuntimeError("the sleep's own error")).sleep()
     assert not merge.merged and torch.equal(bits(weight), bits(original))
+
+
+def test_an_interrupt_during_a_merge_or_an_unmerge_waits_for_the_pass_to_end(monkeypatch):
+    """Ctrl-C while the layers are merged (or taken out) is handled once every layer's launch has its flag: the merge
+    is then undone whole, the unmerge finished whole, and the base is W bit for bit either way."""
+    import os
+    import signal
+
+    from grpo.model import in_place_merge
+
+    torch.manual_seed(0)
+    weights = [(torch.randn(8, 16) * 0.02).to(torch.bfloat16) for _ in range(3)]
+    originals = [w.clone() for w in weights]
+    merge = InPlaceMerge()
+    merge.set_adapter([(w, torch.randn(8, 2) * 0.01, torch.randn(2, 16), 2.0) for w in weights])
+    real_merge, real_unmerge, done = in_place_merge.merge_recording, in_place_merge.unmerge_recorded, []
+
+    def interrupted_merge(*args):  # the signal lands between the first layer's merge and its flag
+        record = real_merge(*args)
+        done.append("merge")
+        if len(done) == 1:
+            os.kill(os.getpid(), signal.SIGINT)
+        return record
+
+    monkeypatch.setattr(in_place_merge, "merge_recording", interrupted_merge)
+    with pytest.raises(KeyboardInterrupt):
+        merge.merge()
+    assert done == ["merge"] * 3  # every layer merged before the interrupt was handled, then all taken out
+    assert not merge.merged and all(torch.equal(bits(w), bits(o)) for w, o in zip(weights, originals))
+    monkeypatch.setattr(in_place_merge, "merge_recording", real_merge)
+    merge.merge()
+    done.clear()
+
+    def interrupted_unmerge(*args):
+        real_unmerge(*args)
+        done.append("unmerge")
+        if len(done) == 1:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    monkeypatch.setattr(in_place_merge, "unmerge_recorded", interrupted_unmerge)
+    with pytest.raises(KeyboardInterrupt):
+        merge.unmerge()
+    assert done == ["unmerge"] * 3 and not merge.merged
+    assert all(torch.equal(bits(w), bits(o)) for w, o in zip(weights, originals))
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler is back

@@ -30,6 +30,8 @@ from typing import Optional
 
 import torch
 
+from grpo.runtime.signals import signals_held
+
 logger = logging.getLogger("grpo")
 _SAID_NO_KERNEL: list[Exception] = []  # the kernels' import failure, said once
 
@@ -188,32 +190,35 @@ class InPlaceMerge:
                    for t in (layer.record.codes, layer.record.escape_index, layer.record.escape_bits))
 
     def merge(self) -> None:
-        """Every layer merged, or (on an error) none: the layers done are taken out again before it propagates."""
+        """Every layer merged, or (on an error) none: the layers done are taken out again before it propagates. A
+        signal is handled after the loop, so that no layer's launch is parted from the flag that records it."""
         by_kernel = []
         try:
-            for layer in self.layers:
-                if layer.merged:
-                    continue
-                if layer.use_kernel:
+            with signals_held():
+                for layer in self.layers:
+                    if layer.merged:
+                        continue
+                    if layer.use_kernel:
+                        from grpo.model import merge_kernel
+
+                        layer.record = merge_kernel.merge_recording(layer.weight, layer.lora_b, layer.lora_a,
+                                                                    layer.scale, layer.record)
+                        by_kernel.append(layer)
+                    else:
+                        layer.record = merge_recording(layer.weight, layer.lora_b, layer.lora_a, layer.scale)
+                    layer.merged = True
+                if by_kernel:  # one read of the kernel's escape counts for all its layers
                     from grpo.model import merge_kernel
 
-                    layer.record = merge_kernel.merge_recording(layer.weight, layer.lora_b, layer.lora_a,
-                                                                layer.scale, layer.record)
-                    by_kernel.append(layer)
-                else:
-                    layer.record = merge_recording(layer.weight, layer.lora_b, layer.lora_a, layer.scale)
-                layer.merged = True
-            if by_kernel:  # one read of the kernel's escape counts for all its layers
-                from grpo.model import merge_kernel
-
-                overflowed, by_kernel = merge_kernel.read_escape_counts(by_kernel), []
-                for layer in overflowed:
-                    # its elements left unmerged are still W: take the layer out, merge it with room for every escape
-                    self._unmerge_layer(layer)
-                    layer.record = merge_kernel.merge_recording(layer.weight, layer.lora_b, layer.lora_a,
-                                                                layer.scale, merge_kernel.grown(layer.record))
-                    layer.merged = True
-                    merge_kernel.read_escape_counts([layer], must_fit=True)
+                    overflowed, by_kernel = merge_kernel.read_escape_counts(by_kernel), []
+                    for layer in overflowed:
+                        # its elements left unmerged are still W: take the layer out, merge it with room for every
+                        # escape
+                        self._unmerge_layer(layer)
+                        layer.record = merge_kernel.merge_recording(layer.weight, layer.lora_b, layer.lora_a,
+                                                                    layer.scale, merge_kernel.grown(layer.record))
+                        layer.merged = True
+                        merge_kernel.read_escape_counts([layer], must_fit=True)
         except BaseException:
             if by_kernel:  # merged by the kernel, their escapes not yet counted
                 from grpo.model import merge_kernel
@@ -223,10 +228,12 @@ class InPlaceMerge:
             raise
 
     def unmerge(self) -> None:
-        """Every merged layer back to W (one cut off halfway is finished by the next call)."""
-        for layer in self.layers:
-            if layer.merged:
-                self._unmerge_layer(layer)
+        """Every merged layer back to W (one cut off halfway by an error is finished by the next call; a signal is
+        handled after the loop)."""
+        with signals_held():
+            for layer in self.layers:
+                if layer.merged:
+                    self._unmerge_layer(layer)
 
     @staticmethod
     def _unmerge_layer(layer: MergedLayer) -> None:

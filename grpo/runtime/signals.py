@@ -1,8 +1,11 @@
-"""SIGTERM / SIGINT while training: finish the step, save a checkpoint, then stop; a second signal stops at once."""
+"""SIGTERM / SIGINT while training: finish the step, save a checkpoint, then stop; a second signal stops at once. And
+a short stretch that a signal must not cut in two (signals_held)."""
 from __future__ import annotations
 
 import logging
 import signal
+import threading
+from contextlib import contextmanager
 from typing import Callable, Optional
 
 logger = logging.getLogger("grpo")
@@ -36,3 +39,23 @@ class GracefulStop:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous = {}
+
+
+@contextmanager
+def signals_held():
+    """SIGINT and SIGTERM that arrive inside are handled on leaving, by the handlers in place then: a step that must
+    not be cut between two of its statements (a kernel launch and the flag that records it) runs whole. Elsewhere
+    than in the main thread (where Python handles signals anyway) it holds nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held: list[int] = []
+    previous = {sig: signal.signal(sig, lambda signum, _frame: held.append(signum))
+                for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+        for sig in held:
+            signal.raise_signal(sig)  # now handled as if it came here
