@@ -206,17 +206,23 @@ def test_a_new_adapter_keeps_the_kernel_buffers_of_its_layers_only_where_they_fi
         (8, 1), 2.0, dtype=torch.bfloat16))
 
 
+def three_layer_merge() -> tuple[InPlaceMerge, list, list]:
+    """An adapter on three bf16 layers, unmerged: the merge, its weights and copies of them."""
+    torch.manual_seed(0)
+    weights = [(torch.randn(8, 16) * 0.02).to(torch.bfloat16) for _ in range(3)]
+    originals = [w.clone() for w in weights]
+    merge = InPlaceMerge()
+    merge.set_adapter([(w, torch.randn(8, 2) * 0.01, torch.randn(2, 16), 2.0) for w in weights])
+    return merge, weights, originals
+
+
 def test_a_merge_cut_off_halfway_leaves_the_base_whole_and_an_unmerge_finishes_later(monkeypatch):
     """An error in the second layer's merge (out of memory, an interrupt) takes the first out again before it
     propagates; an unmerge cut off after one layer leaves the others merged, a merge then merges that one again, and
     the next unmerge finishes them."""
     from grpo.model import in_place_merge
 
-    torch.manual_seed(0)
-    weights = [(torch.randn(8, 16) * 0.02).to(torch.bfloat16) for _ in range(3)]
-    originals = [w.clone() for w in weights]
-    merge = InPlaceMerge()
-    merge.set_adapter([(w, torch.randn(8, 2) * 0.01, torch.randn(2, 16), 2.0) for w in weights])
+    merge, weights, originals = three_layer_merge()
     real_merge, real_unmerge, calls = in_place_merge.merge_recording, in_place_merge.unmerge_recorded, []
 
     def fails_second(*args):
@@ -291,11 +297,7 @@ def test_an_interrupt_during_a_merge_or_an_unmerge_waits_for_the_pass_to_end(mon
 
     from grpo.model import in_place_merge
 
-    torch.manual_seed(0)
-    weights = [(torch.randn(8, 16) * 0.02).to(torch.bfloat16) for _ in range(3)]
-    originals = [w.clone() for w in weights]
-    merge = InPlaceMerge()
-    merge.set_adapter([(w, torch.randn(8, 2) * 0.01, torch.randn(2, 16), 2.0) for w in weights])
+    merge, weights, originals = three_layer_merge()
     real_merge, real_unmerge, done = in_place_merge.merge_recording, in_place_merge.unmerge_recorded, []
 
     def interrupted_merge(*args):  # the signal lands between the first layer's merge and its flag
