@@ -1,5 +1,8 @@
 """lora's in-place merge (grpo.model.in_place_merge): the adapter merged into the base the trainer shares with the
 engine, and taken out again bit for bit."""
+import os
+import signal
+
 import pytest
 import torch
 
@@ -289,12 +292,17 @@ def test_a_sleep_frees_the_engine_memory_first_and_takes_the_adapter_out_even_wh
     assert not merge.merged and torch.equal(bits(weight), bits(original))
 
 
-def test_an_interrupt_during_a_merge_or_an_unmerge_waits_for_the_pass_to_end(monkeypatch):
+@pytest.fixture
+def ctrl_c_raises():
+    """SIGINT handled as Python's default does (KeyboardInterrupt); a background job, as CI may run in, ignores it."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_an_interrupt_during_a_merge_or_an_unmerge_waits_for_the_pass_to_end(monkeypatch, ctrl_c_raises):
     """Ctrl-C while the layers are merged (or taken out) is handled once every layer's launch has its flag: the merge
     is then undone whole, the unmerge finished whole, and the base is W bit for bit either way."""
-    import os
-    import signal
-
     from grpo.model import in_place_merge
 
     merge, weights, originals = three_layer_merge()
