@@ -65,6 +65,7 @@ def test_a_collective_engine_gets_the_requests_every_rank_makes(names, eval_name
 class ReleasingEngine(RolloutEngine):
     """The HF engine behind the interface of an in-place engine: records when it generates, gives the base back and
     sleeps."""
+    merges_in_place = True
 
     def __init__(self, engine, calls: list):
         self.engine, self.calls = engine, calls
@@ -103,4 +104,5 @@ def test_the_base_is_given_back_before_the_rewards_are_scored(tiny_model, regist
         assert calls[1:-1] == ["generate", "score"] * (len(calls[1:-1]) // 2)
     else:
         assert calls == ["wake", "generate", "release_base", "score", "sleep"]
+        assert 0 <= kept.times["rollout_release"] < kept.times["rollout"]  # counted with the rollout
     assert len(kept.completions) == trainer.config.per_device_train_batch_size * trainer.config.k_samples

@@ -114,8 +114,13 @@ class RolloutCollector:
             self.position_before_pending = (state.epoch, state.position)
             self.pending = self._request(self._next_prompts(state), state.step, steps_ahead=1)
         completions, texts, messages, times = self._receive(pending)
-        if not self.config.filter_zero_std_groups:  # (with more rounds to come it stays, and the sleep takes it out)
-            self.engine.release_base()  # in-place mode: the adapter leaves the shared base while the CPU scores
+        # in-place mode: the adapter leaves the shared base while the CPU scores (with more rounds to come it stays,
+        # and the sleep takes it out); its launches count as rollout time
+        if self.engine.merges_in_place and not self.config.filter_zero_std_groups:
+            start = time.perf_counter()
+            self.engine.release_base()
+            times["rollout_release"] = time.perf_counter() - start
+            times["rollout"] += times["rollout_release"]
         result, times["reward"] = self._score(pending.prompts, texts, completions, self.config.k_samples, messages)
         stats = {"rollout/staleness": float(state.step - pending.policy_step)} if self.config.async_rollout else {}
         return RolloutRound(pending.prompts, completions, texts, result, pending.images, times, stats)
