@@ -151,9 +151,7 @@ def engine_weights(config, policy, vision, model_path: str | None = None) -> str
     if choice == "in_place":
         why = _in_place_refusal(policy, vision)
         if why is None:
-            from grpo.model.loading import parameter_count
-
-            copy_bytes, gpu_bytes = 2 * parameter_count(policy), gpu_memory_bytes(config.gpu_memory_gib)
+            copy_bytes, gpu_bytes = copy_and_gpu_bytes(config, policy)
             if (config.rollout_weights == "auto" and copy_bytes < IN_PLACE_FROM_BYTES
                     and copy_bytes <= KEEP_WEIGHTS_UP_TO_SHARE * gpu_bytes):
                 logger.info(f"vLLM takes merged weights: their 16-bit copy ({copy_bytes / 2**30:.1f} GiB) fits "
@@ -191,9 +189,7 @@ def engine_weights(config, policy, vision, model_path: str | None = None) -> str
         logger.info(f"vLLM takes merged weights: its LoRA cannot take {why} (--rollout_weights auto)")
         return "merged"
     if config.rollout_weights == "auto" and not stored_4bit:
-        from grpo.model.loading import parameter_count
-
-        copy_bytes, gpu_bytes = 2 * parameter_count(policy), gpu_memory_bytes(config.gpu_memory_gib)
+        copy_bytes, gpu_bytes = copy_and_gpu_bytes(config, policy)
         if copy_bytes <= ADAPTER_FROM_SHARE * gpu_bytes:
             logger.info(f"vLLM takes merged weights: their 16-bit copy ({copy_bytes / 2**30:.1f} GiB) fits "
                         f"{ADAPTER_FROM_SHARE:.0%} of the GPU's {gpu_bytes / 2**30:.0f} GiB, and merged generates "
@@ -254,6 +250,14 @@ def gpu_memory_bytes(cap_gib=None) -> int:
     return usable_gpu_bytes(cap_gib)
 
 
+def copy_and_gpu_bytes(config, policy) -> tuple[int, int]:
+    """The bytes of a 16-bit copy of the policy (what a merged engine holds) and of the GPU the job may use: what
+    auto's rules weigh."""
+    from grpo.model.loading import parameter_count
+
+    return 2 * parameter_count(policy), gpu_memory_bytes(config.gpu_memory_gib)
+
+
 def engine_sleep_level(config, policy, adapter: bool) -> int:
     """--vllm_sleep_level, or its default: 0 (the KV cache alone) for lora / qlora with merged weights on one GPU
     whose 16-bit copy takes at most KEEP_WEIGHTS_UP_TO_SHARE of it, as the trainer's own memory is small there and a
@@ -263,10 +267,8 @@ def engine_sleep_level(config, policy, adapter: bool) -> int:
         return config.vllm_sleep_level
     if adapter or config.tuning_strategy not in ("lora", "qlora") or config.vllm_tp > 1:
         return 2
-    from grpo.model.loading import parameter_count
-
-    return 0 if 2 * parameter_count(policy) <= KEEP_WEIGHTS_UP_TO_SHARE * gpu_memory_bytes(config.gpu_memory_gib) \
-        else 2
+    copy_bytes, gpu_bytes = copy_and_gpu_bytes(config, policy)
+    return 0 if copy_bytes <= KEEP_WEIGHTS_UP_TO_SHARE * gpu_bytes else 2
 
 
 def adapter_rank(policy) -> int:
