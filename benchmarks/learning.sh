@@ -57,11 +57,7 @@ mkdir -p "$OUT_DIR"
 python -c "from grpo.model.embedded import resolve_model_path as r; import sys; r(sys.argv[1])" "$MODEL"  # convert once, up front
 export VLLM_ENABLE_V1_MULTIPROCESSING=0 TOKENIZERS_PARALLELISM=false WANDB_MODE=disabled PYTHONUNBUFFERED=1
 GPU=$(nvidia-smi -i "${GPU_ID:-0}" --query-gpu=name --format=csv,noheader)
-where=(--num_gpus 1); [ -n "${GPU_ID:-}" ] && where=(--include "localhost:$GPU_ID")
-launcher=(deepspeed)
-command -v deepspeed >/dev/null 2>&1 || launcher=(python -m deepspeed.launcher.runner)
-
-free_port() { python -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])"; }
+source scripts/launch.sh  # launcher, where (GPU_ID), free_port
 
 run() {  # run <name> <dataset> <strategy> <seed> <accuracy reward> <extra train_grpo.py args...>
   local name=$1 dataset=$2 strategy=$3 seed=$4 accuracy=$5; shift 5

@@ -27,10 +27,7 @@ LIMIT=${LIMIT:-600}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" TOKENIZERS_PARALLELISM=false WANDB_MODE=disabled \
   PYTHONUNBUFFERED=1 VLLM_ENABLE_V1_MULTIPROCESSING=0
-launcher=(deepspeed)
-command -v deepspeed >/dev/null 2>&1 || launcher=(python -m deepspeed.launcher.runner)
-where=(--num_gpus 1); [ -n "${GPU_ID:-}" ] && where=(--include "localhost:$GPU_ID")
-free_port() { python -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])"; }
+source scripts/launch.sh  # launcher, where (GPU_ID), free_port
 cap=()
 [ -n "${GPU_MEMORY_GIB:-}" ] && cap=(--gpu_memory_gib "$GPU_MEMORY_GIB")
 nvidia-smi -i "${GPU_ID:-0}" --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"

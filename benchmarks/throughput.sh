@@ -54,8 +54,7 @@ port=${PORT:-29700}
 rm -rf "$OUT/runs" "$OUT/trl" "$OUT/rollout.jsonl" "$OUT/trl.json"  # a previous run's results (the model stays)
 mkdir -p "$OUT/runs"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" TOKENIZERS_PARALLELISM=false WANDB_MODE=disabled PYTHONUNBUFFERED=1
-launcher=(deepspeed)
-command -v deepspeed >/dev/null 2>&1 || launcher=(python -m deepspeed.launcher.runner)
+source scripts/launch.sh  # launcher, where (GPU_ID; a run of several GPUs sets its own)
 GPUS=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
 bounded() { timeout -k 30 "$@"; }  # timeout <seconds> <command...>, its whole process group killed 30 s later
 

@@ -26,9 +26,7 @@ common=(--model_name_or_path smollm2-135m-instruct --dataset_names arith --tunin
         --per_device_train_batch_size 16 --k_samples 8 --rollout_max_new_tokens 64 --max_prompt_length 128
         --max_seq_length 192 --learning_rate 3e-4 --save_steps 0 --eval_max_prompts 64 --seed 0
         --vllm_enforce_eager true --logging_steps 1)
-launcher=(deepspeed)
-command -v deepspeed >/dev/null 2>&1 || launcher=(python -m deepspeed.launcher.runner)
-where=(--num_gpus 1); [ -n "${GPU_ID:-}" ] && where=(--include "localhost:$GPU_ID")
+source scripts/launch.sh  # launcher, where (GPU_ID)
 launcher+=("${where[@]}")
 if [ "${SKIP_E2E:-0}" != 1 ]; then
   "${launcher[@]}" train_grpo.py "${common[@]}" --rollout_engine vllm --max_steps "${E2E_STEPS:-30}" \
