@@ -537,10 +537,15 @@ def test_rollout_weights_auto_picks_adapter_only_where_the_16bit_copy_crowds_the
         monkeypatch.setattr(grpo.model.loading, "parameter_count", lambda model, n=int(parameters): n)
         assert engines.engine_weights(lora, lora_policy, vision=None) == expected, parameters
     monkeypatch.setattr(grpo.model.loading, "parameter_count", lambda model: int(7.62e9))
-    monkeypatch.setattr(lora_policy.config, "kv_lora_rank", 512, raising=False)  # MLA: vLLM derives from kv_b_proj
-    assert engines.engine_weights(lora, lora_policy, vision=None) == "merged"  # auto: as for qlora (15 GB of 80)
-    with pytest.raises(ConfigError, match="in_place merges one plain LoRA adapter.*MLA attention"):
-        engines.engine_weights(explicit_in_place, lora_policy, vision=None)
+    # MLA attention (DeepSeek-V2/V3): vLLM decodes through W_UK_T / W_UV, views of kv_b_proj's bf16 weight, so the
+    # merge reaches them (tests/gpu/test_vllm_sync.py); vLLM's LoRA does not: an adapter engine falls back to merged
+    monkeypatch.setattr(lora_policy.config, "kv_lora_rank", 512, raising=False)
+    assert engines.engine_weights(lora, lora_policy, vision=None) == "in_place"
+    assert engines.engine_weights(explicit_in_place, lora_policy, vision=None) == "in_place"
+    monkeypatch.setattr(engines, "has_triton", lambda: False)  # in_place cannot: auto falls back as for qlora
+    assert engines.engine_weights(lora, lora_policy, vision=None) == "merged"
+    with pytest.raises(ConfigError, match="adapter: vLLM's LoRA cannot take MLA.*use --rollout_weights merged"):
+        engines.engine_weights(GRPOConfig(**{**lora.__dict__, "rollout_weights": "adapter"}), lora_policy, None)
     monkeypatch.undo()
     monkeypatch.setattr(engines, "has_triton", lambda: True)
     monkeypatch.setattr(engines, "gpu_memory_bytes", lambda cap=None: 10**15)
@@ -601,6 +606,10 @@ def test_a_checkpoint_saved_in_4bit_trains_with_qlora_as_it_is(model_dir, tmp_pa
     for options, message in ((dict(rollout_weights="merged"), "saved in 4 bits: use --rollout_weights adapter"),):
         with pytest.raises(ConfigError, match=message):
             engines.engine_weights(GRPOConfig(**{**cfg.__dict__, **options}), policy, None, folder)
+    # what vLLM's LoRA cannot take, with no 16-bit weights for a merged engine either: a way out that exists
+    monkeypatch.setattr(policy.config, "kv_lora_rank", 512, raising=False)
+    with pytest.raises(ConfigError, match="in 4 bits.*cannot take MLA.*16-bit checkpoint, or use --rollout_engine hf"):
+        engines.engine_weights(cfg, policy, None, folder)
     for options, message in ((dict(tuning_strategy="lora"), "train it with --tuning_strategy qlora"),
                              (dict(save_merged_model=True), "drop --save_merged_model"),
                              (dict(qlora_init="loftq"), "run without --qlora_init loftq")):

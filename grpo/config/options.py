@@ -258,9 +258,8 @@ class GRPOConfig:
         None, "With --vllm_sleep: 0 frees the KV cache alone, the weights stay, and a sync writes only what changed "
               "into them; 2 drops the weights, and every sync sends the whole policy (a copy on the GPU); 1 parks "
               "them in pinned CPU memory and copies them back at each wake. Default: 0 for lora / qlora with merged "
-              "weights on one GPU where vLLM's 16-bit copy takes at most a quarter of the GPU, else 2. Use 1 for a "
-              "model whose vLLM implementation derives parameters after loading (MLA attention, e.g. "
-              "DeepSeek-V2/V3), which a sync cannot rewrite.", "experimental", choices=(0, 1, 2))
+              "weights on one GPU where vLLM's 16-bit copy takes at most a quarter of the GPU, else 2.",
+        "experimental", choices=(0, 1, 2))
     logprob_check_steps: int = _opt(
         10, "Ask the rollout engine for its sampling log-probs every N steps, for the rollout/logprob_diff metric "
             "(always with --rollout_is_correction); vLLM generates faster without them.", "experimental")

@@ -17,9 +17,10 @@ qlora: the adapted layers); grpo's default where the engine's 16-bit copy is sma
 and weights dropped) otherwise: the trainer syncs after every step anyway, and with
 `needs_every_weight` set the sync sends the whole policy (lora / qlora too), a copy on the GPU, where level 1
 would park the weights in pinned CPU memory at every sleep and copy them back at every wake. Level 2 relies on
-the model's load_weights rewriting every parameter from checkpoint tensors; a model that derives parameters after
-loading (vLLM's MLA attention builds W_UV / W_UK_T from kv_b_proj) needs level 1 (--vllm_sleep_level 1), as do
-callers that sync only what changed. load_weights (and weight_views, for a sync that writes the engine's tensors
+the model's load_weights rewriting every parameter from checkpoint tensors (callers that sync only what changed need
+level 0 or 1). MLA attention's W_UK_T / W_UV, which vLLM derives from kv_b_proj at load and decodes through, are
+views of kv_b_proj's bf16 weight on CUDA (vLLM 0.26, layers/attention/mla_attention.py), so rewriting kv_b_proj, by a
+sync or an in-place merge, reaches them. load_weights (and weight_views, for a sync that writes the engine's tensors
 in place) wakes the weights first, then overwrites them; wake() brings back the KV cache, and refuses to run on
 weights that a level-2 sleep dropped and no sync has loaded since.
 

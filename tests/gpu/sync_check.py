@@ -20,7 +20,9 @@ packed 4-bit weights too) then becomes views of the engine's weights (held once)
 KV cache only. With --rollout_weights in_place (lora) the engine loads the 16-bit checkpoint without LoRA, shares
 its weights with the trainer's base in the same way, and merges each synced adapter into them while it is awake
 (taken out, exactly, when it sleeps or the trainer runs a forward). --sleep_level 0: a merged engine that keeps its weights too (sleeps free the KV cache alone), so a
-sync writes only what changed.
+sync writes only what changed. --arch mla: a DeepSeek-V2 model, whose vLLM attention scores a prompt through kv_b_proj
+and decodes through weights derived from it at load. Last, the completions sampled after the final sync are scored by
+the trainer: decode_gap, the mean |vLLM log-prob - trainer log-prob| over sampled tokens (vLLM's decode path).
 """
 import argparse
 import json
@@ -36,18 +38,27 @@ MODEL_DIR = os.environ.get("GRPO_GPU_MODEL", "/tmp/grpo_gpu_model")
 LEARNING_RATES = {"full": 1e-4, "lora": 5e-3, "qlora": 5e-3}  # large enough that each step visibly moves log-probs
 
 
-def build_model(path: str) -> str:
-    """A random Llama saved as a bf16 safetensors checkpoint (reused when already there)."""
+def build_model(path: str, arch: str = "llama") -> str:
+    """A random Llama (or, arch "mla", a DeepSeek-V2 of MLA attention and dense MLPs, with DeepSeek-V2-Lite's
+    attention widths) saved as a bf16 safetensors checkpoint (reused when already there)."""
     if os.path.isfile(os.path.join(path, "config.json")):
         return path
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=12,
-                         num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=2048,
-                         tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    shared = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, max_position_embeddings=2048,
+                  tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    if arch == "mla":
+        config = DeepseekV2Config(**shared, num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=16,
+                                  q_lora_rank=None, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128,
+                                  v_head_dim=128, first_k_dense_replace=4, n_routed_experts=4, n_shared_experts=1,
+                                  num_experts_per_tok=2, moe_intermediate_size=512)
+        model_class = DeepseekV2ForCausalLM
+    else:
+        config = LlamaConfig(**shared, num_hidden_layers=12, num_attention_heads=16, num_key_value_heads=4)
+        model_class = LlamaForCausalLM
     with torch.device("cuda"):
-        model = LlamaForCausalLM(config).to(torch.bfloat16)
+        model = model_class(config).to(torch.bfloat16)
     with torch.no_grad():
         model.lm_head.weight.mul_(2.0)  # log-probs far from uniform, as in a trained model
     model.save_pretrained(path + ".tmp", safe_serialization=True)
@@ -62,6 +73,8 @@ def main():
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--tp", type=int, default=1, help="vLLM tensor-parallel size (= the number of ranks)")
     parser.add_argument("--local_rank", type=int, default=0, help="set by the DeepSpeed launcher")
+    parser.add_argument("--arch", choices=["llama", "mla"], default="llama",
+                        help="mla: a DeepSeek-V2 model, whose vLLM attention decodes through W_UK_T / W_UV")
     parser.add_argument("--rollout_weights", choices=["merged", "adapter", "in_place"], default="merged")
     parser.add_argument("--sleep_level", type=int, choices=[0, 2], default=2,
                         help="0: the engine keeps its weights (frees its KV cache alone), so a sync writes only what "
@@ -82,10 +95,10 @@ def main():
     from grpo.model.weight_sync import sync_weights
 
     dist_utils.init_distributed()
+    path = MODEL_DIR if args.arch == "llama" else f"{MODEL_DIR}-{args.arch}"
     if dist_utils.rank() == 0:  # one writer; the other rank waits for the finished folder
-        build_model(MODEL_DIR)
+        build_model(path, args.arch)
     dist_utils.barrier()
-    path = MODEL_DIR
     cfg = GRPOConfig(model_name_or_path=path, tuning_strategy=args.strategy, lora_rank=16, lora_alpha=32,
                      lora_dropout=0.0, deepspeed=f"zero{args.zero}", per_device_train_batch_size=1, k_samples=2,
                      **qlora_rounding(args))
@@ -102,7 +115,7 @@ def main():
     if adapter and args.strategy == "qlora":
         from grpo.model.quantized_checkpoint import write_4bit_checkpoint
 
-        engine_path = f"{MODEL_DIR}.4bit.rank{dist_utils.rank()}"
+        engine_path = f"{path}.4bit.rank{dist_utils.rank()}"
         write_4bit_checkpoint(engine.module, engine_path)
     parked = {}
     if (adapter or in_place) and args.tp == 1:  # as the trainer does: its base waits in CPU memory
@@ -187,14 +200,26 @@ def main():
     vllm.sleep()  # in-place mode: the adapter taken out of the shared base
     base_exact = all(torch.equal(p.detach().cpu(), base_copy[n]) for n, p in engine.module.named_parameters()
                      if n in base_copy)
+    # the sampled tokens' log-probs (vLLM's decode path; the gaps above score a prompt, its prefill path) against
+    # the trainer's on the same tokens
+    prompts = [sequence[0, :16].tolist(), sequence[0, 16:40].tolist()]
+    decode_gaps = []
+    for completion in out:
+        prompt = prompts[completion.prompt_index]
+        tokens = torch.tensor([prompt + completion.token_ids], device=device)
+        with torch.no_grad():
+            logits = engine.module(input_ids=tokens).logits[:, :-1]
+        trained = token_logprobs(logits, tokens[:, 1:])[0, len(prompt) - 1:]
+        decode_gaps.append(gap(trained.float().cpu(), torch.tensor(completion.logprobs)))
     rows.append({"generate_s": generate_s, "completions": len(out), "base_exact": base_exact,
+                 "decode_gap": sum(decode_gaps) / len(decode_gaps), "decode_gap_max": max(decode_gaps),
                  "unsynced_wake_refused": refused, "prompt_order": [c.prompt_index for c in out],
                  "lengths_ok": all(len(c.token_ids) == len(c.logprobs) > 0 for c in out),
                  "finite_logprobs": all(torch.isfinite(torch.tensor(c.logprobs)).all().item() for c in out)})
     if main_rank:
         print(json.dumps(rows[-1]), flush=True)
         with open(args.out, "w") as fh:
-            json.dump({"strategy": args.strategy, "zero": args.zero, "tp": args.tp,
+            json.dump({"strategy": args.strategy, "arch": args.arch, "zero": args.zero, "tp": args.tp,
                        "rollout_weights": args.rollout_weights, "sleep_level": args.sleep_level, "rows": rows}, fh, indent=1)
     dist_utils.shutdown()
 
