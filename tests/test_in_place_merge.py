@@ -11,7 +11,8 @@ from grpo.model.in_place_merge import (BITS_OF, ESCAPE, InPlaceMerge, in_place_l
 from grpo.model.shared_base import lora_base_names, share_base_weights
 from grpo.model.weight_sync import checkpoint_name, sync_weights
 
-from .test_sync import IDS, VLLM_PACKED, RecordingEngine, trained_policy, vllm_layout
+from .sync_setup import IDS, trained_policy
+from .test_sync import VLLM_PACKED, RecordingEngine, vllm_layout
 from .tiny_models import make_tiny_model_dir
 
 
