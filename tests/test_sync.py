@@ -12,7 +12,7 @@ from grpo.model.loading import keep_4bit_forward_exact
 from grpo.model.weight_sync import checkpoint_name, dense_weight, iter_policy_weights, sync_weights
 from grpo.rollout.engine import RolloutEngine
 
-from .sync_setup import IDS, as_if_trained, trained_policy
+from .sync_setup import IDS, STOCK_4BIT, as_if_trained, trained_policy
 from .tiny_models import make_tiny_model_dir
 
 
@@ -195,6 +195,24 @@ def test_excluded_modules_stay_base_layers_in_the_sync(model_dir, strategy):
         assert sorted(later) == sorted(adapted)
     assert_reproduces(policy, lambda: AutoModelForCausalLM.from_pretrained(model_dir), first,
                       atol=1e-5 if strategy == "lora" else 1e-4)
+
+
+def test_lora_on_fused_expert_tensors_is_refused_before_training_with_targets_that_work(tmp_path):
+    """A mixture-of-experts model: peft adapts the experts' fused tensors for "all-linear", which no sync can send;
+    loading says so, naming the linear layers to adapt instead, and those load and sync."""
+    from .tiny_models import make_tiny_moe_model_dir
+
+    folder = make_tiny_moe_model_dir(str(tmp_path / "moe"))
+    with pytest.raises(ConfigError, match=r"--lora_target_modules all-linear: on this mixture-of-experts model peft "
+                                          r"adapts the experts' fused tensors.*--lora_target_modules "
+                                          r"k_proj,o_proj,q_proj,v_proj$"):
+        trained_policy(folder, "lora")
+    with pytest.raises(ConfigError, match="mixture-of-experts"):  # named experts too
+        trained_policy(folder, "lora", targets="q_proj,w1,w2,w3")  # Mixtral's names for them
+    policy = trained_policy(folder, "lora", targets="k_proj,o_proj,q_proj,v_proj")
+    sent = dict(iter_policy_weights(policy, "lora"))
+    assert sorted({name.split(".")[-2] for name in sent}) == ["k_proj", "o_proj", "q_proj", "v_proj"]
+    assert len(sent) == 2 * 4 and all(name.startswith("model.layers.") for name in sent)
 
 
 def scrambled(model):

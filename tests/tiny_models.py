@@ -59,6 +59,22 @@ def make_tiny_model_dir(path: str, vocab_size: Optional[int] = None, with_chat_t
     return path
 
 
+def make_tiny_moe_model_dir(path: str, seed: int = 0) -> str:
+    """A tiny random Mixtral (4 experts, 2 per token) with the tiny tokenizer: transformers holds its experts as
+    fused tensors, which peft adapts as parameters, not as linear modules."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    tokenizer = make_tiny_tokenizer()
+    config = MixtralConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                           max_position_embeddings=256, tie_word_embeddings=False,
+                           pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None)
+    torch.manual_seed(seed)
+    MixtralForCausalLM(config).save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    return path
+
+
 def make_tiny_reward_model_dir(path: str, seed: int = 0) -> str:
     """Write a tiny random Llama sequence classifier (one output: a reward model) + tokenizer to `path`."""
     from transformers import LlamaConfig, LlamaForSequenceClassification

@@ -202,13 +202,29 @@ def _attach_lora(model, config: GRPOConfig, language_linears: Optional[list[str]
                                   "a regex must match a whole name")
     lora = LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
                       target_modules=targets, exclude_modules=exclude, task_type="CAUSAL_LM")
+    flags = f"--lora_target_modules {config.lora_target_modules}" + \
+        (f" with --lora_exclude_modules {config.lora_exclude_modules}" if exclude is not None else "")
     try:
         with peft_asks_old_checkpointing_name():
-            return get_peft_model(model, lora)
+            policy = get_peft_model(model, lora)
     except ValueError as exc:  # e.g. target modules not found, or every one of them excluded
-        flags = f"--lora_target_modules {config.lora_target_modules}" + \
-            (f" with --lora_exclude_modules {config.lora_exclude_modules}" if exclude is not None else "")
         raise ConfigError(f"{flags}: {exc}") from exc
+    _refuse_fused_expert_targets(policy.peft_config["default"], flags)
+    return policy
+
+
+def _refuse_fused_expert_targets(lora, flags: str) -> None:
+    """A mixture-of-experts model whose experts transformers holds as fused tensors: peft adapts those tensors
+    (`target_parameters`) for gate_proj / up_proj / down_proj, and even a dense layer's MLP of those names then goes
+    unadapted; weight sync and the merges take LoRA layers of linear modules only. Said here, before any training,
+    with the targets that do work."""
+    fused = sorted(getattr(lora, "target_parameters", None) or [])
+    if fused:
+        linear = sorted(lora.target_modules or [])
+        fix = f"--lora_target_modules {','.join(linear)}" if linear else "--lora_target_modules <attention layers>"
+        raise ConfigError(f"{flags}: on this mixture-of-experts model peft adapts the experts' fused tensors "
+                          f"({', '.join(fused)}), which grpo cannot sync to the rollout engine or merge; adapt the "
+                          f"linear layers alone: {fix}")
 
 
 @contextlib.contextmanager
