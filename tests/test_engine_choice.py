@@ -123,8 +123,9 @@ def test_rollout_weights_auto_merges_lora_in_place_from_8_gib_or_a_quarter_of_th
     monkeypatch.setattr(lora_policy.config, "kv_lora_rank", 512, raising=False)
     assert engines.engine_weights(lora, lora_policy, vision=None) == "in_place"
     assert engines.engine_weights(explicit_in_place, lora_policy, vision=None) == "in_place"
-    monkeypatch.setattr(engines, "has_triton", lambda: False)  # in_place cannot: auto falls back as for qlora
-    assert engines.engine_weights(lora, lora_policy, vision=None) == "merged"  # (15 GB of 80: merged)
+    monkeypatch.setattr(engines, "has_triton", lambda: False)  # in_place cannot: auto falls back as for qlora, ...
+    monkeypatch.setattr(engines, "gpu_memory_bytes", lambda cap=None: 30 * 2**30)  # (15 GB of 30: adapter by size)
+    assert engines.engine_weights(lora, lora_policy, vision=None) == "merged"  # ... and vLLM's LoRA cannot take MLA
 
 
 def test_in_place_refuses_what_its_merge_cannot_take(model_dir, monkeypatch):

@@ -16,7 +16,6 @@ from .sync_setup import IDS, STOCK_4BIT, as_if_trained, trained_policy
 from .tiny_models import make_tiny_model_dir
 
 
-
 class RecordingEngine(RolloutEngine):
     """Stands in for the rollout engine's load_weights: records every call."""
 
@@ -213,6 +212,16 @@ def test_lora_on_fused_expert_tensors_is_refused_before_training_with_targets_th
     sent = dict(iter_policy_weights(policy, "lora"))
     assert sorted({name.split(".")[-2] for name in sent}) == ["k_proj", "o_proj", "q_proj", "v_proj"]
     assert len(sent) == 2 * 4 and all(name.startswith("model.layers.") for name in sent)
+    # an adapter saved with the experts adapted (as peft writes it) is refused when training would continue it
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    with_experts = get_peft_model(AutoModelForCausalLM.from_pretrained(folder),
+                                  LoraConfig(r=4, target_modules="all-linear", task_type="CAUSAL_LM"))
+    with_experts.save_pretrained(str(tmp_path / "adapter"))
+    with pytest.raises(ConfigError, match=r"--lora_adapter_path .*adapter: on this mixture-of-experts model .*train "
+                                          r"a new adapter with --lora_target_modules k_proj,o_proj,q_proj,v_proj$"):
+        trained_policy(folder, "lora", lora_adapter_path=str(tmp_path / "adapter"))
 
 
 def scrambled(model):

@@ -192,7 +192,10 @@ def _attach_lora(model, config: GRPOConfig, language_linears: Optional[list[str]
                     f"alpha={saved.get('lora_alpha')})")
         warn_if_another_base(config.lora_adapter_path, config)
         with peft_asks_old_checkpointing_name():
-            return PeftModel.from_pretrained(model, config.lora_adapter_path, is_trainable=True)
+            policy = PeftModel.from_pretrained(model, config.lora_adapter_path, is_trainable=True)
+        _refuse_fused_expert_adapters(policy, f"--lora_adapter_path {config.lora_adapter_path}",
+                                      "train a new adapter with")
+        return policy
     targets = lora_target_modules(config.lora_target_modules)
     if targets == "all-linear" and language_linears is not None and config.freeze_vision_tower:
         targets = language_linears
@@ -209,22 +212,26 @@ def _attach_lora(model, config: GRPOConfig, language_linears: Optional[list[str]
             policy = get_peft_model(model, lora)
     except ValueError as exc:  # e.g. target modules not found, or every one of them excluded
         raise ConfigError(f"{flags}: {exc}") from exc
-    _refuse_fused_expert_targets(policy.peft_config["default"], flags)
+    _refuse_fused_expert_adapters(policy, flags, "adapt the linear layers alone:")
     return policy
 
 
-def _refuse_fused_expert_targets(lora, flags: str) -> None:
+def _refuse_fused_expert_adapters(policy, flags: str, way_out: str) -> None:
     """A mixture-of-experts model whose experts transformers holds as fused tensors: peft adapts those tensors
-    (`target_parameters`) for gate_proj / up_proj / down_proj, and even a dense layer's MLP of those names then goes
-    unadapted; weight sync and the merges take LoRA layers of linear modules only. Said here, before any training,
-    with the targets that do work."""
+    (ParamWrapper layers, `target_parameters`) for gate_proj / up_proj / down_proj, and a dense layer's MLP of those
+    names then goes unadapted; weight sync and the merges take LoRA layers of linear modules only. Said here, before
+    any training, with the targets that do work."""
+    from peft.tuners.lora.layer import ParamWrapper
+
+    if not any(isinstance(module, ParamWrapper) for module in policy.modules()):
+        return
+    lora = policy.peft_config["default"]
     fused = sorted(getattr(lora, "target_parameters", None) or [])
-    if fused:
-        linear = sorted(lora.target_modules or [])
-        fix = f"--lora_target_modules {','.join(linear)}" if linear else "--lora_target_modules <attention layers>"
-        raise ConfigError(f"{flags}: on this mixture-of-experts model peft adapts the experts' fused tensors "
-                          f"({', '.join(fused)}), which grpo cannot sync to the rollout engine or merge; adapt the "
-                          f"linear layers alone: {fix}")
+    targets = lora.target_modules or []
+    linear = sorted({name.rsplit(".", 1)[-1] for name in ([targets] if isinstance(targets, str) else targets)})
+    fix = f"--lora_target_modules {','.join(linear)}" if linear else "--lora_target_modules <attention layers>"
+    raise ConfigError(f"{flags}: on this mixture-of-experts model peft adapts the experts' fused tensors "
+                      f"({', '.join(fused)}), which grpo cannot sync to the rollout engine or merge; {way_out} {fix}")
 
 
 @contextlib.contextmanager
