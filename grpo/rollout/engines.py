@@ -176,14 +176,7 @@ def engine_weights(config, policy, vision, model_path: str | None = None) -> str
         choice = "adapter"
     if choice != "adapter":
         return choice
-    peft_config = getattr(policy, "peft_config", {}).get("default")
-    split = _fused_parts_left_16bit(config) if config.tuning_strategy == "qlora" and not stored_4bit else None
-    why = ("a vision-language model" if vision else split if split else
-           # measured on a DeepSeek-V2 shape (H200, 2026-11-27): vLLM's LoRA scored 0.38-0.76 nats off the policy
-           "MLA attention (DeepSeek-V2/V3)" if getattr(getattr(policy, "config", None), "kv_lora_rank", None)
-           else "modules_to_save (vLLM's LoRA takes LoRA layers only)" if getattr(peft_config, "modules_to_save", None)
-           else "DoRA" if getattr(peft_config, "use_dora", False)
-           else "lora_bias" if getattr(peft_config, "lora_bias", False) else None)
+    why = _adapter_refusal(config, policy, vision, stored_4bit)
     if why is not None:
         if stored_4bit:  # nor can a merged engine start: there are no 16-bit weights
             raise ConfigError(f"{model_path} is saved in 4 bits, which vLLM takes only with the adapter, and vLLM's "
@@ -203,6 +196,24 @@ def engine_weights(config, policy, vision, model_path: str | None = None) -> str
     logger.info("vLLM holds the base once and takes the adapter at each sync (--rollout_weights "
                 f"{config.rollout_weights})")
     return "adapter"
+
+
+def _adapter_refusal(config, policy, vision, stored_4bit: bool) -> str | None:
+    """Why vLLM's LoRA cannot take this policy's adapter, or None."""
+    peft_config = getattr(policy, "peft_config", {}).get("default")
+    if vision:
+        return "a vision-language model"
+    split = _fused_parts_left_16bit(config) if config.tuning_strategy == "qlora" and not stored_4bit else None
+    if split:
+        return split
+    if getattr(getattr(policy, "config", None), "kv_lora_rank", None):
+        # measured on a DeepSeek-V2 shape (H200, 2026-11-27): vLLM's LoRA scored 0.38-0.76 nats off the policy
+        return "MLA attention (DeepSeek-V2/V3)"
+    for option, why in (("modules_to_save", "modules_to_save (vLLM's LoRA takes LoRA layers only)"),
+                        ("use_dora", "DoRA"), ("lora_bias", "lora_bias")):
+        if getattr(peft_config, option, None):
+            return why
+    return None
 
 
 def _in_place_refusal(policy, vision) -> str | None:

@@ -145,10 +145,10 @@ def main():
     sequence = torch.randint(3, 32000, (1, 96), generator=torch.Generator().manual_seed(1))
     ids = sequence.to(device)
 
-    def trainer_logprobs():
+    def trainer_logprobs(tokens=ids):
         with torch.no_grad():
-            logits = engine.module(input_ids=ids).logits
-        return token_logprobs(logits[:, :-1], ids[:, 1:])[0].float().cpu()
+            logits = engine.module(input_ids=tokens).logits
+        return token_logprobs(logits[:, :-1], tokens[:, 1:])[0].float().cpu()
 
     def vllm_logprobs():
         return torch.tensor(vllm.prompt_logprobs(sequence[0].tolist()))
@@ -206,11 +206,8 @@ def main():
     decode_gaps = []
     for completion in out:
         prompt = prompts[completion.prompt_index]
-        tokens = torch.tensor([prompt + completion.token_ids], device=device)
-        with torch.no_grad():
-            logits = engine.module(input_ids=tokens).logits[:, :-1]
-        trained = token_logprobs(logits, tokens[:, 1:])[0, len(prompt) - 1:]
-        decode_gaps.append(gap(trained.float().cpu(), torch.tensor(completion.logprobs)))
+        trained = trainer_logprobs(torch.tensor([prompt + completion.token_ids], device=device))[len(prompt) - 1:]
+        decode_gaps.append(gap(trained, torch.tensor(completion.logprobs)))
     rows.append({"generate_s": generate_s, "completions": len(out), "base_exact": base_exact,
                  "decode_gap": sum(decode_gaps) / len(decode_gaps), "decode_gap_max": max(decode_gaps),
                  "unsynced_wake_refused": refused, "prompt_order": [c.prompt_index for c in out],
