@@ -229,8 +229,10 @@ class GRPOConfig:
                 "adapter merged in at every sync. adapter: the base once (lora: shared with the trainer; qlora: its "
                 "4-bit base) plus the adapter, all a sync sends. in_place (lora): the base once, shared with the "
                 "trainer, the adapter merged in for each rollout and taken out after, bit for bit. auto: in_place for "
-                "lora once the 16-bit copy would take 8 GiB (4.3B parameters) or over 25 percent of the GPU, adapter "
-                "for qlora over 40 percent, merged otherwise (faster there; the log says why it picked merged).",
+                "lora once the 16-bit copy would take 8 GiB (4.3B parameters) or over 25 percent of the GPU; adapter "
+                "over 40 percent for qlora (and lora where in_place cannot go, e.g. server mode) and always for a "
+                "checkpoint saved in 4 bits; merged otherwise, faster there, and with --vllm_tp > 1 or loftq (the log "
+                "says why).",
         "rollout", choices=ROLLOUT_WEIGHTS)
     async_rollout: bool = _opt(
         False, "With --rollout_mode server: the rollout ranks generate the next step's rollouts while this step trains "
@@ -250,15 +252,15 @@ class GRPOConfig:
               "for models it cannot size (MLA, hybrid, vision-language). A number: that many GiB. share: "
               "what --vllm_gpu_memory_utilization leaves after the weights and activations. Default: auto colocated, "
               "share in server mode.", "rollout")
-    vllm_sleep: bool = _opt(True, "Put vLLM to sleep while DeepSpeed trains: its KV cache and weights are freed, and "
-                                    "every sync then sends the whole policy. false: it stays awake, and a lora / qlora "
-                                    "sync sends only the adapted layers. Colocated vLLM only (rollout ranks of "
-                                    "server mode never sleep).", "rollout")
+    vllm_sleep: bool = _opt(True, "Put vLLM to sleep while DeepSpeed trains, freeing what --vllm_sleep_level says. "
+                                    "false: it stays awake, and a lora / qlora sync sends only the adapted layers. "
+                                    "Colocated vLLM only (rollout ranks of server mode never sleep).", "rollout")
     vllm_sleep_level: Optional[int] = _opt(
         None, "With --vllm_sleep: 0 frees the KV cache alone, the weights stay, and a sync writes only what changed "
               "into them; 2 drops the weights, and every sync sends the whole policy (a copy on the GPU); 1 parks "
               "them in pinned CPU memory and copies them back at each wake. Default: 0 for lora / qlora with merged "
-              "weights on one GPU where vLLM's 16-bit copy takes at most a quarter of the GPU, else 2.",
+              "weights on one GPU where vLLM's 16-bit copy takes at most a quarter of the GPU, else 2; an engine "
+              "holding the base once keeps it (parked as at 1, or shared with the trainer: the KV cache alone).",
         "experimental", choices=(0, 1, 2))
     logprob_check_steps: int = _opt(
         10, "Ask the rollout engine for its sampling log-probs every N steps, for the rollout/logprob_diff metric "
