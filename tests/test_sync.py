@@ -208,6 +208,15 @@ def test_lora_on_fused_expert_tensors_is_refused_before_training_with_targets_th
         trained_policy(folder, "lora")
     with pytest.raises(ConfigError, match="mixture-of-experts"):  # named experts too
         trained_policy(folder, "lora", targets="q_proj,w1,w2,w3")  # Mixtral's names for them
+    # with dropout (the default 0.05) peft refuses its expert layers first: the same refusal, not peft's about dropout
+    from grpo import GRPOConfig
+    from grpo.model.loading import load_policy
+
+    with pytest.raises(ConfigError, match=r"--lora_target_modules all-linear: on this mixture-of-experts model peft "
+                                          r"adapts the experts' fused tensors \(down_proj, gate_up_proj\).*"
+                                          r"--lora_target_modules k_proj,o_proj,q_proj,v_proj$"):
+        load_policy(GRPOConfig(model_name_or_path=folder, tuning_strategy="lora"), folder, torch.float32,
+                    torch.device("cpu"))
     policy = trained_policy(folder, "lora", targets="k_proj,o_proj,q_proj,v_proj")
     sent = dict(iter_policy_weights(policy, "lora"))
     assert sorted({name.split(".")[-2] for name in sent}) == ["k_proj", "o_proj", "q_proj", "v_proj"]

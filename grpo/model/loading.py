@@ -211,6 +211,9 @@ def _attach_lora(model, config: GRPOConfig, language_linears: Optional[list[str]
         with peft_asks_old_checkpointing_name():
             policy = get_peft_model(model, lora)
     except ValueError as exc:  # e.g. target modules not found, or every one of them excluded
+        if "ParamWrapper" in str(exc):  # peft's layer for fused expert tensors, which refuses lora_dropout first
+            raise ConfigError(_fused_experts_message(flags, _fused_expert_tensors(model), _linear_names(model),
+                                                     "adapt the linear layers alone:")) from exc
         raise ConfigError(f"{flags}: {exc}") from exc
     _refuse_fused_expert_adapters(policy, flags, "adapt the linear layers alone:")
     return policy
@@ -229,9 +232,30 @@ def _refuse_fused_expert_adapters(policy, flags: str, way_out: str) -> None:
     fused = sorted(getattr(lora, "target_parameters", None) or [])
     targets = lora.target_modules or []
     linear = sorted({name.rsplit(".", 1)[-1] for name in ([targets] if isinstance(targets, str) else targets)})
+    raise ConfigError(_fused_experts_message(flags, fused, linear, way_out))
+
+
+def _fused_experts_message(flags: str, fused: list[str], linear: list[str], way_out: str) -> str:
     fix = f"--lora_target_modules {','.join(linear)}" if linear else "--lora_target_modules <attention layers>"
-    raise ConfigError(f"{flags}: on this mixture-of-experts model peft adapts the experts' fused tensors "
-                      f"({', '.join(fused)}), which grpo cannot sync to the rollout engine or merge; {way_out} {fix}")
+    return (f"{flags}: on this mixture-of-experts model peft adapts the experts' fused tensors ({', '.join(fused)}), "
+            f"which grpo cannot sync to the rollout engine or merge; {way_out} {fix}")
+
+
+def _fused_expert_tensors(model) -> list[str]:
+    """The names of a model's 3-D weights outside convolutions: experts that transformers holds fused."""
+    return sorted({name for module in model.modules() if not isinstance(module, torch.nn.modules.conv._ConvNd)
+                   for name, p in module.named_parameters(recurse=False) if p.dim() == 3})
+
+
+def _linear_names(model) -> list[str]:
+    """The short names of a model's linear layers but its output layer, as "all-linear" means them; peft may have
+    wrapped some already (their `base_layer`), its own lora_A / lora_B left out."""
+    output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    names = set()
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and module is not output and ".lora_" not in f".{name}":
+            names.add(name.removesuffix(".base_layer").rsplit(".", 1)[-1])
+    return sorted(names)
 
 
 @contextlib.contextmanager
