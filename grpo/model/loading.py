@@ -212,7 +212,8 @@ def _attach_lora(model, config: GRPOConfig, language_linears: Optional[list[str]
             policy = get_peft_model(model, lora)
     except ValueError as exc:  # e.g. target modules not found, or every one of them excluded
         if "ParamWrapper" in str(exc):  # peft's layer for fused expert tensors, which refuses lora_dropout first
-            raise ConfigError(_fused_experts_message(flags, _fused_expert_tensors(model), _linear_names(model),
+            linear = _linear_names(model, targets)
+            raise ConfigError(_fused_experts_message(flags, _fused_expert_tensors(model), linear,
                                                      "adapt the linear layers alone:")) from exc
         raise ConfigError(f"{flags}: {exc}") from exc
     _refuse_fused_expert_adapters(policy, flags, "adapt the linear layers alone:")
@@ -247,15 +248,17 @@ def _fused_expert_tensors(model) -> list[str]:
                    for name, p in module.named_parameters(recurse=False) if p.dim() == 3})
 
 
-def _linear_names(model) -> list[str]:
-    """The short names of a model's linear layers but its output layer, as "all-linear" means them; peft may have
-    wrapped some already (their `base_layer`), its own lora_A / lora_B left out."""
+def _linear_names(model, targets) -> list[str]:
+    """The short names of the model's linear layers that `targets` asks for ("all-linear": all but the output
+    layer), as peft resolves them once it has built the adapter; peft may have wrapped some already (their
+    `base_layer`), its own lora_A / lora_B left out."""
     output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    wanted = None if targets == "all-linear" else {t.rsplit(".", 1)[-1] for t in targets}
     names = set()
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Linear) and module is not output and ".lora_" not in f".{name}":
             names.add(name.removesuffix(".base_layer").rsplit(".", 1)[-1])
-    return sorted(names)
+    return sorted(names if wanted is None else names & wanted)
 
 
 @contextlib.contextmanager
