@@ -233,6 +233,55 @@ def test_lora_on_fused_expert_tensors_is_refused_before_training_with_targets_th
         trained_policy(folder, "lora", lora_adapter_path=str(tmp_path / "adapter"))
 
 
+def tiny_qwen3_moe_dir(path: str) -> str:
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen3MoeConfig(vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                            num_experts=4, num_experts_per_tok=2, tie_word_embeddings=False)
+    Qwen3MoeForCausalLM(config).save_pretrained(path, safe_serialization=True)
+    return path
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("strategy", ["full", "lora"])
+def test_fused_experts_are_sent_as_the_checkpoint_holds_them(tmp_path, arch, strategy):
+    """transformers fuses a mixture-of-experts checkpoint's per-expert linears as it loads them (and moves Mixtral's
+    block_sparse_moe to mlp); the engine loaded the checkpoint, so the sync sends the checkpoint's own tensors, and
+    those reproduce the trained policy."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    from grpo.rollout.hf import HFRolloutEngine
+    from .tiny_models import make_tiny_moe_model_dir, make_tiny_tokenizer
+
+    folder = make_tiny_moe_model_dir(str(tmp_path / arch)) if arch == "mixtral" else tiny_qwen3_moe_dir(
+        str(tmp_path / arch))
+    with safe_open(os.path.join(folder, "model.safetensors"), "pt") as saved:
+        checkpoint = {name: saved.get_slice(name).get_shape() for name in saved.keys()}
+    policy = trained_policy(folder, strategy, targets="k_proj,o_proj,q_proj,v_proj")
+    if strategy == "full":
+        with torch.no_grad():  # (as_if_trained moves the linears; the experts and router must move too)
+            for name, param in policy.named_parameters():
+                if ".mlp." in name:
+                    param.add_(0.05 * torch.randn_like(param))
+    named = list(iter_policy_weights(policy, strategy, dtype=torch.float32, everything=True))
+    assert {name: list(t.shape) for name, t in named} == checkpoint  # every tensor once, named as saved
+    experts = [name for name in checkpoint if ".experts." in name]
+    assert len(experts) == 2 * 4 * 3  # layers x experts x (gate, up, down)
+    engine = HFRolloutEngine(AutoModelForCausalLM.from_pretrained(folder), make_tiny_tokenizer(), owns_model=True)
+    scrambled(engine.model)
+    engine.load_weights(named)  # the engine's model is fused again: each expert lands in its block of rows
+    policy.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(engine.model.eval()(IDS).logits, policy(IDS).logits, atol=1e-5, rtol=1e-5)
+    # later syncs of lora send the adapted linears alone, under the same names as before
+    if strategy == "lora":
+        later = dict(iter_policy_weights(policy, strategy, dtype=torch.float32, first_sync=False))
+        assert sorted({name.split(".")[-2] for name in later}) == ["k_proj", "o_proj", "q_proj", "v_proj"]
+
+
 def scrambled(model):
     """`model` with every parameter overwritten by noise: what an engine holds after dropping its weights."""
     torch.manual_seed(3)

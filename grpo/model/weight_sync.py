@@ -28,6 +28,7 @@ import torch
 
 from grpo.config.choices import STRATEGIES
 from grpo.errors import ConfigError
+from grpo.model.checkpoint_layout import converted_names, to_checkpoint
 from grpo.model.vision import checkpoint_prefixes, rename
 
 PEFT_PREFIX = "base_model.model."
@@ -61,9 +62,11 @@ def iter_policy_weights(model, strategy: str, *, dtype: torch.dtype = torch.bflo
     written there in place and yielded as that very tensor, so nothing else holds them.
     """
     prefixes = checkpoint_prefixes(model)  # peft forwards .config to the base model
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    converted = converted_names(base, _live_shapes(model), lambda name: rename(name, prefixes))
 
     def target(name: str) -> torch.Tensor | None:
-        return into.get(rename(name, prefixes)) if into else None
+        return into.get(rename(name, prefixes)) if into and name not in converted else None
 
     if strategy == "full":
         named = _iter_full(model, dtype, zero3, target)
@@ -72,7 +75,8 @@ def iter_policy_weights(model, strategy: str, *, dtype: torch.dtype = torch.bflo
                               everything=everything, target=target)
     else:
         raise ConfigError(f"--tuning_strategy {strategy!r}: weight sync knows {', '.join(STRATEGIES)}")
-    for name, tensor in named:  # vision-language models: the checkpoint's layout (see grpo/vision.py)
+    # the checkpoint's layout: vision-language models' prefixes (grpo/model/vision.py), fused experts split again
+    for name, tensor in to_checkpoint(base, named, converted):
         yield rename(name, prefixes), tensor
 
 
@@ -80,12 +84,17 @@ def checkpoint_shapes(model) -> dict[str, torch.Size]:
     """checkpoint name -> shape of each tensor of the policy's base (4-bit weights unpacked, ZeRO-3 partitions whole):
     what an engine needs to find its blocks of them (grpo.model.engine_layout)."""
     prefixes = checkpoint_prefixes(model)
+    return {rename(name, prefixes): shape for name, shape in _live_shapes(model).items()}
+
+
+def _live_shapes(model) -> dict[str, torch.Size]:
+    """The base's parameter names as transformers holds them (peft's prefix and .base_layer taken out) -> shape."""
     shapes = {}
     for name, param in model.named_parameters():
         if "lora_" in name:
             continue
         shape = param.quant_state.shape if is_4bit(param) else getattr(param, "ds_shape", param.shape)
-        shapes[rename(checkpoint_name(name), prefixes)] = torch.Size(shape)
+        shapes[checkpoint_name(name)] = torch.Size(shape)
     return shapes
 
 

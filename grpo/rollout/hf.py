@@ -143,10 +143,10 @@ class HFRolloutEngine(RolloutEngine):
         grpo/vision.py; tied weights appear under each of their names), built on the first sync and kept: a sync
         arrives in many calls."""
         if self._by_checkpoint_name is None:
+            from grpo.model.checkpoint_layout import checkpoint_views
             from grpo.model.vision import checkpoint_prefixes, rename
 
             prefixes = checkpoint_prefixes(self.model)
-            self._by_checkpoint_name = {rename(name, prefixes): p
-                                        for name, p in self.model.state_dict(keep_vars=True).items()}
+            self._by_checkpoint_name = checkpoint_views(self.model, lambda name: rename(name, prefixes))
         return self._by_checkpoint_name
 

@@ -38,12 +38,18 @@ MODEL_DIR = os.environ.get("GRPO_GPU_MODEL", "/tmp/grpo_gpu_model")
 LEARNING_RATES = {"full": 1e-4, "lora": 5e-3, "qlora": 5e-3}  # large enough that each step visibly moves log-probs
 
 
+MOE_ARCHS = ("mixtral", "qwen3_moe")
+MOE_TARGETS = "q_proj,k_proj,v_proj,o_proj"  # (peft's adapters on fused experts cannot be synced: refused at load)
+
+
 def build_model(path: str, arch: str = "llama") -> str:
     """A random Llama (or, arch "mla", a DeepSeek-V2 of MLA attention and dense MLPs, with DeepSeek-V2-Lite's
-    attention widths) saved as a bf16 safetensors checkpoint (reused when already there)."""
+    attention widths; "mixtral" / "qwen3_moe", 8 experts, 2 per token, saved with one tensor per expert as their
+    checkpoints are) saved as a bf16 safetensors checkpoint (reused when already there)."""
     if os.path.isfile(os.path.join(path, "config.json")):
         return path
-    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, LlamaConfig, LlamaForCausalLM
+    from transformers import (DeepseekV2Config, DeepseekV2ForCausalLM, LlamaConfig, LlamaForCausalLM, MixtralConfig,
+                              MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
     torch.manual_seed(0)
     shared = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, max_position_embeddings=2048,
@@ -54,6 +60,14 @@ def build_model(path: str, arch: str = "llama") -> str:
                                   v_head_dim=128, first_k_dense_replace=4, n_routed_experts=4, n_shared_experts=1,
                                   num_experts_per_tok=2, moe_intermediate_size=512)
         model_class = DeepseekV2ForCausalLM
+    elif arch == "mixtral":
+        config = MixtralConfig(**shared, num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=4,
+                               num_local_experts=8, num_experts_per_tok=2)
+        model_class = MixtralForCausalLM
+    elif arch == "qwen3_moe":
+        config = Qwen3MoeConfig(**shared, num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=4,
+                                head_dim=64, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=704)
+        model_class = Qwen3MoeForCausalLM
     else:
         config = LlamaConfig(**shared, num_hidden_layers=12, num_attention_heads=16, num_key_value_heads=4)
         model_class = LlamaForCausalLM
@@ -73,8 +87,9 @@ def main():
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--tp", type=int, default=1, help="vLLM tensor-parallel size (= the number of ranks)")
     parser.add_argument("--local_rank", type=int, default=0, help="set by the DeepSpeed launcher")
-    parser.add_argument("--arch", choices=["llama", "mla"], default="llama",
-                        help="mla: a DeepSeek-V2 model, whose vLLM attention decodes through W_UK_T / W_UV")
+    parser.add_argument("--arch", choices=["llama", "mla", *MOE_ARCHS], default="llama",
+                        help="mla: a DeepSeek-V2 model, whose vLLM attention decodes through W_UK_T / W_UV; "
+                             "mixtral / qwen3_moe: experts that transformers fuses on load, vLLM per expert")
     parser.add_argument("--rollout_weights", choices=["merged", "adapter", "in_place"], default="merged")
     parser.add_argument("--sleep_level", type=int, choices=[0, 2], default=2,
                         help="0: the engine keeps its weights (frees its KV cache alone), so a sync writes only what "
@@ -101,7 +116,7 @@ def main():
     dist_utils.barrier()
     cfg = GRPOConfig(model_name_or_path=path, tuning_strategy=args.strategy, lora_rank=16, lora_alpha=32,
                      lora_dropout=0.0, deepspeed=f"zero{args.zero}", per_device_train_batch_size=1, k_samples=2,
-                     **qlora_rounding(args))
+                     **({"lora_target_modules": MOE_TARGETS} if args.arch in MOE_ARCHS else {}), **qlora_rounding(args))
     device = dist_utils.device()
     policy = load_policy(cfg, path, torch.bfloat16, device)
     trainable = [p for p in policy.parameters() if p.requires_grad]

@@ -1,0 +1,99 @@
+"""The checkpoint's own tensors from a model's live ones, where transformers changed more than names on load.
+
+transformers 5 converts some checkpoints as it loads them (its conversion mapping): a mixture-of-experts model's
+per-expert linears become one fused tensor per layer, and some modules move,
+
+    Mixtral   block_sparse_moe.experts.{e}.w1 / w3 [I, H]   ->  mlp.experts.gate_up_proj [E, 2I, H]  (w1 rows first)
+              block_sparse_moe.experts.{e}.w2 [H, I]        ->  mlp.experts.down_proj   [E, H, I]
+              block_sparse_moe.gate                         ->  mlp.gate
+    Qwen3-MoE mlp.experts.{e}.gate_proj / up_proj / down_proj  ->  mlp.experts.gate_up_proj / down_proj
+
+while a rollout engine (vLLM) loaded the checkpoint as saved and knows its names only (before this, a sync of
+Mixtral failed in vLLM's loader: "no module or parameter named 'layers.0.mlp'"). transformers' own reversal (the one
+save_pretrained runs) gives those tensors back, split out of the live ones, so a sync sends what the checkpoint
+holds, under its names. The prefix renames of vision-language models (grpo.model.vision) stay where they are: they
+are 1:1 and used beside the sync; what they already cover is not converted again here.
+"""
+from __future__ import annotations
+
+import logging
+import weakref
+from typing import Iterable, Iterator
+
+import torch
+
+logger = logging.getLogger("grpo")
+_CONVERTED: "weakref.WeakKeyDictionary[torch.nn.Module, frozenset[str]]" = weakref.WeakKeyDictionary()
+
+
+def _revert(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    from transformers.core_model_loading import revert_weight_conversion
+
+    return revert_weight_conversion(model, tensors)
+
+
+def converted_names(model: torch.nn.Module, live_shapes: dict[str, torch.Size], renamed) -> frozenset[str]:
+    """The live parameter names whose checkpoint tensors differ by more than `renamed(name)` (the 1:1 prefix
+    renames): found once per model by reverting the conversion on shape-only (meta) tensors, then kept."""
+    if model in _CONVERTED:
+        return _CONVERTED[model]
+    try:
+        reverted = _revert(model, {name: torch.empty(shape, device="meta") for name, shape in live_shapes.items()})
+    except Exception as err:  # noqa: BLE001  (transformers' internals: the sync then sends live names, as before)
+        logger.warning("could not map this model's weights back to its checkpoint's names (%s: %s); the rollout "
+                       "engine gets the names transformers uses in memory", type(err).__name__, err)
+        reverted = {}
+    names = frozenset(name for name in live_shapes if reverted and renamed(name) not in reverted)
+    if names:
+        logger.info("weight sync converts %d tensors back to the checkpoint's layout (e.g. %s), as the rollout "
+                    "engine loaded them", len(names), sorted(names)[0])
+    _CONVERTED[model] = names
+    return names
+
+
+def to_checkpoint(model: torch.nn.Module, named: Iterable[tuple[str, torch.Tensor]],
+                  converted: frozenset[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Pass (live name, tensor) pairs through, those in `converted` reverted to the checkpoint's (name, tensor)
+    pairs. The stream comes one module at a time; a module's converted tensors are reverted together (a reversal
+    may need several of them) when the next module starts."""
+    group: dict[str, torch.Tensor] = {}
+    owner = None
+    for name, tensor in named:
+        if name not in converted:
+            yield name, tensor
+            continue
+        module = name.rpartition(".")[0]
+        if group and module != owner:
+            yield from _revert(model, group).items()
+            group = {}
+        owner = module
+        group[name] = tensor
+    if group:
+        yield from _revert(model, group).items()
+
+
+class _Scattered:
+    """Where a checkpoint tensor lives inside a live (fused) one: flat element indices, so that copy_ writes it there
+    (transformers' reversal of a fused tensor may copy rather than view)."""
+
+    def __init__(self, live: torch.Tensor, index: torch.Tensor):
+        self.live, self.index, self.shape = live, index.reshape(-1), index.shape
+
+    def copy_(self, tensor: torch.Tensor) -> None:
+        flat = self.live.view(-1)  # (int32 indices, held at half the size: index_copy_ takes int64)
+        flat.index_copy_(0, self.index.to(flat.device, torch.int64), tensor.reshape(-1).to(flat.dtype))
+
+
+def checkpoint_views(model: torch.nn.Module, renamed) -> dict:
+    """checkpoint name -> where the model holds it, something to `copy_` a sent tensor into (tied weights under each
+    of their names): the live tensor itself, or its place inside a fused one. For a model of the same class that
+    receives a sync sent in checkpoint names."""
+    own = model.state_dict(keep_vars=True)
+    converted = converted_names(model, {name: p.shape for name, p in model.named_parameters()}, renamed)
+    views = {renamed(name): tensor for name, tensor in own.items() if name not in converted}
+    for name in converted:  # revert each live tensor's element numbers: the checkpoint tensors' places in it
+        live = own[name].data
+        numbers = torch.arange(live.numel(), dtype=torch.int32 if live.numel() < 2**31 else torch.int64)
+        for saved, index in _revert(model, {name: numbers.view(live.shape)}).items():
+            views[saved] = _Scattered(live, index)
+    return views
