@@ -8,11 +8,11 @@ per-expert linears become one fused tensor per layer, and some modules move,
               block_sparse_moe.gate                         ->  mlp.gate
     Qwen3-MoE mlp.experts.{e}.gate_proj / up_proj / down_proj  ->  mlp.experts.gate_up_proj / down_proj
 
-while a rollout engine (vLLM) loaded the checkpoint as saved and knows its names only (Mixtral's
-under transformers' names fails in vLLM's loader: "no module or parameter named 'layers.0.mlp'"). transformers' own reversal (the one
-save_pretrained runs) gives those tensors back, split out of the live ones, so a sync sends what the checkpoint
-holds, under its names. The prefix renames of vision-language models (grpo.model.vision) stay where they are: they
-are 1:1 and used beside the sync; what they already cover is not converted again here.
+while a rollout engine (vLLM) loaded the checkpoint as saved and knows its names only (Mixtral's under
+transformers' names fails in vLLM's loader: "no module or parameter named 'layers.0.mlp'"). transformers' own
+reversal (the one save_pretrained runs) gives those tensors back, split out of the live ones, so a sync sends what
+the checkpoint holds, under its names. The prefix renames of vision-language models (grpo.model.vision) stay where
+they are: they are 1:1 and used beside the sync; what they already cover is not converted again here.
 """
 from __future__ import annotations
 
