@@ -165,6 +165,30 @@ def test_in_place_refuses_what_its_merge_cannot_take(model_dir, monkeypatch):
                    rollout_weights="adapter")
 
 
+@pytest.mark.parametrize("strategy", ["lora", "qlora"])
+def test_a_mixture_of_experts_model_takes_merged_weights(tmp_path, monkeypatch, strategy):
+    """transformers fuses a mixture-of-experts checkpoint's experts on load; vLLM holds them per the checkpoint, so
+    they cannot be shared and in_place / adapter would hold the base twice: auto takes merged at any size, and an
+    explicit choice is an error that says why."""
+    from grpo.rollout import engines
+
+    from .tiny_models import make_tiny_moe_model_dir
+
+    folder = make_tiny_moe_model_dir(str(tmp_path / "moe"))
+    options = dict(lora_rank=4, lora_alpha=8, lora_dropout=0.0, lora_target_modules="k_proj,o_proj,q_proj,v_proj")
+    policy = trained_policy(folder, strategy, targets=options["lora_target_modules"])
+    monkeypatch.setattr(engines, "has_triton", lambda: True)
+    monkeypatch.setattr(engines, "IN_PLACE_FROM_BYTES", 0)  # as large as in_place's and adapter's bars
+    monkeypatch.setattr(engines, "gpu_memory_bytes", lambda cap=None: 1)
+    auto = GRPOConfig(model_name_or_path=folder, tuning_strategy=strategy, rollout_engine="vllm", **options)
+    assert engines.engine_weights(auto, policy, vision=None) == "merged"
+    for explicit in (["adapter", "in_place"] if strategy == "lora" else ["adapter"]):
+        config = GRPOConfig(**{**auto.__dict__, "rollout_weights": explicit})
+        with pytest.raises(ConfigError, match=rf"--rollout_weights {explicit}.*cannot take tensors that transformers "
+                                              r"fused or moved on load \(6, e\.g\. model\.layers\.0\.mlp\.experts\.down_proj\)"):
+            engines.engine_weights(config, policy, vision=None)
+
+
 def test_a_checkpoint_saved_in_4bit_trains_with_qlora_as_it_is(model_dir, tmp_path, monkeypatch):
     """A bitsandbytes 4-bit folder (as hub *-bnb-4bit models ship) loads for qlora with its own 4-bit weights, never
     a 16-bit copy; the engine then takes the adapter (a merged engine would start from 16-bit weights that are not

@@ -23,7 +23,8 @@ from typing import Iterable, Iterator
 import torch
 
 logger = logging.getLogger("grpo")
-_CONVERTED: "weakref.WeakKeyDictionary[torch.nn.Module, frozenset[str]]" = weakref.WeakKeyDictionary()
+# model -> the checkpoint names its parameters revert to (None: the reversal failed), found once
+_SAVED_NAMES: "weakref.WeakKeyDictionary[torch.nn.Module, frozenset[str] | None]" = weakref.WeakKeyDictionary()
 
 
 def _revert(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -34,21 +35,21 @@ def _revert(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> dict[st
 
 def converted_names(model: torch.nn.Module, live_shapes: dict[str, torch.Size], renamed) -> frozenset[str]:
     """The live parameter names whose checkpoint tensors differ by more than `renamed(name)` (the 1:1 prefix
-    renames): found once per model by reverting the conversion on shape-only (meta) tensors, then kept."""
-    if model in _CONVERTED:
-        return _CONVERTED[model]
-    try:
-        reverted = _revert(model, {name: torch.empty(shape, device="meta") for name, shape in live_shapes.items()})
-    except Exception as err:  # noqa: BLE001  (transformers' internals: the sync then sends live names, as before)
-        logger.warning("could not map this model's weights back to its checkpoint's names (%s: %s); the rollout "
-                       "engine gets the names transformers uses in memory", type(err).__name__, err)
-        reverted = {}
-    names = frozenset(name for name in live_shapes if reverted and renamed(name) not in reverted)
-    if names:
-        logger.info("weight sync converts %d tensors back to the checkpoint's layout (e.g. %s), as the rollout "
-                    "engine loaded them", len(names), sorted(names)[0])
-    _CONVERTED[model] = names
-    return names
+    renames), found by reverting the conversion on shape-only (meta) tensors once per model."""
+    if model not in _SAVED_NAMES:
+        try:
+            reverted = _revert(model, {name: torch.empty(shape, device="meta") for name, shape in live_shapes.items()})
+        except Exception as err:  # noqa: BLE001  (transformers' internals: the sync then sends live names, as before)
+            logger.warning("could not map this model's weights back to its checkpoint's names (%s: %s); the rollout "
+                           "engine gets the names transformers uses in memory", type(err).__name__, err)
+            reverted = None
+        _SAVED_NAMES[model] = frozenset(reverted) if reverted is not None else None
+        saved = _SAVED_NAMES[model]
+        if saved is not None and any(renamed(name) not in saved for name in live_shapes):
+            logger.info("weight sync converts the tensors transformers fused or moved on load back to the "
+                        "checkpoint's layout, as the rollout engine loaded them")
+    saved = _SAVED_NAMES[model]
+    return frozenset(name for name in live_shapes if saved is not None and renamed(name) not in saved)
 
 
 def to_checkpoint(model: torch.nn.Module, named: Iterable[tuple[str, torch.Tensor]],

@@ -62,8 +62,7 @@ def iter_policy_weights(model, strategy: str, *, dtype: torch.dtype = torch.bflo
     written there in place and yielded as that very tensor, so nothing else holds them.
     """
     prefixes = checkpoint_prefixes(model)  # peft forwards .config to the base model
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    converted = converted_names(base, _live_shapes(model), lambda name: rename(name, prefixes))
+    converted = converted_on_load(model)
 
     def target(name: str) -> torch.Tensor | None:
         return into.get(rename(name, prefixes)) if into and name not in converted else None
@@ -76,8 +75,19 @@ def iter_policy_weights(model, strategy: str, *, dtype: torch.dtype = torch.bflo
     else:
         raise ConfigError(f"--tuning_strategy {strategy!r}: weight sync knows {', '.join(STRATEGIES)}")
     # the checkpoint's layout: vision-language models' prefixes (grpo/model/vision.py), fused experts split again
-    for name, tensor in to_checkpoint(base, named, converted):
+    for name, tensor in to_checkpoint(_base_model(model), named, converted):
         yield rename(name, prefixes), tensor
+
+
+def converted_on_load(model) -> frozenset[str]:
+    """Names (as transformers holds them) of the tensors transformers converted on load beyond the prefix renames
+    (e.g. a mixture-of-experts model's fused experts): what the sync converts back (grpo.model.checkpoint_layout)."""
+    prefixes = checkpoint_prefixes(model)
+    return converted_names(_base_model(model), _live_shapes(model), lambda name: rename(name, prefixes))
+
+
+def _base_model(model):
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
 def checkpoint_shapes(model) -> dict[str, torch.Size]:

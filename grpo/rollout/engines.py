@@ -12,6 +12,7 @@ import torch
 from grpo.errors import ConfigError
 from grpo.model.base_weights import saved_4bit
 from grpo.model.shared_base import park_frozen_base, restore_parked
+from grpo.model.weight_sync import converted_on_load
 from grpo.runtime.gpu_budget import engine_memory_share, least_gpu_memory
 from grpo.rollout.hf import HFRolloutEngine, stop_token_ids
 from grpo.rollout.kv_cache import engine_kv_cache_bytes
@@ -209,6 +210,9 @@ def _adapter_refusal(config, policy, vision, stored_4bit: bool) -> str | None:
     if getattr(getattr(policy, "config", None), "kv_lora_rank", None):
         # measured on a DeepSeek-V2 shape (H200, 2026-11-27): vLLM's LoRA scored 0.38-0.76 nats off the policy
         return "MLA attention (DeepSeek-V2/V3)"
+    fused = _fused_on_load(policy)
+    if fused:
+        return fused
     for option, why in (("modules_to_save", "modules_to_save (vLLM's LoRA takes LoRA layers only)"),
                         ("use_dora", "DoRA"), ("lora_bias", "lora_bias")):
         if getattr(peft_config, option, None):
@@ -229,11 +233,24 @@ def _in_place_refusal(policy, vision) -> str | None:
             return why
     if any(hasattr(p, "ds_id") for p in policy.parameters()):
         return "ZeRO-3 (a rank holds a partition of the base, which vLLM cannot share)"
+    fused = _fused_on_load(policy)
+    if fused:
+        return fused
     if adapter_rank(policy) > KERNEL_MAX_RANK:
         return f"a LoRA rank above {KERNEL_MAX_RANK} (its kernels' limit)"
     if not has_triton():
         return "a merge without Triton (its kernels need it)"
     return None
+
+
+def _fused_on_load(policy) -> str | None:
+    """Tensors that transformers converted on load (a mixture-of-experts model's fused experts): vLLM holds them as
+    the checkpoint has them, so the trainer could not share them, and the base would be held twice."""
+    converted = sorted(converted_on_load(policy))
+    if not converted:
+        return None
+    return (f"tensors that transformers fused or moved on load ({len(converted)}, e.g. {converted[0]}), which the "
+            "trainer cannot share with vLLM (it holds them as the checkpoint does)")
 
 
 def has_triton() -> bool:
