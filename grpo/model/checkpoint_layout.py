@@ -18,13 +18,15 @@ from __future__ import annotations
 
 import logging
 import weakref
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 
+from grpo.model.vision import checkpoint_prefixes, rename
+
 logger = logging.getLogger("grpo")
-# model -> the checkpoint names its parameters revert to (None: the reversal failed), found once
-_SAVED_NAMES: "weakref.WeakKeyDictionary[torch.nn.Module, frozenset[str] | None]" = weakref.WeakKeyDictionary()
+# model -> the names converted_names found for it, once (a sync asks at every step)
+_CONVERTED: "weakref.WeakKeyDictionary[torch.nn.Module, frozenset[str]]" = weakref.WeakKeyDictionary()
 
 
 def _revert(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -33,23 +35,25 @@ def _revert(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> dict[st
     return revert_weight_conversion(model, tensors)
 
 
-def converted_names(model: torch.nn.Module, live_shapes: dict[str, torch.Size], renamed) -> frozenset[str]:
-    """The live parameter names whose checkpoint tensors differ by more than `renamed(name)` (the 1:1 prefix
-    renames), found by reverting the conversion on shape-only (meta) tensors once per model."""
-    if model not in _SAVED_NAMES:
-        try:
-            reverted = _revert(model, {name: torch.empty(shape, device="meta") for name, shape in live_shapes.items()})
-        except Exception as err:  # noqa: BLE001  (transformers' internals: the sync then sends live names, as before)
-            logger.warning("could not map this model's weights back to its checkpoint's names (%s: %s); the rollout "
-                           "engine gets the names transformers uses in memory", type(err).__name__, err)
-            reverted = None
-        _SAVED_NAMES[model] = frozenset(reverted) if reverted is not None else None
-        saved = _SAVED_NAMES[model]
-        if saved is not None and any(renamed(name) not in saved for name in live_shapes):
-            logger.info("weight sync converts the tensors transformers fused or moved on load back to the "
-                        "checkpoint's layout, as the rollout engine loaded them")
-    saved = _SAVED_NAMES[model]
-    return frozenset(name for name in live_shapes if saved is not None and renamed(name) not in saved)
+def converted_names(model: torch.nn.Module, live_shapes: Callable[[], dict[str, torch.Size]]) -> frozenset[str]:
+    """The live parameter names (`live_shapes()`: name -> shape) whose checkpoint tensors differ by more than the
+    1:1 prefix renames (grpo.model.vision), found by reverting the conversion on shape-only (meta) tensors the first
+    time a model is asked about, then kept."""
+    if model in _CONVERTED:
+        return _CONVERTED[model]
+    shapes, prefixes = live_shapes(), checkpoint_prefixes(model)
+    try:
+        reverted = _revert(model, {name: torch.empty(shape, device="meta") for name, shape in shapes.items()})
+    except Exception as err:  # noqa: BLE001  (transformers' internals: the sync then sends live names, as before)
+        logger.warning("could not map this model's weights back to its checkpoint's names (%s: %s); the rollout "
+                       "engine gets the names transformers uses in memory", type(err).__name__, err)
+        reverted = None
+    names = frozenset(name for name in shapes if reverted is not None and rename(name, prefixes) not in reverted)
+    if names:
+        logger.info("weight sync converts the tensors transformers fused or moved on load back to the "
+                    "checkpoint's layout, as the rollout engine loaded them")
+    _CONVERTED[model] = names
+    return names
 
 
 def to_checkpoint(model: torch.nn.Module, named: Iterable[tuple[str, torch.Tensor]],
@@ -57,6 +61,9 @@ def to_checkpoint(model: torch.nn.Module, named: Iterable[tuple[str, torch.Tenso
     """Pass (live name, tensor) pairs through, those in `converted` reverted to the checkpoint's (name, tensor)
     pairs. The stream comes one module at a time; a module's converted tensors are reverted together (a reversal
     may need several of them) when the next module starts."""
+    if not converted:  # (most models: nothing to convert)
+        yield from named
+        return
     group: dict[str, torch.Tensor] = {}
     owner = None
     for name, tensor in named:
@@ -85,13 +92,13 @@ class _Scattered:
         flat.index_copy_(0, self.index.to(flat.device, torch.int64), tensor.reshape(-1).to(flat.dtype))
 
 
-def checkpoint_views(model: torch.nn.Module, renamed) -> dict:
+def checkpoint_views(model: torch.nn.Module) -> dict:
     """checkpoint name -> where the model holds it, something to `copy_` a sent tensor into (tied weights under each
     of their names): the live tensor itself, or its place inside a fused one. For a model of the same class that
     receives a sync sent in checkpoint names."""
-    own = model.state_dict(keep_vars=True)
-    converted = converted_names(model, {name: p.shape for name, p in model.named_parameters()}, renamed)
-    views = {renamed(name): tensor for name, tensor in own.items() if name not in converted}
+    own, prefixes = model.state_dict(keep_vars=True), checkpoint_prefixes(model)
+    converted = converted_names(model, lambda: {name: p.shape for name, p in model.named_parameters()})
+    views = {rename(name, prefixes): tensor for name, tensor in own.items() if name not in converted}
     for name in converted:  # revert each live tensor's element numbers: the checkpoint tensors' places in it
         live = own[name].data
         numbers = torch.arange(live.numel(), dtype=torch.int32 if live.numel() < 2**31 else torch.int64)

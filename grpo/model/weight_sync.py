@@ -82,8 +82,7 @@ def iter_policy_weights(model, strategy: str, *, dtype: torch.dtype = torch.bflo
 def converted_on_load(model) -> frozenset[str]:
     """Names (as transformers holds them) of the tensors transformers converted on load beyond the prefix renames
     (e.g. a mixture-of-experts model's fused experts): what the sync converts back (grpo.model.checkpoint_layout)."""
-    prefixes = checkpoint_prefixes(model)
-    return converted_names(_base_model(model), _live_shapes(model), lambda name: rename(name, prefixes))
+    return converted_names(_base_model(model), lambda: _live_shapes(model))
 
 
 def _base_model(model):

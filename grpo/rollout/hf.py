@@ -144,9 +144,7 @@ class HFRolloutEngine(RolloutEngine):
         arrives in many calls."""
         if self._by_checkpoint_name is None:
             from grpo.model.checkpoint_layout import checkpoint_views
-            from grpo.model.vision import checkpoint_prefixes, rename
 
-            prefixes = checkpoint_prefixes(self.model)
-            self._by_checkpoint_name = checkpoint_views(self.model, lambda name: rename(name, prefixes))
+            self._by_checkpoint_name = checkpoint_views(self.model)
         return self._by_checkpoint_name
 
