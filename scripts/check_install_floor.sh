@@ -33,9 +33,13 @@ EOF
 
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
-# no pip of its own: the current one (seen through --system-site-packages) installs into the new environment
-$PY -m venv --system-site-packages --without-pip "$tmp/venv"
+# no pip of its own: the current one installs into the new environment. The new one sees the current environment's
+# packages after its own through a .pth file: --system-site-packages would show the system's instead, which are not
+# the current ones when this runs inside a virtual environment.
+$PY -m venv --without-pip "$tmp/venv"
 FLOOR_PY="$tmp/venv/bin/python"
+$PY -c "import sys; print('\n'.join(p for p in sys.path if p.endswith(('site-packages', 'dist-packages'))))" \
+  > "$($FLOOR_PY -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/current_environment.pth"
 # the installed torch stays (without its local build tag, +cpu / +cu130, the installed wheel satisfies the pin)
 $PY -c "import torch; print('torch==' + torch.__version__.split('+')[0])" > "$tmp/constraints.txt"
 echo "install floors: $(echo $floors)"
