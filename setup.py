@@ -7,6 +7,10 @@ setup(
     long_description=open("README.md").read() if __import__("os").path.exists("README.md") else "",
     long_description_content_type="text/markdown",
     packages=find_packages(include=["grpo", "grpo.*"]),
+    # the shipped DeepSpeed configs, registry and bundled data (links to configs/ and data/ in a clone), so that an
+    # installed package finds its defaults from any folder (grpo/config/shipped.py)
+    package_data={"grpo": ["shipped/configs/*.json", "shipped/data/arith/*.jsonl", "shipped/data/shapes/*.jsonl",
+                           "shipped/data/shapes/images/*.png"]},
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.4",

@@ -1,7 +1,8 @@
 """Every option of a run: the schema (options.py), its checks (validation.py), the command line and JSON files
-(cli.py), and the accepted values of each option (choices.py)."""
+(cli.py), the accepted values of each option (choices.py), the guide's spellings (guide_spellings.py) and the
+shipped files (shipped.py)."""
 from grpo.config.choices import EMBEDDED_MODEL
 from grpo.config.cli import parse_args
-from grpo.config.options import FLAG_GROUPS, RENAMED_OPTIONS, GRPOConfig, upgrade_saved_options
+from grpo.config.options import FLAG_GROUPS, GUIDE_SPELLINGS, GRPOConfig, upgrade_saved_options
 
-__all__ = ["GRPOConfig", "parse_args", "FLAG_GROUPS", "RENAMED_OPTIONS", "EMBEDDED_MODEL", "upgrade_saved_options"]
+__all__ = ["GRPOConfig", "parse_args", "FLAG_GROUPS", "GUIDE_SPELLINGS", "EMBEDDED_MODEL", "upgrade_saved_options"]

@@ -1,6 +1,6 @@
 """Options from the command line and from JSON files: train_grpo.py's flags (generated from GRPOConfig, listed by
-group in --help), `--config file.json`, the errors for merged options' old names, and the reading of every JSON
-file users edit (run configs, the dataset registry, DeepSpeed configs) with errors that point."""
+group in --help, each once), `--config file.json`, and the reading of every JSON file users edit (run configs, the
+dataset registry, DeepSpeed configs) with errors that point."""
 from __future__ import annotations
 
 import argparse
@@ -12,14 +12,34 @@ import sys
 from dataclasses import fields
 from typing import Optional
 
-from grpo.config.options import FLAG_GROUPS, RENAMED_OPTIONS, GRPOConfig
+from grpo.config.guide_spellings import GUIDE_SWITCHES
+from grpo.config.options import FLAG_GROUPS, GRPOConfig
 from grpo.errors import ConfigError
 
 # --help sections, in order (docs/flags.md follows them too)
 GROUP_TITLES = {"model": "Model and tuning strategy", "data": "Data and rewards", "training": "Optimisation",
                 "grpo": "GRPO algorithm", "rollout": "Rollout engine", "logging": "Eval, checkpoints, logging",
                 "distributed": "Distributed", "tools": "Tools and multi-turn episodes",
-                "experimental": "Experimental (4-bit base rounding, vLLM sleep level, log-prob checks)"}
+                "experimental": "Experimental (4-bit base rounding, vLLM sleep level, log-prob checks)",
+                "guide": "The guide's spellings (each sets the option its help names)"}
+
+USAGE = "%(prog)s [--flag value ...]   (python train_grpo.py --help lists every flag, by group)"
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Each flag once (HfArgumentParser adds a dashed twin, --lora-rank, which still parses), no "(default: None)"."""
+
+    def _format_action_invocation(self, action):
+        if not action.option_strings:
+            return super()._format_action_invocation(action)
+        if action.nargs == 0:
+            return action.option_strings[0]
+        return f"{action.option_strings[0]} {self._format_args(action, self._get_default_metavar_for_optional(action))}"
+
+    def _get_help_string(self, action):
+        if action.default is None:
+            return action.help
+        return super()._get_help_string(action)
 
 
 def build_parser():
@@ -27,8 +47,8 @@ def build_parser():
     from transformers import HfArgumentParser
 
     # allow_abbrev=False: a shortened or mistyped flag is an error, never another flag
-    parser = HfArgumentParser(GRPOConfig, description="GRPO fine-tuning with verifiable rewards.",
-                              formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
+    parser = HfArgumentParser(GRPOConfig, description="GRPO fine-tuning with verifiable rewards.", usage=USAGE,
+                              formatter_class=_HelpFormatter, allow_abbrev=False)
     parser.add_argument("--config", default=None, help="JSON file of flag values; command-line flags win.")
     groups = {key: parser.add_argument_group(title) for key, title in GROUP_TITLES.items()}
     for action in list(parser._optionals._group_actions):
@@ -36,6 +56,8 @@ def build_parser():
             # the negative of a boolean flag: say what it does (its default is the positive flag's)
             action.help = f"Turn --{action.dest} off (the same as --{action.dest} false)."
             action.default = argparse.SUPPRESS
+        if action.dest in GUIDE_SWITCHES:  # bare --use_kl_penalty is on, as in the guide (true / false work too)
+            action.nargs, action.const = "?", True
         if action.help and action.help is not argparse.SUPPRESS:  # argparse %-formats help: a plain "%" stays one
             action.help = re.sub(r"%(?!\()", "%%", action.help)
         group = FLAG_GROUPS.get(action.dest)
@@ -52,7 +74,6 @@ def parse_args(argv: Optional[list[str]] = None) -> GRPOConfig:
     flags given (on the command line or in --config) change them, and GRPOTrainer lists those that do.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
-    refuse_renamed([a.split("=", 1)[0][2:] for a in argv if a.startswith("--")], "")
     parser = build_parser()
     config_path = _pop_config_flag(argv)
     from_json = _read_config_json(config_path, {f.name for f in fields(GRPOConfig)}) if config_path else {}
@@ -86,13 +107,6 @@ def _given_flags(argv: list[str]) -> dict:
     return vars(known)
 
 
-def refuse_renamed(names, where: str) -> None:
-    """A ConfigError for the first merged option's old name among `names`, saying what to pass instead."""
-    for name in names:
-        if name in RENAMED_OPTIONS:
-            raise ConfigError(f"--{name}{where} was merged into another option: use {RENAMED_OPTIONS[name]}")
-
-
 def _pop_config_flag(argv: list[str]) -> Optional[str]:
     for i, arg in enumerate(argv):
         if arg == "--config":
@@ -109,7 +123,6 @@ def _pop_config_flag(argv: list[str]) -> Optional[str]:
 
 def _read_config_json(path: str, known: set[str]) -> dict:
     values = read_json_object(path, ConfigError, "--config")
-    refuse_renamed(values, f" (in {path})")
     unknown = sorted(set(values) - known)
     if unknown:
         raise ConfigError(f"--config: {path} has unknown option(s) {', '.join(unknown)}; "

@@ -2,8 +2,8 @@
 
 Each field's ``metadata["help"]`` is its one-line help; ``FLAG_GROUPS`` maps each field to the section it is
 listed under (--help, docs/flags.md). Invalid values and combinations raise ConfigError naming the flag, at
-construction (validation.py). Options that were merged into others are listed in RENAMED_OPTIONS: their old names
-give an error that names the new flag.
+construction (validation.py). The guide's spellings of merged options (--learning_rate_lora, --use_kl_penalty,
+--use_vllm_rollout, --vllm_mode) are options too, folded into today's at construction (guide_spellings.py).
 """
 from __future__ import annotations
 
@@ -17,10 +17,12 @@ from grpo.config.choices import (  # noqa: F401 (the qlora constants are also re
     QLORA_BLOCK_SIZES, QLORA_INITS, QLORA_QUANT_TYPES, REGEX_CHARS, REWARD_SCALES, ROLLOUT_ENGINES, ROLLOUT_MODES,
     ROLLOUT_WEIGHTS, SCHEDULERS, STOCK_4BIT_OPTIONS, STRATEGIES)
 from grpo.config.validation import validate
-from grpo.config.renamed import RENAMED_OPTIONS, refusing_old_names, upgrade_saved_options  # noqa: F401
+from grpo.config.guide_spellings import GUIDE_SPELLINGS, fold_guide_spellings, upgrade_saved_options  # noqa: F401
+from grpo.config.shipped import resolve_shipped_file
 from grpo.errors import ConfigError
 
 DEFAULT_LEARNING_RATE = {"lora": 2e-5, "qlora": 2e-5, "full": 1e-6}
+MIN_DEFAULT_SEQ_LENGTH = 768  # the default --max_seq_length's floor: tool episodes take a few turns past one completion
 
 
 _groups_in_order: list[str] = []  # one entry per field, in definition order (fields() keeps that order)
@@ -103,7 +105,9 @@ class GRPOConfig:
 
     # --- data -------------------------------------------------------------------------------------
     dataset_config_path: str = _opt(
-        "configs/dataset_config.json", "The dataset registry (JSON) that --dataset_names refer to.", "data")
+        "configs/dataset_config.json", "The dataset registry (JSON) that --dataset_names refer to. A relative path "
+        "missing from the current folder is read from the installed package's (configs/, the shipped registry).",
+        "data")
     dataset_names: list[str] = _list(["arith"], "Registered dataset names to mix (space or comma separated).",
                                      "data")
     eval_dataset_names: list[str] = _list(
@@ -117,7 +121,9 @@ class GRPOConfig:
     filter_overlong_prompts: bool = _opt(
         False, "Drop prompts longer than --max_prompt_length (one line per dataset says how many) instead of "
                "stopping with an error.", "data")
-    max_seq_length: int = _opt(768, "Longest prompt + completion in tokens.", "data")
+    max_seq_length: Optional[int] = _opt(
+        None, "Longest prompt + completion (or tool episode) in tokens. Default: --max_prompt_length + "
+              f"--rollout_max_new_tokens, at least {MIN_DEFAULT_SEQ_LENGTH} (room for a few tool turns).", "data")
     max_images_per_prompt: int = _opt(
         1, "Most images one prompt may hold (rows with more are an error; vLLM's limit_mm_per_prompt).", "data")
     reward_module: Optional[str] = _opt(
@@ -300,8 +306,9 @@ class GRPOConfig:
     wandb_run_name: Optional[str] = _opt(None, "W&B run name (default: output_dir's name).", "logging")
 
     # --- distributed ------------------------------------------------------------------------------
-    deepspeed: str = _opt("configs/zero2.json",
-                          "DeepSpeed config file, or 'zero2' / 'zero3' for the shipped ones.", "distributed")
+    deepspeed: str = _opt("zero2", "DeepSpeed config file, or 'zero2' / 'zero3' for the shipped ones (a relative "
+                                   "configs/ path missing from the current folder is read from the package's).",
+                          "distributed")
     local_rank: int = _opt(-1, "Set by the deepspeed launcher; leave alone.", "distributed")
     gpu_memory_gib: Optional[float] = _opt(
         None, "Use at most this much of each GPU, e.g. 24 to try a 24 GB card's budget on a larger GPU: torch's "
@@ -309,6 +316,12 @@ class GRPOConfig:
     ddp_timeout_minutes: float = _opt(
         30.0, "How long a collective waits for a rank that never arrives before the run stops with an error "
         "(the process-group timeout).", "distributed")
+
+    # --- the guide's spellings: folded into the options they name at construction, then None ---------
+    learning_rate_lora: Optional[float] = _opt(None, f"= {GUIDE_SPELLINGS['learning_rate_lora']}.", "guide")
+    use_kl_penalty: Optional[bool] = _opt(None, f"= {GUIDE_SPELLINGS['use_kl_penalty']}.", "guide")
+    use_vllm_rollout: Optional[bool] = _opt(None, f"= {GUIDE_SPELLINGS['use_vllm_rollout']}.", "guide")
+    vllm_mode: Optional[str] = _opt(None, f"= {GUIDE_SPELLINGS['vllm_mode']}.", "guide")
 
     # not an option: the saved grpo_config.json a resume took its options from (from_run, train_grpo.py), else None
     resumes_saved_options = None
@@ -327,6 +340,11 @@ class GRPOConfig:
         self.dataset_names = _names(self.dataset_names)
         self.eval_dataset_names = _names(self.eval_dataset_names)
         self.reward_model = _names(self.reward_model)
+        fold_guide_spellings(self)
+        if self.max_seq_length is None:
+            self.max_seq_length = max(MIN_DEFAULT_SEQ_LENGTH, self.max_prompt_length + self.rollout_max_new_tokens)
+        self.dataset_config_path = resolve_shipped_file(self.dataset_config_path, "dataset_config_path")
+        self.deepspeed = resolve_shipped_file(self.deepspeed, "deepspeed")
         if self.clip_epsilon_high is None:
             self.clip_epsilon_high = self.clip_epsilon_low
         if self.learning_rate is None:
@@ -446,5 +464,3 @@ def _names(value) -> list[str]:
 
 
 FLAG_GROUPS: dict[str, str] = {f.name: g for f, g in zip(fields(GRPOConfig), _groups_in_order)}
-
-GRPOConfig.__init__ = refusing_old_names(GRPOConfig.__init__)  # a clear error, not "unexpected keyword argument"

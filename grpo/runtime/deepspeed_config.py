@@ -1,24 +1,19 @@
 """DeepSpeed config files: read the shipped or the user's JSON and fill its "auto" values from GRPOConfig."""
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from grpo.config.options import GRPOConfig
 from grpo.errors import ConfigError
 from grpo.config.cli import read_json_object
+from grpo.config.shipped import resolve_shipped_file
 
-_SHIPPED = {"zero2": "zero2.json", "zero3": "zero3.json"}
-_CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs")
 
 
 def resolve_deepspeed_path(name_or_path: str) -> str:
-    """'zero2' / 'zero3' name the shipped files; anything else is a path."""
-    if name_or_path in _SHIPPED:
-        return os.path.join(_CONFIG_DIR, _SHIPPED[name_or_path])
-    if not os.path.isfile(name_or_path):
-        raise ConfigError(f"--deepspeed: file not found: {name_or_path} (use zero2, zero3 or a path to a JSON file)")
-    return name_or_path
+    """'zero2' / 'zero3' name the shipped files; anything else is a path (a relative configs/ path missing from
+    the current folder is the shipped file of that name)."""
+    return resolve_shipped_file(name_or_path, "deepspeed")
 
 
 def load_deepspeed_config(config: GRPOConfig, use_bf16: bool) -> dict[str, Any]:
