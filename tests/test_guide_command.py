@@ -140,3 +140,25 @@ def test_a_short_job_runs_from_a_folder_outside_the_repository(tiny_model, tmp_p
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
     assert [r["step"] for r in rows] == [1]
     assert (run / "lora_adapter" / "adapter_config.json").is_file()
+
+
+def test_model_paths_that_cannot_load_fail_at_once_saying_why(tmp_path, monkeypatch):
+    from grpo.errors import ConfigError
+    from grpo.model.model_source import check_model_source
+
+    with pytest.raises(ConfigError, match=r"no folder .*no_model; give a model folder \(with config.json\)"):
+        check_model_source(str(tmp_path / "no_model"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match="holds no config.json"):
+        check_model_source(str(tmp_path / "empty"))
+    # a hub id, not cached, with the hub out of reach (a closed local port): refused in well under the retries' minute
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub_cache"))
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "hub_cache"))
+    monkeypatch.setattr("huggingface_hub.constants.ENDPOINT", "http://127.0.0.1:9")
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", False)
+    with pytest.raises(ConfigError, match=r"not in the Hugging Face cache .* cannot be reached from here .*"
+                                          r"--local-dir DIR"):
+        check_model_source("Qwen/Qwen2.5-0.5B-Instrct")
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
+    with pytest.raises(ConfigError, match="HF_HUB_OFFLINE is set"):
+        check_model_source("Qwen/Qwen2.5-0.5B-Instruct")

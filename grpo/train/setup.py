@@ -100,6 +100,9 @@ def prepare_run(config: GRPOConfig, reward_funcs: Sequence[Callable] = ()) -> Ru
     try:
         check_run_can_start(config)
         rewards = load_rewards(config, reward_funcs)
+        from grpo.model.model_source import check_model_source
+
+        check_model_source(config.model_name_or_path)  # a folder, a cached hub id or one the hub has
     finally:
         logger.removeHandler(early)
     os.makedirs(config.output_dir, exist_ok=True)  # the run's folder, once its options are known good
