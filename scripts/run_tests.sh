@@ -5,4 +5,7 @@ cd "$(dirname "$0")/.."
 bash scripts/install.sh
 export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$HOME/.cache/grpo/torch_extensions}
 export WANDB_MODE=${WANDB_MODE:-disabled}
-exec ${PYTHON:-python3} -m pytest tests -q -p no:cacheprovider "$@"
+# arguments go to pytest: files or folders select what runs (e.g. tests/test_cli.py -k help); without any, tests/
+paths=tests
+for arg in "$@"; do [ -e "${arg%%::*}" ] && paths=; done
+exec ${PYTHON:-python3} -m pytest -q -p no:cacheprovider $paths "$@"

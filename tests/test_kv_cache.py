@@ -37,11 +37,17 @@ def test_bytes_per_token_by_hand():
                                           hidden_size=64, head_dim=32)) == 2 * 2 * 2 * 32 * 2
 
 
-@pytest.mark.parametrize("config", [DeepseekV3Config(), Qwen3NextConfig(), Qwen2VLConfig()],
-                         ids=["mla", "hybrid linear attention", "vision-language"])
+@pytest.mark.parametrize("config", [DeepseekV3Config(), Qwen3NextConfig()], ids=["mla", "hybrid linear attention"])
 def test_caches_auto_cannot_size(config):
     assert kv_bytes_per_token(config) is None
     assert auto_kv_cache_bytes(None, 128, 384, 384) is None
+
+
+def test_a_vision_language_models_cache_is_its_language_models():
+    config = Qwen2VLConfig(text_config={"num_hidden_layers": 3, "num_attention_heads": 8, "num_key_value_heads": 2,
+                                        "hidden_size": 256})
+    # 2 (K and V) x 3 layers x 2 KV heads x 32 head_dim x 2 bytes
+    assert kv_bytes_per_token(config) == 2 * 3 * 2 * 32 * 2 == 768
 
 
 def test_a_field_that_refuses_to_be_read_means_no_single_size():

@@ -22,8 +22,9 @@ and is not counted here; an awake engine keeps its cache through training; torch
 it sleeps). A 32B qlora model in 4 bits (17.9 GiB of weights on an 80 GiB GPU) needs 10 GiB for 8 x 8 sequences of 512
 tokens, where the 0.3 share left 0.62 GiB and its rollouts took 70 s a step. Otherwise the share sizes the cache.
 Models whose cache is not one K and V per attention layer and token (MLA, hybrid linear-attention / state-space
-stacks, per-layer head sizes, vision-language models whose engine also reserves image memory) keep the share:
-kv_bytes_per_token returns None for them.
+stacks, per-layer head sizes) keep the share: kv_bytes_per_token returns None for them. A vision-language model's
+cache is its language model's (its text_config); the memory its engine keeps for images is profiled by vLLM within
+the half of the share that auto leaves beside the cache.
 """
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ logger = logging.getLogger("grpo")
 
 # config fields that mean the cache is not plain per-token K/V heads of one size
 NON_STANDARD_CACHE_FIELDS = ("kv_lora_rank", "mamba_d_state", "ssm_state_size", "linear_key_head_dim",
-                             "vision_config", "global_head_dim")
+                             "global_head_dim")
 ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention", "attention"}
 AUTO_MARGIN = 1.25  # vLLM's 16-token blocks and a little slack
 FLOOR_SLACK_TOKENS = 256  # above one max_seq_length sequence: whole blocks, whatever the backend's block size
@@ -54,6 +55,8 @@ def kv_bytes_per_token(hf_config, tensor_parallel_size: int = 1, bytes_per_value
 
 
 def _plain_kv_bytes_per_token(hf_config, tensor_parallel_size: int, bytes_per_value: int) -> int | None:
+    if hasattr(hf_config, "get_text_config"):  # a vision-language model's language model (a text model: itself)
+        hf_config = hf_config.get_text_config()
     if any(getattr(hf_config, name, None) is not None for name in NON_STANDARD_CACHE_FIELDS):
         return None
     layer_types = getattr(hf_config, "layer_types", None)
