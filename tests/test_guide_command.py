@@ -140,6 +140,9 @@ def test_a_short_job_runs_from_a_folder_outside_the_repository(tiny_model, tmp_p
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
     assert [r["step"] for r in rows] == [1]
     assert (run / "lora_adapter" / "adapter_config.json").is_file()
+    card = (run / "lora_adapter" / "README.md").read_text()  # ours, not PEFT's empty template
+    assert f"base model: `{tiny_model}`" in card and "datasets: arith" in card and "steps: 1;" in card
+    assert "More Information Needed" not in card and "AutoPeftModelForCausalLM" in card
 
 
 def test_model_paths_that_cannot_load_fail_at_once_saying_why(tmp_path, monkeypatch):

@@ -9,14 +9,16 @@ from typing import Optional
 
 import torch
 
+from grpo.checkpoint.model_card import write_model_card
 from grpo.config.options import GRPOConfig
 from grpo.model.loading import load_base_model, peft_asks_old_checkpointing_name
 from grpo.model.qlora_base_record import write_base_options
 
 
 def save_final_model(model, tokenizer, output_dir: str, config: GRPOConfig, model_path: str, dtype: torch.dtype,
-                     state_dict: Optional[dict] = None) -> dict[str, str]:
-    """Save in HF format: output_dir/model (full) or output_dir/lora_adapter (+ merged_model on request).
+                     state_dict: Optional[dict] = None, steps: int = 0) -> dict[str, str]:
+    """Save in HF format: output_dir/model (full) or output_dir/lora_adapter (+ merged_model on request), each with
+    a README.md saying what it was trained from and how to load it (`steps`: the run's optimizer steps).
 
     `state_dict` supplies gathered parameters when DeepSpeed ZeRO-3 holds them partitioned.
     """
@@ -26,6 +28,7 @@ def save_final_model(model, tokenizer, output_dir: str, config: GRPOConfig, mode
         model.save_pretrained(path, state_dict=state_dict, safe_serialization=True)
         tokenizer.save_pretrained(path)
         _copy_processor_files(model_path, path)
+        write_model_card(path, config, model_path, steps, "model")
         return {"model": path}
     path = os.path.join(output_dir, "lora_adapter")
     model.peft_config["default"].base_model_name_or_path = model_path
@@ -39,6 +42,7 @@ def save_final_model(model, tokenizer, output_dir: str, config: GRPOConfig, mode
     _copy_processor_files(model_path, path)
     if config.tuning_strategy == "qlora":
         write_base_options(path, config)
+    write_model_card(path, config, model_path, steps, "lora_adapter")
     saved["lora_adapter"] = path
     if config.save_merged_model:
         from peft import PeftModel
@@ -55,6 +59,7 @@ def save_final_model(model, tokenizer, output_dir: str, config: GRPOConfig, mode
         merged.save_pretrained(merged_path, safe_serialization=True)
         tokenizer.save_pretrained(merged_path)
         _copy_processor_files(model_path, merged_path)
+        write_model_card(merged_path, config, model_path, steps, "merged_model")
         saved["merged_model"] = merged_path
     return saved
 

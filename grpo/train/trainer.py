@@ -430,7 +430,7 @@ class GRPOTrainer:
         saved = {}
         if self.is_main:
             saved = save_final_model(self.engine.module, self.tokenizer, self.config.output_dir, self.config,
-                                     self.model_path, self.dtype, state_dict=state_dict)
+                                     self.model_path, self.dtype, state_dict=state_dict, steps=self.state.step)
             logger.info("final model saved: " + ", ".join(saved.values()))
         dist_utils.barrier()
         return saved
