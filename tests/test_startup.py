@@ -36,6 +36,16 @@ def test_unknown_dataset_fails_before_datasets_torch_or_deepspeed_load(tmp_path)
     assert not (tmp_path / "o").exists()  # refused before the run's folder was made
 
 
+def test_use_wandb_without_wandb_fails_before_any_model_loads(tmp_path):
+    import importlib.util
+
+    if importlib.util.find_spec("wandb") is not None:
+        pytest.skip("wandb is installed here")
+    result, stderr = run_main("--use_wandb", "--output_dir", str(tmp_path / "o"))
+    assert result == {"code": 1, "imported": []}
+    assert "--use_wandb needs wandb: pip install .[wandb]" in stderr
+
+
 def test_unknown_reward_fails_before_any_data_file_is_read(tmp_path):
     registry = one_dataset_registry(tmp_path / "registry.json", "missing.jsonl", {"no_such_reward": 1.0})
     result, stderr = run_main("--dataset_config_path", registry, "--dataset_names", "mine",

@@ -28,6 +28,8 @@ def check_run_can_start(config: GRPOConfig) -> None:
         logger.warning(f"--num_iterations {config.num_iterations} with --lora_dropout {config.lora_dropout}: each "
                        "update draws new dropout masks, so the later updates' ratios to the first one's log-probs "
                        "carry dropout noise and are clipped as if the policy had moved; --lora_dropout 0 avoids it")
+    if config.use_wandb and importlib.util.find_spec("wandb") is None:
+        raise ConfigError("--use_wandb needs wandb: pip install .[wandb] (or drop --use_wandb)")
     if config.rollout_engine == "vllm":
         if importlib.util.find_spec("vllm") is None:
             raise ConfigError("--rollout_engine vllm needs vLLM: pip install .[vllm] (tested with vllm 0.26.0)")
