@@ -102,9 +102,6 @@ def prepare_run(config: GRPOConfig, reward_funcs: Sequence[Callable] = ()) -> Ru
     try:
         check_run_can_start(config)
         rewards = load_rewards(config, reward_funcs)
-        from grpo.model.model_source import check_model_source
-
-        check_model_source(config.model_name_or_path)  # a folder, a cached hub id or one the hub has
     finally:
         logger.removeHandler(early)
     os.makedirs(config.output_dir, exist_ok=True)  # the run's folder, once its options are known good
@@ -138,6 +135,9 @@ def load_run_data(config: GRPOConfig, rewards, rank: int, world: int) -> RunData
     from grpo.model.vision import load_vision_processor, render_vision_prompts
     from grpo.rollout.engines import check_tensor_parallel
 
+    from grpo.model.model_source import check_model_source
+
+    check_model_source(config.model_name_or_path)  # a folder, a cached hub id or one the hub has, in seconds
     model_path = resolve_model_path(config.model_name_or_path)
     try:
         tokenizer = load_tokenizer(model_path, config.trust_remote_code)
