@@ -15,7 +15,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
-from grpo.model.in_place_merge import InPlaceMerge  # noqa: E402
+from grpo.sync.in_place_merge import InPlaceMerge  # noqa: E402
 
 HIDDEN, INTERMEDIATE, KV = 3584, 18944, 512  # Qwen2.5-7B: 28 heads of 128, 4 KV heads
 

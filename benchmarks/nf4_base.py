@@ -24,7 +24,7 @@ def main():
     from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
     from grpo.model.embedded import resolve_model_path
-    from grpo.model.weight_sync import iter_policy_weights
+    from grpo.sync.weight_sync import iter_policy_weights
 
     path = resolve_model_path(args.model)
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -1,7 +1,7 @@
 """GPU kernels of a merged sync at Qwen2.5-7B's shape (28 layers x 7 linears, LoRA rank 16): the ways of writing
-W + s * B @ A into bf16 engine tensors in place (grpo.model.weight_sync._lora_merged_into), with W in bf16 (lora) or
+W + s * B @ A into bf16 engine tensors in place (grpo.sync.weight_sync._lora_merged_into), with W in bf16 (lora) or
 4 bits (qlora, nf4 in blocks of BLOCK, default 32 as qlora's default base, scales double-quantized), against the fp32
-merge the streamed sync computes, and the one-pass kernel of grpo.model.merge_kernel. Best and median of 5.
+merge the streamed sync computes, and the one-pass kernel of grpo.sync.merge_kernel. Best and median of 5.
 GPU only (never run by CI):
 
     python benchmarks/sync_merge.py
@@ -11,7 +11,7 @@ import os, sys, time, torch
 import bitsandbytes as bnb
 import bitsandbytes.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from grpo.model import merge_kernel
+from grpo.sync import merge_kernel
 BLOCK = int(os.environ.get("BLOCK", "32"))
 torch.manual_seed(0)
 H, I, KV, L, R = 3584, 18944, 512, 28, 16

@@ -1,4 +1,4 @@
-"""The Python side of a lora sync written in place (grpo.model.weight_sync.sync_weights with an engine's views), on the
+"""The Python side of a lora sync written in place (grpo.sync.weight_sync.sync_weights with an engine's views), on the
 CPU: Qwen2.5-7B's layout (28 layers, 7 wrapped linears each, q/k/v and gate/up fused by the engine) at a tiny width,
 so the tensor work is negligible and what is timed is the walk over the model (the engine's views found at the
 first sync and kept, as the vLLM engine does). Mean of 5 syncs after 2.
@@ -14,9 +14,9 @@ from peft import LoraConfig, get_peft_model
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from grpo.model.engine_layout import writable_blocks  # noqa: E402
-from grpo.model.weight_sync import checkpoint_shapes, sync_weights  # noqa: E402
 from grpo.rollout.engine import RolloutEngine  # noqa: E402
+from grpo.sync.engine_layout import writable_blocks  # noqa: E402
+from grpo.sync.weight_sync import checkpoint_shapes, sync_weights  # noqa: E402
 
 LAYERS = 28
 FUSED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}

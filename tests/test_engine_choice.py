@@ -131,9 +131,9 @@ def test_rollout_weights_auto_merges_lora_in_place_from_8_gib_or_a_quarter_of_th
 def test_in_place_refuses_what_its_merge_cannot_take(model_dir, monkeypatch):
     """What in_place cannot take: auto falls back as qlora's rule does, an explicit in_place is an error that
     names the reason."""
-    from grpo.model import in_place_merge
     from grpo.model.loading import parameter_count
     from grpo.rollout import engines
+    from grpo.sync import merge_record
 
     lora = lora_with_vllm(model_dir)
     explicit_in_place = lora_with_vllm(model_dir, rollout_weights="in_place")
@@ -146,10 +146,10 @@ def test_in_place_refuses_what_its_merge_cannot_take(model_dir, monkeypatch):
     with pytest.raises(ConfigError, match="in_place.*--tuning_strategy lora"):
         GRPOConfig(model_name_or_path=model_dir, tuning_strategy="qlora", rollout_engine="vllm",
                    rollout_weights="in_place")
-    monkeypatch.setattr(in_place_merge, "KERNEL_MAX_RANK", 2)  # the policy's rank 4 is above it
+    monkeypatch.setattr(merge_record, "KERNEL_MAX_RANK", 2)  # the policy's rank 4 is above it
     with pytest.raises(ConfigError, match="in_place.*cannot take a LoRA rank above 2"):
         engines.engine_weights(explicit_in_place, lora_policy, vision=None)
-    monkeypatch.setattr(in_place_merge, "KERNEL_MAX_RANK", 64)
+    monkeypatch.setattr(merge_record, "KERNEL_MAX_RANK", 64)
     monkeypatch.setattr(engines, "has_triton", lambda: False)
     with pytest.raises(ConfigError, match="in_place.*cannot take a merge without Triton"):
         engines.engine_weights(explicit_in_place, lora_policy, vision=None)

@@ -1,4 +1,4 @@
-"""lora's in-place merge (grpo.model.in_place_merge): the adapter merged into the base the trainer shares with the
+"""lora's in-place merge (grpo.sync.in_place_merge): the adapter merged into the base the trainer shares with the
 engine, and taken out again bit for bit."""
 import os
 import signal
@@ -6,10 +6,12 @@ import signal
 import pytest
 import torch
 
-from grpo.model.in_place_merge import (BITS_OF, ESCAPE, InPlaceMerge, in_place_layers, lora_delta, merge_recording,
-                                       pack_codes, unmerge_recorded, unpack_codes)
-from grpo.model.shared_base import lora_base_names, share_base_weights
-from grpo.model.weight_sync import checkpoint_name, sync_weights
+from grpo.model.layer_weights import checkpoint_name
+from grpo.sync.in_place_merge import (InPlaceMerge, in_place_layers, lora_delta, merge_recording, pack_codes,
+                                      unmerge_recorded, unpack_codes)
+from grpo.sync.merge_record import BITS_OF, ESCAPE
+from grpo.sync.shared_base import lora_base_names, share_base_weights
+from grpo.sync.weight_sync import sync_weights
 
 from .sync_setup import IDS, trained_policy
 from .test_sync import VLLM_PACKED, RecordingEngine, vllm_layout
@@ -185,7 +187,7 @@ def test_a_new_adapter_keeps_the_kernel_buffers_of_its_layers_only_where_they_fi
     import sys
     import types
 
-    from grpo.model import in_place_merge
+    from grpo.sync import in_place_merge
 
     weights = [torch.zeros(8, 16, dtype=torch.bfloat16) for _ in range(2)]
     merge = InPlaceMerge()
@@ -194,7 +196,7 @@ def test_a_new_adapter_keeps_the_kernel_buffers_of_its_layers_only_where_they_fi
     merge.unmerge()
     assert all(layer.record is not None and not layer.use_kernel for layer in merge.layers)
     made = []
-    monkeypatch.setitem(sys.modules, "grpo.model.merge_kernel",
+    monkeypatch.setitem(sys.modules, "grpo.sync.merge_kernel",
                         types.SimpleNamespace(new_record=lambda weight: made.append(weight) or f"kernel {len(made)}"))
     monkeypatch.setattr(in_place_merge, "_kernel_fits", lambda weight, lora_b: lora_b.shape[1] == 1)
     merge.set_adapter([(weights[0], torch.ones(8, 1), torch.ones(1, 16), 1.0),
@@ -224,7 +226,7 @@ def test_a_merge_cut_off_halfway_leaves_the_base_whole_and_an_unmerge_finishes_l
     """An error in the second layer's merge (out of memory, an interrupt) takes the first out again before it
     propagates; an unmerge cut off after one layer leaves the others merged, a merge then merges that one again, and
     the next unmerge finishes them."""
-    from grpo.model import in_place_merge
+    from grpo.sync import in_place_merge
 
     merge, weights, originals = three_layer_merge()
     real_merge, real_unmerge, calls = in_place_merge.merge_recording, in_place_merge.unmerge_recorded, []
@@ -304,7 +306,7 @@ def ctrl_c_raises():
 def test_an_interrupt_during_a_merge_or_an_unmerge_waits_for_the_pass_to_end(monkeypatch, ctrl_c_raises):
     """Ctrl-C while the layers are merged (or taken out) is handled once every layer's launch has its flag: the merge
     is then undone whole, the unmerge finished whole, and the base is W bit for bit either way."""
-    from grpo.model import in_place_merge
+    from grpo.sync import in_place_merge
 
     merge, weights, originals = three_layer_merge()
     real_merge, real_unmerge, done = in_place_merge.merge_recording, in_place_merge.unmerge_recorded, []

@@ -9,7 +9,7 @@ from grpo.errors import ConfigError
 from grpo.model.loftq import CORRECTION_ADAPTER, low_rank_factors
 from grpo.checkpoint.final_model import save_final_model
 from grpo.model.loading import keep_4bit_forward_exact, load_policy, load_tokenizer, reference_mode
-from grpo.model.weight_sync import iter_policy_weights
+from grpo.sync.weight_sync import iter_policy_weights
 
 from .tiny_models import make_tiny_model_dir
 

@@ -269,7 +269,7 @@ def test_qlora_base_uses_the_chosen_4bit_type_and_syncs_it(model_dir, quant_type
 
     from grpo.model.qlora_rounding import round_4bit
     from grpo.model.qlora_rounding import codebook, mse_block_rounding
-    from grpo.model.weight_sync import iter_policy_weights
+    from grpo.sync.weight_sync import iter_policy_weights
 
     policy = adapted_policy(config(model_dir, tuning_strategy="qlora", qlora_quant_type=quant_type,
                                    qlora_block_size=block_size, qlora_block_scale=block_scale), model_dir)

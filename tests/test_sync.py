@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from grpo.errors import ConfigError
+from grpo.model.layer_weights import checkpoint_name, dense_weight
 from grpo.model.loading import keep_4bit_forward_exact
-from grpo.model.weight_sync import checkpoint_name, dense_weight, iter_policy_weights, sync_weights
 from grpo.rollout.engine import RolloutEngine
+from grpo.sync.weight_sync import iter_policy_weights, sync_weights
 
 from .sync_setup import IDS, STOCK_4BIT, as_if_trained, trained_policy
 from .tiny_models import make_tiny_model_dir
@@ -570,7 +571,7 @@ def test_qlora_shares_its_4bit_base_with_an_engine_that_loaded_it(model_dir, tmp
     import bitsandbytes as bnb
 
     from grpo.model.quantized_checkpoint import write_4bit_checkpoint
-    from grpo.model.shared_base import share_base_weights
+    from grpo.sync.shared_base import share_base_weights
 
     policy = trained_policy(model_dir, "qlora", **STOCK_4BIT).eval()
     with torch.no_grad():
@@ -595,8 +596,8 @@ def test_lora_shares_one_base_with_the_engine(model_dir):
     """lora with an engine that takes the adapter: every frozen base tensor of the trainer becomes a view of the
     engine's equal block (fused layers by their rows, padded vocabularies by their first rows), so the base is held
     once and the policy computes exactly as before; a block that differs keeps the trainer's own copy."""
-    from grpo.model.engine_layout import engine_blocks
-    from grpo.model.shared_base import share_base_weights
+    from grpo.sync.engine_layout import engine_blocks
+    from grpo.sync.shared_base import share_base_weights
 
     policy = trained_policy(model_dir, "lora").eval()
     with torch.no_grad():
@@ -622,7 +623,7 @@ def test_lora_shares_one_base_with_the_engine(model_dir):
     with torch.no_grad():
         torch.testing.assert_close(policy(IDS).logits, before, atol=0, rtol=0)
     # a GPU policy's base waits in CPU memory while the engine loads (tests/gpu/sync_check.py); on CPU nothing moves
-    from grpo.model.shared_base import park_frozen_base
+    from grpo.sync.shared_base import park_frozen_base
 
     assert park_frozen_base(policy) == {}
     # under ZeRO-3 a rank holds an empty partition of each tensor: nothing to share, every copy stays
@@ -641,8 +642,8 @@ class InPlaceEngine(RecordingEngine):
         self.model, self.needs_every_weight = model, drops_weights
 
     def weight_views(self, policy):
-        from grpo.model.engine_layout import writable_blocks
-        from grpo.model.weight_sync import checkpoint_shapes
+        from grpo.sync.engine_layout import writable_blocks
+        from grpo.sync.weight_sync import checkpoint_shapes
 
         return writable_blocks(self.model, VLLM_PACKED, checkpoint_shapes(policy))
 
@@ -661,8 +662,8 @@ def test_an_engine_written_in_place_holds_what_the_stream_would_load(model_dir, 
     """A sync into an engine on one GPU writes each tensor straight into the engine's own rows (q, k, v into the
     fused qkv block, ...): they hold what the streamed sync would load (the merge W + s * B @ A done by one GEMM in
     the engine's dtype), only the padded vocabulary goes through load_weights, and the stats count everything."""
-    from grpo.model.engine_layout import engine_blocks
-    from grpo.model.weight_sync import checkpoint_shapes
+    from grpo.sync.engine_layout import engine_blocks
+    from grpo.sync.weight_sync import checkpoint_shapes
 
     policy = trained_policy(model_dir, strategy, targets=targets)
     layout = vllm_layout(model_dir, vocab_rows=padded_vocab(policy)).to(dtype)
@@ -701,7 +702,7 @@ def test_an_engine_written_in_place_holds_what_the_stream_would_load(model_dir, 
 def test_only_blocks_that_tile_an_engine_tensor_are_written_in_place(model_dir):
     """writable_blocks leaves to the engine's loaders every tensor whose rows it cannot tell apart from others':
     a padded vocabulary, a fused layer split across ranks (tensor parallel: half its rows), packed 4-bit bytes."""
-    from grpo.model.engine_layout import writable_blocks
+    from grpo.sync.engine_layout import writable_blocks
 
     policy = trained_policy(model_dir, "lora")
     engine = vllm_layout(model_dir, vocab_rows=padded_vocab(policy))

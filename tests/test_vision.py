@@ -20,7 +20,7 @@ from grpo.rollout.engine import SamplingSettings
 from grpo.rollout.hf import HFRolloutEngine
 from grpo.rollout.vllm import collapse_image_tokens
 from grpo.train.logprobs import completion_logprobs
-from grpo.model.weight_sync import iter_policy_weights
+from grpo.sync.weight_sync import iter_policy_weights
 from grpo.train.trainer import GRPOTrainer
 from grpo.model.vision import VisionProcessor, language_linear_names, vision_tower_names
 

@@ -27,7 +27,7 @@ import torch
 
 from grpo.model.base_weights import CheckpointWeights
 from grpo.errors import ConfigError
-from grpo.model.weight_sync import checkpoint_name, dense_weight, is_4bit
+from grpo.model.layer_weights import checkpoint_name, dense_weight, is_4bit
 from grpo.model.vision import checkpoint_prefixes, rename
 
 logger = logging.getLogger(__name__)

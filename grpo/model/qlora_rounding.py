@@ -29,7 +29,7 @@ import torch
 
 from grpo.model.base_weights import CheckpointWeights
 from grpo.config.options import BITSANDBYTES_BLOCK_SIZE
-from grpo.model.weight_sync import checkpoint_name
+from grpo.model.layer_weights import checkpoint_name
 from grpo.model.vision import checkpoint_prefixes, rename
 
 logger = logging.getLogger(__name__)

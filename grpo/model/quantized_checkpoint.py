@@ -21,7 +21,7 @@ import os
 import torch
 
 from grpo.errors import ConfigError
-from grpo.model.weight_sync import checkpoint_name, is_4bit
+from grpo.model.layer_weights import checkpoint_name, is_4bit
 
 logger = logging.getLogger("grpo")
 SHARD_BYTES = 2 * 2**30  # bounded CPU memory while writing (a 32B base is ~18 GB)

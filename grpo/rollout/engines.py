@@ -11,11 +11,11 @@ import torch
 
 from grpo.errors import ConfigError
 from grpo.model.base_weights import saved_4bit
-from grpo.model.shared_base import park_frozen_base, restore_parked
-from grpo.model.weight_sync import converted_on_load
 from grpo.runtime.gpu_budget import engine_memory_share, least_gpu_memory
 from grpo.rollout.hf import HFRolloutEngine, stop_token_ids
 from grpo.rollout.kv_cache import engine_kv_cache_bytes
+from grpo.sync.shared_base import park_frozen_base, restore_parked
+from grpo.sync.weight_sync import converted_on_load
 
 logger = logging.getLogger("grpo")
 # --rollout_weights auto, qlora: the engine holds the 4-bit base plus the adapter once the merged 16-bit copy would
@@ -222,7 +222,7 @@ def _adapter_refusal(config, policy, vision, stored_4bit: bool) -> str | None:
 
 def _in_place_refusal(policy, vision) -> str | None:
     """Why in-place mode cannot take this policy, or None."""
-    from grpo.model.in_place_merge import KERNEL_MAX_RANK
+    from grpo.sync.merge_record import KERNEL_MAX_RANK
 
     peft_config = getattr(policy, "peft_config", {}).get("default")
     if vision:

@@ -143,7 +143,7 @@ class HFRolloutEngine(RolloutEngine):
         grpo/vision.py; tied weights appear under each of their names), built on the first sync and kept: a sync
         arrives in many calls."""
         if self._by_checkpoint_name is None:
-            from grpo.model.checkpoint_layout import checkpoint_views
+            from grpo.sync.checkpoint_layout import checkpoint_views
 
             self._by_checkpoint_name = checkpoint_views(self.model)
         return self._by_checkpoint_name

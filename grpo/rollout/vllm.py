@@ -34,7 +34,7 @@ LoRA layers, the trainer's frozen base becomes views of its weights (every LoRA 
 merged weights of its own), and a sync hands it the adapter, which it merges into that one base when it generates and
 takes out again, exactly, once the rollout's completions are in (release_base: queued on the GPU while the CPU scores
 them), at the latest at its next sleep() (also with --vllm_sleep false, where sleep frees nothing) or when the
-trainer runs a forward (grpo.model.in_place_merge). So the trainer's base is its own whenever the trainer runs; the
+trainer runs a forward (grpo.sync.in_place_merge). So the trainer's base is its own whenever the trainer runs; the
 engine samples at merged speed and the GPU holds the base once; its sleeps drop the KV cache only.
 """
 from __future__ import annotations
@@ -49,7 +49,7 @@ from grpo.errors import ConfigError
 from grpo.rollout.engine import Completion, RolloutEngine, SamplingSettings
 
 if TYPE_CHECKING:
-    from grpo.model.shared_base import SharedBase
+    from grpo.sync.shared_base import SharedBase
 
 logger = logging.getLogger("grpo")
 INSTALL_HINT = "--rollout_engine vllm needs vLLM: pip install .[vllm] (tested with vllm 0.26.0)"
@@ -101,7 +101,7 @@ class VLLMRolloutEngine(RolloutEngine):
         self.takes_adapter = lora_rank is not None
         # the base is loaded once, never synced: it is kept (on the GPU, or parked in CPU memory)
         self.sleep_level = 1 if self.takes_adapter and sleep_level == 2 else sleep_level
-        # read by grpo.model.weight_sync.sync_weights: a level-2 sleep leaves nothing of the previous weights to
+        # read by grpo.sync.weight_sync.sync_weights: a level-2 sleep leaves nothing of the previous weights to
         # build on
         self.needs_every_weight = enable_sleep and self.sleep_level == 2
         self.weights_dropped = False  # a level-2 sleep dropped them and no load_weights has run since
@@ -118,7 +118,7 @@ class VLLMRolloutEngine(RolloutEngine):
         self._pending_adapter: dict | None = None  # synced while asleep: applied at wake
         self._in_place = None
         if merge_in_place:
-            from grpo.model.in_place_merge import InPlaceMerge
+            from grpo.sync.in_place_merge import InPlaceMerge
 
             self._in_place = InPlaceMerge()
         self.merges_in_place = False  # set by share_base once the trainer's LoRA layers view this engine's weights
@@ -216,7 +216,7 @@ class VLLMRolloutEngine(RolloutEngine):
     # ----------------------------------------------------------------------------------------- weights
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], complete: bool = True) -> None:
         """Overwrite the engine's weights with these (HF checkpoint names), then drop its cached prefixes.
-        `complete`: these tensors finish a load of every weight (grpo.model.weight_sync.sync_weights passes False for
+        `complete`: these tensors finish a load of every weight (grpo.sync.weight_sync.sync_weights passes False for
         all chunks but the last), so after a level-2 sleep the engine may wake again only once a whole sync has
         landed."""
         self._wake_weights()
@@ -229,7 +229,7 @@ class VLLMRolloutEngine(RolloutEngine):
 
     def weight_views(self, policy) -> dict[str, torch.Tensor]:
         """Merged weights on one GPU: the engine's own blocks of the checkpoint's tensors that a sync can overwrite in
-        place (grpo.model.engine_layout.writable_blocks), its weights woken first. Empty under tensor parallelism
+        place (grpo.sync.engine_layout.writable_blocks), its weights woken first. Empty under tensor parallelism
         (a rank holds shards; load_weights splits them), with the adapter (the base never changes), and for a
         vision-language model (vLLM renames its checkpoint's tensors; load_weights knows how). Found at the first
         sync and kept: a sleep and a wake map the engine's weights at the same addresses, so the views stay its own."""
@@ -237,8 +237,8 @@ class VLLMRolloutEngine(RolloutEngine):
             return {}
         self._wake_weights()
         if self._views is None or self._views[0] is not policy:
-            from grpo.model.engine_layout import writable_blocks
-            from grpo.model.weight_sync import checkpoint_shapes
+            from grpo.sync.engine_layout import writable_blocks
+            from grpo.sync.weight_sync import checkpoint_shapes
             from grpo.rollout.vllm_memory import engine_model
 
             model = engine_model(self.llm)
@@ -253,7 +253,7 @@ class VLLMRolloutEngine(RolloutEngine):
             self._asleep.discard("weights")
 
     def load_adapter(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Adapter mode: replace the engine's adapter by these tensors (grpo.model.weight_sync.iter_adapter_tensors).
+        """Adapter mode: replace the engine's adapter by these tensors (grpo.sync.weight_sync.iter_adapter_tensors).
         While the engine sleeps they wait for wake(), so the base is not brought back for them."""
         if not self.takes_adapter:
             raise RuntimeError("this vLLM engine was started without LoRA: it takes whole weights (load_weights)")
@@ -272,7 +272,7 @@ class VLLMRolloutEngine(RolloutEngine):
 
     def load_merge(self, layers: list) -> None:
         """In-place mode: the adapter to merge into the shared base from now on, (weight, B, A, scale) per LoRA
-        layer (grpo.model.in_place_merge.in_place_layers); merged by the next generate."""
+        layer (grpo.sync.in_place_merge.in_place_layers); merged by the next generate."""
         if not self.merges_in_place:
             raise RuntimeError("this vLLM engine does not share its base with the trainer: it takes whole weights")
         self._in_place.unmerge()
@@ -292,10 +292,10 @@ class VLLMRolloutEngine(RolloutEngine):
     # ------------------------------------------------------------------------------------------ memory
     def share_base(self, policy, parked: dict | None = None) -> "SharedBase | None":
         """Adapter mode, one GPU per engine: the policy's frozen base tensors (qlora: its packed 4-bit weights too)
-        become views of this engine's weights (grpo.model.shared_base), so the GPU holds the base once; from then on
-        a sleep drops the KV cache only. `parked`: the tensors grpo.model.shared_base.park_frozen_base moved to CPU
+        become views of this engine's weights (grpo.sync.shared_base), so the GPU holds the base once; from then on
+        a sleep drops the KV cache only. `parked`: the tensors grpo.sync.shared_base.park_frozen_base moved to CPU
         memory before this engine loaded. None where nothing can be shared (the parked tensors then go back)."""
-        from grpo.model.shared_base import lora_base_names, restore_parked, share_base_weights
+        from grpo.sync.shared_base import lora_base_names, restore_parked, share_base_weights
         from grpo.rollout.vllm_memory import engine_model
 
         if not (self.takes_adapter or self._in_place is not None) or self.tp > 1:
@@ -356,7 +356,7 @@ class VLLMRolloutEngine(RolloutEngine):
         before the next rollout; weights a level-2 sleep dropped must have been synced since."""
         if self.weights_dropped:
             raise RuntimeError("vLLM's weights were dropped by its level-2 sleep and no sync has loaded them since: "
-                               "call grpo.model.weight_sync.sync_weights(engine, ...) after sleep() and before "
+                               "call grpo.sync.weight_sync.sync_weights(engine, ...) after sleep() and before "
                                "generating")
         if self._asleep:
             self._make_room(self._asleep)

@@ -7,7 +7,7 @@ process, so the adapter goes straight to the worker's LoRA manager instead, with
     manager.remove_adapter(id); add_adapter; activate      copied into the GPU slots the LoRA kernels read
     llm.generate(..., lora_request=LoRARequest(id))        the id is registered, so the request's path is never read
 
-The tensors come with lora_B already scaled (grpo.model.weight_sync.iter_adapter_tensors), so the helper's own
+The tensors come with lora_B already scaled (grpo.sync.weight_sync.iter_adapter_tensors), so the helper's own
 scale is 1 (lora_alpha = r). vLLM 0.26's ranks: max_lora_rank must be one of LORA_RANKS.
 """
 from __future__ import annotations

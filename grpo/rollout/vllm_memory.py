@@ -2,7 +2,7 @@
 its model runner, and a sleep that drops the KV cache alone.
 
 vLLM's own sleep releases every allocation of its memory pool, the weights included (level 1 parks them in CPU
-memory). When the trainer's base tensors are views of the engine's weights (grpo.model.shared_base) those must stay,
+memory). When the trainer's base tensors are views of the engine's weights (grpo.sync.shared_base) those must stay,
 so the engine sleeps by releasing the allocations tagged "kv_cache" only, and wakes them through the worker's own
 wake-up for that tag (same addresses, so its CUDA graphs stay valid; the block tables rebuilt); what the cache held
 is gone, as after vLLM's own sleep.

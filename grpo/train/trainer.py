@@ -4,7 +4,7 @@
 
 Everything that is not wiring lives elsewhere: the run's setup in setup.py, math in grpo/algorithm.py, a step's
 rollouts in grpo/rollout/collect.py, the step's tensors in step_data.py, the update in update.py, weight sync in
-grpo/model/weight_sync.py, checkpoints in grpo/checkpoint/, the step's metrics in metrics.py.
+grpo/sync/weight_sync.py, checkpoints in grpo/checkpoint/, the step's metrics in metrics.py.
 """
 from __future__ import annotations
 
@@ -327,7 +327,7 @@ class GRPOTrainer:
         colocated HF engine samples the live model."""
         if not engine_holds_weights(self.config):
             return 0.0
-        from grpo.model.weight_sync import sync_weights
+        from grpo.sync.weight_sync import sync_weights
 
         self._last_sync = sync_weights(self.rollout_engine, self.engine.module, self.config.tuning_strategy,
                                        zero3=self.zero3, first_sync=first,

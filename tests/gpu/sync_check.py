@@ -107,7 +107,7 @@ def main():
     from grpo.model.loading import load_policy
     from grpo.rollout.engine import SamplingSettings
     from grpo.rollout.vllm import VLLMRolloutEngine
-    from grpo.model.weight_sync import sync_weights
+    from grpo.sync.weight_sync import sync_weights
 
     dist_utils.init_distributed()
     path = MODEL_DIR if args.arch == "llama" else f"{MODEL_DIR}-{args.arch}"
@@ -134,7 +134,7 @@ def main():
         write_4bit_checkpoint(engine.module, engine_path)
     parked = {}
     if (adapter or in_place) and args.tp == 1:  # as the trainer does: its base waits in CPU memory
-        from grpo.model.shared_base import park_frozen_base
+        from grpo.sync.shared_base import park_frozen_base
 
         parked = park_frozen_base(engine.module)
     vllm = VLLMRolloutEngine(engine_path, tensor_parallel_size=args.tp, gpu_memory_utilization=0.3, max_model_len=512,

@@ -1,4 +1,4 @@
-"""On a GPU: the recorded merge's Triton kernels (grpo.model.merge_kernel, used by grpo.model.in_place_merge) write
+"""On a GPU: the recorded merge's Triton kernels (grpo.sync.merge_kernel, used by grpo.sync.in_place_merge) write
 round(W + s * B @ A) (to the fp32 sums' rounding), keep every element whose unmerge would miss, and their unmerge
 gives the base back bit for bit; a layer whose escapes outgrow their first buffer is merged again with room for them
 all."""
@@ -38,7 +38,7 @@ def near_rounded_sum(merged, weight, lora_b, lora_a, scale):
 @pytest.mark.parametrize("b_scale", [1e-4, 1e-2, 1.0])
 @pytest.mark.parametrize("rows,columns,rank", SHAPES)
 def test_the_kernels_merge_and_give_the_base_back_exactly(rows, columns, rank, b_scale, dtype):
-    from grpo.model import in_place_merge, merge_kernel
+    from grpo.sync import in_place_merge, merge_kernel
 
     weight, lora_b, lora_a = layer(rows, columns, rank, dtype, b_scale)
     original = weight.clone()
@@ -55,9 +55,9 @@ def test_the_kernels_merge_and_give_the_base_back_exactly(rows, columns, rank, b
 
 
 def test_escapes_beyond_the_first_buffer_are_merged_again(monkeypatch):
-    from grpo.model import in_place_merge
+    from grpo.sync import in_place_merge, merge_record
 
-    monkeypatch.setattr(in_place_merge, "FIRST_ESCAPE_SHARE", 0.0)  # a first buffer of 1024 escapes per layer
+    monkeypatch.setattr(merge_record, "FIRST_ESCAPE_SHARE", 0.0)  # a first buffer of 1024 escapes per layer
     weight, lora_b, lora_a = layer(1000, 320, 16, torch.bfloat16, 1.0)
     original = weight.clone()
     merge = in_place_merge.InPlaceMerge()

@@ -1,4 +1,4 @@
-"""On a GPU: grpo.model.merge_kernel writes W + s * B @ A correctly rounded (but where the fp32 sum sits a hair from a
+"""On a GPU: grpo.sync.merge_kernel writes W + s * B @ A correctly rounded (but where the fp32 sum sits a hair from a
 rounding boundary), where W is bitsandbytes' own dequantization bit for bit, for 4-bit nf4 bases (blocks of 32 to 128,
 scales double-quantized or not) and 16-bit ones, bf16 and fp16, at shapes that do not fill its tiles; and it refuses
 what it cannot write. (The unfused path it replaces, dequantize_4bit into the engine's tensor and then addmm_,
@@ -25,7 +25,7 @@ def four_bit(weight: torch.Tensor, blocksize: int, nested: bool, **kwargs):
 
 
 def merged(weight, lora_b, lora_a, scale, dtype):
-    from grpo.model import merge_kernel
+    from grpo.sync import merge_kernel
 
     shape = tuple(weight.quant_state.shape) if weight.__class__.__name__ == "Params4bit" else weight.shape
     out = torch.full(shape, float("nan"), dtype=dtype, device="cuda")  # every element must be written
@@ -61,7 +61,7 @@ def check(fused, dense, lora_b, lora_a, scale) -> None:
 def test_four_bit_base(rows, columns, rank, blocksize, nested, dtype, lora_dtype):
     import bitsandbytes.functional as bnbf
 
-    from grpo.model import merge_kernel
+    from grpo.sync import merge_kernel
 
     weight, lora_b, lora_a = layer(rows, columns, rank, dtype, lora_dtype)
     base = four_bit(weight, blocksize, nested)
@@ -88,7 +88,7 @@ def test_what_it_does_not_take():
     transposed view, B on the CPU: left to the unfused path."""
     import bitsandbytes as bnb
 
-    from grpo.model import merge_kernel
+    from grpo.sync import merge_kernel
 
     weight, lora_b, lora_a = layer(64, 128, 8, torch.bfloat16, torch.float32)
     out = torch.empty(64, 128, dtype=torch.bfloat16, device="cuda")

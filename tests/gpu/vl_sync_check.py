@@ -87,7 +87,7 @@ def main():
     from grpo.rollout.engine import Completion, SamplingSettings
     from grpo.rollout.vllm import VLLMRolloutEngine
     from grpo.train.logprobs import completion_logprobs
-    from grpo.model.weight_sync import sync_weights
+    from grpo.sync.weight_sync import sync_weights
     from grpo.model.vision import VisionProcessor
 
     dist_utils.init_distributed()

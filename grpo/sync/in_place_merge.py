@@ -1,7 +1,7 @@
 """lora with one 16-bit base: the adapter merged into the base the trainer and vLLM share, for a rollout, and taken
 out again, bit for bit, before the trainer reads it.
 
-The trainer's frozen base tensors are views of the engine's (grpo.model.shared_base), so the engine samples the
+The trainer's frozen base tensors are views of the engine's (grpo.sync.shared_base), so the engine samples the
 merged policy at merged speed, and the GPU holds the base once. Per element of a LoRA layer's weight W (16 bits):
 
     D  = s * (B @ A)                 B [out, r], A [r, in] rounded to W's dtype, the product in fp32, s = alpha / r
@@ -18,7 +18,7 @@ of the base is 14.2 GiB. D must be the same number in the merge and the unmerge:
 so the round trip is exact.
 
 On the GPU one Triton pass per layer merges (reads W, writes W' and the codes) and one unmerges
-(grpo.model.merge_kernel); elsewhere the same equations run in torch. The escapes of a kernel pass go to a buffer of
+(grpo.sync.merge_kernel); elsewhere the same equations run in torch. The escapes of a kernel pass go to a buffer of
 a fixed size per layer; an element whose escape finds no room is left unmerged (code ESCAPE, W unchanged), the layer
 is counted as overflowed, and merge() takes it out again and merges it once more with a buffer that holds them all.
 """
@@ -30,29 +30,13 @@ from typing import Optional
 
 import torch
 
+from grpo.errors import ConfigError
+from grpo.model.layer_weights import lora_adapters, plain_lora
 from grpo.runtime.signals import signals_held
+from grpo.sync.merge_record import BITS_OF, CODES_PER_BYTE, ESCAPE, LayerRecord, restore_escapes
 
 logger = logging.getLogger("grpo")
 _SAID_NO_KERNEL: list[Exception] = []  # the kernels' import failure, said once
-
-ESCAPE = 3                  # the code of an element whose W is kept beside the codes (or was left unmerged)
-CODES_PER_BYTE = 4          # 2 bits each, the first element in the lowest bits
-FIRST_ESCAPE_SHARE = 1 / 256  # a layer's first escape buffer, per element (0.4%); misses of more than one step
-                              # took 0.01-0.5% of a Qwen2.5-7B-like layer's elements with |B| of 1e-4 to 1e-2 (rank
-                              # 16), and grow with |s B A| / |W|: a layer that needs more gets it (merge)
-KERNEL_MAX_RANK = 64         # the Triton kernels' largest rank (grpo.model.merge_kernel.MAX_RANK is this)
-BITS_OF = {2: torch.int16, 4: torch.int32}  # a weight's element size -> the integer type of its bit pattern
-
-
-@dataclass
-class LayerRecord:
-    """What a merge of one layer keeps for its unmerge."""
-    codes: torch.Tensor                   # uint8, 4 codes a byte (torch: [numel / 4]; the kernel: its own layout)
-    escape_index: torch.Tensor            # int32 [capacity]: flat positions of the kept elements
-    escape_bits: torch.Tensor             # [capacity], W's bit pattern at those positions
-    escapes: int = 0                      # how many of them hold an element (after a merge)
-    counter: Optional[torch.Tensor] = None  # the kernel's escape count (int32 [1]; may pass the capacity)
-    needed: int = 0                       # escapes of the last kernel merge, room or not
 
 
 @dataclass
@@ -123,13 +107,6 @@ def unmerge_recorded(weight: torch.Tensor, lora_b: torch.Tensor, lora_a: torch.T
     restore_escapes(weight, record)
 
 
-def restore_escapes(weight: torch.Tensor, record: LayerRecord) -> None:
-    """The kept elements' W back in place (the last step of an unmerge)."""
-    if record.escapes:
-        flat = weight.view(BITS_OF[weight.element_size()]).reshape(-1)
-        flat[record.escape_index[:record.escapes].long()] = record.escape_bits[:record.escapes]
-
-
 # ---------------------------------------------------------------------------------------------------- the state
 class InPlaceMerge:
     """The adapter of every LoRA layer, merged into the shared base on merge() and taken out on unmerge()."""
@@ -172,7 +149,7 @@ class InPlaceMerge:
                                     lora_a.detach().to(weight.dtype, copy=True).contiguous(), float(scale))
             layer.use_kernel = _kernel_fits(weight, layer.lora_b)
             if layer.use_kernel:  # the layer's last buffers where the kernel made them (torch's have another layout)
-                from grpo.model import merge_kernel
+                from grpo.sync import merge_kernel
 
                 layer.record = old.record if old is not None and old.use_kernel else merge_kernel.new_record(weight)
             new_layers.append(layer)
@@ -199,7 +176,7 @@ class InPlaceMerge:
                     if layer.merged:
                         continue
                     if layer.use_kernel:
-                        from grpo.model import merge_kernel
+                        from grpo.sync import merge_kernel
 
                         layer.record = merge_kernel.merge_recording(layer.weight, layer.lora_b, layer.lora_a,
                                                                     layer.scale, layer.record)
@@ -208,7 +185,7 @@ class InPlaceMerge:
                         layer.record = merge_recording(layer.weight, layer.lora_b, layer.lora_a, layer.scale)
                     layer.merged = True
                 if by_kernel:  # one read of the kernel's escape counts for all its layers
-                    from grpo.model import merge_kernel
+                    from grpo.sync import merge_kernel
 
                     overflowed, by_kernel = merge_kernel.read_escape_counts(by_kernel), []
                     for layer in overflowed:
@@ -221,7 +198,7 @@ class InPlaceMerge:
                         merge_kernel.read_escape_counts([layer], must_fit=True)
         except BaseException:
             if by_kernel:  # merged by the kernel, their escapes not yet counted
-                from grpo.model import merge_kernel
+                from grpo.sync import merge_kernel
 
                 merge_kernel.read_escape_counts(by_kernel)
             self.unmerge()
@@ -238,7 +215,7 @@ class InPlaceMerge:
     @staticmethod
     def _unmerge_layer(layer: MergedLayer) -> None:
         if layer.use_kernel:
-            from grpo.model import merge_kernel
+            from grpo.sync import merge_kernel
 
             merge_kernel.unmerge_recorded(layer.weight, layer.lora_b, layer.lora_a, layer.scale, layer.record)
         else:
@@ -251,7 +228,7 @@ def _kernel_fits(weight: torch.Tensor, lora_b: torch.Tensor) -> bool:
     if not weight.is_cuda or weight.element_size() != 2:
         return False
     try:
-        from grpo.model import merge_kernel
+        from grpo.sync import merge_kernel
     except ImportError as exc:
         if not _SAID_NO_KERNEL:
             _SAID_NO_KERNEL.append(exc)
@@ -264,15 +241,12 @@ def _kernel_fits(weight: torch.Tensor, lora_b: torch.Tensor) -> bool:
 def in_place_layers(model) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]]:
     """(base weight, B, A, scale) of every LoRA layer of a peft model with one plain adapter active per layer (what
     --rollout_weights in_place takes); a clear error for anything else."""
-    from grpo.errors import ConfigError
-    from grpo.model.weight_sync import _lora_adapters, _plain_lora
-
     layers = []
     for name, module in model.named_modules():
         if not (hasattr(module, "lora_A") and hasattr(module, "get_base_layer")):
             continue
-        adapters = _lora_adapters(module)
-        if len(adapters) > 1 or not _plain_lora(module, adapters):
+        adapters = lora_adapters(module)
+        if len(adapters) > 1 or not plain_lora(module, adapters):
             raise ConfigError(f"--rollout_weights in_place merges one plain LoRA adapter per layer ({name} has "
                               f"{len(adapters)}, fan_in_fan_out or lora_bias): use --rollout_weights merged")
         if adapters:

@@ -1,7 +1,7 @@
 """lora with an engine that takes the adapter: one 16-bit base on the GPU, shared by the trainer and vLLM.
 
 Both load the same checkpoint, so their frozen base weights are equal; once the colocated engine is up, each of the
-trainer's frozen base tensors becomes a view of the engine's own block of rows (grpo.model.engine_layout: fused
+trainer's frozen base tensors becomes a view of the engine's own block of rows (grpo.sync.engine_layout: fused
 layers, padded vocabularies), and the trainer's copy is freed. A tensor is shared only if the
 engine's block has its shape and dtype and is equal to it element for element; anything else keeps its own copy.
 While the engine loads, the trainer's base waits in CPU memory (park_frozen_base), so the GPU never holds two.
@@ -16,8 +16,8 @@ from typing import Optional
 
 import torch
 
-from grpo.model.engine_layout import engine_blocks
-from grpo.model.weight_sync import checkpoint_name
+from grpo.model.layer_weights import checkpoint_name
+from grpo.sync.engine_layout import engine_blocks
 
 logger = logging.getLogger("grpo")
 

@@ -12,8 +12,8 @@ An engine that drops its weights while it sleeps (`needs_every_weight`, vLLM's l
 after every step instead: lora / qlora then also send their frozen tensors (embeddings, norms, layers without an
 adapter, 4-bit ones dequantized), which costs a copy on the GPU instead of two trips through CPU memory.
 An in-process engine on one GPU (`weight_views`) is written in place: each tensor goes straight into the engine's
-own block of rows (grpo.model.engine_layout), a LoRA layer as W (4-bit: dequantized) + (alpha / r) * B @ A in one
-pass of grpo.model.merge_kernel (without Triton: W copied there, then one GEMM added); what has no such block (a
+own block of rows (grpo.sync.engine_layout), a LoRA layer as W (4-bit: dequantized) + (alpha / r) * B @ A in one
+pass of grpo.sync.merge_kernel (without Triton: W copied there, then one GEMM added); what has no such block (a
 padded vocabulary) goes through load_weights.
 """
 from __future__ import annotations
@@ -28,10 +28,12 @@ import torch
 
 from grpo.config.choices import STRATEGIES
 from grpo.errors import ConfigError
-from grpo.model.checkpoint_layout import converted_names, to_checkpoint
+from grpo.model.layer_weights import (PEFT_PREFIX, active_adapters, checkpoint_name, dense_weight, is_4bit,
+                                     lora_adapters, plain_lora, write_weight)
 from grpo.model.vision import checkpoint_prefixes, rename
+from grpo.sync.checkpoint_layout import converted_names, to_checkpoint
+from grpo.sync.in_place_merge import in_place_layers
 
-PEFT_PREFIX = "base_model.model."
 logger = logging.getLogger("grpo")
 _KERNEL_FAILED: list[Exception] = []  # the merge kernel's failure, once: later syncs take the unfused path
 
@@ -44,12 +46,6 @@ class SyncStats:
     tensors: int
 
 
-def checkpoint_name(module_name: str) -> str:
-    """peft's module path -> the name the base checkpoint (and vLLM's load_weights) uses."""
-    name = module_name[len(PEFT_PREFIX):] if module_name.startswith(PEFT_PREFIX) else module_name
-    return name.replace(".base_layer", "")
-
-
 def iter_policy_weights(model, strategy: str, *, dtype: torch.dtype = torch.bfloat16, zero3: bool = False,
                         first_sync: bool = True, everything: bool = False,
                         into: dict[str, torch.Tensor] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
@@ -58,7 +54,7 @@ def iter_policy_weights(model, strategy: str, *, dtype: torch.dtype = torch.bflo
     `model` is the module being trained (DeepSpeed's `engine.module`): a plain HF model for "full", a peft model
     for "lora" / "qlora". With `zero3=True` its parameters are partitioned and each module's are gathered in turn.
     `everything`: every tensor of the policy, not only what changed (for an engine that dropped its weights).
-    `into`: checkpoint name -> a tensor of the engine's (grpo.model.engine_layout.writable_blocks); those are
+    `into`: checkpoint name -> a tensor of the engine's (grpo.sync.engine_layout.writable_blocks); those are
     written there in place and yielded as that very tensor, so nothing else holds them.
     """
     prefixes = checkpoint_prefixes(model)  # peft forwards .config to the base model
@@ -81,7 +77,7 @@ def iter_policy_weights(model, strategy: str, *, dtype: torch.dtype = torch.bflo
 
 def converted_on_load(model) -> frozenset[str]:
     """Names (as transformers holds them) of the tensors transformers converted on load beyond the prefix renames
-    (e.g. a mixture-of-experts model's fused experts): what the sync converts back (grpo.model.checkpoint_layout)."""
+    (e.g. a mixture-of-experts model's fused experts): what the sync converts back (grpo.sync.checkpoint_layout)."""
     return converted_names(_base_model(model), lambda: _live_shapes(model))
 
 
@@ -91,7 +87,7 @@ def _base_model(model):
 
 def checkpoint_shapes(model) -> dict[str, torch.Size]:
     """checkpoint name -> shape of each tensor of the policy's base (4-bit weights unpacked, ZeRO-3 partitions whole):
-    what an engine needs to find its blocks of them (grpo.model.engine_layout)."""
+    what an engine needs to find its blocks of them (grpo.sync.engine_layout)."""
     prefixes = checkpoint_prefixes(model)
     return {rename(name, prefixes): shape for name, shape in _live_shapes(model).items()}
 
@@ -120,7 +116,7 @@ def iter_adapter_tensors(model, *, dtype: torch.dtype = torch.bfloat16,
     for module_name, module in model.named_modules():
         if not isinstance(module, LoraLayer):
             continue
-        adapters = _lora_adapters(module)
+        adapters = lora_adapters(module)
         if len(adapters) > 1:
             raise ConfigError(f"{checkpoint_name(module_name)} has {len(adapters)} active adapters; the rollout "
                               "engine takes one: use --rollout_weights merged")
@@ -144,8 +140,6 @@ def sync_weights(engine, model, strategy: str, *, zero3: bool = False, first_syn
         torch.cuda.synchronize()  # the update's queued kernels are its own time, not the sync's
     start = time.perf_counter()
     if engine.merges_in_place:  # the adapter, merged by the engine into the base it shares
-        from grpo.model.in_place_merge import in_place_layers
-
         layers = in_place_layers(model)
         engine.load_merge(layers)
         if torch.cuda.is_available():
@@ -210,74 +204,12 @@ def _module_tensors(prefix: str, named_params, dtype: torch.dtype, zero3: bool, 
             yield name, out.copy_(param.data) if out is not None else _owned(param.data, dtype, zero3)
 
 
-def is_4bit(weight) -> bool:
-    return weight is not None and weight.__class__.__name__ == "Params4bit"
-
-
-def dense_weight(layer) -> torch.Tensor:
-    """The layer's weight as a new dense fp32 tensor (4-bit weights dequantized with their quant_state)."""
-    stored = stored_weight(layer.weight)
-    return stored.float() if is_4bit(layer.weight) else stored.to(torch.float32, copy=True)  # the merge adds into it
-
-
-def write_weight(out: torch.Tensor, weight) -> torch.Tensor:
-    """out <- the weight's values; a 4-bit weight on the GPU dequantized straight into `out` where its dtype is out's
-    (no dense copy in between: 33 -> 24 ms for a merged sync of Qwen2.5-7B's linears on an H100; bitsandbytes 0.50
-    has no such kernel on CPU)."""
-    if is_4bit(weight) and out.is_cuda and weight.quant_state.dtype == out.dtype and out.is_contiguous():
-        import bitsandbytes.functional as bnbf
-
-        _refuse_repacked(weight)
-        return bnbf.dequantize_4bit(weight.data, weight.quant_state, out=out)
-    return out.copy_(stored_weight(weight))
-
-
-def stored_weight(weight) -> torch.Tensor:
-    """What the weight holds, dense: a 4-bit weight dequantized (in its quant_state's dtype), any other as it is."""
-    if is_4bit(weight):
-        import bitsandbytes.functional as bnbf
-
-        _refuse_repacked(weight)
-        return bnbf.dequantize_4bit(weight.data, weight.quant_state)
-    return weight.data
-
-
-def _refuse_repacked(weight) -> None:
-    if getattr(weight.quant_state, "packing_format_for_cpu", False):
-        raise ConfigError("a 4-bit layer was repacked by bitsandbytes' bf16 CPU inference path, so its weight no "
-                          "longer dequantizes to the trained policy; load the policy with "
-                          "grpo.model.loading.load_policy (or call grpo.model.loading.keep_4bit_forward_exact on "
-                          "it first)")
-
-
 # ----------------------------------------------------------------------------------------------------- strategies
 def _iter_full(model, dtype, zero3, target):
     seen = set()  # tied weights (embed_tokens / lm_head) are one parameter: sent once, under its first name
     for module_name, module in model.named_modules():
         yield from _module_tensors(checkpoint_name(module_name), module.named_parameters(recurse=False), dtype,
                                    zero3, seen, target)
-
-
-def _active_adapters(module) -> list[str]:
-    active = getattr(module, "active_adapters", None) or getattr(module, "active_adapter", "default")
-    return [active] if isinstance(active, str) else list(active)
-
-
-def _lora_adapters(module) -> list[str]:
-    """The active, unmerged adapters of a LoRA layer; a clear error for layer kinds the merge below cannot do."""
-    active = _active_adapters(module)
-    if any(a in getattr(module, "lora_embedding_A", {}) for a in active):
-        raise ConfigError("weight sync merges LoRA on linear layers only; drop embedding layers from "
-                          "--lora_target_modules")
-    adapters = [a for a in active if a in module.lora_A and a not in getattr(module, "merged_adapters", [])]
-    for a in adapters:
-        if a in getattr(module, "lora_variant", {}) or getattr(module, "use_dora", {}).get(a, False):
-            raise ConfigError("weight sync merges plain LoRA (W + s * B @ A); DoRA and other LoRA variants are "
-                              "not supported: train without use_dora")
-        if not isinstance(module.lora_A[a], torch.nn.Linear):
-            raise ConfigError(f"weight sync merges LoRA on linear layers only, not {type(module.lora_A[a]).__name__}"
-                              "; drop those layers from --lora_target_modules")
-    return adapters
 
 
 def _lora_merged(module, adapters: list[str], zero3: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -304,7 +236,7 @@ def _lora_merged_into(out: torch.Tensor, module, adapters: list[str], zero3: boo
     """out <- W + sum over the adapters of (alpha / r) * B @ A, written into `out` (an engine's tensor) with no dense
     copy of its own: W copied (4-bit: dequantized) into it, then each product added by one GEMM over B and A in out's
     dtype, which accumulates in fp32 and rounds once; on the GPU one adapter goes in one pass that reads W and writes
-    out once (grpo.model.merge_kernel: 25 -> 10 ms for Qwen2.5-7B's 196 linears in 4 bits on an H100). Plain LoRA
+    out once (grpo.sync.merge_kernel: 25 -> 10 ms for Qwen2.5-7B's 196 linears in 4 bits on an H100). Plain LoRA
     only (no lora_bias, no fan_in_fan_out)."""
     base = module.get_base_layer()
     parts = [base.weight] + [p for a in adapters for p in (module.lora_A[a].weight, module.lora_B[a].weight)]
@@ -319,12 +251,12 @@ def _lora_merged_into(out: torch.Tensor, module, adapters: list[str], zero3: boo
 
 
 def _merged_in_one_pass(out: torch.Tensor, module, adapter: str) -> bool:
-    """out <- W + s * B @ A by grpo.model.merge_kernel, for an engine tensor on the GPU where Triton is installed, the
+    """out <- W + s * B @ A by grpo.sync.merge_kernel, for an engine tensor on the GPU where Triton is installed, the
     kernel takes the layer and has not failed in this process; False where it did not write."""
     if not out.is_cuda or _KERNEL_FAILED:
         return False
     try:
-        from grpo.model import merge_kernel
+        from grpo.sync import merge_kernel
     except ImportError:  # no Triton: dequantize (or copy), then one GEMM
         return False
     weight = module.get_base_layer().weight
@@ -339,12 +271,6 @@ def _merged_in_one_pass(out: torch.Tensor, module, adapter: str) -> bool:
         logger.warning(f"the one-pass merge kernel failed ({type(exc).__name__}: {exc}); weight syncs dequantize "
                        "(or copy) and add one GEMM instead")
         return False
-
-
-def _plain_lora(module, adapters: list[str]) -> bool:
-    """Whether the merge is W + s * B @ A on the weight alone, as _lora_merged_into writes it."""
-    return not getattr(module, "fan_in_fan_out", False) and not any(
-        getattr(module, "lora_bias", {}).get(a, False) for a in adapters)
 
 
 def _iter_adapter(model, dtype, zero3, dequantize_frozen: bool, everything: bool = False, target=lambda name: None):
@@ -362,7 +288,7 @@ def _iter_adapter(model, dtype, zero3, dequantize_frozen: bool, everything: bool
         name = checkpoint_name(module_name)
         if isinstance(module, ModulesToSaveWrapper):
             wrapper_prefix = module_name + "."
-            active = [a for a in _active_adapters(module) if a in module.modules_to_save]
+            active = [a for a in active_adapters(module) if a in module.modules_to_save]
             if not active and not everything:
                 continue
             # what the wrapper's forward runs: the active adapter's trained copy, else the original module
@@ -373,13 +299,13 @@ def _iter_adapter(model, dtype, zero3, dequantize_frozen: bool, everything: bool
                               "train without trainable_token_indices")
         elif isinstance(module, LoraLayer):
             wrapper_prefix = module_name + "."
-            adapters = _lora_adapters(module)
+            adapters = lora_adapters(module)
             if not (adapters or everything or (dequantize_frozen and is_4bit(module.get_base_layer().weight))):
                 continue  # unchanged since the checkpoint the engine loaded
             base = module.get_base_layer()
             if everything:
                 seen.update(id(p) for p in base.parameters())
-            out = target(f"{name}.weight") if _plain_lora(module, adapters) else None
+            out = target(f"{name}.weight") if plain_lora(module, adapters) else None
             if out is not None:  # the bias, if any, is the base's own
                 yield f"{name}.weight", _lora_merged_into(out, module, adapters, zero3)
                 if everything and getattr(base, "bias", None) is not None:

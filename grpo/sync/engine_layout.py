@@ -9,7 +9,7 @@ engine tensor:
     embed_tokens     = embed_tokens.weight[0 : vocab]  (rows past the vocabulary are vLLM's padding)
 
 Rows of a row-major tensor are contiguous, so every block is a plain dense tensor: the trainer can share it
-(grpo.model.shared_base) or write the synced policy into it (grpo.model.weight_sync).
+(grpo.sync.shared_base) or write the synced policy into it (grpo.sync.weight_sync).
 """
 from __future__ import annotations
 

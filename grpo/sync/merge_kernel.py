@@ -1,4 +1,4 @@
-"""One GPU pass per LoRA layer for a merged sync written in place (grpo.model.weight_sync._lora_merged_into):
+"""One GPU pass per LoRA layer for a merged sync written in place (grpo.sync.weight_sync._lora_merged_into):
 
     out = round( W + s * (B @ A) )        B [out, r] and A [r, in] rounded to out's dtype, the product and the sum in
                                           fp32, s = alpha / r; `out` is the engine's own tensor (bf16 or fp16)
@@ -13,7 +13,7 @@ The unfused path (dequantize_4bit into out, then out.addmm_) writes out and read
 layer's scales into a temporary first; this kernel reads the codes and writes out once. It needs Triton (it comes
 with CUDA builds of torch) and is imported only where a sync writes into a CUDA tensor.
 
-The recorded merge of lora's in-place mode (grpo.model.in_place_merge) has its own pair of kernels below: one writes
+The recorded merge of lora's in-place mode (grpo.sync.in_place_merge) has its own pair of kernels below: one writes
 W' = round(W + s * B @ A) over a 16-bit W in place with a 2-bit code per element (and the elements it keeps beside),
 one takes it out again. Their s * B @ A is one tl.dot per 32 x 64 block, the same in both, so the two agree.
 """
@@ -23,8 +23,9 @@ import torch
 import triton
 import triton.language as tl
 
-from grpo.model.in_place_merge import KERNEL_MAX_RANK
-from grpo.model.weight_sync import is_4bit
+from grpo.model.layer_weights import is_4bit
+from grpo.sync import merge_record
+from grpo.sync.merge_record import KERNEL_MAX_RANK, LayerRecord, restore_escapes
 
 ROWS, COLUMNS = 64, 128  # the output tile of one program
 
@@ -118,7 +119,7 @@ def merge_into(out: torch.Tensor, weight, lora_b: torch.Tensor, lora_a: torch.Te
     return out
 
 
-# ------------------------------------------------------------------- the recorded merge (grpo.model.in_place_merge)
+# ------------------------------------------------------------------- the recorded merge (grpo.sync.in_place_merge)
 # A program takes 32 rows x 256 columns as four column blocks of 64; byte j of its 64 bytes of codes per row holds
 # the code of column j of block q in bits 2q..2q+1, so that no tile is reshaped. Codes: [rows, code_columns(N)].
 # (On an H100 at Qwen2.5-7B's shape this tiling ran both passes 2-3x faster than 64 x 128 as four blocks of 32.)
@@ -226,7 +227,7 @@ def fits_recorded(weight: torch.Tensor, lora_b: torch.Tensor) -> bool:
 
 
 def merge_recording(weight: torch.Tensor, lora_b: torch.Tensor, lora_a: torch.Tensor, scale: float, record=None):
-    """weight <- round(W + s * B @ A) in place, as grpo.model.in_place_merge.merge_recording, in one pass (codes in
+    """weight <- round(W + s * B @ A) in place, as grpo.sync.in_place_merge.merge_recording, in one pass (codes in
     this kernel's layout); `record`: the layer's buffers from an earlier merge, reused. The escapes are counted on
     the GPU: read_escape_counts."""
     rows, columns = weight.shape
@@ -242,10 +243,8 @@ def merge_recording(weight: torch.Tensor, lora_b: torch.Tensor, lora_a: torch.Te
 def new_record(weight: torch.Tensor):
     """A layer's buffers for the recorded merge: its codes in this kernel's layout, a first escape buffer
     (FIRST_ESCAPE_SHARE of its elements, at least 1024) and the kernel's escape counter."""
-    from grpo.model.in_place_merge import FIRST_ESCAPE_SHARE, LayerRecord
-
     rows, columns = weight.shape
-    capacity = max(1024, int(weight.numel() * FIRST_ESCAPE_SHARE))
+    capacity = max(1024, int(weight.numel() * merge_record.FIRST_ESCAPE_SHARE))  # (read at each call: a test lowers it)
     return LayerRecord(torch.empty(rows, code_columns(columns), dtype=torch.uint8, device=weight.device),
                        torch.empty(capacity, dtype=torch.int32, device=weight.device),
                        torch.empty(capacity, dtype=torch.int16, device=weight.device),
@@ -279,8 +278,6 @@ def grown(record):
 
 def unmerge_recorded(weight: torch.Tensor, lora_b: torch.Tensor, lora_a: torch.Tensor, scale: float, record) -> None:
     """weight <- W from W' and its record in one pass, then the kept elements written back."""
-    from grpo.model.in_place_merge import restore_escapes
-
     rows, columns = weight.shape
     grid, constants = _recorded_launch(weight, lora_a)
     _unmerge_recorded[grid](weight, lora_b, lora_a, record.codes, float(scale), rows, columns, code_columns(columns),
