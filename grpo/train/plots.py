@@ -44,6 +44,8 @@ def kl_was_computed(rows: list[dict]) -> bool:
 def _draw(ax, pts, label: str, style: dict, color: Optional[str] = None) -> None:
     if pts:
         xs, ys = zip(*pts)
+        if style is TRAIN_STYLE and len(pts) < 30:  # a short run's points stay visible (one point draws no line)
+            style = dict(style, marker=".", markersize=6)
         ax.plot(xs, ys, label=label, color=color, **style)
 
 
@@ -118,14 +120,18 @@ def draw_training_curves(rows: list[dict]):
 
     matplotlib.use("Agg")  # no display on training machines
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     chosen = panels(rows)
     n_rows = (len(chosen) + 1) // 2
-    fig, axes = plt.subplots(n_rows, 2, figsize=(11, 3.5 * n_rows), squeeze=False)
+    # one step axis for every panel: a figure logged at one step only still sits where that step is
+    fig, axes = plt.subplots(n_rows, 2, figsize=(11, 3.5 * n_rows), squeeze=False, sharex=True)
     for ax, (title, draw) in zip(axes.flat, chosen):
         draw(ax, rows)
         ax.set_title(title)
         ax.set_xlabel("step")
+        ax.tick_params(labelbottom=True)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
         if ax.get_lines():
             ax.legend(fontsize=7)
