@@ -134,8 +134,8 @@ def test_summary_without_eval_compares_training_windows_with_tool_use(tmp_path):
 
 def test_step_counts_are_worded_for_one_and_after_a_resume():
     assert plural(1, "step") == "1 step" and plural(2, "step") == "2 steps" and plural(0, "step") == "0 steps"
-    assert steps_phrase(0, 14) == "14 steps"
-    assert steps_phrase(13, 14) == "1 step left (of 14, resumed at step 13)"
+    assert steps_phrase(0, 1, "4 prompts") == "1 step of 4 prompts"
+    assert steps_phrase(13, 14, "4 prompts") == "14 steps of 4 prompts; 1 step left (resumed at step 13)"
     assert duration(59.4) == "59s" and duration(3725) == "1h 02m"
 
 

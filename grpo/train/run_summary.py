@@ -14,11 +14,13 @@ def plural(count: int, noun: str) -> str:
     return f"{count} {noun}" + ("" if count == 1 else "s")
 
 
-def steps_phrase(start_step: int, total_steps: int) -> str:
-    """The run's length as the start-of-run line says it: '14 steps', or after a resume '3 steps left (of 14)'."""
+def steps_phrase(start_step: int, total_steps: int, each: str) -> str:
+    """The run's length as the start-of-run line says it ('14 steps of <each>'); after a resume it adds what is left:
+    '14 steps of <each>; 3 steps left (resumed at step 11)'."""
+    phrase = f"{plural(total_steps, 'step')} of {each}"
     if start_step == 0:
-        return plural(total_steps, "step")
-    return f"{plural(total_steps - start_step, 'step')} left (of {total_steps}, resumed at step {start_step})"
+        return phrase
+    return f"{phrase}; {plural(total_steps - start_step, 'step')} left (resumed at step {start_step})"
 
 
 def duration(seconds: float) -> str:
