@@ -41,7 +41,7 @@ from grpo.runtime.signals import GracefulStop
 from grpo.train.metrics import eval_metrics, eval_sample_rows, mean_over_ranks, step_metrics, step_std
 from grpo.train.micro_batches import MicroBatch
 from grpo.train.reporting import RunReporter, plot_training_curves, read_metrics
-from grpo.train.run_summary import plural, run_summary, steps_phrase
+from grpo.train.run_summary import run_summary, steps_phrase
 from grpo.train.setup import RunData, initialize_deepspeed, prepare_run
 from grpo.train.step_data import RolloutBatch, StepData, build_rollout_batch
 from grpo.train.token_budget import checkpointing_on, micro_batch_token_budget
@@ -170,7 +170,7 @@ class GRPOTrainer:
         started, start_step = time.perf_counter(), self.state.step
         each = f"{self.prompts_per_step} prompts x {cfg.k_samples} samples per rank"
         logger.info(f"training {cfg.tuning_strategy} on {', '.join(cfg.dataset_names)}: {len(self.train_set)} "
-                    f"prompts, {plural(self.world, 'rank')}, {steps_phrase(start_step, self.total_steps, each)}")
+                    f"prompts, {self.world} rank(s), {steps_phrase(start_step, self.total_steps, each)}")
         signals = GracefulStop(before=self.failures.raise_if_peer_failed)
         metrics: dict = {}
         try:
