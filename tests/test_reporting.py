@@ -117,7 +117,7 @@ def test_summary_compares_first_and_last_eval_once_per_figure(tmp_path):
     assert reward.split() == ["reward", "0.100", "0.600", "+0.500"]
     assert next(line for line in lines if line.split()[0] == "format").split()[1:] == ["0.050", "0.300", "+0.250"]
     assert not any("arith" in line for line in lines)  # one dataset: its figures are the totals, not repeated
-    assert "  time: 2m 05s for 4 steps, 31.2s per step" in lines
+    assert "  time: 2m 05s for 4 steps (31.2s a step, evals and saves included)" in lines
     assert any(line.split() == ["final", "lora", "adapter", "adapter"] for line in lines)
     assert any(line.split() == ["metrics", "metrics.jsonl"] for line in lines)
 
@@ -129,7 +129,7 @@ def test_summary_without_eval_compares_training_windows_with_tool_use(tmp_path):
         ["0.250", "1.000", "+0.750"]
     assert next(line for line in lines if line.startswith("  failed tool calls")).split()[-3:] == \
         ["0.500", "0.250", "-0.250"]
-    assert "  time: 30s for 1 step, 30.0s per step" in lines
+    assert "  time: 30s for 1 step (30.0s a step, evals and saves included)" in lines
 
 
 def test_step_counts_are_worded_for_one_and_after_a_resume():

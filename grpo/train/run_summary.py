@@ -101,7 +101,7 @@ def run_summary(rows: list[dict], output_dir: str, seconds: float, steps_run: in
             change = "" if same or first is None or last is None else f"  {_cell(last - first, signed=True):>8}"
             lines.append(f"  {label:<{width}}  {_cell(first):>18}" + ("" if same else f"  {_cell(last):>18}")
                          + change)
-    per_step = f", {seconds / steps_run:.1f}s per step" if steps_run else ""
+    per_step = f" ({seconds / steps_run:.1f}s a step, evals and saves included)" if steps_run else ""
     lines.append(f"  time: {duration(seconds)} for {plural(steps_run, 'step')}{per_step}")
     lines.append(f"  outputs in {output_dir}/:")
     outputs = _outputs(output_dir, saved or {})
