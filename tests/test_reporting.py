@@ -116,6 +116,7 @@ def test_summary_compares_first_and_last_eval_once_per_figure(tmp_path):
     reward = next(line for line in lines if line.split()[0] == "reward")
     assert reward.split() == ["reward", "0.100", "0.600", "+0.500"]
     assert next(line for line in lines if line.split()[0] == "format").split()[1:] == ["0.050", "0.300", "+0.250"]
+    assert next(line for line in lines if "length" in line).split()[-3:] == ["32.0", "32.0", "+0.0"]
     assert not any("arith" in line for line in lines)  # one dataset: its figures are the totals, not repeated
     assert "  time: 2m 05s for 4 steps (31.2s a step, evals and saves included)" in lines
     assert any(line.split() == ["final", "lora", "adapter", "adapter"] for line in lines)

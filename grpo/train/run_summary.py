@@ -82,11 +82,10 @@ def comparison(rows: list[dict]) -> tuple[str, str, list[tuple[str, Optional[flo
     return names[0], names[1], [row for row in table if row[1] is not None or row[2] is not None]
 
 
-def _cell(value: Optional[float], signed: bool = False) -> str:
-    """Shares and rewards with 3 decimals, lengths (tens of tokens and more) with 1."""
+def _cell(value: Optional[float], signed: bool, decimals: int) -> str:
     if value is None:
         return "-"
-    return f"{value:{'+' if signed else ''}.{3 if abs(value) < 10 else 1}f}"
+    return f"{value:{'+' if signed else ''}.{decimals}f}"
 
 
 def run_summary(rows: list[dict], output_dir: str, seconds: float, steps_run: int, saved: Optional[dict] = None) -> str:
@@ -98,9 +97,11 @@ def run_summary(rows: list[dict], output_dir: str, seconds: float, steps_run: in
         same = first_name == last_name
         lines.append(f"  {'':<{width}}  {first_name:>18}" + ("" if same else f"  {last_name:>18}  {'change':>8}"))
         for label, first, last in table:
-            change = "" if same or first is None or last is None else f"  {_cell(last - first, signed=True):>8}"
-            lines.append(f"  {label:<{width}}  {_cell(first):>18}" + ("" if same else f"  {_cell(last):>18}")
-                         + change)
+            # rewards and shares with 3 decimals; lengths (tens of tokens and more) with 1, the row through
+            places = 1 if max(abs(v) for v in (first, last) if v is not None) >= 10 else 3
+            change = "" if same or first is None or last is None else f"  {_cell(last - first, True, places):>8}"
+            lines.append(f"  {label:<{width}}  {_cell(first, False, places):>18}"
+                         + ("" if same else f"  {_cell(last, False, places):>18}") + change)
     per_step = f" ({seconds / steps_run:.1f}s a step, evals and saves included)" if steps_run else ""
     lines.append(f"  time: {duration(seconds)} for {plural(steps_run, 'step')}{per_step}")
     lines.append(f"  outputs in {output_dir}/:")
