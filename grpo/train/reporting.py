@@ -11,12 +11,34 @@ from tqdm.auto import tqdm
 
 from grpo.config.options import GRPOConfig
 from grpo.errors import ConfigError
+from grpo.train.plots import plot_training_curves  # noqa: F401  (the trainer draws through here)
 
 
 logger = logging.getLogger("grpo")
 
 # shown in the progress bar and in the console line, in this order, when present
-_HEADLINE = [("reward/mean", "reward"), ("kl", "kl"), ("completion/length_mean", "len"), ("time/step", "s/step")]
+_HEADLINE = [("reward/mean", "reward"), ("kl", "kl"), ("episodes/called_a_tool", "tool"),
+             ("completion/length_mean", "len"), ("time/step", "s/step")]
+
+# bitsandbytes warns at import, on CPUs with AVX512-BF16, that an optional kernel package is missing; the fallback it
+# then uses is its own CPU code, so the warning is noise on every CPU run. Only that message is dropped.
+_BNB_CPU_LOGGER = "bitsandbytes.backends.cpu.ops"
+_BNB_MISSING_KERNELS = "Failed to load CPU gemm_4bit_forward from kernels-community"
+
+
+def _not_missing_kernels_note(record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith(_BNB_MISSING_KERNELS)
+
+
+class BarSafeHandler(logging.StreamHandler):
+    """Console handler that writes through tqdm, which clears the progress bar, prints the line and redraws the
+    bar below it: log lines and the bar never share a line."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            tqdm.write(self.format(record), file=self.stream)
+        except Exception:  # noqa: BLE001  (logging's rule: a failing handler never stops the program)
+            self.handleError(record)
 
 
 def setup_console_logging(is_main: bool, log_file: Optional[str] = None, earlier: Sequence = ()) -> None:
@@ -24,10 +46,13 @@ def setup_console_logging(is_main: bool, log_file: Optional[str] = None, earlier
     the run's folder existed); other ranks only warnings."""
     logger.setLevel(logging.INFO if is_main else logging.WARNING)
     logger.propagate = False
+    quiet = logging.getLogger(_BNB_CPU_LOGGER)  # set before bitsandbytes is imported (by peft / the model)
+    if _not_missing_kernels_note not in quiet.filters:
+        quiet.addFilter(_not_missing_kernels_note)
     fmt = logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%H:%M:%S")
     if not any(isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler)
                for h in logger.handlers):
-        handler = logging.StreamHandler(sys.stderr)
+        handler = BarSafeHandler(sys.stderr)
         handler.setFormatter(fmt)
         logger.addHandler(handler)
     if is_main and log_file:
@@ -97,7 +122,7 @@ class RunReporter:
             fh.write(json.dumps({"step": step, **metrics}) + "\n")
         if self._wandb is not None:
             self._wandb.log(metrics, step=step)
-        logger.info(f"eval at step {step}: " + " ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
+        logger.info(f"eval at step {step}: {eval_line(metrics)}")
         return path
 
     def close(self) -> None:
@@ -132,46 +157,14 @@ def _start_wandb(config: GRPOConfig):
                       config=config.to_dict(), dir=config.output_dir)
 
 
-# ---------------------------------------------------------------------------------------------------- plots
-# Training curves as one PNG (reward, each reward function, KL / engine gap, completion length), drawn from
-# metrics.jsonl rows.
-_PANELS = [
-    # eval: the total and each eval dataset's own line (eval/<dataset>/reward/mean)
-    ("Reward", lambda k: k == "reward/mean" or (k.startswith("eval/") and k.endswith("/reward/mean"))),
-    ("Reward per function", lambda k: k.startswith("rewards/") or k.startswith("eval/rewards/")),
-    ("KL to reference, engine log-prob gap", lambda k: k in ("kl", "rollout/logprob_diff_mean")),
-    ("Completion length (tokens)", lambda k: k in ("completion/length_mean", "eval/completion/length_mean")),
-]
-
-
-def panel_keys(rows: list[dict], wanted) -> list[str]:
-    """The metrics a panel draws: those it wants that the rows hold, less a KL that is 0 throughout (no KL term)."""
-    keys = sorted({k for r in rows for k in r if wanted(k)})
-    return [k for k in keys if k != "kl" or any(r.get("kl") for r in rows)]
-
-
-def plot_training_curves(rows: list[dict], path: str) -> str:
-    """Write the 2x2 figure to `path` and return it. Rows are metrics.jsonl records (train and eval)."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # no display on training machines
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7))
-    for ax, (title, wanted) in zip(axes.flat, _PANELS):
-        keys = panel_keys(rows, wanted)
-        for key in keys:
-            pts = [(r["step"], r[key]) for r in rows if key in r and r[key] is not None]
-            if pts:
-                xs, ys = zip(*pts)
-                ax.plot(xs, ys, marker="o" if key.startswith("eval/") else None, markersize=4,
-                        linestyle="--" if key.startswith("eval/") else "-", label=key)
-        ax.set_title(title)
-        ax.set_xlabel("step")
-        ax.grid(alpha=0.3)
-        if keys:
-            ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+def eval_line(metrics: dict) -> str:
+    """The console's eval line: the figures without their eval/ prefix; per-dataset figures only with several eval
+    datasets (with one they repeat the totals); sample counts are left to metrics.jsonl."""
+    datasets = {k.split("/")[1] for k in metrics if k.startswith("eval/") and k.endswith("/prompts")}
+    shown = {}
+    for key, value in metrics.items():
+        name = key.removeprefix("eval/")
+        if key.endswith("/prompts") or (len(datasets) == 1 and name.split("/")[0] in datasets):
+            continue
+        shown[name] = value
+    return " ".join(f"{k}={v:.4g}" for k, v in shown.items())

@@ -41,6 +41,7 @@ from grpo.runtime.signals import GracefulStop
 from grpo.train.metrics import eval_metrics, eval_sample_rows, mean_over_ranks, step_metrics, step_std
 from grpo.train.micro_batches import MicroBatch
 from grpo.train.reporting import RunReporter, plot_training_curves, read_metrics
+from grpo.train.run_summary import run_summary, steps_phrase
 from grpo.train.setup import RunData, initialize_deepspeed, prepare_run
 from grpo.train.step_data import RolloutBatch, StepData, build_rollout_batch
 from grpo.train.token_budget import checkpointing_on, micro_batch_token_budget
@@ -166,9 +167,10 @@ class GRPOTrainer:
         """Run until max_steps / epochs; returns the final metrics (and paths of what was saved)."""
         cfg = self.config
         reporter = RunReporter(cfg, self.is_main, self.total_steps, start_step=self.state.step)
+        started, start_step = time.perf_counter(), self.state.step
+        each = f"{self.prompts_per_step} prompts x {cfg.k_samples} samples per rank"
         logger.info(f"training {cfg.tuning_strategy} on {', '.join(cfg.dataset_names)}: {len(self.train_set)} "
-                    f"prompts, {self.world} rank(s), {self.total_steps} steps of {self.prompts_per_step} prompts "
-                    f"x {cfg.k_samples} samples per rank")
+                    f"prompts, {self.world} rank(s), {steps_phrase(start_step, self.total_steps, each)}")
         signals = GracefulStop(before=self.failures.raise_if_peer_failed)
         metrics: dict = {}
         try:
@@ -206,6 +208,7 @@ class GRPOTrainer:
             signals.restore()
             reporter.close()
             self._plot()
+        self._summarize(time.perf_counter() - started, self.state.step - start_step, saved)
         return {**metrics, "saved": saved}
 
     # ---------------------------------------------------------------------------------------- phases
@@ -434,6 +437,11 @@ class GRPOTrainer:
             logger.info("final model saved: " + ", ".join(saved.values()))
         dist_utils.barrier()
         return saved
+
+    def _summarize(self, seconds: float, steps_run: int, saved: dict) -> None:
+        if self.is_main:
+            rows = read_metrics(os.path.join(self.config.output_dir, "metrics.jsonl"))
+            logger.info(run_summary(rows, self.config.output_dir, seconds, steps_run, saved))
 
     def _plot(self) -> None:
         if self.is_main:
