@@ -1,8 +1,9 @@
 """The python tool's sandbox against hostile code: time, processes (daemons, fork bombs), memory, files inside and
 outside, other calls, signals, the network (unix sockets included), the environment and /proc, output.
 
-Each test runs whoever runs the suite (root, or a normal user: both are checked, see docs/tests.md); a test that
-needs root or a sandbox skips with the reason."""
+The tests hold whoever runs the suite, root or a normal user (run them as both: as root,
+`runuser -u someone -- python -m pytest tests/test_sandbox_hostile.py` with an interpreter that user can start); a
+test that needs root, or a machine where no sandbox can be made, skips with the reason."""
 import os
 import socket
 import sys
