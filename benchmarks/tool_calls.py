@@ -6,6 +6,8 @@ one but is not read as a call), and the boxed answer's accuracy. CPU is enough f
     python benchmarks/tool_calls.py                                          # arith_calc, 16 prompts x 4 samples
     python benchmarks/tool_calls.py --dataset_config my_config.json --dataset prices --print_prompt
     python benchmarks/tool_calls.py --print_episodes 4                       # a few episodes as the model wrote them
+    python benchmarks/tool_calls.py --python_calls 80 --threads 8            # the python tool's calls/s (no model)
+    python benchmarks/tool_calls.py --parse_cost                             # reading hostile messages (no model)
 
 A dataset whose starting model never calls its tools gives GRPO nothing to learn tool use from: raise the call rate
 here (the system prompt, a small reward for a well-formed call) before spending GPU time.
@@ -39,6 +41,57 @@ def episode_counts(episode, answer: str) -> dict:
             "turns": episode.turns}
 
 
+def python_call_rate(calls: int, threads: int) -> dict:
+    """The python tool's cost per call, as the episode runner pays it (execute_call, its sandbox and limits): the
+    latency of one call alone, and calls/s with `threads` calls at once (the runner's environment_workers)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from grpo.tools import ToolCall, execute_call
+    from grpo.tools.sandbox import sandbox_problem
+
+    call = ToolCall("python", {"code": "print(sum(range(1000)))"})
+
+    def one(_=None):
+        result = execute_call(call)
+        if result.status != "ok":
+            sys.exit(f"the python tool failed: {result.message['content']}")
+
+    for _ in range(3):  # the sandbox check and the interpreter's files in the page cache
+        one()
+    serial = 10
+    start = time.perf_counter()
+    for _ in range(serial):
+        one()
+    latency = (time.perf_counter() - start) / serial
+    start = time.perf_counter()
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(one, range(calls)))
+    seconds = time.perf_counter() - start
+    return {"mode": "sandbox" if sandbox_problem(sys.executable) is None else "unsandboxed",
+            "user": "root" if os.geteuid() == 0 else "normal", "ms_per_call_alone": round(latency * 1000, 1),
+            "threads": threads, "calls": calls, "calls_per_s": round(calls / seconds, 1)}
+
+
+def parse_cost() -> list[dict]:
+    """Seconds to read hostile messages: n unclosed tags, n closed calls, and a call nested 1,000 levels."""
+    from grpo.tools import execute_calls, parse_tool_calls
+
+    rows = []
+    for n in (1024, 4096, 16384, 65536):
+        for shape, text in (("unclosed", "<tool_call>" * n),
+                            ("closed", '<tool_call>{"name": "calculator", "arguments": {"expression": "1"}}'
+                                       "</tool_call>" * n)):
+            start = time.perf_counter()
+            calls = parse_tool_calls(text)
+            execute_calls(calls, ["calculator"])
+            rows.append({"tags": n, "shape": shape, "seconds": round(time.perf_counter() - start, 4)})
+    deep = '<tool_call>{"name": "calculator", "arguments": ' + "[" * 1000 + "]" * 1000 + "}</tool_call>"
+    start = time.perf_counter()
+    execute_calls(parse_tool_calls(deep), ["calculator"])
+    rows.append({"tags": 1, "shape": "nested 1000", "seconds": round(time.perf_counter() - start, 4)})
+    return rows
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m-instruct")
@@ -55,7 +108,18 @@ def main():
     parser.add_argument("--tool_module", default=None)
     parser.add_argument("--print_prompt", action="store_true", help="print the first rendered prompt")
     parser.add_argument("--print_episodes", type=int, default=0, help="print this many episodes' model turns")
+    parser.add_argument("--python_calls", type=int, default=0,
+                        help="measure the python tool instead: this many calls, --threads at once")
+    parser.add_argument("--threads", type=int, default=8)
+    parser.add_argument("--parse_cost", action="store_true", help="measure reading hostile messages instead")
     args = parser.parse_args()
+    if args.python_calls:
+        print(json.dumps(python_call_rate(args.python_calls, args.threads)))
+        return
+    if args.parse_cost:
+        for row in parse_cost():
+            print(json.dumps(row))
+        return
 
     import torch
 

@@ -289,6 +289,10 @@ class GRPOConfig:
         0, "Supervised steps on the datasets' \"demonstrations\" (the model's turns written out, e.g. tool calls) "
            "before the first GRPO step of a fresh run: a model that never calls its tools gets calls to prefer.",
         "tools")
+    allow_unsandboxed_code: bool = _opt(
+        False, "Where no sandbox can be made (bubblewrap missing or namespaces refused), run the python tool's code "
+               "as a plain process anyway: no isolation from the trainer, its files or the network (docs/tools.md).",
+        "tools")
 
     # --- eval, checkpoints, logging -------------------------------------------------------------
     eval_steps: int = _opt(0, "Evaluate on the held-out split every N steps (0: only at the end).", "logging")

@@ -92,7 +92,8 @@ def load_tool_module(path: str) -> None:
 
 
 def check_tools(names: Iterable[str], module: Optional[str] = None) -> list[Tool]:
-    """Load --tool_module (if given) and return the named tools, or fail with one message naming every unknown tool.
+    """Load --tool_module (if given) and return the named tools, or fail with one message naming every unknown tool
+    (or, for the built-in `python` tool, saying why no sandbox can be made here).
 
     Config and dataset validation call this before any model loads."""
     if module:
@@ -104,4 +105,7 @@ def check_tools(names: Iterable[str], module: Optional[str] = None) -> list[Tool
         raise ToolError(f"unknown tool{'s' if len(unknown) > 1 else ''} {', '.join(repr(n) for n in unknown)}{where}. "
                         f"Registered: {', '.join(registered_tools())}. Define it with @register_tool(\"name\") in a "
                         "Python file and pass that file with --tool_module")
+    if "python" in names and _TOOLS["python"].fn.__module__ == "grpo.tools.sandbox":
+        from grpo.tools.sandbox import require_sandbox
+        require_sandbox()  # the built-in python tool refuses to start without a sandbox (unless allowed explicitly)
     return [_TOOLS[n] for n in names]

