@@ -19,6 +19,9 @@ from grpo.model.qlora_rounding import requantize_4bit_base
 
 logger = logging.getLogger("grpo")
 CHECKPOINTING_FROM_PARAMETERS = 1_000_000_000  # --gradient_checkpointing auto: on from here
+# ... and always on CPU: its micro-batch is 16384 tokens (no GPU memory to size it by), and without checkpointing the
+# CPU demo's activations (0.13B model, 32 rows) took 8 of its 10.4 GiB; recomputing each layer costs one more forward
+CHECKPOINTING_ON_CPU = True
 
 
 def load_tokenizer(model_path: str, trust_remote_code: bool = False):
@@ -131,9 +134,7 @@ def wants_checkpointing(option: Optional[bool], model) -> bool:
     if option is not None:
         return option
     count = parameter_count(model)
-    # on CPU the micro-batch is 16384 tokens (no GPU to size it by), and without checkpointing a 0.13B model's
-    # activations for the demo's 32 rows took 8 of its 10.4 GiB; recomputing each layer costs one more forward
-    on_cpu = next(model.parameters()).device.type == "cpu"
+    on_cpu = CHECKPOINTING_ON_CPU and next(model.parameters()).device.type == "cpu"
     on = count >= CHECKPOINTING_FROM_PARAMETERS or on_cpu
     logger.info(f"gradient checkpointing {'on' if on else 'off'} ({count / 1e9:.2f}B parameters; auto turns it on "
                 f"from {CHECKPOINTING_FROM_PARAMETERS / 1e9:.0f}B and on CPU; --gradient_checkpointing true/false "
