@@ -19,8 +19,9 @@ from grpo.model.qlora_rounding import requantize_4bit_base
 
 logger = logging.getLogger("grpo")
 CHECKPOINTING_FROM_PARAMETERS = 1_000_000_000  # --gradient_checkpointing auto: on from here
-# ... and always on CPU: its micro-batch is 16384 tokens (no GPU memory to size it by), and without checkpointing the
-# CPU demo's activations (0.13B model, 32 rows) took 8 of its 10.4 GiB; recomputing each layer costs one more forward
+# ... and always on CPU: its micro-batch is 16384 tokens (no GPU memory to size it by), so the CPU demo (0.13B model,
+# 32 rows in one micro-batch) kept every layer's activations: checkpointing took its update's peak RSS from 10.4 to
+# 7.4 GiB (benchmarks/RESULTS.md, 2026-11-28), with the same losses, for one more forward per layer (+16% update time)
 CHECKPOINTING_ON_CPU = True
 
 
