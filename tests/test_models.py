@@ -440,6 +440,11 @@ def test_checkpointing_auto_follows_the_parameter_count(model_dir, monkeypatch):
 
     full = loading.parameter_count(load_policy(config(model_dir, tuning_strategy="full"), model_dir, torch.float32,
                                                CPU))
+    model = load_policy(config(model_dir, tuning_strategy="lora"), model_dir, torch.float32, CPU)
+    model.train()
+    renamed = hasattr(model, "is_activation_checkpointing")
+    assert (model.is_activation_checkpointing if renamed else model.is_gradient_checkpointing) is True  # on CPU
+    monkeypatch.setattr(loading, "CHECKPOINTING_ON_CPU", False)  # as on a GPU: the parameter count decides
     for threshold, expected in ((full + 1, False), (full, True)):
         monkeypatch.setattr(loading, "CHECKPOINTING_FROM_PARAMETERS", threshold)
         model = load_policy(config(model_dir, tuning_strategy="qlora"), model_dir, torch.float32, CPU)
