@@ -53,7 +53,7 @@ def run_nodes(folder: str, devices_per_node: list[list[int]], port: int, script_
     """Start every node's launcher of `train_grpo.py script_args` at once and wait for all of them. `per_node_args`:
     {node: extra arguments} (a node told another --output_dir, say)."""
     os.makedirs(folder, exist_ok=True)
-    hostfile = write_hostfile(folder, len(devices_per_node), max(len(d) for d in devices_per_node) or 1)
+    hostfile = write_hostfile(folder, len(devices_per_node), max(max(d) + 1 for d in devices_per_node))
     procs, logs = [], []
     for node in range(len(devices_per_node)):
         cmd = [*node_launcher(hostfile, node, devices_per_node, port), os.path.join(ROOT, "train_grpo.py"),

@@ -36,6 +36,27 @@ def test_node_rank_comes_from_the_launcher(monkeypatch):
     assert dist_utils.node_label(1, "gpu-b") == "node 1, host gpu-b"
 
 
+def test_a_tensor_parallel_group_across_nodes_is_refused(monkeypatch):
+    from types import SimpleNamespace
+
+    from grpo.errors import ConfigError
+    from grpo.runtime.roles import check_node_layout
+
+    monkeypatch.setenv("CROSS_SIZE", "2")
+    monkeypatch.setenv("LOCAL_SIZE", "2")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    colocate = SimpleNamespace(uses_vllm=True, vllm_tp=2, rollout_mode="colocate", rollout_gpus=0)
+    check_node_layout(colocate)  # ranks 0-1 and 2-3: one group per node
+    with pytest.raises(ConfigError, match="--vllm_tp 4: with 2 rank\\(s\\) per node, a tensor-parallel group would "
+                                          "span two nodes"):
+        check_node_layout(SimpleNamespace(**{**vars(colocate), "vllm_tp": 4}))
+    monkeypatch.setenv("LOCAL_SIZE", "4")
+    monkeypatch.setenv("WORLD_SIZE", "8")  # server mode, 3 rollout ranks: they start at rank 5, mid-pair
+    with pytest.raises(ConfigError, match="rollout ranks starting at job rank 5"):
+        check_node_layout(SimpleNamespace(uses_vllm=True, vllm_tp=2, rollout_mode="server", rollout_gpus=3))
+    check_node_layout(SimpleNamespace(uses_vllm=True, vllm_tp=2, rollout_mode="server", rollout_gpus=4))
+
+
 def test_the_shared_folder_error_names_the_nodes_that_do_not_see_it():
     views = [(True, 0, 0, "gpu-a"), (True, 1, 0, "gpu-a"), (False, 2, 1, "gpu-b"), (False, 3, 1, "gpu-b")]
     message = shared_output_message("/scratch/run", views)

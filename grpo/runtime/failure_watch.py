@@ -81,9 +81,15 @@ class FailureWatch:
 
     # --------------------------------------------------------------------------------------------
     def progress_of(self, rank: int) -> Optional[dict]:
-        with self._lock:
-            seen = self._seen.get(rank)
-        return seen[2] if seen else None
+        """Where `rank` was when it last beat (its step and phase), read now: its last beat may be newer than ours."""
+        try:
+            with open(os.path.join(self.reporter.folder, f"rank{rank}.alive")) as fh:
+                info = json.load(fh)
+            return {"step": info.get("step"), "phase": info.get("phase")}
+        except (OSError, ValueError):
+            with self._lock:
+                seen = self._seen.get(rank)
+            return seen[2] if seen else None
 
     def silent_ranks(self, seconds: float) -> list[tuple[int, float]]:
         """Other ranks whose heartbeat has not moved for `seconds` or more, longest silent first."""
