@@ -10,6 +10,24 @@ from dataclasses import dataclass
 
 from .trainer_setup import ROOT, deepspeed_launcher, launcher_env, read_metrics
 
+# the runs' reward: the share of even token ids differs between samples, so a random model gets advantages and its
+# weights move; GRPO_TEST_KILL_RANK=<R> kills rank R in its second reward call (step 2), as the OOM killer would
+REWARD_MODULE = '''
+import os
+from grpo import register_reward
+
+calls = 0
+
+@register_reward("even_tokens")
+def even_tokens(completions, answers, completion_ids=None, **row):
+    """The share of even token ids: it differs between samples, so a random model gets advantages and moves."""
+    global calls
+    calls += 1
+    if os.environ.get("GRPO_TEST_KILL_RANK") == os.environ["RANK"] and calls == 2:
+        os.kill(os.getpid(), 9)  # as the OOM killer would, in step 2's rewards
+    return [sum(t % 2 == 0 for t in ids) / max(len(ids), 1) for ids in completion_ids]
+'''
+
 
 @dataclass
 class NodeRun:

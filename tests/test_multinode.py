@@ -12,14 +12,15 @@ import pytest
 from grpo.runtime import distributed as dist_utils
 from grpo.runtime.shared_output import shared_output_message
 
-from .emulated_nodes import prompts_per_rank, run_nodes, side_by_side, step_figures
-from .test_multiprocess import KILLED_REWARD_MODULE, REWARD_MODULE, launch_command
+from .emulated_nodes import REWARD_MODULE, prompts_per_rank, run_nodes, side_by_side, step_figures
+from .test_multiprocess import launch_command
 from .tiny_models import make_tiny_model_dir
 from .trainer_setup import ROOT, child_env, deepspeed_launcher, write_prompt_registry
 
 needs_launcher = pytest.mark.skipif(shutil.which("deepspeed") is None, reason="the deepspeed launcher is not on PATH")
 STEPS = ["--max_steps", "2", "--save_steps", "1", "--eval_on_start", "false", "--tuning_strategy", "lora",
          "--seed", "3", "--ddp_timeout_minutes", "5"]
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # runs compared number for number: the same CPU threads per rank in each
 
 
 def test_node_rank_comes_from_the_launcher(monkeypatch):
@@ -34,6 +35,10 @@ def test_node_rank_comes_from_the_launcher(monkeypatch):
     monkeypatch.setenv("GROUP_RANK", "3")   # torchrun
     assert dist_utils.node_rank() == 3
     assert dist_utils.node_label(1, "gpu-b") == "node 1, host gpu-b"
+    from grpo.runtime import cpu_threads
+
+    monkeypatch.setattr(cpu_threads, "available_cores", lambda: 16)
+    assert cpu_threads.threads_per_rank() == 4  # the cores of this node, shared by its ranks (DeepSpeed's LOCAL_SIZE)
 
 
 def test_a_tensor_parallel_group_across_nodes_is_refused(monkeypatch):
@@ -69,16 +74,15 @@ def test_the_shared_folder_error_names_the_nodes_that_do_not_see_it():
 def setup(tmp_path_factory):
     folder = tmp_path_factory.mktemp("nodes")
     model = make_tiny_model_dir(str(folder / "model"))
-    registry = write_prompt_registry(str(folder / "data"), reward="says_seven")
+    registry = write_prompt_registry(str(folder / "data"), reward="even_tokens")
     (folder / "rewards.py").write_text(REWARD_MODULE)
-    (folder / "killed_rewards.py").write_text(KILLED_REWARD_MODULE)
     return folder, model, registry
 
 
-def script_args(setup, out, reward_file="rewards.py") -> list[str]:
+def script_args(setup, out) -> list[str]:
     """train_grpo.py's arguments of these runs (launch_command's, without its launcher part)."""
     folder, model, registry = setup
-    cmd = launch_command(model, registry, out, 0, "--reward_module", str(folder / reward_file), *STEPS)
+    cmd = launch_command(model, registry, out, 0, "--reward_module", str(folder / "rewards.py"), *STEPS)
     return cmd[cmd.index(os.path.join(ROOT, "train_grpo.py")) + 1:]
 
 
@@ -86,7 +90,7 @@ def script_args(setup, out, reward_file="rewards.py") -> list[str]:
 def two_nodes(setup):
     """The run on 2 emulated nodes x 1 rank; its output folder."""
     out = setup[0] / "two_nodes"
-    runs = run_nodes(str(setup[0] / "two_nodes_launch"), [[0], [0]], 29531, script_args(setup, out))
+    runs = run_nodes(str(setup[0] / "two_nodes_launch"), [[0], [0]], 29531, script_args(setup, out), **ONE_THREAD)
     for run in runs:
         assert run.returncode == 0, f"node {run.node}:\n{run.output[-4000:]}"
     assert "2 rank(s)" in runs[0].output
@@ -99,7 +103,7 @@ def test_two_nodes_train_as_one_node_of_two_ranks(setup, two_nodes):
     one = folder / "one_node"
     cmd = [*deepspeed_launcher(), "--num_gpus", "2", "--master_port", "29533", os.path.join(ROOT, "train_grpo.py"),
            *script_args(setup, one)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=child_env(), timeout=600)
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=child_env(**ONE_THREAD), timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     one_node, two = step_figures(one), step_figures(two_nodes)
     print(side_by_side(one_node, two))
@@ -128,8 +132,8 @@ def test_an_output_folder_a_node_does_not_see_is_refused(setup):
 def test_a_rank_killed_on_node_1_stops_both_nodes_and_the_run_resumes_exactly(setup, two_nodes):
     folder, _, _ = setup
     out = folder / "killed"
-    runs = run_nodes(str(folder / "killed_launch"), [[0], [0]], 29537, script_args(setup, out, "killed_rewards.py"),
-                     timeout=300)
+    runs = run_nodes(str(folder / "killed_launch"), [[0], [0]], 29537, script_args(setup, out), timeout=300,
+                     GRPO_TEST_KILL_RANK="1", **ONE_THREAD)
     assert all(run.returncode != 0 for run in runs)
     # node 0's rank saw its collective break and named node 1's rank: killed at step 2, in its rewards
     assert "rank 1 (node 1, host " in runs[0].output and "stopped without reporting an error at step 2 (rewards)" \
@@ -140,7 +144,7 @@ def test_a_rank_killed_on_node_1_stops_both_nodes_and_the_run_resumes_exactly(se
     assert os.path.isdir(out / "checkpoint-1") and not os.path.isdir(out / "checkpoint-2")
 
     resumed = run_nodes(str(folder / "resumed_launch"), [[0], [0]], 29539,
-                        [*script_args(setup, out), "--resume_from_checkpoint", "latest"], timeout=300)
+                        [*script_args(setup, out), "--resume_from_checkpoint", "latest"], timeout=300, **ONE_THREAD)
     for run in resumed:
         assert run.returncode == 0, f"node {run.node}:\n{run.output[-4000:]}"
     straight, again = step_figures(two_nodes), step_figures(out)

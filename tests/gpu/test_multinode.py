@@ -18,28 +18,13 @@ import time
 import pytest
 import torch
 
-from tests.emulated_nodes import prompts_per_rank, run_nodes, side_by_side, step_figures
+from tests.emulated_nodes import REWARD_MODULE, prompts_per_rank, run_nodes, side_by_side, step_figures
 from tests.tiny_models import make_tiny_model_dir
 from tests.trainer_setup import ROOT, deepspeed_launcher, gpu_flags, launcher_env, write_prompt_registry
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 4,
                                 reason="needs 4 GPUs")
 NODES = [[0, 1], [2, 3]]
-REWARD_MODULE = '''
-import os
-from grpo import register_reward
-
-calls = 0
-
-@register_reward("even_tokens")
-def even_tokens(completions, answers, completion_ids=None, **row):
-    """The share of even token ids: it differs between samples, so a random model gets advantages and moves."""
-    global calls
-    calls += 1
-    if os.environ.get("GRPO_TEST_KILL_RANK") == os.environ["RANK"] and calls == 2:
-        os.kill(os.getpid(), 9)  # as the OOM killer would, in step 2's rewards
-    return [sum(t % 2 == 0 for t in ids) / max(len(ids), 1) for ids in completion_ids]
-'''
 # bf16 on the same 4 GPUs either way, NCCL on one host either way: the same numbers up to reduction order
 REL = 2e-3
 
