@@ -54,11 +54,13 @@ def rollout_ranks_of(config) -> int:
 def check_node_layout(config) -> None:
     """With several nodes, a vLLM tensor-parallel group must lie within one node (its ranks talk at every layer):
     refused before any model loads otherwise. Reads the launcher's LOCAL_SIZE (ranks per node)."""
-    from grpo.errors import ConfigError
-    from grpo.runtime.distributed import local_world_size, node_count
-
     tp = getattr(config, "vllm_tp", 1)
-    if node_count() < 2 or tp <= 1 or not config.uses_vllm:
+    if tp <= 1 or not config.uses_vllm:
+        return
+    from grpo.errors import ConfigError
+    from grpo.runtime.distributed import local_world_size, node_count  # (torch: only for a tensor-parallel vLLM)
+
+    if node_count() < 2:
         return
     per_node = local_world_size()
     first = training_ranks(rollout_ranks_of(config)) if rollout_ranks_of(config) else 0
