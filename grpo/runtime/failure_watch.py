@@ -118,11 +118,10 @@ class FailureWatch:
     def beat(self) -> None:
         with self._beat_lock:
             self._beats += 1
-            path = os.path.join(self.reporter.folder, f"rank{self.reporter.rank}.alive")
-            tmp = f"{path}.{os.getpid()}.tmp"
-            with open(tmp, "w") as fh:
+            # written in place, not renamed: an NFS client may keep resolving the name to a renamed-away file for
+            # a minute, while opening the same file always reads its newest contents (a half-written read is skipped)
+            with open(os.path.join(self.reporter.folder, f"rank{self.reporter.rank}.alive"), "w") as fh:
                 json.dump({"beat": self._beats, **_progress}, fh)
-            os.replace(tmp, path)
 
     def _read_beats(self) -> None:
         now = time.monotonic()
