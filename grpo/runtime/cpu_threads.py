@@ -41,8 +41,10 @@ def cgroup_cpu_quota(root: str = "/sys/fs/cgroup") -> Optional[float]:
 
 
 def threads_per_rank() -> int:
-    """The available cores shared among the ranks the launcher started on this host."""
-    return max(1, available_cores() // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+    """The available cores shared among the ranks the launcher started on this host (torchrun's LOCAL_WORLD_SIZE,
+    DeepSpeed's LOCAL_SIZE: the ranks of this node, not of the job)."""
+    local = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or "1"
+    return max(1, available_cores() // max(1, int(local)))
 
 
 def wait_passively() -> None:

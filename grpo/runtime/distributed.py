@@ -97,6 +97,43 @@ def is_main() -> bool:
     return rank() == 0
 
 
+# ------------------------------------------------------------------------------------------------------ nodes
+# DeepSpeed's launcher gives each rank CROSS_RANK / CROSS_SIZE (its node and the node count) and LOCAL_SIZE (ranks on
+# its node); torchrun says GROUP_RANK / LOCAL_WORLD_SIZE. Without a launcher: one node.
+def node_rank() -> int:
+    """This process's node (0 for the node of rank 0)."""
+    for name in ("CROSS_RANK", "GROUP_RANK", "NODE_RANK"):
+        if os.environ.get(name, "").isdigit():
+            return int(os.environ[name])
+    return 0
+
+
+def node_count() -> int:
+    for name in ("CROSS_SIZE", "NNODES"):
+        if os.environ.get(name, "").isdigit():
+            return int(os.environ[name])
+    return 1
+
+
+def local_world_size() -> int:
+    """Ranks on this node (the launcher's LOCAL_SIZE / LOCAL_WORLD_SIZE), else every rank."""
+    for name in ("LOCAL_SIZE", "LOCAL_WORLD_SIZE"):
+        if os.environ.get(name, "").isdigit():
+            return int(os.environ[name])
+    return world_size()
+
+
+def is_local_main() -> bool:
+    """The first rank of its node: the one that does a node's own work (a node-local cache, a node-local file)."""
+    return local_rank() == 0
+
+
+def node_label(node: int | None = None, host: str | None = None) -> str:
+    """"node 1, host gpu-b": how messages name a node (this process's by default)."""
+    node = node_rank() if node is None else node
+    return f"node {node}, host {host or socket.gethostname()}"
+
+
 def device() -> torch.device:
     return torch.device("cuda", local_rank()) if torch.cuda.is_available() else torch.device("cpu")
 

@@ -8,7 +8,10 @@ With several ranks, the rank that fails first (the "primary" failure) writes `ou
 collective, fail at once (gloo) or at --ddp_timeout_minutes (NCCL) instead of hanging. A rank whose own error
 looks like such a broken collective reads the records and reports the failing rank's error instead of its own:
 every rank ends with the same line, `rank 1 failed at step 2 (rewards): ...`. A rank that died without a record
-(killed, out of host memory) is found by its pid file (`failures/rank<R>.pid`, same host only).
+(killed, out of host memory) is found by its pid file (`failures/rank<R>.pid`, by a rank of its own node), which
+then writes the record in its stead, or by its heartbeat going silent (failure_watch.py, any node). With several nodes
+a rank is named with its node: `rank 3 (node 1, host gpu-b) failed at step 2 (rewards): ...`; the records live in
+--output_dir, which every node sees (shared_output.py checks it at the start).
 """
 from __future__ import annotations
 
@@ -18,11 +21,13 @@ import logging
 import os
 import shutil
 import socket
+import threading
 import time
 import traceback
 from typing import Optional
 
 from grpo.runtime import distributed as dist_utils
+from grpo.runtime.failure_watch import BEAT_S, FailureWatch, note_phase
 from grpo.errors import GRPOError, TrainingError
 
 logger = logging.getLogger("grpo")
@@ -46,6 +51,9 @@ def phase(name: str, after_step: bool = False, passes: tuple = ()):
     def wrap(method):
         @functools.wraps(method)
         def run(self, *args, **kwargs):
+            state = getattr(self, "state", None)
+            step = state.step + (0 if after_step else 1) if hasattr(state, "step") else None
+            left = note_phase(name, step)  # what a peer says of this rank should it die here
             try:
                 return method(self, *args, **kwargs)
             except Exception as exc:
@@ -65,6 +73,8 @@ def phase(name: str, after_step: bool = False, passes: tuple = ()):
                     _log_traceback_to_file(f"step {step} ({where}): out of memory", exc)  # the allocator's detail
                     raise self.failures.report(exc_, step, where) from exc
                 raise self.failures.report(exc, step, where) from exc
+            finally:
+                note_phase(*left)
         return run
     return wrap
 
@@ -128,13 +138,31 @@ class FailureReporter:
         self.rank, self.world = rank, world
         self.output_dir = output_dir
         self.folder = os.path.join(output_dir, FAILURES_DIR)
+        self.node, self.host = dist_utils.node_rank(), socket.gethostname()
+        self.several_nodes = dist_utils.node_count() > 1
+        self.watch: Optional[FailureWatch] = None
         if world > 1:
             if rank == 0:  # records of an earlier run in this output_dir are stale
                 shutil.rmtree(self.folder, ignore_errors=True)
                 os.makedirs(self.folder, exist_ok=True)
             dist_utils.barrier()
-            _write_json(os.path.join(self.folder, f"rank{rank}.pid"), {"pid": os.getpid(),
-                                                                       "host": socket.gethostname()})
+            _write_json(os.path.join(self.folder, f"rank{rank}.pid"), {"pid": os.getpid(), "host": self.host,
+                                                                       "node": self.node})
+            self.watch = FailureWatch(self)
+            self.watch.start()
+
+    def close(self) -> None:
+        """Training ended on every rank (or this process stops): the watch over the other ranks ends."""
+        if self.watch is not None:
+            self.watch.stop()
+            self.watch = None
+
+    def label(self, rank: int, node: Optional[int] = None, host: Optional[str] = None,
+              pid: Optional[int] = None) -> str:
+        """"rank 3 (node 1, host gpu-b)" with several nodes, "rank 3" on one; the pid when given."""
+        parts = [dist_utils.node_label(node, host)] if self.several_nodes else []
+        parts += [f"pid {pid}"] if pid is not None else []
+        return f"rank {rank}" + (f" ({', '.join(parts)})" if parts else "")
 
     # ------------------------------------------------------------------------------------------------
     def report(self, exc: Exception, step: int, phase_name: str) -> StepFailure:
@@ -145,7 +173,7 @@ class FailureReporter:
             if peer is not None:  # another rank failed first; our error is the consequence
                 self._write_record(step, phase_name, exc, primary=False)
                 # said at once: the launcher may stop this rank before its caller prints anything
-                logger.error(f"rank {self.rank} stopped: {peer}")
+                logger.error(f"{self.label(self.rank)} stopped: {peer}")
                 return StepFailure(peer)
         message = self._message(step, phase_name, exc)
         if self.world > 1:
@@ -164,7 +192,7 @@ class FailureReporter:
     def _message(self, step: int, phase_name: str, exc: Exception) -> str:
         where = f"step {step} ({phase_name})"
         if self.world > 1:
-            where = f"rank {self.rank} failed at {where}"
+            where = f"{self.label(self.rank)} failed at {where}"
         if isinstance(exc, GRPOError):
             return f"{where}: {exc}"
         log = os.path.join(self.output_dir, "train.log") if self.rank == 0 else \
@@ -175,7 +203,8 @@ class FailureReporter:
     def _write_record(self, step, phase_name, exc, primary: bool, message: Optional[str] = None) -> None:
         os.makedirs(self.folder, exist_ok=True)
         _write_json(os.path.join(self.folder, f"rank{self.rank}.json"), {
-            "rank": self.rank, "step": step, "phase": phase_name, "primary": primary, "time": time.time(),
+            "rank": self.rank, "node": self.node, "host": self.host, "step": step, "phase": phase_name,
+            "primary": primary, "time": time.time(),
             "error": f"{type(exc).__name__}: {exc}", "message": message,
             "traceback": "".join(traceback.format_exception(exc))})
 
@@ -192,36 +221,80 @@ class FailureReporter:
         return out
 
     def _peer_failure(self, wait: bool) -> Optional[str]:
-        """The first primary failure of another rank, or a rank that died without one; with `wait`, poll a while."""
-        deadline = time.monotonic() + (PEER_WAIT_S if wait else 0.0)
+        """The first primary failure of another rank, or a rank that died without one; with `wait` (this rank's
+        collective broke), poll a while, then name a rank that fell silent meanwhile (on another node)."""
+        start = time.monotonic()
+        deadline = start + (PEER_WAIT_S if wait else 0.0)
         while True:
-            primary = sorted((r for r in self._records() if r.get("primary")), key=lambda r: r["time"])
-            if primary:
-                first = primary[0]
+            first = self.first_primary()
+            if first is not None:
                 if self.rank == 0 and first.get("traceback"):
                     _log_file_only(f"rank {first['rank']} traceback:\n{first['traceback']}")
                 return first["message"]
-            dead = self._dead_peer()  # a failing rank writes its record before it exits: no record means killed
+            dead = self.dead_peer()  # a failing rank writes its record before it exits: no record means killed
             if dead or time.monotonic() >= deadline:
+                if dead is None and wait and self.watch is not None:  # (a beat may be read a few beats late)
+                    dead = self.silent_peer(max(time.monotonic() - start - 3 * BEAT_S, 3 * BEAT_S))
                 return dead
             time.sleep(0.2)
 
-    def _dead_peer(self) -> Optional[str]:
-        """A rank on this host whose process is gone without a record: killed (signal, out of memory)."""
-        host = socket.gethostname()
+    def first_primary(self) -> Optional[dict]:
+        """The earliest record of another rank that failed on its own (or was found dead)."""
+        primary = sorted((r for r in self._records() if r.get("primary")), key=lambda r: r["time"])
+        return primary[0] if primary else None
+
+    def _pid_files(self) -> dict:
+        """Per other rank: its pid file's contents (pid, host, node)."""
+        out = {}
         for r in range(self.world):
             path = os.path.join(self.folder, f"rank{r}.pid")
             if r == self.rank or not os.path.isfile(path):
                 continue
             try:
                 with open(path) as fh:
-                    info = json.load(fh)
+                    out[r] = json.load(fh)
             except (OSError, ValueError):
                 continue
-            if info.get("host") == host and not _alive(info["pid"]):
-                return (f"rank {r} (pid {info['pid']}) died without reporting an error: it was killed by a signal "
-                        f"or ran out of host memory (look for the OOM killer in `dmesg`)")
+        return out
+
+    def dead_peer(self) -> Optional[str]:
+        """A rank of this node whose process is gone without a record: killed (signal, out of memory). Its record is
+        written here in its stead, so that the other nodes, which cannot see its process, read what happened."""
+        for r, info in self._pid_files().items():
+            same_node = info.get("host") == self.host and info.get("node", 0) == self.node
+            if same_node and not _alive(info["pid"]) and not self._has_record(r):
+                where = _progress_text(self.watch.progress_of(r) if self.watch else None)
+                message = (f"{self.label(r, info.get('node'), info.get('host'), info['pid'])} died without reporting "
+                           f"an error{where}: it was killed by a signal or ran out of host memory (look for the OOM "
+                           f"killer in `dmesg` on {info.get('host')})")
+                self.record_for(r, message, info)
+                return message
         return None
+
+    def silent_peer(self, seconds: float) -> Optional[str]:
+        """A rank (any node) whose heartbeat has not moved for `seconds`: dead, or its node lost. Recorded here."""
+        for r, silent in self.watch.silent_ranks(seconds):
+            if self._has_record(r):
+                continue
+            info = self._pid_files().get(r, {})
+            where = _progress_text(self.watch.progress_of(r))
+            message = (f"{self.label(r, info.get('node'), info.get('host'))} stopped without reporting an "
+                       f"error{where}: no sign of life for {silent:.0f} s; it was killed, ran out of host memory, or "
+                       f"its node or the network to it went down (that node's launcher output says which)")
+            self.record_for(r, message, info)
+            return message
+        return None
+
+    def _has_record(self, rank: int) -> bool:
+        return os.path.isfile(os.path.join(self.folder, f"rank{rank}.json"))
+
+    def record_for(self, rank: int, message: str, info: dict) -> None:
+        """A primary record for `rank`, written by a witness of its death."""
+        progress = (self.watch.progress_of(rank) if self.watch else None) or {}
+        _write_json(os.path.join(self.folder, f"rank{rank}.json"), {
+            "rank": rank, "node": info.get("node"), "host": info.get("host"), "step": progress.get("step"),
+            "phase": progress.get("phase"), "primary": True, "time": time.time(), "error": "died",
+            "message": message, "traceback": None, "witness": self.rank})
 
     def _break_collectives(self) -> None:
         """Tear down this rank's process group so that ranks waiting in a collective for it fail now."""
@@ -232,6 +305,13 @@ class FailureReporter:
                 dist.destroy_process_group()
         except Exception as exc:  # tearing down is best effort: the error being reported matters more
             logger.debug(f"destroying the process group failed: {exc}")
+
+
+def _progress_text(progress: Optional[dict]) -> str:
+    """" at step 2 (rewards)": where a rank was when last heard of (its heartbeat), or nothing."""
+    if not progress or progress.get("step") is None:
+        return ""
+    return f" at step {progress['step']} ({progress.get('phase') or 'unknown phase'})"
 
 
 def _looks_like_broken_collective(exc: BaseException) -> bool:
@@ -255,9 +335,10 @@ def _alive(pid: int) -> bool:
 
 
 def _write_json(path: str, value: dict) -> None:
-    with open(path + ".tmp", "w") as fh:
+    tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"  # two writers of one record never share a temp file
+    with open(tmp, "w") as fh:
         json.dump(value, fh, indent=1)
-    os.replace(path + ".tmp", path)
+    os.replace(tmp, path)
 
 
 def _log_file_only(text: str) -> None:

@@ -49,3 +49,23 @@ def launcher_rank_and_world() -> tuple[int, int]:
 
 def rollout_ranks_of(config) -> int:
     return config.rollout_gpus if config.rollout_mode == "server" else 0
+
+
+def check_node_layout(config) -> None:
+    """With several nodes, a vLLM tensor-parallel group must lie within one node (its ranks talk at every layer):
+    refused before any model loads otherwise. Reads the launcher's LOCAL_SIZE (ranks per node)."""
+    tp = getattr(config, "vllm_tp", 1)
+    if tp <= 1 or not config.uses_vllm:
+        return
+    from grpo.errors import ConfigError
+    from grpo.runtime.distributed import local_world_size, node_count  # (torch: only for a tensor-parallel vLLM)
+
+    if node_count() < 2:
+        return
+    per_node = local_world_size()
+    first = training_ranks(rollout_ranks_of(config)) if rollout_ranks_of(config) else 0
+    if per_node % tp or first % tp:
+        raise ConfigError(f"--vllm_tp {tp}: with {per_node} rank(s) per node"
+                          + (f" and the rollout ranks starting at job rank {first}" if first else "")
+                          + ", a tensor-parallel group would span two nodes; give a --vllm_tp that divides the ranks "
+                          "per node" + (" and the training ranks' count (--rollout_gpus)" if first else ""))

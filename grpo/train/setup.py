@@ -17,7 +17,7 @@ from typing import Callable, Optional, Sequence
 
 from grpo.config.options import EMBEDDED_MODEL, GRPOConfig
 from grpo.errors import ConfigError
-from grpo.runtime.roles import enter_training_world, launcher_rank_and_world, rollout_ranks_of
+from grpo.runtime.roles import check_node_layout, enter_training_world, launcher_rank_and_world, rollout_ranks_of
 
 logger = logging.getLogger("grpo")
 
@@ -30,6 +30,7 @@ def check_run_can_start(config: GRPOConfig) -> None:
                        "carry dropout noise and are clipped as if the policy had moved; --lora_dropout 0 avoids it")
     if config.use_wandb and importlib.util.find_spec("wandb") is None:
         raise ConfigError("--use_wandb needs wandb: pip install .[wandb] (or drop --use_wandb)")
+    check_node_layout(config)  # several nodes: each vLLM tensor-parallel group within one node
     if config.rollout_engine == "vllm":
         if importlib.util.find_spec("vllm") is None:
             raise ConfigError("--rollout_engine vllm needs vLLM: pip install .[vllm] (tested with vllm 0.26.0)")

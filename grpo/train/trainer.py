@@ -36,6 +36,7 @@ from grpo.runtime.deepspeed_config import default_dtype, zero_stage
 from grpo.runtime.distributed import seed_everything
 from grpo.runtime.failures import FailureReporter, phase
 from grpo.runtime.gpu_budget import cap_gpu_memory, use_expandable_segments
+from grpo.runtime.shared_output import check_shared_output_dir
 from grpo.runtime.roles import job_rank, rollout_index, rollout_ranks_of
 from grpo.runtime.signals import GracefulStop
 from grpo.train.metrics import eval_metrics, eval_sample_rows, mean_over_ranks, step_metrics, step_std
@@ -71,6 +72,7 @@ class GRPOTrainer:
         # --- options, data and rewards first: their errors come before DeepSpeed starts or any model loads ------
         data = prepared or prepare_run(config, reward_funcs)
         dist_utils.init_distributed(config.ddp_timeout_minutes)
+        check_shared_output_dir(config.output_dir)  # every node sees it: checkpoints and failure records live there
         self.rank, self.world = dist_utils.rank(), dist_utils.world_size()
         self.is_main = dist_utils.is_main()
         self.failures = FailureReporter(config.output_dir, self.rank, self.world)
@@ -367,7 +369,9 @@ class GRPOTrainer:
 
     # -------------------------------------------------------------------------------------- internals
     def close(self) -> None:
-        """Stop the rollout ranks of server mode (they wait for this, or for training rank 0 to go away)."""
+        """Stop the rollout ranks of server mode (they wait for this, or for training rank 0 to go away), and the
+        watch over the other ranks."""
+        self.failures.close()
         self.rollouts.close()
 
     def _grad_norm(self) -> float:
