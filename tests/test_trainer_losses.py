@@ -46,3 +46,41 @@ def test_geometric_mask_keeps_a_matching_engine(tiny_model, registry, tmp_path):
     GRPOTrainer(config, reward_funcs=[even_tokens]).train()
     (row,) = train_rows(tmp_path)
     assert row["rollout/is_masked_frac"] == 0.0 and row["rollout/is_weight_mean"] == pytest.approx(1.0)
+
+
+def test_loss_and_correction_flags_parse():
+    from grpo.config import parse_args
+
+    cfg = parse_args(["--loss_type", "sapo", "--sapo_tau_pos", "0.5", "--sapo_tau_neg", "2", "--rollout_is_correction",
+                      "--rollout_correction", "icepop", "--rollout_mask_low", "0.4", "--rollout_mask_high", "4"])
+    assert (cfg.loss_type, cfg.sapo_tau_pos, cfg.sapo_tau_neg) == ("sapo", 0.5, 2.0)
+    assert (cfg.is_correction, cfg.rollout_correction, cfg.rollout_mask_low, cfg.rollout_mask_high) == \
+        (True, "icepop", 0.4, 4.0)
+    assert parse_args([]).loss_type == "ppo_clip" and parse_args([]).rollout_correction is None
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--loss_type", "cispo", "--importance_sampling_level", "sequence"], "--importance_sampling_level: 'sequence' goes"),
+    (["--loss_type", "gmpo", "--clip_ratio_c", "3"], "--clip_ratio_c: the dual clip applies to --loss_type ppo_clip"),
+    (["--loss_type", "sapo", "--sapo_tau_neg", "0"], "--sapo_tau_pos: SAPO's temperatures must be > 0"),
+    (["--rollout_correction", "icepop"], "add --rollout_is_correction true"),
+    (["--rollout_is_correction", "--rollout_mask_high", "4"], "--rollout_mask_high: sets the band"),
+    (["--rollout_is_correction", "--rollout_correction", "geometric_mask", "--rollout_mask_low", "1.2"],
+     "0 <= low < high"),
+])
+def test_loss_and_correction_flags_are_validated(args, message):
+    from grpo.config import parse_args
+    from grpo.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        parse_args(args)
+
+
+def test_a_bad_loss_flag_fails_before_any_model_loads():
+    from .test_cli import assert_clean_failure, run_cli
+
+    proc, seconds = run_cli("--loss_type", "geo_mean")
+    assert_clean_failure(proc, "--loss_type", "invalid choice")
+    proc, seconds = run_cli("--loss_type", "gmpo", "--clip_ratio_c", "3")
+    assert_clean_failure(proc, "--clip_ratio_c", "ppo_clip only")
+    assert seconds < 60
