@@ -12,8 +12,11 @@ from typing import Optional
 import torch
 
 ADVANTAGE_SCALES = ("group", "batch", "none")
-from grpo.config.choices import AGGREGATIONS, IMPORTANCE_SAMPLING_LEVELS, KL_ESTIMATORS
+from grpo.config.choices import (AGGREGATIONS, IMPORTANCE_SAMPLING_LEVELS, KL_ESTIMATORS, LOSS_TYPES,
+                                 ROLLOUT_CORRECTIONS, ROLLOUT_MASK_BANDS)
 KL_CLAMP = 10.0  # bound on the k3 log-ratio before exp and on k3 itself
+LOG_RATIO_CLAMP = 20.0  # bound on a token log-ratio before exp (as verl): exp(88.7) overflows fp32, and inf * 0 is NaN
+SEQ_LOG_RATIO_CAP = 10.0  # upper bound on GSPO's sequence log-ratio before exp (as verl)
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group", eps: float = 1e-4,
@@ -171,16 +174,18 @@ def aggregation_normaliser(mask: torch.Tensor, aggregation: str = "token_mean",
 
         token_mean:              D = sum_{i,t} m_it                     (completion tokens)
         seq_mean_token_mean:     D = #{i : sum_t m_it > 0}               (sequences with >= 1 token)
-        seq_mean_token_sum_norm: D = max_completion_length * N           (a constant per sequence)
-    D is additive over disjoint sets of rows: the D of an optimizer step is the sum of the D of its micro-batches
+        seq_mean_token_sum_norm: D = max_completion_length * #{i : sum_t m_it > 0}   (a constant per sequence)
+    A row without tokens (masked out, or a truncated completion under --mask_truncated_completions) counts in
+    neither mean. D is additive over disjoint sets of rows: the D of an optimizer step is the sum of the D of its micro-batches
     over all ranks, so each micro-batch can be normalised by the step's D (`aggregate(..., normaliser=D)`).
     """
     _check_aggregation(aggregation, max_completion_length)
     if aggregation == "token_mean":
         return float(mask.sum())
+    rows_with_tokens = float((mask.sum(dim=1) > 0).sum())
     if aggregation == "seq_mean_token_mean":
-        return float((mask.sum(dim=1) > 0).sum())
-    return float(max_completion_length * mask.shape[0])
+        return rows_with_tokens
+    return float(max_completion_length) * rows_with_tokens
 
 
 def aggregation_numerator(per_token: torch.Tensor, mask: torch.Tensor, aggregation: str = "token_mean") -> torch.Tensor:
@@ -209,7 +214,8 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, aggregation: str = "t
 
         token_mean:              sum_{i,t} m_it x_it / sum_{i,t} m_it                    (DAPO)
         seq_mean_token_mean:     mean over sequences with >= 1 token of sum_t m_it x_it / sum_t m_it   (GRPO)
-        seq_mean_token_sum_norm: mean_i sum_t m_it x_it / max_completion_length           (Dr. GRPO)
+        seq_mean_token_sum_norm: mean over sequences with >= 1 token of sum_t m_it x_it / max_completion_length
+                                 (Dr. GRPO)
     S = `aggregation_numerator`, D = `normaliser` if given (the whole optimizer step's D, so that the micro-batch
     results sum to the step's aggregate), else `aggregation_normaliser` of these rows.
     """
@@ -223,7 +229,7 @@ def _check_loss_inputs(logprobs, old_logprobs, advantages, mask, ref_logprobs, i
                        settings: LossSettings):
     eps_low, eps_high, beta = settings.eps_low, settings.upper_eps, settings.beta
     importance_sampling_level, clip_ratio_c = settings.importance_sampling_level, settings.clip_ratio_c
-    kl_estimator, entropy_coef = settings.kl_estimator, settings.entropy_coef
+    kl_estimator, entropy_coef, loss_type = settings.kl_estimator, settings.entropy_coef, settings.loss_type
     if logprobs.dim() != 2:
         raise ValueError(f"logprobs must be [N, T], got shape {tuple(logprobs.shape)}")
     named = {"old_logprobs": old_logprobs, "mask": mask, "ref_logprobs": ref_logprobs, "is_weights": is_weights,
@@ -239,35 +245,103 @@ def _check_loss_inputs(logprobs, old_logprobs, advantages, mask, ref_logprobs, i
         raise ValueError(f"clip range needs 0 <= eps_low < 1 and eps_high >= 0, got {eps_low} and {eps_high}")
     if beta < 0:
         raise ValueError(f"beta (KL coefficient) must be >= 0, got {beta}")
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"unknown loss_type '{loss_type}' (use one of {', '.join(LOSS_TYPES)})")
     if importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
         raise ValueError(f"unknown importance_sampling_level '{importance_sampling_level}' "
                          f"(use one of {', '.join(IMPORTANCE_SAMPLING_LEVELS)})")
+    if importance_sampling_level == "sequence" and loss_type in ("cispo", "gmpo"):
+        raise ValueError(f"loss_type '{loss_type}' takes token ratios (gmpo forms its own sequence ratio): use "
+                         "importance_sampling_level 'token'")
     if clip_ratio_c is not None and not clip_ratio_c > 1.0:
         raise ValueError(f"clip_ratio_c (dual-clip bound) must be > 1, got {clip_ratio_c}")
+    if clip_ratio_c is not None and loss_type != "ppo_clip":
+        raise ValueError(f"clip_ratio_c (dual-clip) applies to loss_type 'ppo_clip' only, got '{loss_type}'")
+    if not (settings.sapo_tau_pos > 0 and settings.sapo_tau_neg > 0):
+        raise ValueError(f"SAPO temperatures must be > 0, got tau_pos {settings.sapo_tau_pos} and "
+                         f"tau_neg {settings.sapo_tau_neg}")
     if kl_estimator not in KL_ESTIMATORS:
         raise ValueError(f"unknown KL estimator '{kl_estimator}' (use one of {', '.join(KL_ESTIMATORS)})")
     if entropy_coef != 0.0 and entropy is None:
         raise ValueError("entropy_coef != 0 needs the per-token entropy [N, T] (computed with gradient)")
 
 
+def token_log_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor) -> torch.Tensor:
+    """log r_it = clamp(lp_it - old_it, -20, 20)  # [N, T]; gradient through lp only (none where clamped).
+    The clamp (verl's) keeps exp finite: a padded or far-off position with lp - old > 88 would give inf, and the
+    mask's 0 * inf a NaN loss."""
+    return (logprobs - old_logprobs.detach()).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+
+
 def importance_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor,
                      level: str = "token") -> torch.Tensor:
     """The PPO importance ratio per token  # [N, T].
 
-        token:    r_it = exp(lp_it - old_it)
-        sequence: r_it = s_i = exp( sum_t m_it (lp_it - old_it) / sum_t m_it )   for every t  (GSPO, Zheng et al. 2025)
+        token:    r_it = exp(clamp(lp_it - old_it, -20, 20))
+        sequence: r_it = s_i = exp(min(sum_t m_it (lp_it - old_it) / sum_t m_it, 10))   for every t  (GSPO, Zheng
+                  et al. 2025, arXiv:2507.18071; the cap at 10 is verl's)
     The sequence ratio is the geometric mean of the token ratios over the sequence's own (masked) tokens, so a long
     and a short completion are on the same scale; its gradient reaches every token of the sequence.
     """
-    log_ratio = logprobs - old_logprobs.detach()                                              # [N, T]
     if level == "token":
-        return torch.exp(log_ratio)
+        return torch.exp(token_log_ratio(logprobs, old_logprobs))
     if level == "sequence":
         mask = mask.to(logprobs.dtype)
-        seq_log_ratio = (log_ratio * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1.0)          # [N]
-        return torch.exp(seq_log_ratio).unsqueeze(1).expand_as(log_ratio)                      # [N, T]
+        log_ratio = torch.where(mask > 0, logprobs - old_logprobs.detach(), torch.zeros_like(logprobs))  # [N, T]
+        seq_log_ratio = log_ratio.sum(dim=1) / mask.sum(dim=1).clamp(min=1.0)                       # [N]
+        return torch.exp(seq_log_ratio.clamp(max=SEQ_LOG_RATIO_CAP)).unsqueeze(1).expand_as(log_ratio)
     raise ValueError(f"unknown importance_sampling_level '{level}' "
                      f"(use one of {', '.join(IMPORTANCE_SAMPLING_LEVELS)})")
+
+
+def ppo_clip_token_loss(ratio: torch.Tensor, adv: torch.Tensor, eps_low: float, eps_high: float) -> torch.Tensor:
+    """PPO's clipped surrogate (Schulman et al. 2017, eq. 7) with DAPO's decoupled upper bound (Yu et al. 2025):
+
+        pg_t = -min(r_t A, clip(r_t, 1 - eps_low, 1 + eps_high) A)
+    ratio [N, T], adv [N, 1] -> [N, T]."""
+    return -torch.min(ratio * adv, ratio.clamp(1.0 - eps_low, 1.0 + eps_high) * adv)
+
+
+def cispo_token_loss(logprobs: torch.Tensor, ratio: torch.Tensor, adv: torch.Tensor, eps_low: float,
+                     eps_high: float) -> torch.Tensor:
+    """CISPO (MiniMax-M1, arXiv:2506.13585, eq. 4): the importance weight is clipped and its gradient stopped, and
+    every token keeps a REINFORCE gradient (none is dropped, as PPO's clip drops the clipped ones):
+
+        pg_t = -sg(clip(r_t, 1 - eps_low, 1 + eps_high)) * A * lp_t          (verl's cispo)
+        d pg_t / d lp_t = -clip(r_t, ...) * A
+    TRL's cispo clips only above, at its epsilon_high (5 recommended): eps_high = 4 and eps_low near 1 here.
+    logprobs / ratio [N, T], adv [N, 1] -> [N, T]."""
+    return -ratio.clamp(1.0 - eps_low, 1.0 + eps_high).detach() * adv * logprobs
+
+
+def sapo_token_loss(ratio: torch.Tensor, adv: torch.Tensor, tau_pos: float = 1.0, tau_neg: float = 1.05
+                    ) -> torch.Tensor:
+    """SAPO (Gao et al. 2025, arXiv:2511.20347): a smooth gate instead of the hard clip,
+
+        f(r) = (4 / tau) * sigmoid(tau * (r - 1)),   tau = tau_pos if A > 0 else tau_neg
+        pg_t = -f(r_t) * A
+    f'(r) = 4 sigmoid(.) (1 - sigmoid(.)): 1 at r = 1 (the policy gradient on-policy), fading smoothly as r leaves 1;
+    a larger tau fades faster (tau_neg > tau_pos damps negative updates more). Defaults are verl's and TRL's.
+    ratio [N, T], adv [N, 1] -> [N, T]."""
+    tau = torch.where(adv > 0, torch.full_like(adv, tau_pos), torch.full_like(adv, tau_neg))  # [N, 1]
+    return -(4.0 / tau) * torch.sigmoid(tau * (ratio - 1.0)) * adv
+
+
+def gmpo_sequence_loss(log_ratio: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, eps_low: float,
+                       eps_high: float) -> torch.Tensor:
+    """GMPO (Zhao et al. 2025, arXiv:2507.20673): the geometric mean of the token ratios, each clipped in log space,
+    replaces their arithmetic mean, so one outlier token moves the sequence's objective less:
+
+        l'_t  = sgn(A) * min(sgn(A) l_t, sgn(A) clip(l_t, -eps_low, eps_high))    (l_t = log r_t; PPO's pessimism)
+        R_i   = exp( sum_t m_t l'_t / sum_t m_t )
+        pg_i  = -A_i * R_i,  the same at every token of sequence i                 (verl's geo_mean)
+    Averaged over each sequence's tokens (seq_mean_token_mean, as verl), the loss is mean_i pg_i. The paper's range
+    is eps = 0.4 (ratios within e^-0.4 .. e^0.4). log_ratio / mask [N, T], adv [N, 1] -> [N, T]."""
+    sign = torch.sign(adv)                                                                      # [N, 1]
+    kept = sign * torch.min(sign * log_ratio, sign * log_ratio.clamp(-eps_low, eps_high))      # [N, T]
+    kept = torch.where(mask > 0, kept, torch.zeros_like(kept))
+    seq_ratio = torch.exp(kept.sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True).clamp(min=1.0))  # [N, 1]
+    return (-adv * seq_ratio).expand_as(log_ratio)
 
 
 @dataclass(frozen=True)
@@ -282,6 +356,9 @@ class LossSettings:
     importance_sampling_level: str = "token"      # token (PPO) or sequence (GSPO)
     clip_ratio_c: Optional[float] = None          # dual-clip bound (> 1), None = off
     entropy_coef: float = 0.0                     # entropy bonus
+    loss_type: str = "ppo_clip"                   # one of LOSS_TYPES
+    sapo_tau_pos: float = 1.0                     # SAPO gate temperature where A > 0
+    sapo_tau_neg: float = 1.05                    # ... and where A <= 0
 
     @property
     def upper_eps(self) -> float:
@@ -292,18 +369,20 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
                 settings: LossSettings = LossSettings(), *, ref_logprobs: Optional[torch.Tensor] = None,
                 is_weights: Optional[torch.Tensor] = None, entropy: Optional[torch.Tensor] = None,
                 normaliser: Optional[float] = None) -> tuple[torch.Tensor, dict]:
-    """PPO-clipped GRPO surrogate with an optional KL penalty and entropy bonus, masked and aggregated over the rows.
+    """GRPO's policy loss with an optional KL penalty and entropy bonus, masked and aggregated over the rows.
 
         ratio_t = importance_ratio(lp, old, mask, importance_sampling_level)     (token: exp(lp_t - old_t))
-        pg_t    = -min(ratio_t * A, clip(ratio_t, 1 - eps_low, 1 + eps_high) * A)
-        pg_t    = min(pg_t, -A * clip_ratio_c)   where A < 0                      (dual-clip, if clip_ratio_c)
+        pg_t    = ppo_clip_token_loss(ratio, A, eps_low, eps_high)                loss_type ppo_clip (GRPO, DAPO, GSPO)
+                | cispo_token_loss(lp, ratio, A, eps_low, eps_high)                loss_type cispo
+                | sapo_token_loss(ratio, A, tau_pos, tau_neg)                      loss_type sapo
+                | gmpo_sequence_loss(log ratio, A, mask, eps_low, eps_high)       loss_type gmpo (eps in log space)
+        pg_t    = min(pg_t, -A * clip_ratio_c)   where A < 0                      (dual-clip, ppo_clip only)
         pg_t    = pg_t * w_t                                                      (w = is_weights, or 1)
         loss_t  = pg_t + beta * kl_t - entropy_coef * H_t                         (kl_t = kl_estimate(lp, ref))
         loss    = aggregate(loss_t, mask, aggregation)
-    The clip is PPO's (Schulman et al. 2017, eq. 7) with DAPO's decoupled upper bound (eps_high; None = eps_low).
     Dual-clip (Ye et al. 2020, as in verl) bounds the loss of a negative-advantage token whose ratio has grown large:
     -A * ratio would be unbounded, and is capped at -A * clip_ratio_c (> 1).
-    `is_weights` is the truncated importance-sampling correction for rollout/trainer mismatch. `entropy` [N, T] is
+    `is_weights` is the rollout/trainer mismatch correction (`rollout_correction`). `entropy` [N, T] is
     the policy's token entropy, with gradient when entropy_coef != 0 (a positive coef rewards higher entropy).
     logprobs / old_logprobs / ref_logprobs / mask / is_weights / entropy: [N, T]; advantages: [N], broadcast over
     tokens; `settings`: the scalar ones (LossSettings). Gradients flow only through `logprobs` (and `entropy`).
@@ -311,8 +390,9 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     denominator D (`aggregation_normaliser` summed over all micro-batches and ranks): then the micro-batch losses
     sum to the loss of the whole step, however it was split.
 
-    Returns (loss, metrics); metrics are python floats over masked tokens: clip_frac_low (A < 0 and
-    ratio < 1 - eps_low), clip_frac_high (A > 0 and ratio > 1 + eps_high), clip_frac (their sum), clip_frac_dual
+    Returns (loss, metrics); metrics are python floats over masked tokens: clip_frac_low, clip_frac_high (tokens
+    whose clip bound held: ppo_clip and gmpo where the pessimistic side is the clipped one, A < 0 below and A > 0
+    above; cispo where the weight was clipped, any A; 0 for sapo), clip_frac (their sum), clip_frac_dual
     (tokens whose loss the dual clip capped), ratio_mean, ratio_max, kl (mean of the chosen estimator whenever
     ref_logprobs is given, else 0.0), pg_loss (pg_t alone, aggregated alike) and, with entropy_coef, entropy_loss
     (-entropy_coef * H aggregated alike).
@@ -320,14 +400,19 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     _check_loss_inputs(logprobs, old_logprobs, advantages, mask, ref_logprobs, is_weights, entropy, settings)
     eps_low, eps_high, beta = settings.eps_low, settings.upper_eps, settings.beta
     aggregation, max_completion_length = settings.aggregation, settings.max_completion_length
-    clip_ratio_c, entropy_coef = settings.clip_ratio_c, settings.entropy_coef
+    clip_ratio_c, entropy_coef, loss_type = settings.clip_ratio_c, settings.entropy_coef, settings.loss_type
     adv = advantages.detach().to(logprobs.dtype).unsqueeze(1)             # [N, 1]
     mask = mask.to(logprobs.dtype)                                         # [N, T]
 
     ratio = importance_ratio(logprobs, old_logprobs, mask, settings.importance_sampling_level)  # [N, T]
-    unclipped = ratio * adv                                                # [N, T]
-    clipped = ratio.clamp(1.0 - eps_low, 1.0 + eps_high) * adv             # [N, T]
-    pg_per_token = -torch.min(unclipped, clipped)                          # [N, T]
+    if loss_type == "cispo":
+        pg_per_token = cispo_token_loss(logprobs, ratio, adv, eps_low, eps_high)
+    elif loss_type == "sapo":
+        pg_per_token = sapo_token_loss(ratio, adv, settings.sapo_tau_pos, settings.sapo_tau_neg)
+    elif loss_type == "gmpo":
+        pg_per_token = gmpo_sequence_loss(token_log_ratio(logprobs, old_logprobs), adv, mask, eps_low, eps_high)
+    else:
+        pg_per_token = ppo_clip_token_loss(ratio, adv, eps_low, eps_high)  # [N, T]
     dual_capped = None
     if clip_ratio_c is not None:
         cap = -adv * clip_ratio_c                                          # [N, 1], > 0 where A < 0
@@ -346,8 +431,16 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     loss = aggregate(per_token, mask, aggregation, max_completion_length, normaliser=normaliser)
 
     with torch.no_grad():
-        clipped_low = ((ratio < 1.0 - eps_low) & (adv < 0)).to(mask.dtype)    # [N, T]
-        clipped_high = ((ratio > 1.0 + eps_high) & (adv > 0)).to(mask.dtype)  # [N, T]
+        below, above = ratio < 1.0 - eps_low, ratio > 1.0 + eps_high        # [N, T]
+        if loss_type == "gmpo":  # its bounds are on the log-ratio
+            log_ratio = token_log_ratio(logprobs, old_logprobs)
+            below, above = log_ratio < -eps_low, log_ratio > eps_high
+        if loss_type == "cispo":  # the weight is clipped whatever the sign of A
+            clipped_low, clipped_high = below.to(mask.dtype), above.to(mask.dtype)
+        elif loss_type == "sapo":  # no clip: the gate is smooth
+            clipped_low = clipped_high = torch.zeros_like(mask)
+        else:
+            clipped_low, clipped_high = (below & (adv < 0)).to(mask.dtype), (above & (adv > 0)).to(mask.dtype)
         metrics = {
             "clip_frac_low": masked_mean(clipped_low, mask).item(),
             "clip_frac_high": masked_mean(clipped_high, mask).item(),
@@ -363,6 +456,52 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
             metrics["entropy_loss"] = aggregate(-entropy_coef * entropy.detach().to(mask.dtype), mask, aggregation,
                                                 max_completion_length, normaliser).item()
     return loss, metrics
+
+
+def _log_bound(value: float) -> float:
+    return math.log(value) if value > 0 else -math.inf
+
+
+def rollout_correction(trainer_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor,
+                       mode: str = "token_truncate", cap: float = 2.0, low: Optional[float] = None,
+                       high: Optional[float] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Weights w [N, T] (no gradient) for the policy loss that correct for the rollout engine sampling from a
+    slightly different policy than the trainer's (the old policy, as the trainer computes it). d_t = old_t - rollout_t
+    on masked tokens, D_i = sum_t m_t d_t (the sequence's log-ratio), G_i = D_i / sum_t m_t (its geometric mean):
+
+        token_truncate:    w_t = min(e^d_t, cap)                         (truncated IS, Yao et al. 2025; verl "token")
+        sequence_truncate: w_t = min(e^D_i, cap)                         (verl "sequence", TRL sequence_truncate)
+        sequence_mask:     w_t = e^D_i if low <= e^D_i <= high else 0    (TRL's default sequence_mask; band 0..3)
+        icepop:            w_t = e^d_t if low <= e^d_t <= high else 0    (IcePop, token masking; band 0.5..5)
+        geometric_mask:    w_t = 1 if low <= e^G_i <= high else 0        (verl's rollout_rs seq_mean_k1; 0.999..1.001)
+    Bounds are compared in log space (e^x is never formed beyond e^20, so nothing overflows). A masked token still
+    counts in the loss's denominator (its weight is 0), as in TRL. low / high: None takes ROLLOUT_MASK_BANDS[mode].
+    Returns (w, capped, masked): capped [N, T] bool where a truncating mode cut the weight to `cap`, masked [N, T]
+    bool where a masking mode set it to 0.
+    """
+    if mode not in ROLLOUT_CORRECTIONS:
+        raise ValueError(f"unknown rollout correction '{mode}' (use one of {', '.join(ROLLOUT_CORRECTIONS)})")
+    mask = mask.to(trainer_logprobs.dtype)
+    with torch.no_grad():
+        d = torch.where(mask > 0, trainer_logprobs - rollout_logprobs, torch.zeros_like(trainer_logprobs))  # [N, T]
+        seq = d.sum(dim=1, keepdim=True).expand_as(d)                                                     # [N, T]
+        nothing = torch.zeros_like(d, dtype=torch.bool)
+        if mode in ("token_truncate", "sequence_truncate"):
+            log_w = d if mode == "token_truncate" else seq
+            capped = log_w > math.log(cap)
+            return torch.exp(log_w.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)).clamp(max=cap), capped, nothing
+        band_low, band_high = ROLLOUT_MASK_BANDS[mode]
+        low, high = band_low if low is None else low, band_high if high is None else high
+        if not 0.0 <= low < high:
+            raise ValueError(f"rollout mask band needs 0 <= low < high, got {low} and {high}")
+        if mode == "geometric_mask":
+            stat = seq / mask.sum(dim=1, keepdim=True).clamp(min=1.0)
+        else:
+            stat = seq if mode == "sequence_mask" else d
+        keep = (stat >= _log_bound(low)) & (stat <= math.log(high))
+        value = torch.ones_like(d) if mode == "geometric_mask" else torch.exp(
+            stat.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+        return torch.where(keep, value, torch.zeros_like(d)), nothing, ~keep & (mask > 0)
 
 
 def _chunk_logprobs_entropy(hidden: torch.Tensor, head, token_ids: torch.Tensor, temperature: float,

@@ -20,6 +20,7 @@ from grpo.config.validation import validate
 from grpo.config.guide_spellings import GUIDE_SPELLINGS, fold_guide_spellings, upgrade_saved_options  # noqa: F401
 from grpo.config.shipped import resolve_shipped_file
 from grpo.errors import ConfigError
+from grpo.config.choices import LOSS_TYPES, ROLLOUT_CORRECTIONS, ROLLOUT_MASK_BANDS
 
 DEFAULT_LEARNING_RATE = {"lora": 2e-5, "qlora": 2e-5, "full": 1e-6}
 MIN_DEFAULT_SEQ_LENGTH = 768  # the default --max_seq_length's floor: tool episodes take a few turns past one completion
@@ -211,6 +212,26 @@ class GRPOConfig:
               "--async_rollout (its rollouts come from the policy one step behind), off otherwise.", "grpo",
         nargs="?", const=True)  # a bare flag still means true
     rollout_is_cap: float = _opt(2.0, "Cap of the truncated importance-sampling weight.", "grpo")
+    rollout_correction: Optional[str] = _opt(
+        None, "How --rollout_is_correction corrects: token_truncate (the default: min(ratio, cap) per token), "
+              "sequence_truncate (the sequence's ratio, capped), sequence_mask (the sequence's ratio, 0 outside "
+              "--rollout_mask_low/high; TRL's default), icepop (the token's ratio, 0 outside the band) or "
+              "geometric_mask (weight 1, 0 where the sequence's geometric-mean ratio is outside the band; verl's "
+              "seq_mean_k1). See docs/algorithm.md.", "grpo", choices=ROLLOUT_CORRECTIONS)
+    rollout_mask_low: Optional[float] = _opt(
+        None, "Lower bound of the masking band of --rollout_correction (default per mode: "
+              + ", ".join(f"{m} {lo}" for m, (lo, _) in ROLLOUT_MASK_BANDS.items()) + ").", "grpo")
+    rollout_mask_high: Optional[float] = _opt(
+        None, "Upper bound of the masking band (default per mode: "
+              + ", ".join(f"{m} {hi}" for m, (_, hi) in ROLLOUT_MASK_BANDS.items()) + ").", "grpo")
+    loss_type: str = _opt(
+        "ppo_clip", "Policy loss: ppo_clip (GRPO / DAPO / GSPO, with the clip options above), cispo (clipped, "
+                    "stop-gradient IS weight on every token's log-prob; clip = --clip_epsilon_low/high), sapo "
+                    "(soft sigmoid gate instead of the clip; --sapo_tau_pos/neg) or gmpo (geometric mean of the "
+                    "token ratios, clipped in log space by --clip_epsilon_low/high; the paper uses 0.4). "
+                    "See docs/algorithm.md.", "grpo", choices=LOSS_TYPES)
+    sapo_tau_pos: float = _opt(1.0, "SAPO gate temperature for tokens with A > 0.", "grpo")
+    sapo_tau_neg: float = _opt(1.05, "SAPO gate temperature for tokens with A <= 0 (larger: damped sooner).", "grpo")
     filter_zero_std_groups: bool = _opt(
         False, "Dynamic sampling (DAPO): drop groups whose rewards are all equal and draw more prompts until the "
                "step has its prompts; each draw consumes data (epochs pass faster).", "grpo")

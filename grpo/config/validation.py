@@ -6,7 +6,7 @@ import os
 import re
 
 from grpo.config.choices import (AGGREGATIONS, BITSANDBYTES_BLOCK_SIZE, DEFAULT_BLOCK_SIZE, IMPORTANCE_SAMPLING_LEVELS,
-                                 KL_ESTIMATORS, QLORA_BLOCK_SCALES, QLORA_BLOCK_SIZES, QLORA_INITS, QLORA_QUANT_TYPES,
+                                 KL_ESTIMATORS, LOSS_TYPES, ROLLOUT_CORRECTIONS, ROLLOUT_MASK_BANDS, QLORA_BLOCK_SCALES, QLORA_BLOCK_SIZES, QLORA_INITS, QLORA_QUANT_TYPES,
                                  REWARD_SCALES, ROLLOUT_ENGINES, ROLLOUT_MODES, ROLLOUT_WEIGHTS, SCHEDULERS,
                                  STRATEGIES)
 from grpo.errors import ConfigError
@@ -85,6 +85,7 @@ def validate(cfg) -> None:
     need(not twice, "reward_model", f"two folders are named {', '.join(twice)}; reward models are registered "
                                     f"by folder name, so give each a distinct name")
     need(cfg.rollout_is_cap >= 1.0, "rollout_is_cap", "must be >= 1")
+    _validate_loss_and_correction(cfg, need)
     need(cfg.vllm_tp >= 1, "vllm_tp", "must be >= 1")
     need(cfg.logprob_check_steps >= 1, "logprob_check_steps", "must be >= 1")
     world = job_world_size()
@@ -168,6 +169,34 @@ def validate(cfg) -> None:
         need(cfg.tuning_strategy == "qlora", "qlora_init", "loftq needs --tuning_strategy qlora")
         need(not cfg.lora_adapter_path, "qlora_init",
              "loftq sets a new adapter; a continued one (--lora_adapter_path) keeps its own weights: drop one")
+
+
+def _validate_loss_and_correction(cfg, need) -> None:
+    """--loss_type and its settings, and --rollout_correction's band."""
+    need(cfg.loss_type in LOSS_TYPES, "loss_type", f"got '{cfg.loss_type}', choose one of {', '.join(LOSS_TYPES)}")
+    need(cfg.sapo_tau_pos > 0 and cfg.sapo_tau_neg > 0, "sapo_tau_pos",
+         f"SAPO's temperatures must be > 0, got --sapo_tau_pos {cfg.sapo_tau_pos} --sapo_tau_neg {cfg.sapo_tau_neg}")
+    need(cfg.importance_sampling_level == "token" or cfg.loss_type in ("ppo_clip", "sapo"), "importance_sampling_level",
+         f"'sequence' goes with --loss_type ppo_clip or sapo; {cfg.loss_type} takes token ratios (gmpo forms its "
+         f"own geometric mean): drop --importance_sampling_level or choose another loss")
+    need(cfg.clip_ratio_c is None or cfg.loss_type == "ppo_clip", "clip_ratio_c",
+         f"the dual clip applies to --loss_type ppo_clip only; drop it with --loss_type {cfg.loss_type}")
+    mode = cfg.rollout_correction
+    need(mode is None or mode in ROLLOUT_CORRECTIONS, "rollout_correction",
+         f"got '{mode}', choose one of {', '.join(ROLLOUT_CORRECTIONS)}")
+    need(mode is None or cfg.rollout_is_correction is not None or cfg.is_correction, "rollout_correction",
+         f"'{mode}' corrects only with --rollout_is_correction (on by default with --async_rollout only): add "
+         f"--rollout_is_correction true")
+    given = [name for name in ("rollout_mask_low", "rollout_mask_high") if getattr(cfg, name) is not None]
+    for name in given:
+        need(mode in ROLLOUT_MASK_BANDS, name,
+             f"sets the band of --rollout_correction {' / '.join(ROLLOUT_MASK_BANDS)}; the truncating ones "
+             f"(--rollout_correction {mode or 'token_truncate'}) use --rollout_is_cap")
+    if mode in ROLLOUT_MASK_BANDS:
+        low = ROLLOUT_MASK_BANDS[mode][0] if cfg.rollout_mask_low is None else cfg.rollout_mask_low
+        high = ROLLOUT_MASK_BANDS[mode][1] if cfg.rollout_mask_high is None else cfg.rollout_mask_high
+        need(0.0 <= low < high, "rollout_mask_low" if cfg.rollout_mask_low is not None else "rollout_mask_high",
+             f"the band needs 0 <= low < high (ratios), got {low} .. {high}")
 
 
 def _validate_episodes(cfg, need) -> None:

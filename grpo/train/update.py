@@ -21,7 +21,7 @@ from typing import Optional
 import torch
 
 from grpo.runtime import distributed as dist_utils
-from grpo.algorithm import LossSettings, aggregation_normaliser, masked_mean, policy_loss
+from grpo.algorithm import LossSettings, aggregation_normaliser, masked_mean, policy_loss, rollout_correction
 from grpo.train.step_data import RolloutBatch, StepData
 from grpo.config.choices import MICRO_BATCH_TOKENS
 from grpo.config.options import GRPOConfig
@@ -131,13 +131,16 @@ def update(engine, step: StepData, cfg: GRPOConfig, first_pass: bool = True) -> 
             rollout_metrics[f"{step.mismatch_key}_max"] = diff.max().item()
         is_weights = None
         if cfg.is_correction:  # (the rollout always asks for log-probs then)
-            # truncated importance sampling: the rollout engine sampled from a slightly different policy
-            raw = torch.exp(sampled_policy - b.rollout_logprobs)
-            is_weights = raw.clamp(max=cfg.rollout_is_cap)
+            # the rollout engine sampled from a slightly different policy: weight (truncated IS) or mask its tokens
+            is_weights, capped, masked = rollout_correction(
+                sampled_policy, b.rollout_logprobs, b.completion_mask, cfg.rollout_correction or "token_truncate",
+                cfg.rollout_is_cap, cfg.rollout_mask_low, cfg.rollout_mask_high)
             if first_pass and not mb.empty and tokens > 0:
-                rollout_metrics["rollout/is_weight_mean"] = masked_mean(is_weights, b.completion_mask).item()
-                rollout_metrics["rollout/is_capped_frac"] = masked_mean((raw > cfg.rollout_is_cap).float(),
-                                                                        b.completion_mask).item()
+                rollout_metrics.update(zip(("rollout/is_weight_mean", "rollout/is_capped_frac",
+                                            "rollout/is_masked_frac"),
+                                           torch.stack([masked_mean(is_weights, b.completion_mask),
+                                                        masked_mean(capped.float(), b.completion_mask),
+                                                        masked_mean(masked.float(), b.completion_mask)]).tolist()))
         if rollout_metrics:
             rollout_per_micro_batch.append((rollout_metrics, tokens))
         loss, m = policy_loss(logprobs, old, mb.gather(step.advantages).to(device), b.completion_mask, settings,
@@ -175,7 +178,8 @@ def loss_settings(cfg: GRPOConfig) -> LossSettings:
                         kl_estimator=cfg.kl_estimator, aggregation=cfg.loss_aggregation,
                         max_completion_length=cfg.rollout_max_new_tokens,
                         importance_sampling_level=cfg.importance_sampling_level, clip_ratio_c=cfg.clip_ratio_c,
-                        entropy_coef=cfg.entropy_coef)
+                        entropy_coef=cfg.entropy_coef, loss_type=cfg.loss_type, sapo_tau_pos=cfg.sapo_tau_pos,
+                        sapo_tau_neg=cfg.sapo_tau_neg)
 
 
 def combine_micro_batch_metrics(per_micro_batch: list[tuple[dict, float]]) -> dict:
