@@ -38,6 +38,17 @@ class NodeRun:
     ended: float       # time.time() when it ended
 
 
+def node_run_inputs(folder) -> tuple:
+    """(folder, tiny model folder, prompt registry) for the node tests, with the even_tokens reward module beside."""
+    from .tiny_models import make_tiny_model_dir
+    from .trainer_setup import write_prompt_registry
+
+    model = make_tiny_model_dir(str(folder / "model"))
+    registry = write_prompt_registry(str(folder / "data"), reward="even_tokens")
+    (folder / "rewards.py").write_text(REWARD_MODULE)
+    return folder, model, registry
+
+
 def write_hostfile(folder: str, nodes: int, slots: int) -> str:
     path = os.path.join(folder, "hostfile")
     with open(path, "w") as fh:

@@ -12,10 +12,9 @@ import pytest
 from grpo.runtime import distributed as dist_utils
 from grpo.runtime.shared_output import shared_output_message
 
-from .emulated_nodes import REWARD_MODULE, prompts_per_rank, run_nodes, side_by_side, step_figures
+from .emulated_nodes import node_run_inputs, prompts_per_rank, run_nodes, side_by_side, step_figures
 from .test_multiprocess import launch_command
-from .tiny_models import make_tiny_model_dir
-from .trainer_setup import ROOT, child_env, deepspeed_launcher, write_prompt_registry
+from .trainer_setup import ROOT, child_env, deepspeed_launcher
 
 needs_launcher = pytest.mark.skipif(shutil.which("deepspeed") is None, reason="the deepspeed launcher is not on PATH")
 STEPS = ["--max_steps", "2", "--save_steps", "1", "--eval_on_start", "false", "--tuning_strategy", "lora",
@@ -72,11 +71,7 @@ def test_the_shared_folder_error_names_the_nodes_that_do_not_see_it():
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("nodes")
-    model = make_tiny_model_dir(str(folder / "model"))
-    registry = write_prompt_registry(str(folder / "data"), reward="even_tokens")
-    (folder / "rewards.py").write_text(REWARD_MODULE)
-    return folder, model, registry
+    return node_run_inputs(tmp_path_factory.mktemp("nodes"))
 
 
 def script_args(setup, out) -> list[str]:

@@ -18,9 +18,8 @@ import time
 import pytest
 import torch
 
-from tests.emulated_nodes import REWARD_MODULE, prompts_per_rank, run_nodes, side_by_side, step_figures
-from tests.tiny_models import make_tiny_model_dir
-from tests.trainer_setup import ROOT, deepspeed_launcher, gpu_flags, launcher_env, write_prompt_registry
+from tests.emulated_nodes import node_run_inputs, prompts_per_rank, run_nodes, side_by_side, step_figures
+from tests.trainer_setup import ROOT, deepspeed_launcher, gpu_flags, launcher_env
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 4,
                                 reason="needs 4 GPUs")
@@ -35,11 +34,7 @@ REL, ABS = 1e-2, 1e-3
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("gpu_nodes")
-    model = make_tiny_model_dir(str(folder / "model"))
-    registry = write_prompt_registry(str(folder / "data"), reward="even_tokens")
-    (folder / "rewards.py").write_text(REWARD_MODULE)
-    return folder, model, registry
+    return node_run_inputs(tmp_path_factory.mktemp("gpu_nodes"))
 
 
 def script_args(setup, out, *flags) -> list[str]:
