@@ -165,3 +165,27 @@ def test_model_paths_that_cannot_load_fail_at_once_saying_why(tmp_path, monkeypa
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
     with pytest.raises(ConfigError, match="HF_HUB_OFFLINE is set"):
         check_model_source("Qwen/Qwen2.5-0.5B-Instruct")
+
+
+def test_a_max_seq_length_past_the_models_positions_is_refused_for_vllm_before_loading(tiny_model, caplog):
+    from transformers import AutoConfig
+
+    from grpo.config import GRPOConfig
+    from grpo.errors import ConfigError
+    from grpo.model.model_source import check_positions
+
+    positions = AutoConfig.from_pretrained(tiny_model).max_position_embeddings
+    fits = GRPOConfig(max_prompt_length=64, rollout_max_new_tokens=positions - 64, rollout_engine="vllm")
+    assert fits.max_seq_length == 768  # the default's floor, more than the model's 256 positions
+    check_positions(tiny_model, fits)
+    assert fits.max_seq_length == positions  # a default: shrunk to the model's positions
+    longer = GRPOConfig(max_prompt_length=64, rollout_max_new_tokens=positions, rollout_engine="vllm")
+    with pytest.raises(ConfigError, match=rf"--max_seq_length {longer.max_seq_length} .* more than the {positions} "
+                                          r"positions .*vLLM refuses"):
+        check_positions(tiny_model, longer)
+    with pytest.raises(ConfigError, match="vLLM refuses"):  # given: kept, so refused
+        check_positions(tiny_model, GRPOConfig(max_prompt_length=64, rollout_max_new_tokens=64,
+                                               max_seq_length=positions + 1, rollout_engine="vllm"))
+    with caplog.at_level("WARNING", logger="grpo"):
+        check_positions(tiny_model, GRPOConfig(max_prompt_length=64, rollout_max_new_tokens=positions))
+    assert f"not trained on positions past {positions}" in caplog.text

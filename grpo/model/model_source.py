@@ -60,3 +60,36 @@ def check_model_source(name_or_path: str) -> None:
                           f"needs `hf auth login` or HF_TOKEN), and {os.path.abspath(folder)} is no local folder")
     except Exception:  # noqa: BLE001 - the hub answered but not plainly: leave the verdict to the download
         return
+
+
+def check_positions(model_path: str, config) -> None:
+    """--max_seq_length against the positions the model's config allows (max_position_embeddings). vLLM refuses a
+    longer max_model_len once the model has loaded: with vLLM, a default --max_seq_length shrinks to the model's
+    positions where prompt + new tokens fit, anything else is a ConfigError now. The HF engine can go past them
+    (rotary positions extrapolate, with no promise on quality): a warning where prompt + new tokens do."""
+    import logging
+
+    from transformers import AutoConfig
+
+    try:
+        hf_config = AutoConfig.from_pretrained(model_path, trust_remote_code=config.trust_remote_code)
+    except (OSError, ValueError):
+        return  # the tokenizer or model load reports an unreadable config
+    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    positions = getattr(text, "max_position_embeddings", None)
+    if not isinstance(positions, int):
+        return
+    needed = config.max_prompt_length + config.rollout_max_new_tokens
+    what = (f"the {positions} positions the model's config.json allows (max_position_embeddings)")
+    if config.uses_vllm and config.max_seq_length > positions:
+        if not getattr(config, "max_seq_length_given", True) and needed <= positions:
+            config.max_seq_length = positions  # the default's floor for tool turns, cut to what the model takes
+            return
+        raise ConfigError(f"--max_seq_length {config.max_seq_length} (--max_prompt_length {config.max_prompt_length} "
+                          f"+ up to --rollout_max_new_tokens {config.rollout_max_new_tokens}) is more than {what}; "
+                          f"vLLM refuses such an engine: lower --rollout_max_new_tokens or --max_prompt_length, or "
+                          f"set --max_seq_length {positions}")
+    if not config.uses_vllm and needed > positions:
+        logging.getLogger("grpo").warning(
+            f"--max_prompt_length {config.max_prompt_length} + --rollout_max_new_tokens {config.rollout_max_new_tokens}"
+            f" is more than {what}; the model was not trained on positions past {positions}")

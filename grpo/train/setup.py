@@ -136,7 +136,7 @@ def load_run_data(config: GRPOConfig, rewards, rank: int, world: int) -> RunData
     from grpo.model.vision import load_vision_processor, render_vision_prompts
     from grpo.rollout.engines import check_tensor_parallel
 
-    from grpo.model.model_source import check_model_source
+    from grpo.model.model_source import check_model_source, check_positions
 
     check_model_source(config.model_name_or_path)  # a folder, a cached hub id or one the hub has, in seconds
     model_path = resolve_model_path(config.model_name_or_path)
@@ -173,6 +173,7 @@ def load_run_data(config: GRPOConfig, rewards, rank: int, world: int) -> RunData
     if config.rollout_engine == "vllm" and config.vllm_tp > 1:
         check_tensor_parallel(model_path, config)
     check_checkpoint_weights(config, model_path)  # qlora's re-quantization and loftq read its 16-bit weights
+    check_positions(model_path, config)  # vLLM would refuse a longer --max_seq_length after loading the model
     prompts_per_step = config.per_device_train_batch_size * config.gradient_accumulation_steps
     order = PromptOrder(len(train_set), prompts_per_step, config.seed, rank, world)
     if order.steps_per_epoch == 0:
