@@ -117,8 +117,12 @@ def test_shipped_files_are_found_from_any_folder_and_a_missing_one_says_where_it
     own = tmp_path / "configs" / "dataset_config.json"
     own.write_text("{}")
     assert GRPOConfig().dataset_config_path == "configs/dataset_config.json"  # the current folder's wins
+    missing = GRPOConfig(deepspeed="configs/nope.json")  # kept as given: reading it says what is wrong
+    assert missing.deepspeed == "configs/nope.json"
+    from grpo.runtime.deepspeed_config import resolve_deepspeed_path
+
     with pytest.raises(ConfigError, match="--deepspeed: file not found: .*nope.json, nor among the files"):
-        GRPOConfig(deepspeed="configs/nope.json")
+        resolve_deepspeed_path(missing.deepspeed)
 
 
 def test_a_short_job_runs_from_a_folder_outside_the_repository(tiny_model, tmp_path):

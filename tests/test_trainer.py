@@ -335,7 +335,9 @@ def test_out_of_memory_names_phase_sizes_and_knobs(tiny_model, registry, tmp_pat
                                      "of 79.19 GiB of which 1.2 GiB is free.")
 
     monkeypatch.setattr(trainer_module, "update", out_of_memory)
-    trainer = GRPOTrainer(tiny_config(tiny_model, registry, str(tmp_path), max_steps=2, eval_on_start=False))
+    # checkpointing off (auto turns it on on CPU), so that the message suggests it
+    trainer = GRPOTrainer(tiny_config(tiny_model, registry, str(tmp_path), max_steps=2, eval_on_start=False,
+                                      gradient_checkpointing=False))
     with pytest.raises(TrainingError) as caught:
         trainer.train()
     message = str(caught.value)

@@ -96,8 +96,9 @@ class GRPOConfig:
     trust_remote_code: bool = _opt(False, "Allow model code from the model folder / hub repo.", "model")
     gradient_checkpointing: Optional[bool] = _opt(
         None, "Recompute activations in backward to save memory. Default (auto): on for models of "
-              "1B parameters or more, whose micro-batch activations outgrow the weights; off below, where the "
-              "recomputation (one more forward) would cost time for memory the GPU has.", "model")
+              "1B parameters or more, whose micro-batch activations outgrow the weights, and always on CPU (RAM is "
+              "short there); off below on a GPU, where the recomputation (one more forward) would cost time for "
+              "memory the GPU has.", "model")
     save_merged_model: bool = _opt(
         False, "With lora/qlora, also save the base model with the adapter merged. qlora merges into the base at its "
                "original precision, which differs from the trained 4-bit policy by the rounding (with --qlora_init "
@@ -369,8 +370,9 @@ class GRPOConfig:
         self.max_seq_length_given = self.max_seq_length is not None  # else the default may shrink to the model's
         if self.max_seq_length is None:
             self.max_seq_length = max(MIN_DEFAULT_SEQ_LENGTH, self.max_prompt_length + self.rollout_max_new_tokens)
-        self.dataset_config_path = resolve_shipped_file(self.dataset_config_path, "dataset_config_path")
-        self.deepspeed = resolve_shipped_file(self.deepspeed, "deepspeed")
+        # a file missing here and among the shipped ones stays as given: reading it says so, before any model loads
+        self.dataset_config_path = resolve_shipped_file(self.dataset_config_path, "dataset_config_path", strict=False)
+        self.deepspeed = resolve_shipped_file(self.deepspeed, "deepspeed", strict=False)
         if self.clip_epsilon_high is None:
             self.clip_epsilon_high = self.clip_epsilon_low
         if self.learning_rate is None:

@@ -19,9 +19,9 @@ def shipped_file(relative: str) -> str:
     return os.path.join(SHIPPED_DIR, relative)
 
 
-def resolve_shipped_file(path: str, flag: str) -> str:
-    """`path` when it exists, else the shipped file of that relative path; a ConfigError naming both places when
-    neither exists. The DeepSpeed names zero2 / zero3 stand for the shipped configs."""
+def resolve_shipped_file(path: str, flag: str, strict: bool = True) -> str:
+    """`path` when it exists, else the shipped file of that relative path; when neither exists, a ConfigError naming
+    both places (`strict`) or `path` as given. The DeepSpeed names zero2 / zero3 stand for the shipped configs."""
     if flag == "deepspeed" and path in SHIPPED_DEEPSPEED:
         return shipped_file(SHIPPED_DEEPSPEED[path])
     if os.path.isfile(path):
@@ -31,6 +31,8 @@ def resolve_shipped_file(path: str, flag: str) -> str:
         candidate = shipped_file(relative)
         if os.path.isfile(candidate):
             return candidate
+    if not strict:
+        return path
     hint = " (use zero2, zero3 or a path to a JSON file)" if flag == "deepspeed" else ""
     raise ConfigError(f"--{flag}: file not found: {os.path.abspath(path)}, nor among the files grpo ships "
                       f"({SHIPPED_DIR}){hint}")
