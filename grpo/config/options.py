@@ -367,7 +367,6 @@ class GRPOConfig:
         self.eval_dataset_names = _names(self.eval_dataset_names)
         self.reward_model = _names(self.reward_model)
         fold_guide_spellings(self)
-        self.max_seq_length_given = self.max_seq_length is not None  # else the default may shrink to the model's
         if self.max_seq_length is None:
             self.max_seq_length = max(MIN_DEFAULT_SEQ_LENGTH, self.max_prompt_length + self.rollout_max_new_tokens)
         # a file missing here and among the shipped ones stays as given: reading it says so, before any model loads
