@@ -29,15 +29,11 @@ def check_run_can_start(config: GRPOConfig) -> None:
                        "update draws new dropout masks, so the later updates' ratios to the first one's log-probs "
                        "carry dropout noise and are clipped as if the policy had moved; --lora_dropout 0 avoids it")
     if config.use_wandb and importlib.util.find_spec("wandb") is None:
-        raise ConfigError("--use_wandb needs wandb: pip install .[wandb] (or drop --use_wandb)")
+        # the guide's command asks for wandb: run without it rather than refuse, and say so at the start
+        logger.warning("--use_wandb: wandb is not installed, so metrics go to metrics.jsonl, train.log and "
+                       "training_curves.png only (pip install .[wandb] to log them to Weights & Biases)")
+        config.use_wandb = False
     check_node_layout(config)  # several nodes: each vLLM tensor-parallel group within one node
-    if config.rollout_engine == "vllm":
-        if importlib.util.find_spec("vllm") is None:
-            raise ConfigError("--rollout_engine vllm needs vLLM: pip install .[vllm] (tested with vllm 0.26.0)")
-        import torch
-
-        if not torch.cuda.is_available():
-            raise ConfigError("--rollout_engine vllm needs a GPU; use --rollout_engine hf on CPU")
     if os.path.isdir(config.output_dir) and not config.resume_from_checkpoint and not config.overwrite_output_dir:
         from grpo.checkpoint.store import list_checkpoints  # torch: only where an earlier run may have left some
 
@@ -48,6 +44,17 @@ def check_run_can_start(config: GRPOConfig) -> None:
         from grpo.checkpoint.resume import check_resume_keeps_policy, saved_config_path
 
         check_resume_keeps_policy(saved_config_path(config.resume_from_checkpoint, config.output_dir), config)
+
+
+def check_engine_available(config: GRPOConfig) -> None:
+    """vLLM installed and a GPU to run it, for --rollout_engine vllm (checked once the model's source is known good)."""
+    if config.rollout_engine == "vllm":
+        if importlib.util.find_spec("vllm") is None:
+            raise ConfigError("--rollout_engine vllm needs vLLM: pip install .[vllm] (tested with vllm 0.26.0)")
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError("--rollout_engine vllm needs a GPU; use --rollout_engine hf on CPU")
 
 
 def load_rewards(config: GRPOConfig, reward_funcs: Sequence[Callable] = ()):
@@ -139,6 +146,7 @@ def load_run_data(config: GRPOConfig, rewards, rank: int, world: int) -> RunData
     from grpo.model.model_source import check_model_source, check_positions
 
     check_model_source(config.model_name_or_path)  # a folder, a cached hub id or one the hub has, in seconds
+    check_engine_available(config)
     model_path = resolve_model_path(config.model_name_or_path)
     try:
         tokenizer = load_tokenizer(model_path, config.trust_remote_code)
