@@ -30,6 +30,8 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--shape", default="llama-0.68b")
     parser.add_argument("--four_bit", action="store_true", help="save it quantized to 4 bits (see above)")
+    parser.add_argument("--max_positions", type=int, default=None,
+                        help="max_position_embeddings, when longer than the shape's own (e.g. 65536)")
     args = parser.parse_args()
     if os.path.isfile(os.path.join(args.out, "config.json")):
         print(f"{args.out}: model already there")
@@ -46,10 +48,10 @@ def main() -> None:
     ids = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                pad_token_id=tokenizer.pad_token_id)
     if args.four_bit:
-        write_random_4bit(args.shape, args.out, tokenizer, ids)
+        write_random_4bit(args.shape, args.out, tokenizer, ids, args.max_positions)
         return
     # on the GPU when there is one: initialising 0.68B on CPU takes a while
-    model = random_model(args.shape, "cuda" if torch.cuda.is_available() else "cpu", **ids)
+    model = random_model(args.shape, "cuda" if torch.cuda.is_available() else "cpu", args.max_positions, **ids)
     model.generation_config = GenerationConfig(**ids)
     tmp = args.out.rstrip("/") + ".tmp"  # renamed when complete: an interrupted run leaves no half-written model
     shutil.rmtree(tmp, ignore_errors=True)
@@ -60,7 +62,7 @@ def main() -> None:
     print(f"{args.out}: random {args.shape} ({n / 1e9:.2f}B parameters, bf16), tokenizer of SmolLM2-135M-Instruct")
 
 
-def write_random_4bit(shape: str, out: str, tokenizer, ids: dict) -> None:
+def write_random_4bit(shape: str, out: str, tokenizer, ids: dict, max_positions: int | None = None) -> None:
     """A random model of `shape` saved in 4 bits, generated and quantized one weight at a time (on the GPU when
     there is one): the linear layers of its blocks as nf4 codes with their quantization state, the rest in bf16."""
     import bitsandbytes.functional as bnbf
@@ -68,8 +70,8 @@ def write_random_4bit(shape: str, out: str, tokenizer, ids: dict) -> None:
     from grpo.model.quantized_checkpoint import bitsandbytes_4bit_config, write_safetensors_shards
     from train_memory import model_classes
 
-    config_cls, model_cls, spec = model_classes(shape)
-    config = config_cls(max_position_embeddings=4096, **ids, **spec)
+    config_cls, model_cls, spec = model_classes(shape, max_positions)
+    config = config_cls(**ids, **spec)
     with torch.device("meta"):  # names and shapes only
         skeleton = model_cls(config)
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -18,38 +18,43 @@ import time
 
 import torch
 
-SHAPES = {  # random models of these shapes
-    "llama-0.68b": dict(arch="llama", vocab_size=49152, hidden_size=1536, intermediate_size=4096,
+# random models of these shapes; max_position_embeddings as the shape's instruct checkpoint has it (Qwen2.5-*-Instruct:
+# 32768), which is the longest sequence vLLM serves it at
+SHAPES = {
+    "llama-0.68b": dict(arch="llama", max_position_embeddings=4096, vocab_size=49152, hidden_size=1536, intermediate_size=4096,
                         num_hidden_layers=20, num_attention_heads=16, num_key_value_heads=8,
                         tie_word_embeddings=False),
-    "qwen2.5-1.5b": dict(arch="qwen2", vocab_size=151936, hidden_size=1536, intermediate_size=8960,
+    "qwen2.5-1.5b": dict(arch="qwen2", max_position_embeddings=32768, vocab_size=151936, hidden_size=1536, intermediate_size=8960,
                          num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
                          tie_word_embeddings=True),
-    "qwen2.5-7b": dict(arch="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944,
+    "qwen2.5-7b": dict(arch="qwen2", max_position_embeddings=32768, vocab_size=152064, hidden_size=3584, intermediate_size=18944,
                        num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
                        tie_word_embeddings=False),
-    "qwen2.5-14b": dict(arch="qwen2", vocab_size=152064, hidden_size=5120, intermediate_size=13824,
+    "qwen2.5-14b": dict(arch="qwen2", max_position_embeddings=32768, vocab_size=152064, hidden_size=5120, intermediate_size=13824,
                         num_hidden_layers=48, num_attention_heads=40, num_key_value_heads=8,
                         tie_word_embeddings=False),
-    "qwen2.5-32b": dict(arch="qwen2", vocab_size=152064, hidden_size=5120, intermediate_size=27648,
+    "qwen2.5-32b": dict(arch="qwen2", max_position_embeddings=32768, vocab_size=152064, hidden_size=5120, intermediate_size=27648,
                         num_hidden_layers=64, num_attention_heads=40, num_key_value_heads=8,
                         tie_word_embeddings=False),
 }
 
 
-def model_classes(shape: str):
-    """(config class, model class, the shape's config fields) of one of SHAPES."""
+def model_classes(shape: str, max_positions: int | None = None):
+    """(config class, model class, the shape's config fields) of one of SHAPES; `max_positions` replaces its
+    max_position_embeddings (a longer context than the checkpoint's, as rope scaling gives one)."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     spec = dict(SHAPES[shape])
+    if max_positions:
+        spec["max_position_embeddings"] = max_positions
     arch = spec.pop("arch")
     return (LlamaConfig, LlamaForCausalLM, spec) if arch == "llama" else (Qwen2Config, Qwen2ForCausalLM, spec)
 
 
-def random_model(shape: str, device, **config_kwargs):
+def random_model(shape: str, device, max_positions: int | None = None, **config_kwargs):
     """A randomly initialised (seed 0) bf16 model of one of SHAPES, built on `device`."""
-    config_cls, model_cls, spec = model_classes(shape)
-    config = config_cls(max_position_embeddings=4096, **config_kwargs, **spec)
+    config_cls, model_cls, spec = model_classes(shape, max_positions)
+    config = config_cls(**config_kwargs, **spec)
     torch.manual_seed(0)
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)  # built in bf16: a 7B model in fp32 first would take 30 GB

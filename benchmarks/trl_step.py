@@ -15,6 +15,14 @@ between consecutive on_step_end callbacks (TRL's per-step logging included), the
     python -m torch.distributed.run --standalone --nproc_per_node 1 benchmarks/trl_step.py --model /tmp/llama068 \\
         --output_dir /tmp/trl --steps 6 --json /tmp/trl/trl.json
 
+Reasoning lengths, as benchmarks/memory_scale.sh runs grpo (4 prompts x 8 x 3840 new tokens, qlora nf4 with double
+quantization, TRL's gradient checkpointing on, its vLLM asleep while training); the row has the step's peak GPU memory
+(torch's allocator, this process: TRL's colocated vLLM included) or "oom" and where it struck:
+
+    python -m torch.distributed.run --standalone --nproc_per_node 1 benchmarks/trl_step.py --model /tmp/qwen7b \\
+        --output_dir /tmp/trl4k --steps 2 --prompts 4 --max_new 3840 --max_model_len 4096 --micro 2 --qlora \\
+        --gradient_checkpointing --vllm_sleep --json /tmp/trl4k/trl.json
+
 Checked against trl 1.16.0 (trl/trainer/grpo_config.py, grpo_trainer.py).
 """
 from __future__ import annotations
@@ -68,6 +76,8 @@ def main() -> None:
     parser.add_argument("--vllm_mem", type=float, default=0.3)
     parser.add_argument("--vllm_sleep", action="store_true", help="TRL's vllm_enable_sleep_mode (level 2)")
     parser.add_argument("--is_correction", action="store_true", help="TRL's vLLM importance-sampling correction")
+    parser.add_argument("--qlora", action="store_true", help="load the model in 4 bits (nf4, double quantization)")
+    parser.add_argument("--gradient_checkpointing", action="store_true", help="TRL's default (grpo's: auto)")
     parser.add_argument("--registry", default=os.path.join(ROOT, "configs", "dataset_config.json"))
     args = parser.parse_args()
     completions = args.prompts * args.k
@@ -93,9 +103,18 @@ def main() -> None:
         def on_log(self, args, state, control, logs=None, **kwargs):
             self.logs.append(dict(logs or {}))
 
+    import torch
+
+    model_init = {"dtype": "bfloat16"}
+    if args.qlora:
+        from transformers import BitsAndBytesConfig
+
+        model_init["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=torch.bfloat16)
     config = GRPOConfig(
         output_dir=args.output_dir, max_steps=args.steps, learning_rate=1e-5, lr_scheduler_type="constant",
-        bf16=True, model_init_kwargs={"dtype": "bfloat16"}, gradient_checkpointing=False,
+        bf16=True, model_init_kwargs=model_init, gradient_checkpointing=args.gradient_checkpointing,
         per_device_train_batch_size=args.micro, gradient_accumulation_steps=completions // args.micro,
         num_generations=args.k, max_completion_length=args.max_new, temperature=1.0,
         use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=args.vllm_mem,
@@ -109,7 +128,11 @@ def main() -> None:
         peft_config=LoraConfig(r=16, lora_alpha=32, lora_dropout=0.05, target_modules="all-linear",
                                task_type="CAUSAL_LM"))
     start = time.perf_counter()
-    trainer.train()
+    failure = None
+    try:
+        trainer.train()
+    except torch.OutOfMemoryError as error:  # the figure this benchmark reports at long lengths
+        failure = f"oom after {len(clock.marks) - 1} steps: {str(error).splitlines()[0][:200]}"
     wall = time.perf_counter() - start
     steps = [b - a for a, b in zip(clock.marks, clock.marks[1:])]
     measured = steps[1:]
@@ -119,7 +142,9 @@ def main() -> None:
            "completion_length_mean": statistics.mean(lengths[1:] or lengths) if lengths else None,
            "samples_per_step": completions, "train_wall_s": wall, "micro_batch": args.micro,
            "grad_accum": completions // args.micro, "vllm_sleep": args.vllm_sleep,
-           "is_correction": args.is_correction}
+           "is_correction": args.is_correction, "qlora": args.qlora,
+           "gradient_checkpointing": args.gradient_checkpointing, "max_new": args.max_new,
+           "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2), "failure": failure}
     with open(args.json, "w") as fh:
         json.dump(row, fh, indent=1)
     print(json.dumps({k: v for k, v in row.items() if k != "step_seconds"}), flush=True)
