@@ -38,6 +38,12 @@ run() {
     extra=(--rollout_mode server --rollout_gpus $((gpus - ranks)) --async_rollout true
            --vllm_gpu_memory_utilization 0.85) ;; *) mode=colocate ;; esac
   local prompts=16; [ "$kind" = strong ] && prompts=$((16 / ranks))
+  if [ "$kind" = weak ] && [ "$ranks" = 1 ] && grep -q "\"strong-$case\"" "$OUT/scaling.jsonl"; then
+    # one training rank: the weak case is the strong case's very work; its row is reused, not run again
+    grep "\"strong-$case\"" "$OUT/scaling.jsonl" | sed 's/"strong-/"weak-/; s/"kind": "strong"/"kind": "weak"/' \
+      >> "$OUT/scaling.jsonl"
+    tail -n 1 "$OUT/scaling.jsonl"; return 0
+  fi
   local name="$kind-$case" dir="$OUT/runs/$kind-$case" start=$SECONDS
   local args=(--model_name_or_path "$MODEL_DIR" --tuning_strategy lora --lora_rank 16 --lora_alpha 32
     --learning_rate 1e-5 --dataset_names arith --train_split_ratio 1.0 --per_device_train_batch_size "$prompts"
