@@ -80,6 +80,21 @@ def vl_models(tmp_path_factory):
     return {arch: make_tiny_vl_model_dir(str(root / arch), arch=arch) for arch in ARCHS}
 
 
+@pytest.fixture
+def grpo_log():
+    """The lines the "grpo" logger writes (once a trainer has set up logging it does not propagate to caplog)."""
+    lines = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logger = logging.getLogger("grpo")
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    logger.addHandler(handler)
+    yield lines
+    logger.removeHandler(handler)
+    logger.setLevel(level)
+
+
 def saved_names(model_dir) -> set[str]:
     with safe_open(os.path.join(model_dir, "model.safetensors"), "pt") as fh:
         return set(fh.keys())
@@ -213,7 +228,7 @@ def vl_config(model_dir, **options):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_auto_takes_the_adapter_for_a_vl_model_where_the_merged_copy_crowds_the_gpu(vl_models, arch, monkeypatch,
-                                                                                    caplog):
+                                                                                    grpo_log):
     from grpo.model.loading import parameter_count
     from grpo.rollout import engines
 
@@ -226,9 +241,8 @@ def test_auto_takes_the_adapter_for_a_vl_model_where_the_merged_copy_crowds_the_
         monkeypatch.setattr(engines, "gpu_memory_bytes", lambda cap=None: roomy)
         assert engines.engine_weights(cfg, policy, vision=object()) == "merged"
         monkeypatch.setattr(engines, "gpu_memory_bytes", lambda cap=None: roomy - 2)
-        with caplog.at_level(logging.INFO, logger="grpo"):
-            assert engines.engine_weights(cfg, policy, vision=object()) == "adapter"
-        assert "vLLM holds the base once and takes the adapter" in caplog.text
+        assert engines.engine_weights(cfg, policy, vision=object()) == "adapter"
+        assert "vLLM holds the base once and takes the adapter" in grpo_log[-1]
         explicit = vl_config(model_dir, tuning_strategy=strategy, rollout_weights="adapter")
         monkeypatch.setattr(engines, "gpu_memory_bytes", lambda cap=None: roomy)
         assert engines.engine_weights(explicit, policy, vision=object()) == "adapter"  # as asked, at any size
@@ -237,17 +251,16 @@ def test_auto_takes_the_adapter_for_a_vl_model_where_the_merged_copy_crowds_the_
                                vision=object())
 
 
-def test_lora_on_the_vision_tower_keeps_the_merged_engine(vl_models, monkeypatch, caplog):
+def test_lora_on_the_vision_tower_keeps_the_merged_engine(vl_models, monkeypatch, grpo_log):
     """vLLM 0.26 adapts the language model only: an adapter on the tower would go unapplied in the engine."""
     from grpo.rollout import engines
 
     model_dir = vl_models["qwen2_5_vl"]
     policy = trained_policy(model_dir, "qlora", targets="qkv,q_proj")  # qkv: the tower's attention
     monkeypatch.setattr(engines, "gpu_memory_bytes", lambda cap=None: 1)  # a merged copy would crowd any GPU
-    with caplog.at_level(logging.INFO, logger="grpo"):
-        assert engines.engine_weights(vl_config(model_dir, lora_target_modules="qkv,q_proj"), policy,
-                                      vision=object()) == "merged"
-    assert "LoRA on the vision tower" in caplog.text
+    assert engines.engine_weights(vl_config(model_dir, lora_target_modules="qkv,q_proj"), policy,
+                                  vision=object()) == "merged"
+    assert "vLLM takes merged weights: its LoRA cannot take LoRA on the vision tower" in grpo_log[-1]
     with pytest.raises(ConfigError, match=r"vLLM's LoRA cannot take LoRA on the vision tower \(2 layers, e\.g\. "
                                           r"model\.visual\.blocks\.0\.attn\.qkv.*leave vision layers out of "
                                           r"--lora_target_modules; use --rollout_weights merged"):
