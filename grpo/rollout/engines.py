@@ -250,7 +250,7 @@ def _in_place_refusal(policy, vision) -> str | None:
 
     peft_config = getattr(policy, "peft_config", {}).get("default")
     if vision:
-        return "a vision-language model (vLLM renames its tensors)"
+        return "a vision-language model (checked on text models only; --rollout_weights adapter holds one base for it)"
     for option, why in (("modules_to_save", "modules_to_save"), ("use_dora", "DoRA"), ("lora_bias", "lora_bias"),
                         ("fan_in_fan_out", "fan_in_fan_out layers")):
         if getattr(peft_config, option, None):
