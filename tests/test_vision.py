@@ -294,9 +294,9 @@ VLLM_QWEN2_5_VL_PREFIXES = {"model.language_model.": "language_model.model.", "m
 
 
 def vllm_name(name: str) -> str:
-    for prefix, new in VLLM_QWEN2_5_VL_PREFIXES.items():  # WeightsMapper: first matching prefix
+    for prefix, new in VLLM_QWEN2_5_VL_PREFIXES.items():  # WeightsMapper._map_name: every matching prefix, in order
         if name.startswith(prefix):
-            return new + name[len(prefix):]
+            name = new + name[len(prefix):]
     return name
 
 

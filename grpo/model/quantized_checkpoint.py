@@ -8,8 +8,13 @@ bitsandbytes model and vLLM's bitsandbytes loader reads:
     <module>.weight                                  packed 4-bit codes, uint8
     <module>.weight.absmax / .quant_map / .nested_absmax / .nested_quant_map
     <module>.weight.quant_state.bitsandbytes__nf4    block size, shape and dtype, packed
-    every other tensor (embeddings, norms, the output layer) in the engine's dtype
+    every other tensor (embeddings, norms, the output layer, a vision tower) in the engine's dtype
     config.json with a quantization_config naming the layers left unquantized
+    the source folder's other files (tokenizer, image processor, chat template), which vLLM reads from the folder
+
+Tensor names are the checkpoint's (a vision-language model's as save_pretrained writes them: model.layers.*, visual.*,
+lm_head.*), which vLLM's model maps as it maps its released checkpoint's (its hf_to_vllm_mapper, which its
+bitsandbytes loader applies to the 4-bit state's names too).
 """
 from __future__ import annotations
 
@@ -30,10 +35,13 @@ SHARD_BYTES = 2 * 2**30  # bounded CPU memory while writing (a 32B base is ~18 G
 def iter_4bit_state(policy, dtype: torch.dtype):
     """(checkpoint name, CPU tensor) for every tensor of the base: 4-bit weights with their quantization state,
     the rest in `dtype`. LoRA's own parameters are not part of the base."""
+    from grpo.model.vision import checkpoint_prefixes, rename
+
+    prefixes = checkpoint_prefixes(policy)
     for name, param in policy.named_parameters():
         if "lora_" in name:
             continue
-        name = checkpoint_name(name)
+        name = rename(checkpoint_name(name), prefixes)
         if is_4bit(param):
             yield name, param.data.detach().cpu()
             for key, value in param.quant_state.as_dict(packed=True).items():
@@ -44,12 +52,46 @@ def iter_4bit_state(policy, dtype: torch.dtype):
 
 def unquantized_linears(policy) -> list[str]:
     """Names of the linear layers kept in 16 bits (the output layer, --qlora_skip_modules), as the checkpoint's
-    llm_int8_skip_modules: a loader then does not expect 4-bit state for them."""
+    llm_int8_skip_modules: a loader then does not expect 4-bit state for them. A vision-language model's tower is
+    named as a whole (grpo.model.vision.vision_skip_modules): its layers' own names (gate_proj, ...) are the language
+    model's too, which a loader would then leave unquantized as well."""
+    from grpo.model.vision import vision_skip_modules, vision_tower_names
+
+    towers = tuple(checkpoint_name(name) + "." for name in vision_tower_names(policy))
     names = set()
     for module_name, module in policy.named_modules():
-        if isinstance(module, torch.nn.Linear) and "lora_" not in module_name and not is_4bit(module.weight):
-            names.add(checkpoint_name(module_name).split(".")[-1])
-    return sorted(names)
+        name = checkpoint_name(module_name)
+        if (isinstance(module, torch.nn.Linear) and "lora_" not in module_name and not is_4bit(module.weight)
+                and not (towers and (name + ".").startswith(towers))):
+            names.add(name.split(".")[-1])
+    return sorted(names) + vision_skip_modules(policy)
+
+
+# what a model folder holds beside its weights and config.json that a rollout engine reads: the tokenizer, a
+# vision-language model's processor and chat template, the generation config
+WEIGHT_FILE_ENDINGS = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", ".h5", ".ckpt",
+                       ".safetensors.index.json", ".bin.index.json")
+
+
+def copy_model_files(source: str, out_dir: str) -> list[str]:
+    """Copy the files of the model folder `source` (a hub id: its local snapshot) other than its weights and
+    config.json into `out_dir`, so that an engine reading `out_dir` finds the tokenizer and processor it would find
+    in `source` (vLLM builds a vision-language model's processor from the model folder). Returns the names copied."""
+    import shutil
+
+    from grpo.model.base_weights import local_snapshot
+
+    folder = local_snapshot(source)
+    if folder is None:
+        return []
+    copied = []
+    for entry in sorted(os.listdir(folder)):
+        path = os.path.join(folder, entry)
+        if entry == "config.json" or entry.endswith(WEIGHT_FILE_ENDINGS) or not os.path.isfile(path):
+            continue
+        shutil.copyfile(path, os.path.join(out_dir, entry))
+        copied.append(entry)
+    return copied
 
 
 def bitsandbytes_4bit_config(quant_type: str, nested: bool, dtype: torch.dtype, unquantized: list[str]) -> dict:
@@ -89,8 +131,9 @@ def write_safetensors_shards(named_tensors, out_dir: str) -> int:
     return total
 
 
-def write_4bit_checkpoint(policy, out_dir: str, dtype: torch.dtype = torch.bfloat16) -> int:
-    """Write the policy's 4-bit base to `out_dir` (module docstring); returns the bytes written."""
+def write_4bit_checkpoint(policy, out_dir: str, dtype: torch.dtype = torch.bfloat16, source: str | None = None) -> int:
+    """Write the policy's 4-bit base to `out_dir` (module docstring); returns the bytes written. `source`: the model
+    folder (or hub id) the policy was loaded from, whose tokenizer and processor files go beside it."""
     quantized = [m for m in policy.modules() if is_4bit(getattr(m, "weight", None))]
     if not quantized:
         raise ConfigError("no 4-bit layer to write: the policy was not loaded with --tuning_strategy qlora")
@@ -101,6 +144,8 @@ def write_4bit_checkpoint(policy, out_dir: str, dtype: torch.dtype = torch.bfloa
                                                           unquantized_linears(policy))
     config.dtype = dtype
     config.save_pretrained(out_dir)
+    if source is not None:
+        copy_model_files(source, out_dir)
     logger.info(f"4-bit base for the rollout engine: {total / 2**30:.2f} GiB in {out_dir} (blocks of "
                 f"{state.blocksize}, {state.quant_type})")
     return total

@@ -247,6 +247,14 @@ def freeze_vision_tower(model) -> int:
     return frozen
 
 
+def vision_lora_layers(model) -> list[str]:
+    """Qualified names of the LoRA layers inside the vision tower (--lora_target_modules naming vision layers, e.g.
+    qkv): vLLM's LoRA leaves such layers unadapted (grpo.rollout.engines says which engine can take them)."""
+    towers = [n + "." for n in vision_tower_names(model)]
+    return [name for name, module in model.named_modules()
+            if hasattr(module, "lora_A") and any((name + ".").startswith(t) for t in towers)]
+
+
 def quantization_skip_modules(model_path: str, trust_remote_code: bool = False) -> list[str]:
     """Modules QLoRA keeps unquantized: the vision encoder and the output layer.
 
@@ -263,6 +271,19 @@ CHECKPOINT_PREFIXES = {
     "qwen2_vl": (("model.language_model.", "model."), ("model.visual.", "visual.")),
     "qwen2_5_vl": (("model.language_model.", "model."), ("model.visual.", "visual.")),
 }
+
+
+# vLLM 0.26's bitsandbytes loader quantizes every linear layer its quant_config reaches, the vision tower's too
+# (qwen2_5_vl.py / qwen2_vl.py pass it to the tower), unless llm_int8_skip_modules names a component of the layer's vLLM
+# prefix (layers/quantization/bitsandbytes.py, is_layer_skipped_bnb): "visual" keeps the tower in 16 bits there, and
+# "model.visual" is the name transformers >= 5.2x matches (as a prefix of its qualified names).
+VISION_SKIP_MODULES = {"qwen2_vl": ["model.visual", "visual"], "qwen2_5_vl": ["model.visual", "visual"]}
+
+
+def vision_skip_modules(model) -> list[str]:
+    """What a 4-bit checkpoint's llm_int8_skip_modules names to keep this model's vision tower in 16 bits, for
+    transformers and vLLM alike; [] for a text model."""
+    return list(VISION_SKIP_MODULES.get(getattr(getattr(model, "config", None), "model_type", None), []))
 
 
 def checkpoint_prefixes(model) -> tuple[tuple[str, str], ...]:

@@ -139,7 +139,7 @@ def _engine_base(config, policy, model_path: str | None, parent: str | None = No
         if parent:
             os.makedirs(parent, exist_ok=True)
         with tempfile.TemporaryDirectory(prefix=".grpo-4bit-base-", dir=parent) as folder:
-            write_4bit_checkpoint(policy, folder)
+            write_4bit_checkpoint(policy, folder, source=model_path)  # (with its tokenizer and processor files)
             yield folder
 
 
@@ -203,7 +203,9 @@ def _adapter_refusal(config, policy, vision, stored_4bit: bool) -> str | None:
     """Why vLLM's LoRA cannot take this policy's adapter, or None."""
     peft_config = getattr(policy, "peft_config", {}).get("default")
     if vision:
-        return "a vision-language model"
+        why = _vision_refusal(policy)
+        if why:
+            return why
     split = _fused_parts_left_16bit(config) if config.tuning_strategy == "qlora" and not stored_4bit else None
     if split:
         return split
@@ -220,13 +222,35 @@ def _adapter_refusal(config, policy, vision, stored_4bit: bool) -> str | None:
     return None
 
 
+# vision-language models whose vLLM 0.26 class takes LoRA on its language model (SupportsLoRA, get_mm_mapping:
+# vllm/model_executor/models/qwen2_5_vl.py and qwen2_vl.py; docs/vision.md)
+VLLM_LORA_VISION_MODELS = ("qwen2_vl", "qwen2_5_vl")
+
+
+def _vision_refusal(policy) -> str | None:
+    """Why vLLM's LoRA cannot take this vision-language policy's adapter, or None. vLLM 0.26 wraps the language
+    model's layers alone (LoRA on the vision tower is an experimental option, enable_tower_connector_lora, off in grpo):
+    an adapter on the tower would leave it unadapted in the engine, which would then sample another policy."""
+    from grpo.model.layer_weights import checkpoint_name
+    from grpo.model.vision import vision_lora_layers
+
+    model_type = getattr(getattr(policy, "config", None), "model_type", None)
+    if model_type not in VLLM_LORA_VISION_MODELS:
+        return f"the vision-language model {model_type!r} (grpo syncs adapters into Qwen2-VL and Qwen2.5-VL only)"
+    on_tower = vision_lora_layers(policy)
+    if on_tower:
+        return (f"LoRA on the vision tower ({len(on_tower)} layers, e.g. {checkpoint_name(on_tower[0])}; vLLM adapts "
+                "the language model only): leave vision layers out of --lora_target_modules")
+    return None
+
+
 def _in_place_refusal(policy, vision) -> str | None:
     """Why in-place mode cannot take this policy, or None."""
     from grpo.sync.merge_record import KERNEL_MAX_RANK
 
     peft_config = getattr(policy, "peft_config", {}).get("default")
     if vision:
-        return "a vision-language model (vLLM renames its tensors)"
+        return "a vision-language model (checked on text models only; --rollout_weights adapter holds one base for it)"
     for option, why in (("modules_to_save", "modules_to_save"), ("use_dora", "DoRA"), ("lora_bias", "lora_bias"),
                         ("fan_in_fan_out", "fan_in_fan_out layers")):
         if getattr(peft_config, option, None):

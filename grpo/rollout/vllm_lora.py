@@ -9,6 +9,11 @@ process, so the adapter goes straight to the worker's LoRA manager instead, with
 
 The tensors come with lora_B already scaled (grpo.sync.weight_sync.iter_adapter_tensors), so the helper's own
 scale is 1 (lora_alpha = r). vLLM 0.26's ranks: max_lora_rank must be one of LORA_RANKS.
+
+Names are the checkpoint's; the model's own mapper (hf_to_vllm_mapper, without its stacked part) renames them as
+vLLM's loader does. For Qwen2-VL / Qwen2.5-VL that is model.layers.* -> language_model.model.layers.*, where vLLM
+wraps the language model's layers alone (docs/vision.md): an adapter on the vision tower is refused before the
+engine starts (grpo.rollout.engines), and any module vLLM has no layer for stops the sync here.
 """
 from __future__ import annotations
 

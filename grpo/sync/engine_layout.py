@@ -9,9 +9,12 @@ engine tensor:
     embed_tokens     = embed_tokens.weight[0 : vocab]  (rows past the vocabulary are vLLM's padding)
 
 Rows of a row-major tensor are contiguous, so every block is a plain dense tensor: the trainer can share it
-(grpo.sync.shared_base) or write the synced policy into it (grpo.sync.weight_sync).
+(grpo.sync.shared_base) or write the synced policy into it (grpo.sync.weight_sync). Names are the checkpoint's,
+renamed as the engine's model renames them when it loads (engine_names: a vision-language model's prefixes).
 """
 from __future__ import annotations
+
+from typing import Callable, Optional
 
 import torch
 
@@ -39,8 +42,34 @@ def writable_blocks(engine_model: torch.nn.Module, packed: dict[str, list[str]],
     return views
 
 
+def engine_names(engine_model: torch.nn.Module) -> Callable[[str], Optional[str]]:
+    """checkpoint name -> the engine's name of that tensor before any fusing (None: the engine drops it), as the
+    model's own loader renames it: vLLM's `hf_to_vllm_mapper` without its stacked part (q_proj -> qkv_proj is
+    `packed`'s business here). A vision-language model's model.language_model.* becomes language_model.model.*,
+    model.visual.* visual.* (vLLM 0.26, Qwen2-VL / Qwen2.5-VL); a text model's names mostly stay."""
+    mapper = getattr(engine_model, "hf_to_vllm_mapper", None)
+    unstacked = getattr(mapper, "get_unstacked_mapper", None)
+    if unstacked is None:
+        return lambda name: name
+    renames = unstacked()
+    return renames._map_name
+
+
 def _blocks(engine_model: torch.nn.Module, packed: dict[str, list[str]], shapes: dict[str, torch.Size]):
     """checkpoint name -> (engine tensor, first row, the checkpoint names whose rows share that tensor, in order)."""
+    to_engine = engine_names(engine_model)
+    checkpoint = {}  # the engine's name -> the checkpoint's
+    for name in shapes:
+        renamed = to_engine(name)
+        if renamed is not None:
+            checkpoint[renamed] = name
+    found = _engine_blocks(engine_model, packed, {new: shapes[old] for new, old in checkpoint.items()})
+    return {checkpoint[name]: (tensor, first, [checkpoint[p] for p in parts])
+            for name, (tensor, first, parts) in found.items()}
+
+
+def _engine_blocks(engine_model: torch.nn.Module, packed: dict[str, list[str]], shapes: dict[str, torch.Size]):
+    """As _blocks, with the tensors under the engine's names (`shapes`' keys)."""
     engine = {name.replace(".base_layer", ""): p for name, p in engine_model.named_parameters()}
     blocks = {}
     for name in shapes:

@@ -11,7 +11,7 @@ synced: the adapter is all that changes.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -27,6 +27,7 @@ class SharedBase:
     shared: int = 0         # trainer tensors now viewing the engine's
     kept: int = 0           # frozen tensors with no equal block in the engine: the trainer's own copy stays
     shared_bytes: int = 0   # the trainer's memory given back
+    kept_names: list = field(default_factory=list)  # the checkpoint names of the `kept` tensors
 
 
 def frozen_base(policy: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
@@ -80,6 +81,7 @@ def share_base_weights(policy: torch.nn.Module, engine_model: torch.nn.Module,
         view = views[name]
         if view is None:
             result.kept += 1
+            result.kept_names.append(name)
             continue
         result.shared_bytes += param.numel() * param.element_size()
         param.data = view

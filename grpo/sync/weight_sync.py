@@ -110,9 +110,12 @@ def iter_adapter_tensors(model, *, dtype: torch.dtype = torch.bfloat16,
         base_model.model.<module>.lora_A.weight    A            [r, in]
         base_model.model.<module>.lora_B.weight    scale * B    [out, r]     scale = the layer's alpha / r
 
-    so the engine computes W x + B' A x with the layer's own scale (rank and alpha patterns, rsLoRA included)."""
+    so the engine computes W x + B' A x with the layer's own scale (rank and alpha patterns, rsLoRA included).
+    <module> is the checkpoint's name (a vision-language model's model.layers.*, as the merged sync sends), which
+    vLLM's model renames as it renames its checkpoint (Qwen2.5-VL: language_model.model.layers.*)."""
     from peft.tuners.lora import LoraLayer
 
+    prefixes = checkpoint_prefixes(model)
     for module_name, module in model.named_modules():
         if not isinstance(module, LoraLayer):
             continue
@@ -125,7 +128,7 @@ def iter_adapter_tensors(model, *, dtype: torch.dtype = torch.bfloat16,
                 raise ConfigError("the rollout engine takes plain LoRA adapters (no lora_bias, no fan_in_fan_out "
                                   "layers): use --rollout_weights merged")
             lora_a, lora_b = module.lora_A[a].weight, module.lora_B[a].weight
-            name = PEFT_PREFIX + checkpoint_name(module_name)
+            name = PEFT_PREFIX + rename(checkpoint_name(module_name), prefixes)
             with _gathered([lora_a, lora_b], zero3), torch.no_grad():
                 yield f"{name}.lora_A.weight", lora_a.detach().to(dtype, copy=True)
                 yield f"{name}.lora_B.weight", (lora_b.detach().float() * module.scaling[a]).to(dtype)

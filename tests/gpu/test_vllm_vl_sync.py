@@ -20,17 +20,45 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 SYNCED_MAX = 0.05
 
 
-@pytest.mark.parametrize("strategy", ["full", "lora", "qlora"])
-def test_vl_sync_is_exact(strategy, tmp_path):
+LAYERS = 12  # of the check's language model; LoRA's 7 linears in each
+ADAPTER_SYNC_MIB = 64  # the adapter alone (rank 16): a sync that sends more is sending the base
+
+
+def run_check(tmp_path, *args: str) -> dict:
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
            "MASTER_ADDR": "127.0.0.1"}
     env.pop("MASTER_PORT", None)
     out = tmp_path / "result.json"
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "vl_sync_check.py"), "--strategy", strategy, "--out",
-                           str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "vl_sync_check.py"), *args, "--out", str(out)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-6000:]
     result = json.loads(out.read_text())
     print(json.dumps(result))
+    return result
+
+
+@pytest.mark.parametrize("strategy", ["full", "lora", "qlora"])
+def test_vl_sync_is_exact(strategy, tmp_path):
+    check_sync(run_check(tmp_path, "--strategy", strategy))
+
+
+@pytest.mark.parametrize("strategy", ["lora", "qlora"])
+def test_vl_sync_is_exact_adapter_mode(strategy, tmp_path):
+    """VL sync test, adapter mode: vLLM holds one copy of the base (qlora: the trainer's 4-bit base, its vision tower
+    in 16 bits), shared with the trainer, and takes the adapter through its LoRA on the language model at each
+    sync; it scores like the trained policy after every step."""
+    result = run_check(tmp_path, "--strategy", strategy, "--rollout_weights", "adapter")
+    steps = [r for r in result["rows"] if "synced" in r]
+    # the engine started from the trainer's own base: right before any sync (lora_B = 0)
+    assert steps[0]["never_synced"] < SYNCED_MAX, steps[0]
+    assert all(row["sync_tensors"] == 2 * 7 * LAYERS and row["sync_mib"] < ADAPTER_SYNC_MIB for row in steps), steps
+    shared = steps[0]["shared_base"]  # one copy of the base: every frozen tensor a view of the engine's
+    assert shared and shared["kept_tensors"] == 0 and shared["parked_tensors"] == shared["shared_tensors"], shared
+    assert shared["base_on_gpu"], shared
+    check_sync(result)
+
+
+def check_sync(result: dict) -> None:
     steps = [r for r in result["rows"] if "synced" in r]
     assert steps[0]["image_tokens_match"], steps[0]
     assert steps[0]["synced"] < SYNCED_MAX, steps[0]

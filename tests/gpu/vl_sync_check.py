@@ -1,13 +1,16 @@
 """GPU check of weight sync into vLLM for a vision-language model (Qwen2.5-VL architecture), in its own process.
 
     python tests/gpu/vl_sync_check.py --strategy qlora --out result.json
+    python tests/gpu/vl_sync_check.py --strategy qlora --rollout_weights adapter --out result.json
 
 Builds (once) a ~200M-parameter random Qwen2.5-VL-shaped model with the tiny test tokenizer and a Qwen2-VL image
 processor, trains it with DeepSpeed for 3 steps on one fixed prompt (an image + text), syncs after each step and
 records, as mean |vLLM log-prob - trainer log-prob| over the text after the image:
   synced / stale / never_synced   as in tests/gpu/sync_check.py
 plus `image_tokens_match` (vLLM expanded the image to as many tokens as grpo's renderer did) and a generation from
-the woken engine with the image.
+the woken engine with the image. With --rollout_weights adapter (lora / qlora) the engine holds the trainer's base
+(qlora: its 4-bit base written with the tower in 16 bits), shared with the trainer (`shared_base`), and each sync
+sends the adapter alone through vLLM's LoRA.
 """
 import argparse
 import json
@@ -73,6 +76,7 @@ def main():
     parser.add_argument("--strategy", choices=["full", "lora", "qlora"], required=True)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--sleep_level", type=int, default=2, choices=[1, 2])
+    parser.add_argument("--rollout_weights", choices=["merged", "adapter"], default="merged")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
@@ -103,10 +107,31 @@ def main():
                                       optimizer=torch.optim.AdamW(trainable, lr=LEARNING_RATES[args.strategy]),
                                       config=load_deepspeed_config(cfg, use_bf16=True))
     start = time.perf_counter()
-    vllm = VLLMRolloutEngine(path, gpu_memory_utilization=0.3, max_model_len=1024, seed=0, enforce_eager=True,
-                             sleep_level=args.sleep_level, max_images_per_prompt=1,
-                             image_token_id=processor.image_token_id)
+    adapter = args.rollout_weights == "adapter"
+    quantized = adapter and args.strategy == "qlora"
+    engine_path = path
+    if quantized:  # as the trainer does: the engine loads the trainer's own 4-bit base, tower in 16 bits
+        from grpo.model.quantized_checkpoint import write_4bit_checkpoint
+
+        engine_path = os.path.join(os.path.dirname(os.path.abspath(args.out)), "base-4bit")
+        write_4bit_checkpoint(engine.module, engine_path, source=path)
+    parked = {}
+    if adapter:  # as the trainer does: its base waits in CPU memory while the engine loads
+        from grpo.sync.shared_base import park_frozen_base
+
+        parked = park_frozen_base(engine.module)
+    vllm = VLLMRolloutEngine(engine_path, gpu_memory_utilization=0.3, max_model_len=1024, seed=0,
+                             enforce_eager=True, sleep_level=args.sleep_level, max_images_per_prompt=1,
+                             image_token_id=processor.image_token_id, lora_rank=16 if adapter else None,
+                             quantized=quantized)
     engine_start_s = time.perf_counter() - start
+    shared = None
+    if adapter:  # ... then its frozen base (qlora: the packed 4-bit weights too) becomes views of the engine's own
+        shared = vllm.share_base(engine.module, parked)
+        shared = shared and {"shared_tensors": shared.shared, "kept_tensors": shared.kept,
+                             "kept": shared.kept_names[:8], "shared_gib": shared.shared_bytes / 2**30,
+                             "parked_tensors": len(parked),
+                             "base_on_gpu": all(p.is_cuda for p in engine.module.parameters())}
 
     shapes = os.path.join(ROOT, "data", "shapes", "images", "0000.png")
     ref = {"bytes": None, "path": shapes}
@@ -134,8 +159,8 @@ def main():
     previous, _ = vllm_logprobs()
     rows = [{"step": 0, "image_tokens_match": vllm_len == len(prompt_ids) + len(text),
              "synced": gap(previous, current), "never_synced": gap(initial, current),
-             "engine_start_s": engine_start_s, "sync_s": first.seconds, "sync_mib": first.bytes / 2**20,
-             "sync_tensors": first.tensors}]
+             "engine_start_s": engine_start_s, "shared_base": shared, "sync_s": first.seconds,
+             "sync_mib": first.bytes / 2**20, "sync_tensors": first.tensors}]
     print(json.dumps(rows[-1]), flush=True)
     for step in range(1, args.steps + 1):
         vllm.sleep()
@@ -160,7 +185,7 @@ def main():
                  "finite_logprobs": all(torch.isfinite(torch.tensor(c.logprobs)).all().item() for c in out)})
     print(json.dumps(rows[-1]), flush=True)
     with open(args.out, "w") as fh:
-        json.dump({"strategy": args.strategy, "rows": rows}, fh, indent=1)
+        json.dump({"strategy": args.strategy, "rollout_weights": args.rollout_weights, "rows": rows}, fh, indent=1)
 
 
 if __name__ == "__main__":
