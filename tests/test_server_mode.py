@@ -3,13 +3,16 @@ with DeepSpeed; completions and the updated policy travel between them after eve
 import json
 import os
 import shutil
+import signal
 import subprocess
+import time
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from grpo.rollout.remote import _even_bounds
+from grpo.runtime.failure_watch import GRACE_S, STALE_S
 
 from .test_multiprocess import ROOT, launch, launch_command, setup  # noqa: F401  (setup is the module's fixture)
 from .trainer_setup import child_env, train_rows
@@ -83,6 +86,45 @@ def test_the_rollout_rank_may_sit_on_another_node(setup):  # noqa: F811
     rows = train_rows(out)
     assert [r["step"] for r in rows] == [1, 2]
     assert max(r["rollout/logprob_diff_max"] for r in rows) < 1e-4, rows  # the synced policy reached node b
+
+
+@needs_launcher
+def test_a_rollout_rank_killed_on_another_node_stops_the_training_node(setup):  # noqa: F811
+    """The rollout rank (node b) is killed after step 1, as the OOM killer would: training rank 0, waiting for its
+    answer, hears nothing more from its heartbeat and stops the job with a message that names it, long before
+    --ddp_timeout_minutes."""
+    folder, model, registry = setup
+    hostfile = folder / "two_nodes_killed"
+    hostfile.write_text("node-a slots=1\nnode-b slots=1\n")
+    out = folder / "out_server_rollout_killed"
+    nodes = []
+    for node in (0, 1):
+        where = ("--hostfile", str(hostfile), "--no_ssh", "--node_rank", str(node), "--master_addr", "127.0.0.1")
+        cmd = launch_command(model, registry, out, 29561, "--reward_module", str(folder / "rewards.py"), *SERVER,
+                             "--tuning_strategy", "full", "--max_steps", "50", "--save_steps", "0",
+                             "--eval_on_start", "false", "--ddp_timeout_minutes", "10", where=where)
+        nodes.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+                                      env=child_env()))
+    try:
+        deadline = time.time() + 400
+        while not (out / "metrics.jsonl").is_file() or not train_rows(out):  # step 1 trained
+            assert time.time() < deadline and nodes[0].poll() is None, "step 1 never ended"
+            time.sleep(0.5)
+        info = json.loads((out / "failures" / "rank1.pid").read_text())
+        assert info["node"] == 1
+        os.kill(info["pid"], signal.SIGKILL)
+        killed = time.time()
+        log = nodes[0].communicate(timeout=200)[0]
+        stopped_after = time.time() - killed
+    finally:  # a node left waiting for its peer must not outlive the test
+        for node in nodes:
+            node.kill()
+    assert nodes[0].returncode != 0
+    assert "rollout rank 0 (job rank 1, node 1, host " in log and "stopped without reporting an error" in log, \
+        log[-4000:]
+    assert stopped_after < STALE_S + GRACE_S + 60, stopped_after  # the heartbeat, not the 10-minute timeout
+    record = json.loads((out / "failures" / "rank1.json").read_text())
+    assert (record["rank"], record["node"], record["witness"]) == (1, 1, 0)
 
 
 @needs_launcher

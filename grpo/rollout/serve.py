@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import traceback
 from datetime import timedelta
 
@@ -17,6 +18,8 @@ import torch
 
 from grpo.runtime import distributed as dist_utils
 from grpo.errors import ConfigError, GRPOError
+from grpo.runtime.failure_watch import RankHeartbeat, note_phase
+from grpo.runtime.failures import FAILURES_DIR
 from grpo.runtime.roles import job_rank, rollout_index, rollout_ranks_of
 from grpo.runtime.distributed import seed_everything
 from grpo.rollout.bridge import BridgeClosed, RolloutBridge, connect_store
@@ -48,9 +51,20 @@ def _serve(bridge: RolloutBridge, config, index: int, count: int, device: torch.
     """Answer messages until the stop; the exit code."""
     engine, failure = None, None  # failure: the first error's text, repeated to every later message
     episodes = None               # what running episodes here needs (EpisodeHost)
+    heartbeat = None              # the training ranks' failure watch sees this rank die (failure_watch.py)
     while True:
         (kind, payload), number = bridge.receive(index)
+        note_phase(kind, None)
+        if heartbeat is None and kind == "start":  # training rank 0 has made the failures folder by now
+            try:
+                heartbeat = RankHeartbeat(os.path.join(config.output_dir, FAILURES_DIR), rank,
+                                          dist_utils.node_rank(), socket.gethostname())
+            except OSError as exc:  # only the watch over this rank is lost
+                logger.warning(f"rollout rank {index}: no heartbeat in {config.output_dir} ({exc}); if this rank "
+                               "dies, training rank 0 notices only at --ddp_timeout_minutes")
         if kind == "stop":
+            if heartbeat is not None:
+                heartbeat.stop()
             bridge.reply(index, number, {"ok": True})
             bridge.close()
             return 1 if failure else 0

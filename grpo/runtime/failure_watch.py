@@ -24,6 +24,7 @@ logger = logging.getLogger("grpo")
 BEAT_S = 1.0
 STALE_S = 60.0   # a heartbeat still for this long: the rank is gone (a shared file system may lag a few seconds)
 GRACE_S = 10.0   # the main thread's time to report a failure itself before the watch ends the process
+STOPPED = "stopped"  # the last phase of a rank that ended as asked (RankHeartbeat.stop)
 
 _progress = {"phase": None, "step": None}
 _active: Optional["FailureWatch"] = None
@@ -95,8 +96,11 @@ class FailureWatch:
         """Other ranks whose heartbeat has not moved for `seconds` or more, longest silent first."""
         now = time.monotonic()
         with self._lock:
+            # a rollout rank beats from its first message on (after the trainer's model has loaded, which may take
+            # long), and says "stopped" when training rank 0 stops it: silence counts only between the two
             quiet = [(r, now - self._seen.get(r, (None, self._started, None))[1])
-                     for r in range(self.reporter.world) if r != self.reporter.rank]
+                     for r in self.reporter.peers if r != self.reporter.rank
+                     and (r < self.reporter.world or (r in self._seen and self._seen[r][2].get("phase") != STOPPED))]
         return sorted([(r, s) for r, s in quiet if s >= seconds], key=lambda item: -item[1])
 
     # --------------------------------------------------------------------------------------------
@@ -118,14 +122,11 @@ class FailureWatch:
     def beat(self) -> None:
         with self._beat_lock:
             self._beats += 1
-            # written in place, not renamed: an NFS client may keep resolving the name to a renamed-away file for
-            # a minute, while opening the same file always reads its newest contents (a half-written read is skipped)
-            with open(os.path.join(self.reporter.folder, f"rank{self.reporter.rank}.alive"), "w") as fh:
-                json.dump({"beat": self._beats, **_progress}, fh)
+            write_beat(self.reporter.folder, self.reporter.rank, self._beats)
 
     def _read_beats(self) -> None:
         now = time.monotonic()
-        for r in range(self.reporter.world):
+        for r in self.reporter.peers:
             if r == self.reporter.rank:
                 continue
             try:
@@ -155,3 +156,46 @@ class FailureWatch:
                 except Exception:
                     pass
             os._exit(1)  # the main thread is stuck in a collective that will not return
+
+
+def write_beat(folder: str, rank: int, beats: int) -> None:
+    # written in place, not renamed: an NFS client may keep resolving the name to a renamed-away file for a minute,
+    # while opening the same file always reads its newest contents (a half-written read is skipped)
+    with open(os.path.join(folder, f"rank{rank}.alive"), "w") as fh:
+        json.dump({"beat": beats, **_progress}, fh)
+
+
+class RankHeartbeat:
+    """A rank that the training ranks watch but that watches none itself: a rollout rank of server mode. It writes
+    its pid file (so that a rank of its node can tell it was killed), then beats every BEAT_S seconds with the phase
+    note_phase gave it: a rollout rank killed, or its node lost, stops the job within about GRACE_S (same node) or
+    STALE_S + GRACE_S seconds instead of leaving training rank 0 waiting --ddp_timeout_minutes for its answer."""
+
+    def __init__(self, folder: str, rank: int, node: int, host: str):
+        self.folder, self.rank = folder, rank
+        self._stopped = threading.Event()
+        self._beats = 0
+        with open(os.path.join(folder, f"rank{rank}.pid"), "w") as fh:
+            json.dump({"pid": os.getpid(), "host": host, "node": node}, fh)
+        self._thread = threading.Thread(target=self._run, name="grpo-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stopped.is_set():
+            self._beats += 1
+            try:
+                write_beat(self.folder, self.rank, self._beats)
+            except OSError:  # a lagging shared file system: the next beat tries again
+                pass
+            self._stopped.wait(BEAT_S)
+
+    def stop(self) -> None:
+        """Stopped as asked: no longer a rank whose end is a failure."""
+        self._stopped.set()
+        self._thread.join(timeout=5)
+        note_phase(STOPPED, None)
+        try:
+            os.remove(os.path.join(self.folder, f"rank{self.rank}.pid"))
+            write_beat(self.folder, self.rank, self._beats + 1)
+        except OSError:
+            pass

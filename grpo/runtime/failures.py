@@ -134,18 +134,22 @@ def out_of_memory_message(phase_name: str, sizes: dict, last_checkpoint: Optiona
 class FailureReporter:
     """Turns an exception into one clear message and tells the other ranks about it. Collective to create."""
 
-    def __init__(self, output_dir: str, rank: int, world: int):
+    def __init__(self, output_dir: str, rank: int, world: int, rollout_ranks: int = 0):
+        """`rollout_ranks`: server mode's rollout ranks, the job's ranks `world` .. `world + rollout_ranks - 1`,
+        which beat too (failure_watch.RankHeartbeat) and are watched like training ranks."""
         self.rank, self.world = rank, world
+        self.peers = list(range(world + rollout_ranks))  # every rank watched, by its job rank
         self.output_dir = output_dir
         self.folder = os.path.join(output_dir, FAILURES_DIR)
         self.node, self.host = dist_utils.node_rank(), socket.gethostname()
         self.several_nodes = dist_utils.node_count() > 1
         self.watch: Optional[FailureWatch] = None
-        if world > 1:
+        if len(self.peers) > 1:
             if rank == 0:  # records of an earlier run in this output_dir are stale
                 shutil.rmtree(self.folder, ignore_errors=True)
                 os.makedirs(self.folder, exist_ok=True)
-            dist_utils.barrier()
+            if world > 1:
+                dist_utils.barrier()
             _write_json(os.path.join(self.folder, f"rank{rank}.pid"), {"pid": os.getpid(), "host": self.host,
                                                                        "node": self.node})
             self.watch = FailureWatch(self)
@@ -162,13 +166,15 @@ class FailureReporter:
         """"rank 3 (node 1, host gpu-b)" with several nodes, "rank 3" on one; the pid when given."""
         parts = [dist_utils.node_label(node, host)] if self.several_nodes else []
         parts += [f"pid {pid}"] if pid is not None else []
+        if rank >= self.world:  # a rollout rank: named as its own messages name it
+            return f"rollout rank {rank - self.world} (job rank {rank}{''.join(', ' + p for p in parts)})"
         return f"rank {rank}" + (f" ({', '.join(parts)})" if parts else "")
 
     # ------------------------------------------------------------------------------------------------
     def report(self, exc: Exception, step: int, phase_name: str) -> StepFailure:
         """The StepFailure to raise for `exc`; writes this rank's record and breaks the collectives (primary)."""
         _log_traceback_to_file(f"rank {self.rank}, step {step} ({phase_name}) failed", exc)
-        if self.world > 1:
+        if len(self.peers) > 1:
             peer = self._peer_failure(wait=_looks_like_broken_collective(exc))
             if peer is not None:  # another rank failed first; our error is the consequence
                 self._write_record(step, phase_name, exc, primary=False)
@@ -176,14 +182,15 @@ class FailureReporter:
                 logger.error(f"{self.label(self.rank)} stopped: {peer}")
                 return StepFailure(peer)
         message = self._message(step, phase_name, exc)
-        if self.world > 1:
+        if len(self.peers) > 1:
             self._write_record(step, phase_name, exc, primary=True, message=message)
-            self._break_collectives()
+            if self.world > 1:
+                self._break_collectives()
         return StepFailure(message)
 
     def raise_if_peer_failed(self) -> None:
         """Raise the failing rank's StepFailure when another rank failed or died (e.g. on the launcher's SIGTERM)."""
-        if self.world > 1:
+        if len(self.peers) > 1:
             peer = self._peer_failure(wait=False)
             if peer is not None:
                 raise StepFailure(peer)
@@ -210,7 +217,7 @@ class FailureReporter:
 
     def _records(self) -> list[dict]:
         out = []
-        for r in range(self.world):
+        for r in self.peers:
             path = os.path.join(self.folder, f"rank{r}.json")
             if r != self.rank and os.path.isfile(path):
                 try:
@@ -246,7 +253,7 @@ class FailureReporter:
     def _pid_files(self) -> dict:
         """Per other rank: its pid file's contents (pid, host, node)."""
         out = {}
-        for r in range(self.world):
+        for r in self.peers:
             path = os.path.join(self.folder, f"rank{r}.pid")
             if r == self.rank or not os.path.isfile(path):
                 continue
@@ -309,8 +316,8 @@ class FailureReporter:
 
 def _progress_text(progress: Optional[dict]) -> str:
     """" at step 2 (rewards)": where a rank was when last heard of (its heartbeat), or nothing."""
-    if not progress or progress.get("step") is None:
-        return ""
+    if not progress or progress.get("step") is None:  # a rollout rank counts no steps: the message it was on
+        return f" while answering '{progress['phase']}'" if progress and progress.get("phase") else ""
     return f" at step {progress['step']} ({progress.get('phase') or 'unknown phase'})"
 
 

@@ -75,7 +75,7 @@ class GRPOTrainer:
         check_shared_output_dir(config.output_dir)  # every node sees it: checkpoints and failure records live there
         self.rank, self.world = dist_utils.rank(), dist_utils.world_size()
         self.is_main = dist_utils.is_main()
-        self.failures = FailureReporter(config.output_dir, self.rank, self.world)
+        self.failures = FailureReporter(config.output_dir, self.rank, self.world, rollout_ranks_of(config))
         seed_everything(config.seed + self.rank)
         self.model_path, self.tokenizer, self.vision = data.model_path, data.tokenizer, data.vision
         self.rewards, self.train_set, self.eval_set = data.rewards, data.train_set, data.eval_set
