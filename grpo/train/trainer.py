@@ -2,7 +2,7 @@
 
     rollout -> rewards -> advantages -> old/ref log-probs -> loss + DeepSpeed step -> weight sync -> log/eval/save
 
-Everything that is not wiring lives elsewhere: the run's setup in setup.py, math in grpo/algorithm.py, a step's
+Everything that is not wiring lives elsewhere: the run's setup in setup.py, math in grpo/algorithm/, a step's
 rollouts in grpo/rollout/collect.py, the step's tensors in step_data.py, the update in update.py, weight sync in
 grpo/sync/weight_sync.py, checkpoints in grpo/checkpoint/, the step's metrics in metrics.py.
 """
