@@ -1,0 +1,105 @@
+"""Ulysses sequence parallelism (grpo.runtime.sequence_parallel) on 2 CPU ranks (gloo) with DeepSpeed's own attention:
+the sharded log-probs equal the unsharded ones, and the gradient the group's ranks hold together equals the
+single-process gradient of the same loss."""
+import os
+import socket
+
+import pytest
+import torch
+
+from grpo.runtime.sequence_parallel import (data_parallel_rank, data_parallel_world, layout_line, shard_sequence)
+
+
+def test_shards_shift_labels_before_cutting():
+    ids = torch.tensor([5, 6, 7, 8, 9])  # L = 5, N = 2: padded to 6, slices of 3
+    first, second = shard_sequence(ids, 0, 2, pad_id=0), shard_sequence(ids, 1, 2, pad_id=0)
+    assert first.input_ids.tolist() == [[5, 6, 7]] and second.input_ids.tolist() == [[8, 9, 0]]
+    assert first.position_ids.tolist() == [[0, 1, 2]] and second.position_ids.tolist() == [[3, 4, 5]]
+    # the token after the first slice's last token (8) lives on the second rank: shifted before the cut
+    assert first.shift_labels.tolist() == [[6, 7, 8]] and second.shift_labels.tolist() == [[9, -100, -100]]
+
+
+def test_groups_and_layout_line():
+    assert [data_parallel_rank(r, 2) for r in range(4)] == [0, 0, 1, 1]
+    assert data_parallel_world(4, 2) == 2
+    assert layout_line(4, 2) == "sequence parallel: 2 groups of 2 ranks; each rank holds 1/2 of every sequence"
+    with pytest.raises(ValueError, match="must divide"):
+        data_parallel_world(3, 2)
+
+
+def _load(path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa", dtype=torch.float32)
+
+
+def _batch():
+    # two rows, prompts left-padded (0 = pad), completions right-padded; odd lengths exercise the padding
+    input_ids = torch.tensor([[0, 0, 11, 12, 13, 21, 22, 23, 24, 0],
+                              [14, 15, 16, 17, 18, 25, 26, 27, 28, 29]])
+    mask = (torch.arange(10) < 0).long().repeat(2, 1)
+    mask[0, 2:9] = 1
+    mask[1, :] = 1
+    return input_ids, mask, 5
+
+
+def _reference(path):
+    """Single-process log-probs [2, 5] and the gradient of their sum w.r.t. every parameter."""
+    from grpo.algorithm import hidden_token_logprobs
+
+    model = _load(path)
+    ids, mask, width = _batch()
+    rows = []
+    for row, m in zip(ids, mask):
+        real = row[m.bool()].unsqueeze(0)
+        hidden = model.model(input_ids=real, use_cache=False).last_hidden_state[0]
+        lp, _ = hidden_token_logprobs(hidden[:-1], model.lm_head, real[0, 1:], chunk_tokens=4)
+        p = int(m[:-width].sum())
+        c = int(m[-width:].sum())
+        rows.append(torch.cat([lp[p - 1:p - 1 + c], torch.zeros(width - c)]))
+    logprobs = torch.stack(rows)
+    (logprobs * torch.arange(1, 11.0).view(2, 5)).sum().backward()
+    return logprobs.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _rank_main(rank, port, path, out):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
+                      LOCAL_RANK=str(rank))
+    import deepspeed
+    import deepspeed.comm as ds_dist
+
+    from grpo.runtime.sequence_parallel import register_ulysses, sharded_completion_logprobs
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    model = _load(path)
+    mpu = register_ulysses(model, 2)
+    ids, mask, width = _batch()
+    logprobs = sharded_completion_logprobs(model.model, model.lm_head, ids, mask, width,
+                                           mpu.get_sequence_parallel_group(), mpu.get_sequence_parallel_rank(), 2,
+                                           chunk_tokens=4)
+    (logprobs * torch.arange(1, 11.0).view(2, 5)).sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    for g in grads.values():  # what DeepSpeed's reduction over the group's ranks adds up
+        ds_dist.all_reduce(g)
+    if rank == 0:
+        torch.save({"logprobs": logprobs.detach(), "grads": grads}, out)
+    ds_dist.barrier()
+
+
+def test_two_ranks_match_one(tmp_path):
+    import torch.multiprocessing as mp
+
+    from tests.tiny_models import make_tiny_model_dir
+
+    path = make_tiny_model_dir(str(tmp_path / "model"))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = str(tmp_path / "sp.pt")
+    mp.spawn(_rank_main, args=(port, path, out), nprocs=2)
+    sharded = torch.load(out)
+    logprobs, grads = _reference(path)
+    assert torch.allclose(sharded["logprobs"], logprobs, atol=1e-5)
+    assert logprobs.abs().sum() > 0
+    for name, grad in grads.items():
+        assert torch.allclose(sharded["grads"][name], grad, atol=1e-5), name
