@@ -103,3 +103,37 @@ def test_two_ranks_match_one(tmp_path):
     assert logprobs.abs().sum() > 0
     for name, grad in grads.items():
         assert torch.allclose(sharded["grads"][name], grad, atol=1e-5), name
+
+
+@pytest.mark.parametrize("flags, says", [
+    (dict(sequence_parallel_size=2), "WORLD_SIZE=3"),
+    (dict(sequence_parallel_size=0), "must be >= 1"),
+])
+def test_ranks_not_divisible_are_refused(monkeypatch, flags, says):
+    from grpo.config.options import GRPOConfig
+    from grpo.errors import ConfigError
+
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(ConfigError, match=says):
+        GRPOConfig(**flags)
+
+
+@pytest.mark.parametrize("flags, says", [
+    (dict(rollout_engine="hf"), "--rollout_engine vllm"),
+    (dict(rollout_engine="vllm", padding_free=True), "--padding_free"),
+    (dict(rollout_engine="vllm"), "not yet wired"),
+])
+def test_unsupported_combinations_say_what_to_use(monkeypatch, flags, says):
+    from grpo.config.options import GRPOConfig
+    from grpo.errors import ConfigError
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match=says):
+        GRPOConfig(sequence_parallel_size=2, **flags)
+
+
+def test_size_one_is_the_default(monkeypatch):
+    from grpo.config.options import GRPOConfig
+
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    assert GRPOConfig().sequence_parallel_size == 1

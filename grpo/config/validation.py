@@ -190,6 +190,10 @@ def _validate_sequence_parallel(cfg, need, world: int) -> None:
     need(not cfg.padding_free, "sequence_parallel_size",
          "cannot be combined with --padding_free (the sharded attention takes one causal sequence per row); drop "
          "--padding_free")
+    # the sharded forward and its gather exist (grpo.runtime.sequence_parallel); the training loop does not route
+    # through them yet, and a run that silently trained without sharding would be worse than none
+    need(False, "sequence_parallel_size",
+         "is not yet wired into the training loop (grpo.runtime.sequence_parallel holds the sharded forward); use 1")
 
 
 def _validate_loss_and_correction(cfg, need) -> None:
