@@ -111,8 +111,10 @@ def sharded_sequence_logprobs(decoder, head, token_ids: torch.Tensor, group, sp_
                               pad_id: int = 0) -> torch.Tensor:
     """log p(token t+1 | tokens <= t) for every position t of one sequence [L] -> [L - 1], computed with the sequence
     split over the group (each rank's decoder sees S/N tokens; attention exchanges heads all-to-all) and the log-probs
-    from hidden states in chunks. Collective over `group`: every rank passes the same sequence."""
-    from grpo.algorithm import hidden_token_logprobs
+    from hidden states in chunks (`chunk_tokens` 0: from the shard's whole logits, as under ZeRO-3, whose gathered
+    output layer cannot be recomputed in a chunk's checkpoint). Collective over `group`: every rank passes the same
+    sequence."""
+    from grpo.algorithm import hidden_token_logprobs, token_logprobs
 
     shard = shard_sequence(token_ids, sp_rank, sp_size, pad_id)
     hidden = decoder(input_ids=shard.input_ids, position_ids=shard.position_ids,
@@ -120,7 +122,10 @@ def sharded_sequence_logprobs(decoder, head, token_ids: torch.Tensor, group, sp_
     labels = shard.shift_labels[0]
     valid = labels != IGNORE
     # ignored positions score token 0 and are dropped after the gather (every rank runs the same chunk count)
-    part, _ = hidden_token_logprobs(hidden, head, labels.clamp(min=0), temperature, chunk_tokens=chunk_tokens)
+    if chunk_tokens > 0:
+        part, _ = hidden_token_logprobs(hidden, head, labels.clamp(min=0), temperature, chunk_tokens=chunk_tokens)
+    else:  # ZeRO-3 (see update.score): the shard's own [S/N, V] logits, the head called once per rank
+        part = token_logprobs(head(hidden).unsqueeze(0), labels.clamp(min=0).unsqueeze(0), temperature)[0]
     part = part * valid.to(part.dtype)
     full = gather_shards(part, group, sp_size)                                           # [S]
     return full[:shard.length - 1]
