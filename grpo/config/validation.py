@@ -105,6 +105,7 @@ def validate(cfg) -> None:
              "needs --rollout_mode server (colocated engines share the GPU with training, so nothing overlaps)")
         need(world % cfg.vllm_tp == 0, "vllm_tp",
              f"must divide the number of ranks (WORLD_SIZE={world}); got {cfg.vllm_tp}")
+    _validate_sequence_parallel(cfg, need, world)
     need(cfg.gpu_memory_gib is None or cfg.gpu_memory_gib > 0, "gpu_memory_gib", "must be > 0 (GiB)")
     need(cfg.rollout_weights in ROLLOUT_WEIGHTS, "rollout_weights",
          f"got '{cfg.rollout_weights}', choose one of {', '.join(ROLLOUT_WEIGHTS)}")
@@ -169,6 +170,30 @@ def validate(cfg) -> None:
         need(cfg.tuning_strategy == "qlora", "qlora_init", "loftq needs --tuning_strategy qlora")
         need(not cfg.lora_adapter_path, "qlora_init",
              "loftq sets a new adapter; a continued one (--lora_adapter_path) keeps its own weights: drop one")
+
+
+def _validate_sequence_parallel(cfg, need, world: int) -> None:
+    """--sequence_parallel_size: what DeepSpeed's Ulysses attention (ALST) can shard, and what it cannot."""
+    sp = cfg.sequence_parallel_size
+    need(sp >= 1, "sequence_parallel_size", f"must be >= 1; got {sp}")
+    if sp <= 1:
+        return
+    need(world % sp == 0, "sequence_parallel_size",
+         f"must divide the number of training ranks (WORLD_SIZE={world}); got {sp}: start a multiple of {sp} ranks "
+         f"(deepspeed --num_gpus)")
+    need(cfg.rollout_mode == "colocate", "sequence_parallel_size",
+         "works with --rollout_mode colocate only (server mode's rollout ranks sit outside the training world the "
+         "sequence-parallel groups are cut from); drop --rollout_mode server")
+    need(cfg.rollout_engine == "vllm", "sequence_parallel_size",
+         "needs --rollout_engine vllm: the HF engine generates with the training model itself, whose attention is "
+         "sharded over the group during sequence parallelism; use --rollout_engine vllm (GPU)")
+    need(not cfg.padding_free, "sequence_parallel_size",
+         "cannot be combined with --padding_free (the sharded attention takes one causal sequence per row); drop "
+         "--padding_free")
+    # the sharded forward and its gather exist (grpo.runtime.sequence_parallel); the training loop does not route
+    # through them yet, and a run that silently trained without sharding would be worse than none
+    need(False, "sequence_parallel_size",
+         "is not yet wired into the training loop (grpo.runtime.sequence_parallel holds the sharded forward); use 1")
 
 
 def _validate_loss_and_correction(cfg, need) -> None:

@@ -1,0 +1,153 @@
+"""Ulysses sequence parallelism (DeepSpeed ALST) for the training forward / backward: groups, sharding, gathering.
+
+The attention itself is DeepSpeed's (`UlyssesSPAttentionHF.register_with_transformers`, which wraps the model's sdpa /
+flash_attention_2 entry and returns the mpu that `deepspeed.initialize(mpu=...)` takes). This module only does what
+the wrapped model needs around it:
+
+- groups: ranks [g*N, (g+1)*N) form sequence-parallel group g and train on the SAME samples, so data sharding and
+  rollouts go by data-parallel rank  rank // N  over  world / N  data-parallel ranks.
+- sharding: one sequence (a row's real tokens, no padding) padded on the right to a multiple of N, its labels shifted
+  BEFORE sharding (the token after a shard's last token lives on the next rank), cut into N equal slices; the
+  position ids are the global ones (DeepSpeed all-gathers them inside attention for the causal mask).
+- gathering: every rank computes its shard's per-token log-probs from hidden states in chunks
+  (algorithm.hidden_token_logprobs, never a full [T, V] logits tensor), then the group all-gathers them
+  differentiably, so every rank holds the row's full log-probs and the existing loss code runs unchanged.
+
+Gradient scale. Every rank of a group then computes the same loss L_g. The backward of all_gather sums the
+gradients of all N ranks into each shard, i.e. N x dL_g/d(shard); `gather_shards` scales that back by 1/N, so
+the group's ranks together hold exactly dL_g/dtheta. DeepSpeed with the SP mpu reduces gradients over all ranks and
+divides by world / N (the data-parallel size): the mean over data-parallel ranks, as without SP.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+logger = logging.getLogger("grpo")
+IGNORE = -100
+SUPPORTED_ATTENTION = ("sdpa", "flash_attention_2")
+
+
+def data_parallel_rank(rank: int, sp_size: int) -> int:
+    """The data-parallel rank of a global rank: the index of its sequence-parallel group."""
+    return rank // sp_size
+
+
+def data_parallel_world(world: int, sp_size: int) -> int:
+    """How many data-parallel ranks (sequence-parallel groups) a world of `world` ranks has."""
+    if sp_size < 1 or world % sp_size:
+        raise ValueError(f"sequence_parallel_size {sp_size} must divide the number of ranks {world}")
+    return world // sp_size
+
+
+def layout_line(world: int, sp_size: int) -> str:
+    """The one line logged at start."""
+    groups = data_parallel_world(world, sp_size)
+    return (f"sequence parallel: {groups} group{'s' if groups != 1 else ''} of {sp_size} ranks; each rank holds "
+            f"1/{sp_size} of every sequence")
+
+
+def register_ulysses(model, sp_size: int, micro_batch_size: int = 1):
+    """Route the model's attention through DeepSpeed's Ulysses all-to-all attention; returns the mpu for
+    `deepspeed.initialize(mpu=...)` (None for sp_size 1). The process group must exist (init_distributed)."""
+    if sp_size <= 1:
+        return None
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+
+    config = getattr(model, "config", None)
+    attention = getattr(config, "_attn_implementation", None)
+    if attention not in SUPPORTED_ATTENTION:
+        from grpo.errors import ConfigError
+
+        raise ConfigError(f"--sequence_parallel_size {sp_size}: the model's attention is '{attention}'; DeepSpeed's "
+                          f"Ulysses attention wraps {' or '.join(SUPPORTED_ATTENTION)} (load the model with "
+                          f"attn_implementation='sdpa', or install flash-attn)")
+    return UlyssesSPAttentionHF.register_with_transformers(
+        model_name_or_path=model, core_attn_implementation=attention, sequence_parallel_size=sp_size,
+        micro_batch_size=micro_batch_size, seq_length_is_variable=True)
+
+
+@dataclass
+class SequenceShard:
+    input_ids: torch.Tensor      # [1, S/N] this rank's slice of the (padded) sequence
+    position_ids: torch.Tensor   # [1, S/N] its global positions
+    shift_labels: torch.Tensor   # [1, S/N] the token each position predicts (IGNORE past the end)
+    length: int                  # L, the real tokens of the sequence
+    padded: int                  # S, L padded to a multiple of N
+
+
+def shard_sequence(token_ids: torch.Tensor, sp_rank: int, sp_size: int, pad_id: int = 0) -> SequenceShard:
+    """Rank `sp_rank`'s slice of one sequence [L] (no padding inside): labels shifted over the whole sequence first,
+    then padded on the right to S = ceil(L / N) x N and cut into N slices of S / N."""
+    length = int(token_ids.numel())
+    padded = -(-length // sp_size) * sp_size
+    ids = torch.full((padded,), pad_id, dtype=token_ids.dtype, device=token_ids.device)
+    ids[:length] = token_ids
+    labels = torch.full((padded,), IGNORE, dtype=token_ids.dtype, device=token_ids.device)
+    labels[:length - 1] = token_ids[1:]                       # position t predicts token t+1
+    positions = torch.arange(padded, device=token_ids.device)
+    width = padded // sp_size
+    cut = slice(sp_rank * width, (sp_rank + 1) * width)
+    return SequenceShard(ids[cut].unsqueeze(0), positions[cut].unsqueeze(0), labels[cut].unsqueeze(0),
+                         length, padded)
+
+
+def gather_shards(part: torch.Tensor, group, sp_size: int) -> torch.Tensor:
+    """Concatenate the group's [S/N] shards into [S] on every rank, differentiably; the gradient each shard gets
+    back is dL/d(shard) of the (identical) loss every rank computes, not N times it (see the module's note)."""
+    import torch.distributed.nn.functional as dist_nn
+
+    parts = dist_nn.all_gather(part.contiguous(), group=group)
+    full = torch.cat(parts, dim=0)                                         # [S]
+    # value: full; gradient: full's / N (all_gather's backward sums the N ranks' identical gradients)
+    return full / sp_size + full.detach() * (1.0 - 1.0 / sp_size)
+
+
+def sharded_sequence_logprobs(decoder, head, token_ids: torch.Tensor, group, sp_rank: int, sp_size: int,
+                              temperature: float = 1.0, chunk_tokens: int = 1024,
+                              pad_id: int = 0) -> torch.Tensor:
+    """log p(token t+1 | tokens <= t) for every position t of one sequence [L] -> [L - 1], computed with the sequence
+    split over the group (each rank's decoder sees S/N tokens; attention exchanges heads all-to-all) and the log-probs
+    from hidden states in chunks (`chunk_tokens` 0: from the shard's whole logits, as under ZeRO-3, whose gathered
+    output layer cannot be recomputed in a chunk's checkpoint). Collective over `group`: every rank passes the same
+    sequence."""
+    from grpo.algorithm import hidden_token_logprobs, token_logprobs
+
+    shard = shard_sequence(token_ids, sp_rank, sp_size, pad_id)
+    hidden = decoder(input_ids=shard.input_ids, position_ids=shard.position_ids,
+                     use_cache=False).last_hidden_state[0]                               # [S/N, H]
+    labels = shard.shift_labels[0]
+    valid = labels != IGNORE
+    # ignored positions score token 0 and are dropped after the gather (every rank runs the same chunk count)
+    if chunk_tokens > 0:
+        part, _ = hidden_token_logprobs(hidden, head, labels.clamp(min=0), temperature, chunk_tokens=chunk_tokens)
+    else:  # ZeRO-3 (see update.score): the shard's own [S/N, V] logits, the head called once per rank
+        part = token_logprobs(head(hidden).unsqueeze(0), labels.clamp(min=0).unsqueeze(0), temperature)[0]
+    part = part * valid.to(part.dtype)
+    full = gather_shards(part, group, sp_size)                                           # [S]
+    return full[:shard.length - 1]
+
+
+def sharded_completion_logprobs(decoder, head, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                                completion_width: int, group, sp_rank: int, sp_size: int, temperature: float = 1.0,
+                                chunk_tokens: int = 1024, pad_id: int = 0) -> torch.Tensor:
+    """The completion tokens' log-probs of a RolloutBatch's rows [n, P+T] (prompts left-padded, completions
+    right-padded) -> [n, T], 0 past each completion: one row at a time through the sharded path (DeepSpeed's
+    Ulysses attention holds a fixed batch size of 1)."""
+    rows = []
+    for ids, mask in zip(input_ids, attention_mask):
+        real = mask.bool()
+        prompt_len = int(real[:-completion_width].sum())
+        completion_len = int(real[-completion_width:].sum())
+        out = torch.zeros(completion_width, device=input_ids.device)
+        if completion_len:
+            per_position = sharded_sequence_logprobs(decoder, head, ids[real], group, sp_rank, sp_size,
+                                                     temperature, chunk_tokens, pad_id)          # [L - 1]
+            # completion token j sits at position prompt_len + j, predicted by position prompt_len + j - 1
+            taken = per_position[prompt_len - 1:prompt_len - 1 + completion_len].float()
+            out = torch.cat([taken, torch.zeros(completion_width - completion_len, device=taken.device)])
+        rows.append(out)
+    return torch.stack(rows)

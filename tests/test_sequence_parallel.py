@@ -1,0 +1,228 @@
+"""Ulysses sequence parallelism (grpo.runtime.sequence_parallel) on 2 CPU ranks (gloo) with DeepSpeed's own attention:
+the sharded log-probs equal the unsharded ones, and the gradient the group's ranks hold together equals the
+single-process gradient of the same loss."""
+import os
+import socket
+
+import pytest
+import torch
+
+from grpo.runtime.sequence_parallel import (data_parallel_rank, data_parallel_world, layout_line, shard_sequence)
+
+
+def test_shards_shift_labels_before_cutting():
+    ids = torch.tensor([5, 6, 7, 8, 9])  # L = 5, N = 2: padded to 6, slices of 3
+    first, second = shard_sequence(ids, 0, 2, pad_id=0), shard_sequence(ids, 1, 2, pad_id=0)
+    assert first.input_ids.tolist() == [[5, 6, 7]] and second.input_ids.tolist() == [[8, 9, 0]]
+    assert first.position_ids.tolist() == [[0, 1, 2]] and second.position_ids.tolist() == [[3, 4, 5]]
+    # the token after the first slice's last token (8) lives on the second rank: shifted before the cut
+    assert first.shift_labels.tolist() == [[6, 7, 8]] and second.shift_labels.tolist() == [[9, -100, -100]]
+
+
+def test_groups_and_layout_line():
+    assert [data_parallel_rank(r, 2) for r in range(4)] == [0, 0, 1, 1]
+    assert data_parallel_world(4, 2) == 2
+    assert layout_line(4, 2) == "sequence parallel: 2 groups of 2 ranks; each rank holds 1/2 of every sequence"
+    with pytest.raises(ValueError, match="must divide"):
+        data_parallel_world(3, 2)
+
+
+def _load(path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa", dtype=torch.float32)
+
+
+def _batch():
+    # two rows, prompts left-padded (0 = pad), completions right-padded; odd lengths exercise the padding
+    input_ids = torch.tensor([[0, 0, 11, 12, 13, 21, 22, 23, 24, 0],
+                              [14, 15, 16, 17, 18, 25, 26, 27, 28, 29]])
+    mask = (torch.arange(10) < 0).long().repeat(2, 1)
+    mask[0, 2:9] = 1
+    mask[1, :] = 1
+    return input_ids, mask, 5
+
+
+def _reference(path):
+    """Single-process log-probs [2, 5] and the gradient of their sum w.r.t. every parameter."""
+    from grpo.algorithm import hidden_token_logprobs
+
+    model = _load(path)
+    ids, mask, width = _batch()
+    rows = []
+    for row, m in zip(ids, mask):
+        real = row[m.bool()].unsqueeze(0)
+        hidden = model.model(input_ids=real, use_cache=False).last_hidden_state[0]
+        lp, _ = hidden_token_logprobs(hidden[:-1], model.lm_head, real[0, 1:], chunk_tokens=4)
+        p = int(m[:-width].sum())
+        c = int(m[-width:].sum())
+        rows.append(torch.cat([lp[p - 1:p - 1 + c], torch.zeros(width - c)]))
+    logprobs = torch.stack(rows)
+    (logprobs * torch.arange(1, 11.0).view(2, 5)).sum().backward()
+    return logprobs.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _rank_main(rank, port, path, out):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
+                      LOCAL_RANK=str(rank))
+    import deepspeed
+    import deepspeed.comm as ds_dist
+
+    from grpo.runtime.sequence_parallel import register_ulysses, sharded_completion_logprobs
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    model = _load(path)
+    mpu = register_ulysses(model, 2)
+    ids, mask, width = _batch()
+    logprobs = sharded_completion_logprobs(model.model, model.lm_head, ids, mask, width,
+                                           mpu.get_sequence_parallel_group(), mpu.get_sequence_parallel_rank(), 2,
+                                           chunk_tokens=4)
+    (logprobs * torch.arange(1, 11.0).view(2, 5)).sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    for g in grads.values():  # what DeepSpeed's reduction over the group's ranks adds up
+        ds_dist.all_reduce(g)
+    if rank == 0:
+        torch.save({"logprobs": logprobs.detach(), "grads": grads}, out)
+    ds_dist.barrier()
+
+
+def test_two_ranks_match_one(tmp_path):
+    import torch.multiprocessing as mp
+
+    from tests.tiny_models import make_tiny_model_dir
+
+    path = make_tiny_model_dir(str(tmp_path / "model"))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = str(tmp_path / "sp.pt")
+    mp.spawn(_rank_main, args=(port, path, out), nprocs=2)
+    sharded = torch.load(out)
+    logprobs, grads = _reference(path)
+    assert torch.allclose(sharded["logprobs"], logprobs, atol=1e-5)
+    assert logprobs.abs().sum() > 0
+    for name, grad in grads.items():
+        assert torch.allclose(sharded["grads"][name], grad, atol=1e-5), name
+
+
+@pytest.mark.parametrize("flags, says", [
+    (dict(sequence_parallel_size=2), "WORLD_SIZE=3"),
+    (dict(sequence_parallel_size=0), "must be >= 1"),
+])
+def test_ranks_not_divisible_are_refused(monkeypatch, flags, says):
+    from grpo.config.options import GRPOConfig
+    from grpo.errors import ConfigError
+
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(ConfigError, match=says):
+        GRPOConfig(**flags)
+
+
+@pytest.mark.parametrize("flags, says", [
+    (dict(rollout_engine="hf"), "--rollout_engine vllm"),
+    (dict(rollout_engine="vllm", padding_free=True), "--padding_free"),
+    (dict(rollout_engine="vllm"), "not yet wired"),
+])
+def test_unsupported_combinations_say_what_to_use(monkeypatch, flags, says):
+    from grpo.config.options import GRPOConfig
+    from grpo.errors import ConfigError
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match=says):
+        GRPOConfig(sequence_parallel_size=2, **flags)
+
+
+def test_size_one_is_the_default(monkeypatch):
+    from grpo.config.options import GRPOConfig
+
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    assert GRPOConfig().sequence_parallel_size == 1
+
+
+LR = 0.5
+
+
+def _lora(path):
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(3)
+    # adapters drawn at random (B != 0) so that every LoRA weight has a gradient
+    return get_peft_model(_load(path), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
+                                                  init_lora_weights=False))
+
+
+def _lora_reference(path):
+    """One process: the loss and the LoRA weights after one SGD step."""
+    from grpo.algorithm import hidden_token_logprobs
+
+    model = _lora(path)
+    base = model.get_base_model()
+    ids, mask, width = _batch()
+    loss = 0
+    for i, (row, m) in enumerate(zip(ids, mask)):
+        real = row[m.bool()].unsqueeze(0)
+        hidden = base.model(input_ids=real, use_cache=False).last_hidden_state[0]
+        lp, _ = hidden_token_logprobs(hidden[:-1], base.lm_head, real[0, 1:], chunk_tokens=4)
+        p, c = int(m[:-width].sum()), int(m[-width:].sum())
+        loss = loss - lp[p - 1:p - 1 + c].sum() * (i + 1)
+    loss.backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p -= LR * p.grad
+    return loss.item(), {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def _deepspeed_rank_main(rank, port, path, out, stage):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
+                      LOCAL_RANK=str(rank))
+    import deepspeed
+    import deepspeed.comm as ds_dist
+
+    from grpo.runtime.sequence_parallel import register_ulysses, sharded_completion_logprobs
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    model = _lora(path)
+    mpu = register_ulysses(model, 2)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    engine, *_ = deepspeed.initialize(
+        model=model, model_parameters=trainable, optimizer=torch.optim.SGD(trainable, lr=LR), mpu=mpu,
+        config={"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+                "zero_optimization": {"stage": stage}, "gradient_clipping": 0.0,
+                "zero_allow_untested_optimizer": True})  # SGD: its step shows the gradient's scale
+    base = engine.module.get_base_model()
+    ids, mask, width = _batch()
+    logprobs = sharded_completion_logprobs(base.model, base.lm_head, ids, mask, width,
+                                           mpu.get_sequence_parallel_group(), mpu.get_sequence_parallel_rank(), 2,
+                                           chunk_tokens=0 if stage == 3 else 4)
+    loss = -(logprobs * torch.tensor([[1.0], [2.0]])).sum()
+    engine.backward(loss)
+    engine.step()
+    with deepspeed.zero.GatheredParameters(trainable):  # ZeRO-3: each rank holds a part of every weight
+        weights = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    if rank == 0:
+        torch.save({"loss": loss.item(), "weights": weights}, out)
+    ds_dist.barrier()
+
+
+@pytest.mark.parametrize("stage", [2, pytest.param(3, marks=pytest.mark.xfail(
+    strict=True, reason="ZeRO-3 with the Ulysses mpu steps exactly 1/N of the update (measured 0.5 at N=2, loss "
+                        "equal): its gradient averaging differs from ZeRO-2's; to be found before SP runs ZeRO-3"))])
+def test_a_lora_step_under_deepspeed_zero_matches_one_process(tmp_path, stage):
+    import torch.multiprocessing as mp
+
+    from tests.tiny_models import make_tiny_model_dir
+
+    path = make_tiny_model_dir(str(tmp_path / "model"))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = str(tmp_path / "sp.pt")
+    mp.spawn(_deepspeed_rank_main, args=(port, path, out, stage), nprocs=2)
+    sharded = torch.load(out)
+    loss, weights = _lora_reference(path)
+    assert abs(sharded["loss"] - loss) < 1e-4
+    before = {n: p for n, p in _lora(path).named_parameters() if p.requires_grad}
+    for name, weight in weights.items():
+        assert not torch.equal(weight, before[name]), name  # the step moved it
+        assert torch.allclose(sharded["weights"][name], weight, atol=1e-5), name
