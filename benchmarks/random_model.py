@@ -135,10 +135,11 @@ def write_random_vl(shape: str, out: str, tokenizer) -> None:
     image_processor = ImageProcessor()  # the released model's pixel bounds
     image_processor.save_pretrained(tmp)
     try:
-        from transformers import Qwen2_5_VLProcessor
+        from transformers import Qwen2_5_VLProcessor, Qwen2VLVideoProcessor
 
+        # transformers 5.17 wants a video processor beside the image one (it needs torchvision, as the GPU image has)
         Qwen2_5_VLProcessor(image_processor=image_processor, tokenizer=tokenizer,
-                            chat_template=VL_CHAT_TEMPLATE).save_pretrained(tmp)
+                            video_processor=Qwen2VLVideoProcessor(), chat_template=VL_CHAT_TEMPLATE).save_pretrained(tmp)
     except Exception as exc:  # noqa: BLE001 - e.g. no torchvision for the video processor: grpo still reads the folder
         print(f"the processor was not saved ({type(exc).__name__}: {exc}); vLLM needs it")
     os.replace(tmp, out)
