@@ -29,6 +29,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # train_memory.py beside this file
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the grpo package
 
+from tests.tiny_vl_models import CHAT_TEMPLATE as VL_CHAT_TEMPLATE  # noqa: E402  (Qwen2-VL's, trimmed)
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -81,15 +83,6 @@ VL_SHAPES = {
                                       tokens_per_second=2)),
 }
 VL_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
-# Qwen2-VL's chat template, trimmed: string contents as they are, list contents by part (an image part -> its
-# placeholder, which the processor expands)
-VL_CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
-    "{% if m['content'] is string %}{{ m['content'] }}"
-    "{% else %}{% for part in m['content'] %}"
-    "{% if part['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
-    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
-    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
 def write_random_vl(shape: str, out: str, tokenizer) -> None:

@@ -1,3 +1,4 @@
+import logging
 import os
 import sys
 
@@ -36,3 +37,18 @@ def registry(tmp_path_factory):
     from .trainer_setup import write_prompt_registry
 
     return write_prompt_registry(str(tmp_path_factory.mktemp("data")))
+
+
+@pytest.fixture
+def grpo_log():
+    """The lines the "grpo" logger writes (the trainer turns its propagation off)."""
+    lines = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logger = logging.getLogger("grpo")
+    level = logger.level
+    logger.setLevel(logging.INFO)  # setLevel, not the attribute: it clears what isEnabledFor has cached
+    logger.addHandler(handler)
+    yield lines
+    logger.removeHandler(handler)
+    logger.setLevel(level)

@@ -1,7 +1,6 @@
 """Dataset registry: every source kind, standard rows, splits, prompt rendering, and every error before a model."""
 import importlib.util
 import json
-import logging
 import os
 
 import datasets
@@ -348,21 +347,6 @@ def test_too_long_prompts_name_datasets_counts_and_fix(jsonl):
     assert "dataset(s) long, toy: 23 prompt(s)" in message
     assert "(3 in 'long', 20 in 'toy', the longest has 10)" in message
     assert len(render_prompts(train, tokenizer, 10)) == 23
-
-
-@pytest.fixture
-def grpo_log():
-    """The lines the "grpo" logger writes (the trainer turns its propagation off)."""
-    lines = []
-    handler = logging.Handler(logging.INFO)
-    handler.emit = lambda record: lines.append(record.getMessage())
-    logger = logging.getLogger("grpo")
-    level = logger.level
-    logger.setLevel(logging.INFO)  # setLevel, not the attribute: it clears what isEnabledFor has cached
-    logger.addHandler(handler)
-    yield lines
-    logger.removeHandler(handler)
-    logger.setLevel(level)
 
 
 def test_filter_overlong_prompts_drops_reports_and_refuses_an_emptied_dataset(jsonl, grpo_log):

@@ -59,22 +59,29 @@ def test_the_rollout_rank_samples_the_policy_after_every_step(setup):  # noqa: F
     assert moved > 1e-2, moved
 
 
+def start_two_nodes(setup, out, port: int, *flags: str) -> list:
+    """Two nodes of one slot each from one hostfile, each started by its own launcher as on a cluster without ssh
+    (`deepspeed --hostfile ... --no_ssh --node_rank N`): node 0 trains (full fine-tuning), node 1 generates."""
+    folder, model, registry = setup
+    hostfile = folder / f"two_nodes_{port}"
+    hostfile.write_text("node-a slots=1\nnode-b slots=1\n")
+    nodes = []
+    for node in (0, 1):
+        where = ("--hostfile", str(hostfile), "--no_ssh", "--node_rank", str(node), "--master_addr", "127.0.0.1")
+        cmd = launch_command(model, registry, out, port, "--reward_module", str(folder / "rewards.py"), *SERVER,
+                             "--tuning_strategy", "full", *flags, where=where)
+        nodes.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+                                      env=child_env()))
+    return nodes
+
+
 @needs_launcher
 def test_the_rollout_rank_may_sit_on_another_node(setup):  # noqa: F811
     """Two nodes of one slot each from one hostfile, each started by its own launcher as on a cluster without ssh
     (`deepspeed --hostfile ... --no_ssh --node_rank N`): the second node's only rank (job rank 1, local rank 0)
     generates, the first trains, and they meet at MASTER_ADDR:MASTER_PORT."""
-    folder, model, registry = setup
-    hostfile = folder / "two_nodes"
-    hostfile.write_text("node-a slots=1\nnode-b slots=1\n")
-    out = folder / "out_server_two_nodes"
-    nodes = []
-    for node in (0, 1):
-        where = ("--hostfile", str(hostfile), "--no_ssh", "--node_rank", str(node), "--master_addr", "127.0.0.1")
-        cmd = launch_command(model, registry, out, 29557, "--reward_module", str(folder / "rewards.py"), *SERVER,
-                             "--tuning_strategy", "full", "--max_steps", "2", where=where)
-        nodes.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
-                                      env=child_env()))
+    out = setup[0] / "out_server_two_nodes"
+    nodes = start_two_nodes(setup, out, 29557, "--max_steps", "2")
     try:
         logs = [node.communicate(timeout=600)[0] for node in nodes]
     finally:  # a node left waiting for its peer must not outlive the test
@@ -93,18 +100,9 @@ def test_a_rollout_rank_killed_on_another_node_stops_the_training_node(setup):  
     """The rollout rank (node b) is killed after step 1, as the OOM killer would: training rank 0, waiting for its
     answer, hears nothing more from its heartbeat and stops the job with a message that names it, long before
     --ddp_timeout_minutes."""
-    folder, model, registry = setup
-    hostfile = folder / "two_nodes_killed"
-    hostfile.write_text("node-a slots=1\nnode-b slots=1\n")
-    out = folder / "out_server_rollout_killed"
-    nodes = []
-    for node in (0, 1):
-        where = ("--hostfile", str(hostfile), "--no_ssh", "--node_rank", str(node), "--master_addr", "127.0.0.1")
-        cmd = launch_command(model, registry, out, 29561, "--reward_module", str(folder / "rewards.py"), *SERVER,
-                             "--tuning_strategy", "full", "--max_steps", "50", "--save_steps", "0",
-                             "--eval_on_start", "false", "--ddp_timeout_minutes", "10", where=where)
-        nodes.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
-                                      env=child_env()))
+    out = setup[0] / "out_server_rollout_killed"
+    nodes = start_two_nodes(setup, out, 29561, "--max_steps", "50", "--save_steps", "0", "--eval_on_start", "false",
+                            "--ddp_timeout_minutes", "10")
     try:
         deadline = time.time() + 400
         while not (out / "metrics.jsonl").is_file() or not train_rows(out):  # step 1 trained

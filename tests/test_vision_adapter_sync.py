@@ -3,7 +3,6 @@ base as vLLM's bitsandbytes loader reads it, the trainer's base shared with the 
 weights the engine takes (auto, explicit, refusals). On CPU with the tiny Qwen2.5-VL / Qwen2-VL of
 tests/tiny_vl_models.py; vLLM's side is written down below as data read from its source (docs/vision.md)."""
 import json
-import logging
 import os
 
 import pytest
@@ -78,21 +77,6 @@ def is_layer_skipped_bnb(prefix: str, skip: list[str]) -> bool:
 def vl_models(tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny_vl_adapter")
     return {arch: make_tiny_vl_model_dir(str(root / arch), arch=arch) for arch in ARCHS}
-
-
-@pytest.fixture
-def grpo_log():
-    """The lines the "grpo" logger writes (once a trainer has set up logging it does not propagate to caplog)."""
-    lines = []
-    handler = logging.Handler(logging.INFO)
-    handler.emit = lambda record: lines.append(record.getMessage())
-    logger = logging.getLogger("grpo")
-    level = logger.level
-    logger.setLevel(logging.INFO)
-    logger.addHandler(handler)
-    yield lines
-    logger.removeHandler(handler)
-    logger.setLevel(level)
 
 
 def saved_names(model_dir) -> set[str]:
