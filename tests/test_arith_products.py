@@ -51,3 +51,33 @@ def test_shipped_entries_load_with_the_held_out_file_as_eval():
     assert (len(train), len(held_out)) == (2000, 200)
     assert set(held_out["data_source"]) == {"arith_products_eval"}
     assert "\\boxed{}" in held_out[0]["messages"][-1]["content"]
+
+
+def test_a_short_run_on_arith_products_warm_starts_trains_and_logs_tool_metrics(tmp_path):
+    """One warm-start step on the shipped demonstrations, one GRPO step, eval on the held-out entry before and after:
+    the tool metrics are logged for both evaluations and the step (a tiny random model: whether it calls is chance)."""
+    import subprocess
+    import sys
+
+    from grpo.train.reporting import read_metrics
+
+    from .tiny_models import make_tiny_model_dir
+    from .trainer_setup import child_env
+
+    model = make_tiny_model_dir(str(tmp_path / "model"))
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "train_grpo.py"), "--model_name_or_path", model,
+         "--dataset_names", "arith_products", "--eval_dataset_names", "arith_products_eval", "--warm_start_steps", "1",
+         "--max_steps", "1", "--per_device_train_batch_size", "2", "--k_samples", "2", "--rollout_engine", "hf",
+         "--rollout_max_new_tokens", "8", "--max_turns", "2", "--max_episode_tokens", "24", "--max_prompt_length",
+         "512", "--max_seq_length", "560", "--eval_max_prompts", "2", "--eval_on_start", "true", "--save_steps", "0",
+         "--lora_rank", "4", "--lora_alpha", "8", "--output_dir", str(out)],
+        capture_output=True, text=True, cwd=ROOT, env=child_env(), timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "warm start 1/1" in proc.stderr + proc.stdout
+    rows = read_metrics(str(out / "metrics.jsonl"))
+    evals = [r for r in rows if "eval/episodes/called_a_tool" in r]
+    assert [r["step"] for r in evals] == [0, 1]
+    assert all(0.0 <= r["eval/episodes/called_a_tool"] <= 1.0 for r in evals)
+    assert any("episodes/called_a_tool" in r and "loss" in r for r in rows)
