@@ -19,6 +19,12 @@
 #                                              # on its demonstrations; the table adds the share of held-out
 #                                              # episodes that called it, at step 0 (after the warm start) and at
 #                                              # the end
+#   ARITH="" GSM8K="" ARITH_PRODUCTS=lora SEEDS="0 1 2" PARALLEL=3 bash benchmarks/learning.sh   # two-digit
+#                                              # products with the calculator (arith_products), after a short
+#                                              # PRODUCTS_WARM_START (5 steps at PRODUCTS_WARM_LR) that leaves most
+#                                              # episodes without a call; evaluated on arith_products_eval. The step-0
+#                                              # eval (after the warm start, before any GRPO step) is the baseline:
+#                                              # the same start without GRPO. Seed 2 is the unseen seed.
 #   GPU_ID=2 bash benchmarks/learning.sh   # every run on GPU 2 (DeepSpeed's launcher ignores CUDA_VISIBLE_DEVICES)
 #   PARALLEL=4 bash benchmarks/learning.sh     # up to 4 runs at once on the one GPU (a 135M model leaves it idle);
 #                                              # the table's wall / train seconds then include the sharing. Runs
@@ -39,6 +45,10 @@ MODEL=${MODEL:-smollm2-135m-instruct}  # the embedded default, or a local folder
 ARITH=${ARITH-full lora qlora}
 ARITH_CALC=${ARITH_CALC-}  # strategies to run on arith_calc (arith's questions, the calculator tool); none by default
 WARM_START=${WARM_START:-30}  # arith_calc: supervised steps on its calculator demonstrations first (0: none)
+ARITH_PRODUCTS=${ARITH_PRODUCTS-}  # strategies to run on arith_products (calculator needed); none by default
+PRODUCTS_WARM_START=${PRODUCTS_WARM_START:-5}  # arith_products: supervised steps on its 32 demonstrations
+PRODUCTS_STEPS=${PRODUCTS_STEPS:-60}
+read -r -a PRODUCTS_ARGS <<< "${PRODUCTS_EXTRA:-}"  # e.g. "--reward_weights ..." for this mode only
 GSM8K=${GSM8K-lora qlora}
 SEEDS=${SEEDS:-0}
 STEPS=${STEPS:-40}
@@ -130,6 +140,15 @@ for seed in $SEEDS; do
     launch "arith_calc-$strategy-s$seed" arith_calc "$strategy" "$seed" boxed_accuracy --dataset_names arith_calc \
       --max_steps "$STEPS" --rollout_max_new_tokens 64 --max_turns 3 --max_episode_tokens 256 \
       --max_prompt_length 320 --max_seq_length 576 --eval_max_prompts 100 --warm_start_steps "$WARM_START"
+  done
+done
+for seed in $SEEDS; do
+  for strategy in $ARITH_PRODUCTS; do  # as arith_calc, on questions the model cannot do in its head
+    launch "arith_products-$strategy-s$seed" arith_products_eval "$strategy" "$seed" boxed_accuracy \
+      --dataset_names arith_products --eval_dataset_names arith_products_eval --max_steps "$PRODUCTS_STEPS" \
+      --rollout_max_new_tokens 64 --max_turns 3 --max_episode_tokens 256 --max_prompt_length 320 \
+      --max_seq_length 576 --eval_max_prompts 100 --eval_steps 20 --warm_start_steps "$PRODUCTS_WARM_START" \
+      "${PRODUCTS_ARGS[@]}"
   done
 done
 if [ -n "$GSM8K" ] && [ -f "$GSM8K_DIR/test.jsonl" ]; then

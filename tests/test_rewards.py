@@ -400,6 +400,9 @@ def test_tool_call_reward_pays_a_call_that_ran():
     # partial credit for calls written that all failed (bad JSON, a tool not offered, wrong arguments), none for none
     assert tool_call_reward(["\\boxed{42}"] * 6, ["42"] * 6, messages=episodes, attempt=0.5) == \
         [1.0, 0.0, 0.5, 0.5, 0.5, 1.0]
+    # a negative `attempt` is a penalty for calls that all failed, below writing none
+    assert tool_call_reward(["\\boxed{42}"] * 6, ["42"] * 6, messages=episodes, attempt=-0.5) == \
+        [1.0, 0.0, -0.5, -0.5, -0.5, 1.0]
 
 
 def test_tool_call_reward_through_the_router_and_its_errors():

@@ -30,7 +30,8 @@ def tool_call_reward(completions: list[str], answers: list, messages: Optional[l
                      **_) -> list[float]:
     """1.0 when the episode holds a tool call that ran (its result is not an error); `attempt` (0 by default) when it
     holds calls that all failed (each answered with an error: bad JSON, a tool not offered, wrong arguments), a step
-    towards a call that runs for a model that has yet to write one; else 0.0.
+    towards a call that runs for a model that has yet to write one (a negative `attempt` instead penalises failed
+    calls, below writing none); else 0.0.
 
     Reads the whole conversation (`messages`), which the trainer passes for every row; a one-turn completion has
     no tool messages and gets 0.0."""
