@@ -405,6 +405,56 @@ def test_tool_call_reward_pays_a_call_that_ran():
         [1.0, 0.0, -0.5, -0.5, -0.5, 1.0]
 
 
+def test_tool_reward_options_reweigh_and_penalise_the_tool_datasets_only():
+    from grpo.rewards.tool_use import tool_reward_overrides
+
+    routes = {"calc": {"boxed_accuracy": 1.0, "tool_call": 0.2}, "plain": {"boxed_accuracy": 1.0},
+              "products": {"boxed_accuracy": 1.0}}
+    kwargs = {"calc": {"tool_call": {"attempt": 0.5}}}
+    new_routes, new_kwargs = tool_reward_overrides(routes, kwargs, ["calc", "products"], weight=0.6, penalty=0.25)
+    assert new_routes == {"calc": {"boxed_accuracy": 1.0, "tool_call": 0.6}, "plain": {"boxed_accuracy": 1.0},
+                          "products": {"boxed_accuracy": 1.0, "tool_call": 0.6}}  # added where it had none
+    assert new_kwargs == {"calc": {"tool_call": {"attempt": -0.25}}, "products": {"tool_call": {"attempt": -0.25}}}
+    assert routes["calc"]["tool_call"] == 0.2 and kwargs["calc"]["tool_call"]["attempt"] == 0.5  # registry untouched
+    # through the router: a call that ran scores 1 x 0.6 on top of the answer, calls that all failed -0.25 x 0.6
+    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "6 * 7"}}</tool_call>'
+    failed = '<tool_call>{"name": "calculator", "arguments": {"expression": "6 *"}</tool_call>'
+    result = RewardRouter(new_routes, new_kwargs)(
+        ["\\boxed{42}"] * 3, ["42"] * 3, ["calc"] * 3,
+        messages=[_episode(call, "\\boxed{42}"), _episode(failed, "\\boxed{42}"), _episode("\\boxed{42}")])
+    assert result.total == pytest.approx([1.6, 1.0 - 0.15, 1.0])
+    # only what is given changes; nothing given is no change
+    assert tool_reward_overrides(routes, kwargs, ["calc"]) == (routes, kwargs)
+    assert tool_reward_overrides(routes, kwargs, ["calc"], penalty=1.0)[0]["calc"]["tool_call"] == 0.2
+    with pytest.raises(RewardError, match="none of the named datasets"):
+        tool_reward_overrides(routes, kwargs, [], weight=0.5)
+    with pytest.raises(RewardError, match="dataset 'products' has no tool_call reward"):
+        tool_reward_overrides(routes, kwargs, ["products"], penalty=0.5)
+
+
+def test_tool_reward_options_reach_a_runs_reward_router():
+    from grpo.config import GRPOConfig
+    from grpo.train.setup import load_rewards
+
+    config = GRPOConfig(dataset_names=["arith_products", "arith"], eval_dataset_names=["arith_products_eval"],
+                        tool_call_reward=0.7, tool_failure_penalty=0.1)
+    router = load_rewards(config)
+    for source in ("arith_products", "arith_products_eval"):  # the shipped entries with the calculator
+        tool_call = next(r for r in router.routes[source] if r.name == "tool_call")
+        assert (tool_call.weight, tool_call.kwargs["attempt"]) == (0.7, -0.1)
+    assert "tool_call" not in [r.name for r in router.routes["arith"]]  # no tools, no change
+
+
+def test_tool_reward_options_are_checked_at_construction():
+    from grpo.config import GRPOConfig
+    from grpo.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="tool_failure_penalty.*>= 0.*0.5 scores a failed call -0.5"):
+        GRPOConfig(tool_failure_penalty=-0.5)
+    with pytest.raises(ConfigError, match="tool_call_reward.*>= 0"):
+        GRPOConfig(tool_call_reward=float("nan"))
+
+
 def test_tool_call_reward_through_the_router_and_its_errors():
     from grpo.rewards import tool_call_reward
 

@@ -317,6 +317,14 @@ class GRPOConfig(DerivedOptions):
         0, "Supervised steps on the datasets' \"demonstrations\" (the model's turns written out, e.g. tool calls) "
            "before the first GRPO step of a fresh run: a model that never calls its tools gets calls to prefer.",
         "tools")
+    tool_call_reward: Optional[float] = _opt(
+        None, "Weight of the tool_call reward (1 for an episode with a tool call that ran) in every named dataset that "
+              "offers tools: replaces the registry's weight, or adds the reward where the entry has none; 0 turns it "
+              "off. Default: the registry's.", "tools")
+    tool_failure_penalty: Optional[float] = _opt(
+        None, "What tool_call scores an episode whose tool calls all failed (bad JSON, unknown tool, wrong arguments), "
+              "as a penalty >= 0: tool_call's `attempt` becomes -penalty in every named dataset that offers tools. "
+              "Default: the registry's attempt.", "tools")
     allow_unsandboxed_code: bool = _opt(
         False, "Where no sandbox can be made (bubblewrap missing or namespaces refused), run the python tool's code "
                "as a plain process anyway: no isolation from the trainer, its files or the network (docs/tools.md).",

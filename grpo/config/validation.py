@@ -2,6 +2,7 @@
 the flag, at construction, before any data or model is touched."""
 from __future__ import annotations
 
+import math
 import os
 import re
 
@@ -226,6 +227,11 @@ def _validate_loss_and_correction(cfg, need) -> None:
 
 def _validate_episodes(cfg, need) -> None:
     need(cfg.max_turns >= 1, "max_turns", f"must be >= 1, got {cfg.max_turns}")
+    for name in ("tool_call_reward", "tool_failure_penalty"):
+        value = getattr(cfg, name)
+        need(value is None or (math.isfinite(value) and value >= 0), name,
+             f"must be a number >= 0, got {value}" + (" (a penalty is given as its size: 0.5 scores a failed call "
+                                                       "-0.5)" if name == "tool_failure_penalty" else ""))
     need(cfg.warm_start_steps >= 0, "warm_start_steps", f"must be >= 0, got {cfg.warm_start_steps}")
     need(cfg.max_episode_tokens is None or cfg.max_episode_tokens >= 1, "max_episode_tokens",
          f"must be >= 1, got {cfg.max_episode_tokens}")

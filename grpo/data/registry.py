@@ -149,6 +149,11 @@ def dataset_routes(registry: dict[str, DatasetSpec],
             {s.name: {reward: dict(kw) for reward, kw in s.reward_kwargs.items()} for s in specs})
 
 
+def tool_datasets(registry: dict[str, DatasetSpec], names: Sequence[str]) -> list[str]:
+    """The named datasets whose episodes may call tools."""
+    return [s.name for s in (lookup(registry, n) for n in names) if s.tools]
+
+
 def check_dataset_names(registry: dict[str, DatasetSpec], registry_path: str, names, eval_names,
                         train_split_ratio: float) -> tuple[list[str], list[str]]:
     """(train names, eval names) as lists, once each registered and given once, before any data file is read."""

@@ -42,3 +42,28 @@ def tool_call_reward(completions: list[str], answers: list, messages: Optional[l
         raise RewardError(f"tool_call: got {len(messages)} conversations for {len(completions)} completions")
     return [1.0 if ran_a_tool(conversation) else float(attempt) if attempted_a_tool(conversation) else 0.0
             for conversation in messages]
+
+
+def tool_reward_overrides(routes: dict[str, dict[str, float]], reward_kwargs: dict[str, dict[str, dict]],
+                          tool_datasets: list[str], weight: Optional[float] = None,
+                          penalty: Optional[float] = None) -> tuple[dict, dict]:
+    """(routes, reward_kwargs) with --tool_call_reward / --tool_failure_penalty applied to the datasets that offer
+    tools: tool_call's weight set to `weight` (added where a dataset has no tool_call), its `attempt` to -`penalty`.
+    New dicts; the registry's stay as they are. A penalty needs a tool_call route to act through."""
+    if weight is None and penalty is None:
+        return routes, reward_kwargs
+    if not tool_datasets:
+        raise RewardError("--tool_call_reward / --tool_failure_penalty act on datasets that offer tools, and none of "
+                          f"the named datasets ({', '.join(routes)}) does: drop them, or name a dataset with \"tools\"")
+    routes = {source: dict(weights) for source, weights in routes.items()}
+    reward_kwargs = {source: {name: dict(kw) for name, kw in by_name.items()}
+                     for source, by_name in reward_kwargs.items()}
+    for source in tool_datasets:
+        if weight is not None:
+            routes[source]["tool_call"] = float(weight)
+        if penalty is not None:
+            if "tool_call" not in routes[source]:
+                raise RewardError(f"--tool_failure_penalty: dataset '{source}' has no tool_call reward for the penalty "
+                                  "to act through: give --tool_call_reward too, or add tool_call to its \"rewards\"")
+            reward_kwargs.setdefault(source, {}).setdefault("tool_call", {})["attempt"] = -float(penalty)
+    return routes, reward_kwargs

@@ -60,8 +60,9 @@ def check_engine_available(config: GRPOConfig) -> None:
 def load_rewards(config: GRPOConfig, reward_funcs: Sequence[Callable] = ()):
     """The reward router for the named datasets: the user's reward module, reward models, the registry's entries
     and every reward they name, checked before any data file is read (torch only for --reward_model)."""
-    from grpo.data.registry import check_dataset_names, dataset_routes, load_dataset_registry
+    from grpo.data.registry import check_dataset_names, dataset_routes, load_dataset_registry, tool_datasets
     from grpo.rewards import RewardRouter, load_reward_module
+    from grpo.rewards.tool_use import tool_reward_overrides
 
     if config.reward_module:
         load_reward_module(config.reward_module)
@@ -75,7 +76,10 @@ def load_rewards(config: GRPOConfig, reward_funcs: Sequence[Callable] = ()):
     registry = load_dataset_registry(config.dataset_config_path)
     check_dataset_names(registry, config.dataset_config_path, config.dataset_names, config.eval_dataset_names,
                         config.effective_train_split_ratio)
-    routes, reward_kwargs = dataset_routes(registry, config.dataset_names + config.eval_dataset_names)
+    names = config.dataset_names + config.eval_dataset_names
+    routes, reward_kwargs = dataset_routes(registry, names)
+    routes, reward_kwargs = tool_reward_overrides(routes, reward_kwargs, tool_datasets(registry, names),
+                                                  config.tool_call_reward, config.tool_failure_penalty)
     return RewardRouter(routes, reward_kwargs, extra_funcs=reward_funcs)
 
 
