@@ -231,3 +231,22 @@ def test_every_rank_counts_on_the_least_gpu_memory(tmp_path):
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=ROOT, timeout=300,
                           env=child_env())
     assert proc.returncode == 0 and proc.stdout.strip().endswith("agreed"), proc.stderr[-3000:]
+
+
+def test_a_cache_left_to_the_share_says_how_many_sequences_it_holds(tmp_path, grpo_log):
+    model = make_tiny_model_dir(str(tmp_path / "tiny"))
+    # 4 x 8 = 32 sequences of min(1024, 64 + 960) tokens; 2 layers x 2 KV heads x 16 x 2 (K, V) x 2 bytes = 256 bytes
+    # a token, so a sequence takes 256 KiB and the step, +25%, 10 MiB
+    cfg = parse_args(["--per_device_train_batch_size", "4", "--k_samples", "8", "--max_prompt_length", "64",
+                      "--rollout_max_new_tokens", "960", "--max_seq_length", "1024", "--tuning_strategy", "lora"])
+    weights = checkpoint_weight_bytes(model)
+    sequence = 1024 * 256
+    for room_sequences, said in ((8, "about 8 of the step's 32 sequences of 1024 tokens at once"), (40, None)):
+        total = int((room_sequences * sequence + weights) / 0.3) + 1  # the 0.3 share less the weights
+        assert engine_kv_cache_bytes(cfg, model, gpu_total_bytes=total) is None  # more than half of it: the share
+        line = grpo_log[-1]
+        assert line.startswith("vLLM KV cache: the memory share (the step's rollouts need 0.01 GiB")
+        if said:  # 8 sequences at a time: the rest wait, and how to hold them all
+            assert said in line and "vLLM queues and preempts the rest" in line and "--vllm_kv_cache_gib 1 " in line
+        else:  # it holds all 32 at once, only without auto's half for vLLM's activations: nothing more to say
+            assert "at once" not in line

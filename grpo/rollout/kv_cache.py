@@ -119,6 +119,18 @@ def checkpoint_weight_bytes(model_path: str, tensor_parallel_size: int = 1, floa
     return total // tensor_parallel_size
 
 
+def share_holds(room_bytes: float, per_token: int, sequences: int, longest: int, needed_bytes: int) -> str:
+    """What a cache left to the share means for the step's rollouts, said where it cannot hold them all at once:
+    at most `room_bytes` (the share less the weights; vLLM's activations come off it too) holds about this many
+    sequences of `longest` tokens; vLLM runs the rest as they free room (queued, or preempted and recomputed)."""
+    at_once = max(0, int(room_bytes // (per_token * longest)))
+    if at_once >= sequences:
+        return ""
+    return (f": at most {max(room_bytes, 0) / 2**30:.1f} GiB, about {at_once} of the step's {sequences} sequences "
+            f"of {longest} tokens at once; vLLM queues and preempts the rest (slower rollouts, no failure). "
+            f"--vllm_kv_cache_gib {math.ceil(needed_bytes / 2**30)} holds them all where the GPU has the room")
+
+
 def engine_kv_cache_bytes(config, model_path: str, gpu_total_bytes: int | None = None,
                           completion_tokens: int | None = None, gpu_free_bytes: int | None = None) -> int | None:
     """--vllm_kv_cache_gib in bytes per GPU: a number as given; auto sized to a colocated step's rollouts when that
@@ -162,7 +174,9 @@ def engine_kv_cache_bytes(config, model_path: str, gpu_total_bytes: int | None =
             logger.info(f"vLLM KV cache: the memory share (the step's rollouts need {size / 2**30:.2f} GiB, more "
                         f"than half of what --vllm_gpu_memory_utilization {config.vllm_memory_share} leaves after "
                         f"{weights / 2**30:.2f} GiB of weights" + (f", and of what the GPU's "
-                        f"{gpu_free_bytes / 2**30:.1f} GiB free leave" if by_free else "") + ")")
+                        f"{gpu_free_bytes / 2**30:.1f} GiB free leave" if by_free else "") + ")"
+                        + share_holds(config.vllm_memory_share * gpu_total_bytes - weights, per_token, sequences,
+                                      longest, size))
             return None
         where = (f"; more than the {config.vllm_memory_share:g} share leaves, within half of the "
                  f"{gpu_free_bytes / 2**30:.1f} GiB free beside {weights / 2**30:.2f} GiB of weights")
