@@ -69,10 +69,15 @@ try:
     rows = [r for r in read_metrics(d + "/metrics.jsonl") if "loss" in r][int(skip):]
 except OSError:
     rows = []
-step_s = sum(r["time/step"] for r in rows) / len(rows) if rows else None
+def mean(key):
+    values = [r[key] for r in rows if key in r]
+    return round(sum(values) / len(values), 3) if values else None
+step_s = mean("time/step")
 print(json.dumps({"name": name, "kind": kind, "mode": mode, "gpus": int(gpus), "nodes": int(nodes),
                   "samples_per_step": int(samples), "step_s": step_s,
-                  "samples_per_s": int(samples) / step_s if step_s else None, "rc": int(rc), "wall_s": int(wall)}))
+                  "samples_per_s": int(samples) / step_s if step_s else None, "rc": int(rc), "wall_s": int(wall),
+                  # where a step's time goes (rank 0's view; async rollouts overlap training)
+                  "rollout_s": mean("time/rollout"), "train_s": mean("time/train"), "sync_s": mean("time/sync")}))
 PY
   tail -n 1 "$OUT/scaling.jsonl"
 }
