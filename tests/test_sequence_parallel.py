@@ -226,3 +226,19 @@ def test_a_lora_step_under_deepspeed_zero_matches_one_process(tmp_path, stage):
     for name, weight in weights.items():
         assert not torch.equal(weight, before[name]), name  # the step moved it
         assert torch.allclose(sharded["weights"][name], weight, atol=1e-5), name
+
+
+def test_prompts_are_split_by_data_parallel_rank():
+    """The ranks of one sequence-parallel group draw the same prompts; the groups split the epoch between them."""
+    from types import SimpleNamespace
+
+    from grpo.train.setup import prompt_order
+
+    config = SimpleNamespace(sequence_parallel_size=2, seed=5)
+    orders = [prompt_order(12, 3, config, rank, 4) for rank in range(4)]
+    first = [order.indices(0, 0) for order in orders]
+    assert first[0] == first[1] and first[2] == first[3]
+    assert not set(first[0]) & set(first[2])
+    assert orders[0].steps_per_epoch == 2  # 12 prompts / 2 groups / 3 per step
+    single = prompt_order(12, 3, SimpleNamespace(sequence_parallel_size=1, seed=5), 1, 2)
+    assert single.indices(0, 0) == first[2]  # group 1 of 2 draws what rank 1 of 2 draws without SP

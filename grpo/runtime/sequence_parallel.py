@@ -107,14 +107,14 @@ def gather_shards(part: torch.Tensor, group, sp_size: int) -> torch.Tensor:
 
 
 def sharded_sequence_logprobs(decoder, head, token_ids: torch.Tensor, group, sp_rank: int, sp_size: int,
-                              temperature: float = 1.0, chunk_tokens: int = 1024,
-                              pad_id: int = 0) -> torch.Tensor:
+                              temperature: float = 1.0, chunk_tokens: int = 1024, pad_id: int = 0,
+                              with_entropy: bool = False, entropy_grad: bool = False):
     """log p(token t+1 | tokens <= t) for every position t of one sequence [L] -> [L - 1], computed with the sequence
     split over the group (each rank's decoder sees S/N tokens; attention exchanges heads all-to-all) and the log-probs
     from hidden states in chunks (`chunk_tokens` 0: from the shard's whole logits, as under ZeRO-3, whose gathered
     output layer cannot be recomputed in a chunk's checkpoint). Collective over `group`: every rank passes the same
-    sequence."""
-    from grpo.algorithm import hidden_token_logprobs, token_logprobs
+    sequence. `with_entropy`: returns (log-probs, entropies [L - 1]), the entropy with gradient when `entropy_grad`."""
+    from grpo.algorithm import hidden_token_logprobs, token_entropy, token_logprobs
 
     shard = shard_sequence(token_ids, sp_rank, sp_size, pad_id)
     hidden = decoder(input_ids=shard.input_ids, position_ids=shard.position_ids,
@@ -123,31 +123,62 @@ def sharded_sequence_logprobs(decoder, head, token_ids: torch.Tensor, group, sp_
     valid = labels != IGNORE
     # ignored positions score token 0 and are dropped after the gather (every rank runs the same chunk count)
     if chunk_tokens > 0:
-        part, _ = hidden_token_logprobs(hidden, head, labels.clamp(min=0), temperature, chunk_tokens=chunk_tokens)
+        part, part_entropy = hidden_token_logprobs(hidden, head, labels.clamp(min=0), temperature,
+                                                   chunk_tokens=chunk_tokens, with_entropy=with_entropy,
+                                                   entropy_grad=entropy_grad)
     else:  # ZeRO-3 (see update.score): the shard's own [S/N, V] logits, the head called once per rank
-        part = token_logprobs(head(hidden).unsqueeze(0), labels.clamp(min=0).unsqueeze(0), temperature)[0]
-    part = part * valid.to(part.dtype)
-    full = gather_shards(part, group, sp_size)                                           # [S]
-    return full[:shard.length - 1]
+        logits = head(hidden).unsqueeze(0)
+        part = token_logprobs(logits, labels.clamp(min=0).unsqueeze(0), temperature)[0]
+        part_entropy = token_entropy(logits if entropy_grad else logits.detach(), temperature=temperature,
+                                     with_grad=entropy_grad)[0] if with_entropy else None
+    keep = valid.to(part.dtype)
+    full = gather_shards(part * keep, group, sp_size)[:shard.length - 1]                 # [L - 1]
+    if not with_entropy:
+        return full
+    entropy = part_entropy.float() * keep.float()
+    entropy = gather_shards(entropy if entropy_grad else entropy.detach(), group, sp_size)[:shard.length - 1]
+    return full, (entropy if entropy_grad else entropy.detach())
 
 
-def sharded_completion_logprobs(decoder, head, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                                completion_width: int, group, sp_rank: int, sp_size: int, temperature: float = 1.0,
-                                chunk_tokens: int = 1024, pad_id: int = 0) -> torch.Tensor:
-    """The completion tokens' log-probs of a RolloutBatch's rows [n, P+T] (prompts left-padded, completions
-    right-padded) -> [n, T], 0 past each completion: one row at a time through the sharded path (DeepSpeed's
-    Ulysses attention holds a fixed batch size of 1)."""
-    rows = []
+def sharded_completion_scores(decoder, head, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                              completion_width: int, group, sp_rank: int, sp_size: int, temperature: float = 1.0,
+                              chunk_tokens: int = 1024, pad_id: int = 0, with_entropy: bool = False,
+                              entropy_grad: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The completion tokens' log-probs (and entropies) of a RolloutBatch's rows [n, P+T] (prompts left-padded,
+    completions right-padded) -> [n, T], 0 past each completion: one row at a time through the sharded path
+    (DeepSpeed's Ulysses attention holds a fixed batch size of 1). Every rank of the group passes the same rows."""
+    rows, entropy_rows = [], []
     for ids, mask in zip(input_ids, attention_mask):
         real = mask.bool()
         prompt_len = int(real[:-completion_width].sum())
         completion_len = int(real[-completion_width:].sum())
         out = torch.zeros(completion_width, device=input_ids.device)
+        out_entropy = torch.zeros(completion_width, device=input_ids.device)
         if completion_len:
-            per_position = sharded_sequence_logprobs(decoder, head, ids[real], group, sp_rank, sp_size,
-                                                     temperature, chunk_tokens, pad_id)          # [L - 1]
+            scored = sharded_sequence_logprobs(decoder, head, ids[real], group, sp_rank, sp_size, temperature,
+                                               chunk_tokens, pad_id, with_entropy, entropy_grad)
+            per_position, per_entropy = scored if with_entropy else (scored, None)            # [L - 1]
             # completion token j sits at position prompt_len + j, predicted by position prompt_len + j - 1
-            taken = per_position[prompt_len - 1:prompt_len - 1 + completion_len].float()
-            out = torch.cat([taken, torch.zeros(completion_width - completion_len, device=taken.device)])
+            taken = slice(prompt_len - 1, prompt_len - 1 + completion_len)
+            tail = torch.zeros(completion_width - completion_len, device=input_ids.device)
+            out = torch.cat([per_position[taken].float(), tail])
+            if with_entropy:
+                out_entropy = torch.cat([per_entropy[taken].float(), tail])
         rows.append(out)
-    return torch.stack(rows)
+        entropy_rows.append(out_entropy)
+    return torch.stack(rows), (torch.stack(entropy_rows) if with_entropy else None)
+
+
+def sharded_completion_logprobs(decoder, head, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                                completion_width: int, group, sp_rank: int, sp_size: int, temperature: float = 1.0,
+                                chunk_tokens: int = 1024, pad_id: int = 0) -> torch.Tensor:
+    """sharded_completion_scores' log-probs alone  # [n, T]."""
+    return sharded_completion_scores(decoder, head, input_ids, attention_mask, completion_width, group, sp_rank,
+                                     sp_size, temperature, chunk_tokens, pad_id)[0]
+
+
+def group_of_this_rank():
+    """(group, rank in it) of the sequence-parallel group register_ulysses set up."""
+    from deepspeed.runtime.sequence_parallel import parallel_state_sp
+
+    return parallel_state_sp.get_sequence_parallel_group(), parallel_state_sp.get_sequence_parallel_rank()

@@ -140,7 +140,6 @@ def load_run_data(config: GRPOConfig, rewards, rank: int, world: int) -> RunData
 
     ds_config = load_deepspeed_config(config, use_bf16=default_dtype() == torch.bfloat16)
     from grpo.data import first_rows_per_source, render_prompts
-    from grpo.data.sampler import PromptOrder
     from grpo.model.base_weights import check_checkpoint_weights
     from grpo.model.embedded import resolve_model_path
     from grpo.model.loading import load_tokenizer
@@ -187,22 +186,36 @@ def load_run_data(config: GRPOConfig, rewards, rank: int, world: int) -> RunData
     check_checkpoint_weights(config, model_path)  # qlora's re-quantization and loftq read its 16-bit weights
     check_positions(model_path, config)  # vLLM would refuse a longer --max_seq_length after loading the model
     prompts_per_step = config.per_device_train_batch_size * config.gradient_accumulation_steps
-    order = PromptOrder(len(train_set), prompts_per_step, config.seed, rank, world)
+    order = prompt_order(len(train_set), prompts_per_step, config, rank, world)
     if order.steps_per_epoch == 0:
         raise ConfigError(
             f"--per_device_train_batch_size: the training split has {len(train_set)} prompts, but one step "
-            f"needs {prompts_per_step} per rank x {world} ranks; lower the batch size or "
+            f"needs {prompts_per_step} per rank x {order.world} data-parallel ranks; lower the batch size or "
             f"--gradient_accumulation_steps, or raise --train_split_ratio")
     total_steps = config.max_steps if config.max_steps > 0 else config.epochs * order.steps_per_epoch
     return RunData(model_path, tokenizer, vision, rewards, train_set, eval_set, order, total_steps, ds_config,
                    episode_datasets, demonstrations)
 
 
+def prompt_order(num_rows: int, prompts_per_step: int, config: GRPOConfig, rank: int, world: int):
+    """Prompts are split by data-parallel rank: the ranks of one sequence-parallel group train on the same prompts."""
+    from grpo.data.sampler import PromptOrder
+    from grpo.runtime.sequence_parallel import data_parallel_rank, data_parallel_world
+
+    sp = config.sequence_parallel_size
+    return PromptOrder(num_rows, prompts_per_step, config.seed, data_parallel_rank(rank, sp),
+                       data_parallel_world(world, sp))
+
+
 def initialize_deepspeed(policy, ds_config: dict, config: GRPOConfig, total_updates: int):
     """The DeepSpeed engine over the policy's trainable parameters, with AdamW and the learning-rate schedule unless
-    the DeepSpeed config names its own optimizer."""
+    the DeepSpeed config names its own optimizer; with --sequence_parallel_size N > 1 the model's attention is
+    DeepSpeed's Ulysses attention and the engine gets its mpu (groups of N ranks sharing each sequence)."""
     import deepspeed
     import torch
+
+    from grpo.runtime import distributed as dist_utils
+    from grpo.runtime.sequence_parallel import layout_line, register_ulysses
 
     from grpo.train.update import lr_schedule
 
@@ -213,8 +226,11 @@ def initialize_deepspeed(policy, ds_config: dict, config: GRPOConfig, total_upda
     if "optimizer" not in ds_config:
         optimizer = torch.optim.AdamW(trainable, lr=config.learning_rate, weight_decay=config.weight_decay)
         scheduler = lr_schedule(optimizer, config, total_updates)
+    mpu = register_ulysses(policy, config.sequence_parallel_size)
+    if mpu is not None:
+        logger.info(layout_line(dist_utils.world_size(), config.sequence_parallel_size))
     engine, _, _, _ = deepspeed.initialize(model=policy, model_parameters=trainable, optimizer=optimizer,
-                                           lr_scheduler=scheduler, config=ds_config)
+                                           lr_scheduler=scheduler, config=ds_config, mpu=mpu)
     # from_pretrained leaves the model in eval mode, where gradient checkpointing recomputes nothing and LoRA
     # dropout drops nothing; scoring passes that must not drop switch to eval mode themselves
     engine.train()

@@ -46,7 +46,8 @@ def step_normaliser(batch: RolloutBatch, cfg: GRPOConfig, max_completion_length:
     --rollout_max_new_tokens; a run with multi-turn episodes passes its episode budget)."""
     local = aggregation_normaliser(batch.completion_mask, cfg.loss_aggregation,
                                    max_completion_length or cfg.rollout_max_new_tokens)
-    return dist_utils.all_sum([local])[0]
+    # the ranks of a sequence-parallel group hold the same rows: each group counted once
+    return dist_utils.all_sum([local])[0] / cfg.sequence_parallel_size
 
 
 def score(model, mb: MicroBatch, cfg: GRPOConfig, with_entropy: bool = False, entropy_grad: bool = False):
@@ -56,6 +57,11 @@ def score(model, mb: MicroBatch, cfg: GRPOConfig, with_entropy: bool = False, en
     partitioned weight in a collective, so ranks must call it equally often, which chunking per rank would break.
     """
     zero3 = getattr(model, "zero_optimization_stage", lambda: 0)() == 3
+    if cfg.sequence_parallel_size > 1:  # each rank of the group runs 1/N of every row
+        from grpo.train.sequence_parallel_scoring import sharded_score
+
+        return sharded_score(model, mb.batch, cfg, 0 if zero3 else cfg.logprob_chunk_tokens, with_entropy,
+                             entropy_grad)
     return completion_logprobs(model, mb.batch, cfg.temperature, with_entropy=with_entropy,
                                chunk_tokens=0 if zero3 else cfg.logprob_chunk_tokens,
                                packed=cfg.padding_free and not zero3, entropy_grad=entropy_grad)
@@ -94,7 +100,8 @@ def update(engine, step: StepData, cfg: GRPOConfig, first_pass: bool = True) -> 
     which the engine's own log-probs are compared (mismatch metric, IS weights). The first pass logs that gap as
     `step.mismatch_key`_mean / _max."""
     device = next(iter(engine.module.parameters())).device
-    world = getattr(engine, "dp_world_size", dist_utils.world_size())
+    # DeepSpeed's mean over data-parallel ranks (sequence-parallel groups: dp_world_size is None under their mpu)
+    world = getattr(engine, "dp_world_size", None) or dist_utils.world_size() // cfg.sequence_parallel_size
     settings = loss_settings(cfg)
     per_micro_batch: list[tuple[dict, float]] = []  # (policy_loss metrics, completion tokens)
     loss_total = pg_total = 0.0
@@ -167,7 +174,8 @@ def update(engine, step: StepData, cfg: GRPOConfig, first_pass: bool = True) -> 
     step.fill_old = step.fill_sampled = False  # filled: the next passes read them
     metrics = combine_micro_batch_metrics(per_micro_batch)
     if not bad:
-        metrics["loss"], metrics["pg_loss"] = dist_utils.all_sum([loss_total, pg_total])
+        metrics["loss"], metrics["pg_loss"] = (value / cfg.sequence_parallel_size  # each group's N ranks alike
+                                               for value in dist_utils.all_sum([loss_total, pg_total]))
     metrics.update(combine_micro_batch_metrics(rollout_per_micro_batch))
     return UpdateResult(metrics, bad)
 
