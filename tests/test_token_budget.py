@@ -193,3 +193,30 @@ def test_expandable_segments_are_turned_on_unless_the_user_chose(monkeypatch):
     assert use_expandable_segments()
     assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
     assert len(settings) == 2
+
+
+def test_sequence_parallel_ranks_need_room_for_their_share_of_a_row():
+    # 900 tokens fit (room 2700 MiB / 1.5 / 2 MiB): a row of 1536 does not, its half on each of 2 ranks (768) does
+    tight = figures(4 + 2700 / 1024)
+    with pytest.raises(ConfigError, match="1536 tokens needs"):
+        resolve_token_budget(tight, MIB, MIB, 0, 1536, True)
+    assert resolve_token_budget(tight, MIB, MIB, 0, 1536, True, sp_size=2)[0] == 768
+    with pytest.raises(ConfigError, match=r"1536 tokens \(512 on each rank of its sequence-parallel group\)"):
+        resolve_token_budget(figures(4 + 900 / 1024), MIB, MIB, 0, 1536, True, sp_size=3)
+
+
+def test_sequence_parallel_micro_batches_count_a_rank_s_share_of_each_row():
+    from grpo.config.options import GRPOConfig
+    from grpo.runtime import distributed as dist_utils
+    from grpo.train.update import step_micro_batches
+    from tests.optimize_setup import make_step
+
+    dist_utils.init_distributed()
+    batch, _ = make_step()
+    one = step_micro_batches(batch, GRPOConfig(), max_tokens=16)
+    cfg = GRPOConfig()
+    cfg.sequence_parallel_size = 2  # (validation refuses SP until the whole loop is wired)
+    halves = step_micro_batches(batch, cfg, max_tokens=8)  # 8 tokens per rank = 16 of each whole row
+    rows = lambda mbs: [mb.rows.tolist() for mb in mbs]  # noqa: E731
+    assert rows(halves) == rows(one)
+    assert len(one) < len(step_micro_batches(batch, GRPOConfig(), max_tokens=8))  # the factor N matters

@@ -135,11 +135,13 @@ def fitted_chunk_tokens(room: int, chunk_tokens: int, chunk: int, kept: int, tra
 
 
 def resolve_token_budget(gpu: GpuFigures, kept: int, transient: int, chunk: int, max_seq_length: int,
-                         checkpointing: bool, smallest_chunk: bool = False) -> tuple[int, str]:
+                         checkpointing: bool, smallest_chunk: bool = False, sp_size: int = 1) -> tuple[int, str]:
     """(budget, the line that says where it came from): the most tokens t with
     ESTIMATE_MARGIN x micro_batch_bytes(t) <= room, in steps of 1024 up to 16384 and at least one row of
-    max_seq_length; a ConfigError if that row does not fit. `smallest_chunk`: the log-prob chunk is already as small
-    as auto makes it (not suggested then)."""
+    max_seq_length (of which a rank of a sequence-parallel group of `sp_size` holds ceil(max_seq_length / sp_size));
+    a ConfigError if that row does not fit. The budget counts the tokens one rank holds. `smallest_chunk`: the
+    log-prob chunk is already as small as auto makes it (not suggested then)."""
+    row_tokens = -(-max_seq_length // sp_size)
     room = max(gpu.room, 0) / ESTIMATE_MARGIN
     fits = int(min(room // (kept + transient), max(room - chunk, 0) // kept))
     figures = (f"{gpu.room / GIB:.1f} GiB free for training ({gpu.usable / GIB:.1f} GiB usable, "
@@ -149,20 +151,22 @@ def resolve_token_budget(gpu: GpuFigures, kept: int, transient: int, chunk: int,
                f"{gpu.margin / GIB:.1f} kept back); estimated {ESTIMATE_MARGIN:g} x ({kept / MIB:.2f} + "
                f"{transient / MIB:.2f} MiB per token, {chunk / GIB:.2f} GiB for a log-prob chunk), checkpointing "
                f"{'on' if checkpointing else 'off'}")
-    if fits < max_seq_length:
-        row = ESTIMATE_MARGIN * micro_batch_bytes(max_seq_length, kept, transient, chunk) / GIB
+    if fits < row_tokens:
+        row = ESTIMATE_MARGIN * micro_batch_bytes(row_tokens, kept, transient, chunk) / GIB
+        per_rank = f" ({row_tokens} on each rank of its sequence-parallel group)" if sp_size > 1 else ""
         raise ConfigError(
-            f"--max_tokens_per_micro_batch auto: one row of --max_seq_length {max_seq_length} tokens needs about "
+            f"--max_tokens_per_micro_batch auto: one row of --max_seq_length {max_seq_length} tokens{per_rank} needs "
+            f"about "
             f"{row:.1f} GiB to train, and {max(gpu.room, 0) / GIB:.1f} GiB is free for training: {figures}. "
             f"What helps: " + ", ".join(
                 (["--gradient_checkpointing true"] if not checkpointing else []) +
-                ["a smaller --max_seq_length", "a larger --gpu_memory_gib (or a GPU with more memory)",
+                ["a smaller --max_seq_length", "a larger --sequence_parallel_size", "a larger --gpu_memory_gib (or a GPU with more memory)",
                  "--rollout_weights in_place (lora) or adapter (qlora), where the engine keeps a 16-bit copy",
                  "--tuning_strategy qlora"] +
                 (["a smaller --vllm_kv_cache_gib (under --gpu_memory_gib vLLM's KV cache counts even while it "
                   "sleeps)"] if gpu.capped_allocated is not None else []) +
                 (["a smaller --logprob_chunk_tokens"] if chunk and not smallest_chunk else [])))
-    budget = min(MICRO_BATCH_TOKENS, max(fits // BUDGET_STEP * BUDGET_STEP, max_seq_length))
+    budget = min(MICRO_BATCH_TOKENS, max(fits // BUDGET_STEP * BUDGET_STEP, row_tokens))
     return budget, f"micro-batches of up to {budget} tokens (--max_tokens_per_micro_batch auto): {figures}"
 
 
@@ -221,7 +225,8 @@ def micro_batch_token_budget(config, model, engine, device: torch.device) -> tup
                                                   transient)
     try:
         budget, line = resolve_token_budget(gpu, kept, transient, chunk, config.max_seq_length, checkpointing,
-                                            smallest_chunk=chunk_tokens // 2 < MIN_CHUNK_TOKENS)
+                                            smallest_chunk=chunk_tokens // 2 < MIN_CHUNK_TOKENS,
+                                            sp_size=config.sequence_parallel_size)
         if chunk_tokens < config.logprob_chunk_tokens:
             line += f"; log-probs in chunks of {chunk_tokens} tokens, not {config.logprob_chunk_tokens}, to fit"
     except ConfigError as exc:

@@ -32,10 +32,13 @@ from grpo.train.logprobs import completion_logprobs
 def step_micro_batches(batch: RolloutBatch, cfg: GRPOConfig, device=None,
                        max_tokens: Optional[int] = None) -> list[MicroBatch]:
     """This rank's micro-batches of the step, as many as the rank with the most has (collective). `max_tokens`: the
-    token budget --max_tokens_per_micro_batch auto resolved to (grpo.train.token_budget); unresolved, auto is 16384."""
+    token budget --max_tokens_per_micro_batch auto resolved to (grpo.train.token_budget); unresolved, auto is 16384.
+    The budget counts the tokens one rank holds."""
     if max_tokens is None:
         max_tokens = MICRO_BATCH_TOKENS if cfg.max_tokens_per_micro_batch == "auto" else cfg.max_tokens_per_micro_batch
-    groups = micro_batch_groups(batch, max_tokens, cfg.per_device_train_batch_size * cfg.k_samples)
+    # a rank of a sequence-parallel group holds 1/N of each row: N x the budget in whole-row tokens
+    groups = micro_batch_groups(batch, max_tokens * cfg.sequence_parallel_size,
+                                cfg.per_device_train_batch_size * cfg.k_samples)
     count = int(dist_utils.all_max([float(len(groups))])[0])
     return form_micro_batches(batch, groups, count, device)
 
