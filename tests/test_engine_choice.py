@@ -254,6 +254,12 @@ def test_server_mode_takes_the_adapter_from_a_4bit_base_written_beside_the_run(m
         assert os.path.dirname(folder) == str(out) and saved_4bit(folder)
         kept = folder
     assert not os.path.exists(kept) and os.listdir(out) == []
+    # a vision-language engine reads its processor files from the folder at the first image prompt: kept to the end
+    with engines._engine_base(cfg, policy, model_dir, str(out), keep=True) as folder:
+        kept = folder
+    assert saved_4bit(kept)
+    engines.remove_kept_bases()  # (registered to run when the process exits)
+    assert not os.path.exists(kept) and os.listdir(out) == []
     with engines._engine_base(cfg, policy, None, str(out)) as nothing:  # ranks other than 0 write nothing
         assert nothing is None
     saved = str(tmp_path / "saved-4bit")

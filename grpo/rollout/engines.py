@@ -1,10 +1,12 @@
 """Which rollout engine a training rank gets, and what it computes in."""
 from __future__ import annotations
 
+import atexit
 import contextlib
 import importlib.util
 import logging
 import os
+import shutil
 import tempfile
 
 import torch
@@ -73,7 +75,8 @@ def build_rollout_engine(config, model_path: str, policy, tokenizer, vision, ran
         # qlora: the rollout ranks load training rank 0's 4-bit base from a folder in --output_dir, which they
         # must see (on another node: shared storage); it goes once their engines hold the weights
         writes = adapter and config.tuning_strategy == "qlora" and dist_utils.is_main()
-        with _engine_base(config, policy, model_path if writes else None, config.output_dir) as base:
+        with _engine_base(config, policy, model_path if writes else None, config.output_dir,
+                          keep=vision is not None) as base:
             if base is not None:
                 spec.update(model_path=base, quantized=True)
             return RemoteRolloutEngine(spec, config.rollout_gpus, config.ddp_timeout_minutes,
@@ -82,7 +85,8 @@ def build_rollout_engine(config, model_path: str, policy, tokenizer, vision, ran
         quantized = adapter and config.tuning_strategy == "qlora"
         # adapter: the engine loads the trainer's own base (lora: the same 16-bit checkpoint; qlora: the trainer's 4-bit
         # base, written for it), while the trainer's waits in CPU memory; then the trainer's views the engine's
-        with _engine_base(config, policy, model_path if quantized else None) as base:  # vLLM keeps weights, not files
+        # vLLM keeps weights, not files (but a vision-language engine's processor files: kept)
+        with _engine_base(config, policy, model_path if quantized else None, keep=vision is not None) as base:
             parked = park_frozen_base(policy) if (adapter or in_place) and config.vllm_tp == 1 else {}
             try:
                 engine = _vllm_engine(config, base or model_path, rank, vision, stops, lora_rank=lora_rank,
@@ -125,10 +129,24 @@ def release_base_before_forward(engine, policy) -> None:
         policy.get_input_embeddings().register_forward_pre_hook(lambda module, args: engine.release_base())
 
 
+# 4-bit bases a vision-language engine still reads (vLLM loads the processor from the model folder at the first
+# image prompt, not at start): removed when the process exits
+_KEPT_BASES: list[str] = []
+
+
+def remove_kept_bases() -> None:
+    while _KEPT_BASES:
+        shutil.rmtree(_KEPT_BASES.pop(), ignore_errors=True)
+
+
+atexit.register(remove_kept_bases)
+
+
 @contextlib.contextmanager
-def _engine_base(config, policy, model_path: str | None, parent: str | None = None):
+def _engine_base(config, policy, model_path: str | None, parent: str | None = None, keep: bool = False):
     """The folder an adapter-taking engine loads the qlora base from: a checkpoint saved in 4 bits as it is, else the
-    trainer's own 4-bit base written for the purpose (removed on exit). None for `model_path` None."""
+    trainer's own 4-bit base written for the purpose (removed on exit, or, `keep`, when the process exits). None for
+    `model_path` None."""
     if model_path is None:
         yield None
     elif saved_4bit(model_path):
@@ -138,9 +156,17 @@ def _engine_base(config, policy, model_path: str | None, parent: str | None = No
 
         if parent:
             os.makedirs(parent, exist_ok=True)
-        with tempfile.TemporaryDirectory(prefix=".grpo-4bit-base-", dir=parent) as folder:
+        folder = tempfile.mkdtemp(prefix=".grpo-4bit-base-", dir=parent)
+        try:
             write_4bit_checkpoint(policy, folder, source=model_path)  # (with its tokenizer and processor files)
             yield folder
+        except BaseException:
+            shutil.rmtree(folder, ignore_errors=True)
+            raise
+        if keep:
+            _KEPT_BASES.append(folder)
+        else:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def engine_weights(config, policy, vision, model_path: str | None = None) -> str:
