@@ -250,3 +250,13 @@ def test_a_cache_left_to_the_share_says_how_many_sequences_it_holds(tmp_path, gr
             assert said in line and "vLLM queues and preempts the rest" in line and "--vllm_kv_cache_gib 1 " in line
         else:  # it holds all 32 at once, only without auto's half for vLLM's activations: nothing more to say
             assert "at once" not in line
+    # under --gpu_memory_gib vLLM's share is of the cap, not of the whole GPU: a GPU with room for 4 more sequences
+    # in its share, capped to the size above, still holds 8
+    cap_total = int((8 * sequence + weights) / 0.3) + 1
+    capped = parse_args(["--per_device_train_batch_size", "4", "--k_samples", "8", "--max_prompt_length", "64",
+                         "--rollout_max_new_tokens", "960", "--max_seq_length", "1024", "--tuning_strategy", "lora",
+                         "--gpu_memory_gib", str(cap_total / 2**30)])
+    assert engine_kv_cache_bytes(capped, model, gpu_total_bytes=cap_total + int(4 * sequence / 0.3)) is None
+    assert "about 8 of the step's 32 sequences" in grpo_log[-1]
+    assert engine_kv_cache_bytes(cfg, model, gpu_total_bytes=cap_total + int(4 * sequence / 0.3)) is None
+    assert "about 12 of the step's 32 sequences" in grpo_log[-1]

@@ -165,6 +165,9 @@ def engine_kv_cache_bytes(config, model_path: str, gpu_total_bytes: int | None =
                     "tell how much of the share the weights take)")
         return None
     where = ""
+    # vLLM's share is of what the job may use: under --gpu_memory_gib, of the cap (gpu_budget.engine_memory_share)
+    job_bytes = min(gpu_total_bytes, int(config.gpu_memory_gib * 2**30)) if gpu_total_bytes and config.gpu_memory_gib \
+        else gpu_total_bytes
     if gpu_total_bytes and not within_share(size, config.vllm_memory_share, gpu_total_bytes, weights):
         # the free memory counts only where the cache goes at every sleep: not awake through training, and not
         # under --gpu_memory_gib, whose cap on torch counts vLLM's pool even while it sleeps
@@ -175,7 +178,7 @@ def engine_kv_cache_bytes(config, model_path: str, gpu_total_bytes: int | None =
                         f"than half of what --vllm_gpu_memory_utilization {config.vllm_memory_share} leaves after "
                         f"{weights / 2**30:.2f} GiB of weights" + (f", and of what the GPU's "
                         f"{gpu_free_bytes / 2**30:.1f} GiB free leave" if by_free else "") + ")"
-                        + share_holds(config.vllm_memory_share * gpu_total_bytes - weights, per_token, sequences,
+                        + share_holds(config.vllm_memory_share * job_bytes - weights, per_token, sequences,
                                       longest, size))
             return None
         where = (f"; more than the {config.vllm_memory_share:g} share leaves, within half of the "
