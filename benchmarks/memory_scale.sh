@@ -57,7 +57,7 @@ for shape in $SHAPES; do
       timeout -k 30 "$LIMIT" "${launcher[@]}" "${where[@]}" --master_port "$(free_port)" train_grpo.py \
         --model_name_or_path "$model" --tuning_strategy "$strategy" --rollout_engine vllm --rollout_weights "$mode" --dataset_names arith \
         --per_device_train_batch_size "$PROMPTS" --k_samples "${SAMPLES:-8}" --rollout_max_new_tokens "$new" \
-        --max_steps "$STEPS" --save_steps 0 --eval_on_start false --logging_steps 1 --logprob_check_steps 1 \
+        --max_steps "$STEPS" --save_steps 0 --eval_on_start false --train_split_ratio 1.0 --logging_steps 1 --logprob_check_steps 1 \
         --output_dir "$dir" --overwrite_output_dir "${cap[@]}" ${EXTRA_ARGS:-} > "$dir.log" 2>&1
       rc=$?
       kill "$poller" 2>/dev/null
