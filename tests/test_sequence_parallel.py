@@ -119,9 +119,9 @@ def test_ranks_not_divisible_are_refused(monkeypatch, flags, says):
 
 
 @pytest.mark.parametrize("flags, says", [
-    (dict(rollout_engine="hf"), "--rollout_engine vllm"),
     (dict(rollout_engine="vllm", padding_free=True), "--padding_free"),
-    (dict(rollout_engine="vllm"), "not yet wired"),
+    (dict(rollout_engine="vllm", rollout_mode="server", rollout_gpus=1), "--rollout_mode colocate"),
+    (dict(warm_start_steps=2), "--warm_start_steps"),
 ])
 def test_unsupported_combinations_say_what_to_use(monkeypatch, flags, says):
     from grpo.config.options import GRPOConfig
@@ -130,6 +130,26 @@ def test_unsupported_combinations_say_what_to_use(monkeypatch, flags, says):
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ConfigError, match=says):
         GRPOConfig(sequence_parallel_size=2, **flags)
+
+
+@pytest.mark.parametrize("engine", ["hf", "vllm"])
+def test_both_engines_are_accepted(monkeypatch, engine):
+    from grpo.config.options import GRPOConfig
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert GRPOConfig(sequence_parallel_size=2, rollout_engine=engine).sequence_parallel_size == 2
+
+
+def test_zero3_is_refused_before_any_model_loads():
+    from types import SimpleNamespace
+
+    from grpo.errors import ConfigError
+    from grpo.train.setup import check_sequence_parallel_zero
+
+    check_sequence_parallel_zero(SimpleNamespace(sequence_parallel_size=2), {"zero_optimization": {"stage": 2}})
+    check_sequence_parallel_zero(SimpleNamespace(sequence_parallel_size=1), {"zero_optimization": {"stage": 3}})
+    with pytest.raises(ConfigError, match="ZeRO-3.*--deepspeed zero2"):
+        check_sequence_parallel_zero(SimpleNamespace(sequence_parallel_size=2), {"zero_optimization": {"stage": 3}})
 
 
 def test_size_one_is_the_default(monkeypatch):
