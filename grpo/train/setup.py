@@ -172,6 +172,9 @@ def load_run_data(config: GRPOConfig, rewards, rank: int, world: int) -> RunData
 
     train_set = render(train_rows, "train")
     demonstrations = None
+    if vision and config.sequence_parallel_size > 1:
+        raise ConfigError(f"--sequence_parallel_size {config.sequence_parallel_size}: the sharded forward is for text "
+                          "models; this model is a vision-language model: use --sequence_parallel_size 1")
     if config.warm_start_steps and vision:
         raise ConfigError("--warm_start_steps: demonstrations are for text models (their turns are laid out as text "
                           "episodes); this model is a vision-language model: drop --warm_start_steps")
