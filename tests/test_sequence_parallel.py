@@ -119,9 +119,9 @@ def test_ranks_not_divisible_are_refused(monkeypatch, flags, says):
 
 
 @pytest.mark.parametrize("flags, says", [
-    (dict(rollout_engine="hf"), "--rollout_engine vllm"),
     (dict(rollout_engine="vllm", padding_free=True), "--padding_free"),
-    (dict(rollout_engine="vllm"), "not yet wired"),
+    (dict(rollout_engine="vllm", rollout_mode="server", rollout_gpus=1), "--rollout_mode colocate"),
+    (dict(warm_start_steps=2), "--warm_start_steps"),
 ])
 def test_unsupported_combinations_say_what_to_use(monkeypatch, flags, says):
     from grpo.config.options import GRPOConfig
@@ -130,6 +130,26 @@ def test_unsupported_combinations_say_what_to_use(monkeypatch, flags, says):
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ConfigError, match=says):
         GRPOConfig(sequence_parallel_size=2, **flags)
+
+
+@pytest.mark.parametrize("engine", ["hf", "vllm"])
+def test_both_engines_are_accepted(monkeypatch, engine):
+    from grpo.config.options import GRPOConfig
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert GRPOConfig(sequence_parallel_size=2, rollout_engine=engine).sequence_parallel_size == 2
+
+
+def test_zero3_is_refused_before_any_model_loads():
+    from types import SimpleNamespace
+
+    from grpo.errors import ConfigError
+    from grpo.train.setup import check_sequence_parallel_zero
+
+    check_sequence_parallel_zero(SimpleNamespace(sequence_parallel_size=2), {"zero_optimization": {"stage": 2}})
+    check_sequence_parallel_zero(SimpleNamespace(sequence_parallel_size=1), {"zero_optimization": {"stage": 3}})
+    with pytest.raises(ConfigError, match="ZeRO-3.*--deepspeed zero2"):
+        check_sequence_parallel_zero(SimpleNamespace(sequence_parallel_size=2), {"zero_optimization": {"stage": 3}})
 
 
 def test_size_one_is_the_default(monkeypatch):
@@ -242,3 +262,35 @@ def test_prompts_are_split_by_data_parallel_rank():
     assert orders[0].steps_per_epoch == 2  # 12 prompts / 2 groups / 3 per step
     single = prompt_order(12, 3, SimpleNamespace(sequence_parallel_size=1, seed=5), 1, 2)
     assert single.indices(0, 0) == first[2]  # group 1 of 2 draws what rank 1 of 2 draws without SP
+
+
+def test_step_std_counts_a_group_s_copies_once():
+    """Rewards [3, 5] held by both ranks of a group reduce like [3, 5, 3, 5] on one process: with copies 2 their std
+    is that of [3, 5], sqrt((1 + 1) / 1), not that of four values, sqrt(4 / 3)."""
+    import math
+
+    from grpo.train.metrics import step_std
+
+    assert step_std(torch.tensor([3.0, 5.0, 3.0, 5.0]), copies=2) == pytest.approx(math.sqrt(2.0))
+    assert step_std(torch.tensor([3.0, 5.0, 3.0, 5.0])) == pytest.approx(math.sqrt(4.0 / 3.0))
+
+
+def test_unsharded_attention_puts_the_wrapped_function_back_for_its_time():
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from grpo.runtime import sequence_parallel
+
+    original = ALL_ATTENTION_FUNCTIONS["sdpa"]
+
+    def wrapper(*args, **kwargs):
+        raise AssertionError("sharded attention called")
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(sequence_parallel, "_UNSHARDED", {"sdpa": original})
+        ALL_ATTENTION_FUNCTIONS["sdpa"] = wrapper
+        try:
+            with sequence_parallel.unsharded_attention():
+                assert ALL_ATTENTION_FUNCTIONS["sdpa"] is original
+            assert ALL_ATTENTION_FUNCTIONS["sdpa"] is wrapper
+        finally:
+            ALL_ATTENTION_FUNCTIONS["sdpa"] = original

@@ -18,7 +18,7 @@ def _load(path):
 
 def _config(sp_size: int):
     cfg = step_config("token_mean", entropy_coef=0.01)
-    cfg.sequence_parallel_size = sp_size  # set after validation, which refuses SP until the whole loop is wired
+    cfg.sequence_parallel_size = sp_size  # set after validation, which checks it against WORLD_SIZE
     return cfg
 
 

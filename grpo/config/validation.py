@@ -185,16 +185,14 @@ def _validate_sequence_parallel(cfg, need, world: int) -> None:
     need(cfg.rollout_mode == "colocate", "sequence_parallel_size",
          "works with --rollout_mode colocate only (server mode's rollout ranks sit outside the training world the "
          "sequence-parallel groups are cut from); drop --rollout_mode server")
-    need(cfg.rollout_engine == "vllm", "sequence_parallel_size",
-         "needs --rollout_engine vllm: the HF engine generates with the training model itself, whose attention is "
-         "sharded over the group during sequence parallelism; use --rollout_engine vllm (GPU)")
+    # both engines work: the HF engine generates with the training model on the group's first rank alone, with the
+    # attention DeepSpeed wrapped put back for the time of generate (sequence_parallel.unsharded_attention)
     need(not cfg.padding_free, "sequence_parallel_size",
          "cannot be combined with --padding_free (the sharded attention takes one causal sequence per row); drop "
          "--padding_free")
-    # the sharded forward and its gather exist (grpo.runtime.sequence_parallel); the training loop does not route
-    # through them yet, and a run that silently trained without sharding would be worse than none
-    need(False, "sequence_parallel_size",
-         "is not yet wired into the training loop (grpo.runtime.sequence_parallel holds the sharded forward); use 1")
+    need(not cfg.warm_start_steps, "sequence_parallel_size",
+         "cannot be combined with --warm_start_steps yet (the warm start's supervised steps split demonstrations "
+         "over every rank, not over the sequence-parallel groups); drop --warm_start_steps")
 
 
 def _validate_loss_and_correction(cfg, need) -> None:

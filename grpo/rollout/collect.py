@@ -23,6 +23,7 @@ from grpo.rollout.engine import Completion, RolloutEngine, SamplingSettings
 from grpo.rollout.episodes import Episode, EpisodeLimits, EpisodePrompt, episode_metrics, run_episodes
 from grpo.runtime import distributed as dist_utils
 from grpo.runtime.failures import phase
+from grpo.runtime.sequence_parallel import rollout_groups
 
 
 @dataclass
@@ -57,6 +58,8 @@ class RolloutCollector:
             set(config.dataset_names + config.eval_dataset_names) <= set(self.episode_datasets)
         self.episodes_drawn: list[Episode] = []         # this step's episodes, every round (for their metrics)
         self.eval_episodes: list[Episode] = []          # the last evaluation's, on this rank
+        # --sequence_parallel_size N > 1: the N ranks of a group train on the same rollouts (None without)
+        self.rollout_group = rollout_groups(getattr(config, "sequence_parallel_size", 1))
 
     # ------------------------------------------------------------------------------------------- training
     def collect(self, state) -> tuple[RolloutRound, RolloutRound]:
@@ -159,7 +162,7 @@ class RolloutCollector:
                       "completions per rank": len(pending.prompts) * cfg.k_samples,
                       "--rollout_max_new_tokens": cfg.rollout_max_new_tokens}
         start = time.perf_counter()
-        completions, episodes = self._collect(pending.prompts, pending.ticket)  # server mode: waits for rollout ranks
+        completions, episodes = self._collect_in_group(pending.prompts, pending.ticket)  # server mode: waits
         self.episodes_drawn += [e for e in episodes if e is not None]
         generated = time.perf_counter()
         texts, messages = self._texts_and_messages(pending.prompts, completions, episodes, pending.sampling.n)
@@ -190,6 +193,16 @@ class RolloutCollector:
             tickets.episodes = self.engine.submit_episodes(episode_prompts, sampling, self._episode_limits()) \
                 if self.engine.runs_episodes else (episode_prompts, sampling)
         return tickets
+
+    def _collect_in_group(self, prompts: list[dict], tickets: RolloutTickets):
+        """`_collect`, except under sequence parallelism: there the group's first rank generates (every rank, when
+        the engine's generate is collective) and hands its completions and episodes to the other ranks of the group,
+        before any reward is computed. Their engines still wake, sleep and take weights with everyone's."""
+        group = self.rollout_group
+        if group is None:
+            return self._collect(prompts, tickets)
+        generated = self._collect(prompts, tickets) if group.generates or self.engine.collective_generate else None
+        return group.share(generated)
 
     def _collect(self, prompts: list[dict], tickets: RolloutTickets):
         """What `_submit` asked for: the completions grouped by prompt, and per completion its Episode or None."""

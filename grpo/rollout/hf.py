@@ -6,6 +6,7 @@ from typing import Iterable, Optional
 import torch
 
 from grpo.rollout.engine import Completion, RolloutEngine, SamplingSettings
+from grpo.runtime.sequence_parallel import unsharded_attention
 
 
 def stop_token_ids(model, tokenizer) -> list[int]:
@@ -63,11 +64,14 @@ class HFRolloutEngine(RolloutEngine):
             config.use_cache = True  # gradient checkpointing turns the cache off for training
         try:
             out = []
-            for start in range(0, len(prompt_token_ids), self.max_batch_size):
-                chunk = prompt_token_ids[start:start + self.max_batch_size]
-                chunk_images = images[start:start + self.max_batch_size] if images else None
-                out += [Completion(c.prompt_index + start, c.token_ids, c.logprobs, c.finish_reason)
-                        for c in self._generate_chunk(chunk, sampling, chunk_images)]
+            # under sequence parallelism the model's attention is sharded over a group for training; one rank
+            # generates alone, over whole sequences
+            with unsharded_attention():
+                for start in range(0, len(prompt_token_ids), self.max_batch_size):
+                    chunk = prompt_token_ids[start:start + self.max_batch_size]
+                    chunk_images = images[start:start + self.max_batch_size] if images else None
+                    out += [Completion(c.prompt_index + start, c.token_ids, c.logprobs, c.finish_reason)
+                            for c in self._generate_chunk(chunk, sampling, chunk_images)]
             return out
         finally:
             if config is not None:

@@ -21,14 +21,18 @@ divides by world / N (the data-parallel size): the mean over data-parallel ranks
 from __future__ import annotations
 
 import logging
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
 logger = logging.getLogger("grpo")
 IGNORE = -100
 SUPPORTED_ATTENTION = ("sdpa", "flash_attention_2")
+# the attention functions register_ulysses replaced by DeepSpeed's wrapper, by name: generating with the training model
+# (the HF rollout engine) needs them back, one whole sequence per rank (unsharded_attention)
+_UNSHARDED: dict = {}
 
 
 def data_parallel_rank(rank: int, sp_size: int) -> int:
@@ -65,6 +69,9 @@ def register_ulysses(model, sp_size: int, micro_batch_size: int = 1):
         raise ConfigError(f"--sequence_parallel_size {sp_size}: the model's attention is '{attention}'; DeepSpeed's "
                           f"Ulysses attention wraps {' or '.join(SUPPORTED_ATTENTION)} (load the model with "
                           f"attn_implementation='sdpa', or install flash-attn)")
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    _UNSHARDED.setdefault(attention, ALL_ATTENTION_FUNCTIONS[attention])
     return UlyssesSPAttentionHF.register_with_transformers(
         model_name_or_path=model, core_attn_implementation=attention, sequence_parallel_size=sp_size,
         micro_batch_size=micro_batch_size, seq_length_is_variable=True)
@@ -182,3 +189,63 @@ def group_of_this_rank():
     from deepspeed.runtime.sequence_parallel import parallel_state_sp
 
     return parallel_state_sp.get_sequence_parallel_group(), parallel_state_sp.get_sequence_parallel_rank()
+
+
+@contextmanager
+def unsharded_attention():
+    """Within it the model's attention is the one register_ulysses wrapped (each rank attends over the whole
+    sequence it holds, no all-to-all): for generating with the training model on one rank of a group. A no-op when
+    nothing was wrapped."""
+    if not _UNSHARDED:
+        yield
+        return
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    wrapped = {name: ALL_ATTENTION_FUNCTIONS[name] for name in _UNSHARDED}
+    for name, original in _UNSHARDED.items():
+        ALL_ATTENTION_FUNCTIONS[name] = original
+    try:
+        yield
+    finally:
+        for name, wrapper in wrapped.items():
+            ALL_ATTENTION_FUNCTIONS[name] = wrapper
+
+
+# ------------------------------------------------------------------------------------------- shared rollouts
+@dataclass
+class RolloutGroup:
+    """The ranks that share one rollout: a sequence-parallel group. Its first rank generates; `share` hands what it
+    generated to the others, so rewards, advantages and the update are computed alike on every rank of the group."""
+    group: Any           # torch.distributed process group of the ranks [first, first + size)
+    first: int           # the global rank that generates
+    size: int
+
+    @property
+    def generates(self) -> bool:
+        import torch.distributed as dist
+
+        return dist.get_rank() == self.first
+
+    def share(self, value):
+        """The first rank's `value` on every rank of the group (collective over the group; pickled)."""
+        import torch.distributed as dist
+
+        box = [value if self.generates else None]
+        dist.broadcast_object_list(box, src=self.first, group=self.group)
+        return box[0]
+
+
+def rollout_groups(sp_size: int) -> Optional[RolloutGroup]:
+    """This rank's RolloutGroup (None for sp_size 1). Collective: every rank creates every group, in the same order,
+    as torch.distributed.new_group requires."""
+    if sp_size <= 1:
+        return None
+    import torch.distributed as dist
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mine = None
+    for first in range(0, data_parallel_world(world, sp_size) * sp_size, sp_size):
+        group = dist.new_group(list(range(first, first + sp_size)))
+        if first <= rank < first + sp_size:
+            mine = RolloutGroup(group, first, sp_size)
+    return mine

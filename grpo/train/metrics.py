@@ -13,8 +13,9 @@ from grpo.rollout.dynamic_sampling import ZERO_STD
 
 
 def step_metrics(batch, drawn, rewards: torch.Tensor, advantages: torch.Tensor, train_metrics: dict, times: dict,
-                 k_samples: int, kl_in_reward: bool) -> dict:
-    """This rank's metrics of the step (all ranks call it: reward/std is reduced over them).
+                 k_samples: int, kl_in_reward: bool, copies: int = 1) -> dict:
+    """This rank's metrics of the step (all ranks call it: reward/std is reduced over them). `copies`: how many
+    ranks hold the same rows (--sequence_parallel_size); the means over ranks count each group's copies alike.
 
     Reward metrics are over every completion drawn this step (`drawn`: all rounds of dynamic sampling), before any KL
     penalty; the rest over the rows trained on (`rewards`: what the advantages came from)."""
@@ -26,7 +27,7 @@ def step_metrics(batch, drawn, rewards: torch.Tensor, advantages: torch.Tensor, 
         reward_metrics["reward/kl_penalized_mean"] = rewards.mean().item()
     return {
         "reward/mean": raw.mean().item(),
-        "reward/std": step_std(raw),  # over every rank's completions (the same on each rank)
+        "reward/std": step_std(raw, copies),  # over every rank's completions (the same on each rank)
         "reward/zero_std_group_frac": (grouped.std(dim=1) < ZERO_STD).float().mean().item(),
         "advantage/abs_mean": advantages.abs().mean().item(),
         "completion/length_mean": lengths.mean().item(),
@@ -38,12 +39,13 @@ def step_metrics(batch, drawn, rewards: torch.Tensor, advantages: torch.Tensor, 
     }
 
 
-def step_std(values: torch.Tensor) -> float:
+def step_std(values: torch.Tensor, copies: int = 1) -> float:
     """The std of every rank's values together (all ranks call it): two reductions, the mean, then the squared
-    deviations about it, which keeps the std exact for values far from 0."""
+    deviations about it, which keeps the std exact for values far from 0. `copies`: how many ranks hold each value
+    (the N ranks of a sequence-parallel group hold the same rows), counted once."""
     r = values.double()
-    total, count = dist_utils.all_sum([r.sum().item(), float(r.numel())])
-    squared = dist_utils.all_sum([((r - total / max(count, 1.0)) ** 2).sum().item()])[0]
+    total, count = (value / copies for value in dist_utils.all_sum([r.sum().item(), float(r.numel())]))
+    squared = dist_utils.all_sum([((r - total / max(count, 1.0)) ** 2).sum().item()])[0] / copies
     return reward_std(squared, count)
 
 

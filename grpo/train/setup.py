@@ -139,6 +139,7 @@ def load_run_data(config: GRPOConfig, rewards, rank: int, world: int) -> RunData
     from grpo.runtime.deepspeed_config import default_dtype, load_deepspeed_config
 
     ds_config = load_deepspeed_config(config, use_bf16=default_dtype() == torch.bfloat16)
+    check_sequence_parallel_zero(config, ds_config)
     from grpo.data import first_rows_per_source, render_prompts
     from grpo.model.base_weights import check_checkpoint_weights
     from grpo.model.embedded import resolve_model_path
@@ -171,6 +172,9 @@ def load_run_data(config: GRPOConfig, rewards, rank: int, world: int) -> RunData
 
     train_set = render(train_rows, "train")
     demonstrations = None
+    if vision and config.sequence_parallel_size > 1:
+        raise ConfigError(f"--sequence_parallel_size {config.sequence_parallel_size}: the sharded forward is for text "
+                          "models; this model is a vision-language model: use --sequence_parallel_size 1")
     if config.warm_start_steps and vision:
         raise ConfigError("--warm_start_steps: demonstrations are for text models (their turns are laid out as text "
                           "episodes); this model is a vision-language model: drop --warm_start_steps")
@@ -205,6 +209,17 @@ def prompt_order(num_rows: int, prompts_per_step: int, config: GRPOConfig, rank:
     sp = config.sequence_parallel_size
     return PromptOrder(num_rows, prompts_per_step, config.seed, data_parallel_rank(rank, sp),
                        data_parallel_world(world, sp))
+
+
+def check_sequence_parallel_zero(config: GRPOConfig, ds_config: dict) -> None:
+    """--sequence_parallel_size N > 1 runs under ZeRO-2 (or 0/1) only: under ZeRO-3 with the Ulysses mpu the loss is
+    right but DeepSpeed's step is 1/N of it (tests/test_sequence_parallel.py marks it as a known failure)."""
+    from grpo.runtime.deepspeed_config import zero_stage
+
+    if config.sequence_parallel_size > 1 and zero_stage(ds_config) == 3:
+        raise ConfigError(f"--sequence_parallel_size {config.sequence_parallel_size} does not work under ZeRO-3 yet "
+                          f"(its gradient averaging with the sequence-parallel groups scales the step by 1/N); use "
+                          f"--deepspeed zero2 (qlora / lora keep the frozen base out of the optimizer anyway)")
 
 
 def initialize_deepspeed(policy, ds_config: dict, config: GRPOConfig, total_updates: int):

@@ -266,7 +266,8 @@ class GRPOTrainer:
         """Group-relative advantages; with --scale_rewards batch the std is the whole step's, over every rank
         (two reductions: the mean, then the squared deviations about it, which keeps the std exact for rewards far
         from 0). Under dynamic sampling the uniform filler groups count in that std like any kept group."""
-        batch_std = step_std(rewards) if self.config.scale_rewards == "batch" else None
+        copies = self.config.sequence_parallel_size  # a sequence-parallel group's ranks hold the same rewards
+        batch_std = step_std(rewards, copies) if self.config.scale_rewards == "batch" else None
         return group_advantages(rewards, self.config.k_samples, scale=self.config.scale_rewards, batch_std=batch_std)
 
     @phase("log-probs")
@@ -393,7 +394,7 @@ class GRPOTrainer:
     @phase("metrics", after_step=True)
     def _step_metrics(self, step: StepData, drawn: RolloutRound, train_metrics: dict, times: dict) -> dict:
         local = step_metrics(step.batch, drawn, step.rewards, step.advantages, train_metrics, times,
-                             self.config.k_samples, self.config.kl_in_reward)
+                             self.config.k_samples, self.config.kl_in_reward, self.config.sequence_parallel_size)
         if engine_holds_weights(self.config):
             local["sync/bytes"] = float(self._last_sync.bytes)
             freed = self.rollout_engine.last_sleep_freed_bytes  # None: it never sleeps (server mode)
