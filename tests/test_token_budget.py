@@ -215,7 +215,7 @@ def test_sequence_parallel_micro_batches_count_a_rank_s_share_of_each_row():
     batch, _ = make_step()
     one = step_micro_batches(batch, GRPOConfig(), max_tokens=16)
     cfg = GRPOConfig()
-    cfg.sequence_parallel_size = 2  # (validation refuses SP until the whole loop is wired)
+    cfg.sequence_parallel_size = 2  # (validation wants a world of N ranks; this test runs one)
     halves = step_micro_batches(batch, cfg, max_tokens=8)  # 8 tokens per rank = 16 of each whole row
     rows = lambda mbs: [mb.rows.tolist() for mb in mbs]  # noqa: E731
     assert rows(halves) == rows(one)
