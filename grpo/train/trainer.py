@@ -29,7 +29,6 @@ from grpo.checkpoint.final_model import save_final_model
 from grpo.model.loading import load_policy, load_reference, reference_mode
 from grpo.rollout.collect import RolloutCollector
 from grpo.rollout.dynamic_sampling import RolloutRound
-from grpo.rollout.episodes import episode_metrics
 from grpo.rollout.engines import build_rollout_engine, engine_dtype, engine_holds_weights
 from grpo.runtime import distributed as dist_utils
 from grpo.runtime.deepspeed_config import default_dtype, zero_stage
@@ -39,7 +38,8 @@ from grpo.runtime.gpu_budget import cap_gpu_memory, use_expandable_segments
 from grpo.runtime.shared_output import check_shared_output_dir
 from grpo.runtime.roles import job_rank, rollout_index, rollout_ranks_of
 from grpo.runtime.signals import GracefulStop
-from grpo.train.metrics import eval_metrics, eval_sample_rows, mean_over_ranks, step_metrics, step_std
+from grpo.train.evaluation import evaluate_prompts
+from grpo.train.metrics import mean_over_ranks, step_metrics, step_std
 from grpo.train.micro_batches import MicroBatch
 from grpo.train.reporting import RunReporter, plot_training_curves, read_metrics
 from grpo.train.run_summary import run_summary, steps_phrase
@@ -348,25 +348,11 @@ class GRPOTrainer:
         dataset, plus one sample row per prompt."""
         if self.eval_set is None:
             return {}
-        rows = [self.eval_set[i] for i in range(self.rank, len(self.eval_set), self.world)]
-        completions, texts, result = self.rollouts.evaluate(rows)
-        samples = eval_sample_rows(rows, texts, completions, result) if rows else []
-        all_samples = [s for part in dist_utils.gather_objects(samples) for s in part]
-        metrics = eval_metrics(all_samples)
-        if self.rollouts.episode_datasets:
-            metrics.update(self._eval_episode_metrics())
+        metrics, all_samples = evaluate_prompts(self.eval_set, self.rollouts, self.rank, self.world)
         if reporter is not None:
             reporter.log_eval(self.state.step, metrics, all_samples)
             self._plot()
         return metrics
-
-    def _eval_episode_metrics(self) -> dict:
-        """eval/episodes/...: episode_metrics over every rank's eval episodes (collective)."""
-        episodes = self.rollouts.eval_episodes
-        local = episode_metrics(episodes)
-        totals = dist_utils.all_sum([value * len(episodes) for value in local.values()] + [float(len(episodes))])
-        count = totals[-1]
-        return {f"eval/{key}": total / count for key, total in zip(local, totals)} if count else {}
 
     # -------------------------------------------------------------------------------------- internals
     def close(self) -> None:
