@@ -2,12 +2,12 @@
 the sharded log-probs equal the unsharded ones, and the gradient the group's ranks hold together equals the
 single-process gradient of the same loss."""
 import os
-import socket
 
 import pytest
 import torch
 
 from grpo.runtime.sequence_parallel import (data_parallel_rank, data_parallel_world, layout_line, shard_sequence)
+from tests.spawn_ranks import spawn_ranks
 
 
 def test_shards_shift_labels_before_cutting():
@@ -87,16 +87,11 @@ def _rank_main(rank, port, path, out):
 
 
 def test_two_ranks_match_one(tmp_path):
-    import torch.multiprocessing as mp
-
     from tests.tiny_models import make_tiny_model_dir
 
     path = make_tiny_model_dir(str(tmp_path / "model"))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     out = str(tmp_path / "sp.pt")
-    mp.spawn(_rank_main, args=(port, path, out), nprocs=2)
+    spawn_ranks(_rank_main, path, out)
     sharded = torch.load(out)
     logprobs, grads = _reference(path)
     assert torch.allclose(sharded["logprobs"], logprobs, atol=1e-5)
@@ -229,16 +224,11 @@ def _deepspeed_rank_main(rank, port, path, out, stage):
     strict=True, reason="ZeRO-3 with the Ulysses mpu steps exactly 1/N of the update (measured 0.5 at N=2, loss "
                         "equal): its gradient averaging differs from ZeRO-2's; to be found before SP runs ZeRO-3"))])
 def test_a_lora_step_under_deepspeed_zero_matches_one_process(tmp_path, stage):
-    import torch.multiprocessing as mp
-
     from tests.tiny_models import make_tiny_model_dir
 
     path = make_tiny_model_dir(str(tmp_path / "model"))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     out = str(tmp_path / "sp.pt")
-    mp.spawn(_deepspeed_rank_main, args=(port, path, out, stage), nprocs=2)
+    spawn_ranks(_deepspeed_rank_main, path, out, stage)
     sharded = torch.load(out)
     loss, weights = _lora_reference(path)
     assert abs(sharded["loss"] - loss) < 1e-4

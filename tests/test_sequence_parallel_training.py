@@ -4,20 +4,14 @@ loss, rewards and advantages equal those of the same run on one process (which d
 data-parallel rank either way)."""
 import json
 import os
-import socket
 
 import torch
 
+from tests.spawn_ranks import free_port
 from tests.tiny_models import make_tiny_model_dir
 from tests.trainer_setup import even_tokens, tiny_config, train_rows, write_prompt_registry
 
 COMPARED = ("loss", "pg_loss", "reward/mean", "reward/std", "advantage/abs_mean", "completion/length_mean")
-
-
-def _port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _train(rank, world, port, model, registry, out, sp_size):
@@ -36,7 +30,7 @@ def _run(tmp_path, name, world, sp_size):
     import torch.multiprocessing as mp
 
     out = str(tmp_path / name)
-    mp.spawn(_train, args=(world, _port(), str(tmp_path / "model"), str(tmp_path / "data" / "registry.json"), out,
+    mp.spawn(_train, args=(world, free_port(), str(tmp_path / "model"), str(tmp_path / "data" / "registry.json"), out,
                            sp_size), nprocs=world)
     return out
 

@@ -1,11 +1,11 @@
 """A GRPO update through grpo.train.update with --sequence_parallel_size 2 (2 gloo CPU ranks, one group, DeepSpeed's
 Ulysses attention, ZeRO-2) gives the same loss, metrics and SGD-updated weights as the same step on one process."""
 import os
-import socket
 
 import torch
 
 from tests.optimize_setup import LR, make_step, old_and_ref, run_split, step_config
+from tests.spawn_ranks import spawn_ranks
 
 GROUPS = [[0, 1, 2], [3, 4, 5, 6, 7]]  # two micro-batches, one with an empty completion
 
@@ -68,20 +68,12 @@ def _single_main(rank, port, path, out):
     torch.save({"metrics": metrics, "weights": weights}, out)
 
 
-def _port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_a_sequence_parallel_update_matches_one_process(tmp_path):
-    import torch.multiprocessing as mp
-
     from tests.tiny_models import make_tiny_model_dir
 
     path = make_tiny_model_dir(str(tmp_path / "model"))
-    mp.spawn(_single_main, args=(_port(), path, str(tmp_path / "one.pt")), nprocs=1)
-    mp.spawn(_rank_main, args=(_port(), path, str(tmp_path / "sp.pt")), nprocs=2)
+    spawn_ranks(_single_main, path, str(tmp_path / "one.pt"), nprocs=1)
+    spawn_ranks(_rank_main, path, str(tmp_path / "sp.pt"))
     one, sp = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "sp.pt")
     assert one["metrics"]["loss"] != 0
     for key in ("loss", "pg_loss", "entropy", "logprob_mean", "kl"):

@@ -1,10 +1,11 @@
 """On 2 GPUs (nccl, bf16): Ulysses sequence parallelism (grpo.runtime.sequence_parallel, DeepSpeed's attention) gives
 the same completion log-probs as one GPU without it, on a small random Llama with a 1000-token sequence."""
 import os
-import socket
 
 import pytest
 import torch
+
+from tests.spawn_ranks import spawn_ranks
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
 LENGTH, COMPLETION = 1001, 600  # odd: the sequence is padded to a multiple of 2
@@ -56,16 +57,11 @@ def _rank_main(rank, port, path, out):
 
 
 def test_two_gpus_match_one(tmp_path):
-    import torch.multiprocessing as mp
-
     from grpo.algorithm import hidden_token_logprobs
 
     path = _model_dir(str(tmp_path / "model"))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     out = str(tmp_path / "sp.pt")
-    mp.spawn(_rank_main, args=(port, path, out), nprocs=2)
+    spawn_ranks(_rank_main, path, out)
     sharded = torch.load(out)
     model = _load(path, "cuda:0")
     ids, _ = _inputs()
