@@ -135,16 +135,26 @@ def test_both_engines_are_accepted(monkeypatch, engine):
     assert GRPOConfig(sequence_parallel_size=2, rollout_engine=engine).sequence_parallel_size == 2
 
 
-def test_zero3_is_refused_before_any_model_loads():
+def test_zero3_without_reduce_scatter_is_refused_before_any_model_loads():
     from types import SimpleNamespace
 
     from grpo.errors import ConfigError
     from grpo.train.setup import check_sequence_parallel_zero
 
-    check_sequence_parallel_zero(SimpleNamespace(sequence_parallel_size=2), {"zero_optimization": {"stage": 2}})
-    check_sequence_parallel_zero(SimpleNamespace(sequence_parallel_size=1), {"zero_optimization": {"stage": 3}})
-    with pytest.raises(ConfigError, match="ZeRO-3.*--deepspeed zero2"):
-        check_sequence_parallel_zero(SimpleNamespace(sequence_parallel_size=2), {"zero_optimization": {"stage": 3}})
+    sp2, sp1 = SimpleNamespace(sequence_parallel_size=2), SimpleNamespace(sequence_parallel_size=1)
+    check_sequence_parallel_zero(sp2, {"zero_optimization": {"stage": 2}})
+    check_sequence_parallel_zero(sp2, {"zero_optimization": {"stage": 3}})  # reduce_scatter: DeepSpeed's default
+    check_sequence_parallel_zero(sp1, {"zero_optimization": {"stage": 3, "reduce_scatter": False}})
+    with pytest.raises(ConfigError, match="ZeRO-3 needs zero_optimization.reduce_scatter true"):
+        check_sequence_parallel_zero(sp2, {"zero_optimization": {"stage": 3, "reduce_scatter": False}})
+
+
+def test_the_group_gradient_scale_follows_deepspeeds_reduction():
+    from grpo.runtime.sequence_parallel import group_gradient_scale
+
+    # ZeRO-0/1/2 divide the summed gradients by world / N: each rank keeps 1/N of its shard's; ZeRO-3 by world: all
+    assert [group_gradient_scale(2, stage) for stage in (0, 1, 2, 3)] == [0.5, 0.5, 0.5, 1.0]
+    assert group_gradient_scale(4, 2) == 0.25
 
 
 def test_size_one_is_the_default(monkeypatch):
@@ -194,7 +204,7 @@ def _deepspeed_rank_main(rank, port, path, out, stage):
     import deepspeed
     import deepspeed.comm as ds_dist
 
-    from grpo.runtime.sequence_parallel import register_ulysses, sharded_completion_logprobs
+    from grpo.runtime.sequence_parallel import group_gradient_scale, register_ulysses, sharded_completion_logprobs
 
     deepspeed.init_distributed(dist_backend="gloo")
     model = _lora(path)
@@ -209,7 +219,8 @@ def _deepspeed_rank_main(rank, port, path, out, stage):
     ids, mask, width = _batch()
     logprobs = sharded_completion_logprobs(base.model, base.lm_head, ids, mask, width,
                                            mpu.get_sequence_parallel_group(), mpu.get_sequence_parallel_rank(), 2,
-                                           chunk_tokens=0 if stage == 3 else 4)
+                                           chunk_tokens=0 if stage == 3 else 4,
+                                           grad_scale=group_gradient_scale(2, stage))
     loss = -(logprobs * torch.tensor([[1.0], [2.0]])).sum()
     engine.backward(loss)
     engine.step()
@@ -220,9 +231,7 @@ def _deepspeed_rank_main(rank, port, path, out, stage):
     ds_dist.barrier()
 
 
-@pytest.mark.parametrize("stage", [2, pytest.param(3, marks=pytest.mark.xfail(
-    strict=True, reason="ZeRO-3 with the Ulysses mpu steps exactly 1/N of the update (measured 0.5 at N=2, loss "
-                        "equal): its gradient averaging differs from ZeRO-2's; to be found before SP runs ZeRO-3"))])
+@pytest.mark.parametrize("stage", [2, 3])
 def test_a_lora_step_under_deepspeed_zero_matches_one_process(tmp_path, stage):
     from tests.tiny_models import make_tiny_model_dir
 

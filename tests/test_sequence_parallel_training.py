@@ -1,10 +1,12 @@
-"""GRPO training end to end with --sequence_parallel_size 2 on 2 gloo CPU ranks (one group, ZeRO-2, the HF engine):
+"""GRPO training end to end with --sequence_parallel_size 2 on 2 gloo CPU ranks (one group, ZeRO-2 and ZeRO-3, the HF
+engine):
 the group's first rank generates and shares its rollouts, both ranks score and train 1/2 of every row, and each step's
 loss, rewards and advantages equal those of the same run on one process (which draws the same prompts: one
 data-parallel rank either way)."""
 import json
 import os
 
+import pytest
 import torch
 
 from tests.spawn_ranks import free_port
@@ -14,24 +16,24 @@ from tests.trainer_setup import even_tokens, tiny_config, train_rows, write_prom
 COMPARED = ("loss", "pg_loss", "reward/mean", "reward/std", "advantage/abs_mean", "completion/length_mean")
 
 
-def _train(rank, world, port, model, registry, out, sp_size):
+def _train(rank, world, port, model, registry, out, sp_size, zero):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), WANDB_MODE="disabled")
     from grpo.train.trainer import GRPOTrainer
 
     config = tiny_config(model, registry, out, sequence_parallel_size=sp_size, max_steps=2, scale_rewards="batch",
-                         kl_beta=0.05, deepspeed="zero2")
+                         kl_beta=0.05, deepspeed=zero)
     trainer = GRPOTrainer(config, reward_funcs=[even_tokens])
     trainer.train()
     trainer.close()
 
 
-def _run(tmp_path, name, world, sp_size):
+def _run(tmp_path, name, world, sp_size, zero):
     import torch.multiprocessing as mp
 
     out = str(tmp_path / name)
     mp.spawn(_train, args=(world, free_port(), str(tmp_path / "model"), str(tmp_path / "data" / "registry.json"), out,
-                           sp_size), nprocs=world)
+                           sp_size, zero), nprocs=world)
     return out
 
 
@@ -40,11 +42,12 @@ def _completions(out, rank):
         return [json.loads(line) for line in fh]
 
 
-def test_two_ranks_in_one_group_train_as_one_process(tmp_path):
+@pytest.mark.parametrize("zero", ["zero2", "zero3"])
+def test_two_ranks_in_one_group_train_as_one_process(tmp_path, zero):
     make_tiny_model_dir(str(tmp_path / "model"))
     write_prompt_registry(str(tmp_path / "data"))
-    one = _run(tmp_path, "one", world=1, sp_size=1)
-    sp = _run(tmp_path, "sp", world=2, sp_size=2)
+    one = _run(tmp_path, "one", world=1, sp_size=1, zero=zero)
+    sp = _run(tmp_path, "sp", world=2, sp_size=2, zero=zero)
 
     with open(os.path.join(sp, "train.log")) as fh:
         assert "sequence parallel: 1 group of 2 ranks" in fh.read()

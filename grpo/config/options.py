@@ -169,7 +169,7 @@ class GRPOConfig(DerivedOptions):
         1, "Ulysses sequence parallelism (DeepSpeed ALST): N ranks train on the same samples, each holding 1/N of "
            "every sequence (attention heads exchanged all-to-all), for completions too long for one GPU. The "
            "training ranks must be a multiple of N; N must divide the model's attention heads. Each group's first "
-           "rank generates its rollouts. Needs --rollout_mode colocate, ZeRO-2, sdpa or flash_attention_2 "
+           "rank generates its rollouts. Needs --rollout_mode colocate, a text model, sdpa or flash_attention_2 "
            "attention; see docs/sequence_parallel.md.", "training")
     learning_rate: Optional[float] = _opt(
         None, "AdamW learning rate. Default: 2e-5 for lora / qlora, 1e-6 for full.", "training")

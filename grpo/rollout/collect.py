@@ -197,11 +197,13 @@ class RolloutCollector:
     def _collect_in_group(self, prompts: list[dict], tickets: RolloutTickets):
         """`_collect`, except under sequence parallelism: there the group's first rank generates (every rank, when
         the engine's generate is collective) and hands its completions and episodes to the other ranks of the group,
-        before any reward is computed. Their engines still wake, sleep and take weights with everyone's."""
+        before any reward is computed. Their engines still wake, sleep and take weights with everyone's (and, under
+        ZeRO-3 with the HF engine, generate too: its forward gathers weights collectively)."""
         group = self.rollout_group
         if group is None:
             return self._collect(prompts, tickets)
-        generated = self._collect(prompts, tickets) if group.generates or self.engine.collective_generate else None
+        takes_part = group.generates or self.engine.collective_generate or self.engine.gathers_weights
+        generated = self._collect(prompts, tickets) if takes_part else None
         return group.share(generated)
 
     def _collect(self, prompts: list[dict], tickets: RolloutTickets):

@@ -48,6 +48,7 @@ class RolloutEngine(ABC):
     the defaults fit an engine that samples the live policy module and holds no memory of its own."""
 
     collective_generate: bool = False  # every rank must call generate together (tensor parallel, server mode)
+    gathers_weights: bool = False      # its forward gathers ZeRO-3 partitions (HF engine): no rank may skip generate
     needs_every_weight: bool = False   # its sleep drops the weights: a sync then sends every weight, not a delta
     weights_dropped: bool = False      # such a sleep happened and no complete load_weights has followed
     last_sleep_freed_bytes: Optional[int] = None  # GPU memory the last sleep gave back (None: it never sleeps)

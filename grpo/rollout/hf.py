@@ -38,6 +38,9 @@ class HFRolloutEngine(RolloutEngine):
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
         self.owns_model = owns_model
+        # ZeRO-3: each forward gathers the partitioned weights in collectives (transformers' generate then runs with
+        # synced_gpus), so a rank whose rollouts come from another (sequence parallelism) still generates
+        self.gathers_weights = any(hasattr(p, "ds_id") for p in model.parameters())
         self._by_checkpoint_name: Optional[dict] = None
         # never sampled (e.g. a VL model's image placeholder, which the scoring forward would take for an image)
         self.suppress_token_ids = list(suppress_token_ids or [])

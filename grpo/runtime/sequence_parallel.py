@@ -16,7 +16,10 @@ the wrapped model needs around it:
 Gradient scale. Every rank of a group then computes the same loss L_g. The backward of all_gather sums the
 gradients of all N ranks into each shard, i.e. N x dL_g/d(shard); `gather_shards` scales that back by 1/N, so
 the group's ranks together hold exactly dL_g/dtheta. DeepSpeed with the SP mpu reduces gradients over all ranks and
-divides by world / N (the data-parallel size): the mean over data-parallel ranks, as without SP.
+divides by world / N (the data-parallel size): the mean over data-parallel ranks, as without SP. Except ZeRO-3 with
+reduce_scatter (its default): DeepSpeed 0.19.8's stage3 `__avg_scatter_grads` reduces through
+`reduce_scatter_coalesced`, which divides by the whole partition group (world), not by world / N; there each rank
+keeps its shard's whole gradient instead (`group_gradient_scale`).
 """
 from __future__ import annotations
 
@@ -102,25 +105,36 @@ def shard_sequence(token_ids: torch.Tensor, sp_rank: int, sp_size: int, pad_id: 
                          length, padded)
 
 
-def gather_shards(part: torch.Tensor, group, sp_size: int) -> torch.Tensor:
+def group_gradient_scale(sp_size: int, zero_stage: int) -> float:
+    """What `gather_shards` multiplies the gradient by, so that DeepSpeed's reduction ends at the mean over
+    data-parallel ranks (module note): 1/N where DeepSpeed divides by world / N, 1 under ZeRO-3, which divides by
+    world (with reduce_scatter; setup.check_sequence_parallel_zero refuses ZeRO-3 without it)."""
+    return 1.0 if zero_stage == 3 else 1.0 / sp_size
+
+
+def gather_shards(part: torch.Tensor, group, sp_size: int, grad_scale: Optional[float] = None) -> torch.Tensor:
     """Concatenate the group's [S/N] shards into [S] on every rank, differentiably; the gradient each shard gets
-    back is dL/d(shard) of the (identical) loss every rank computes, not N times it (see the module's note)."""
+    back is `grad_scale` (default 1/N) x the N ranks' summed gradients of the (identical) loss every rank computes,
+    i.e. dL/d(shard) by default (see the module's note)."""
     import torch.distributed.nn.functional as dist_nn
 
+    scale = 1.0 / sp_size if grad_scale is None else grad_scale
     parts = dist_nn.all_gather(part.contiguous(), group=group)
     full = torch.cat(parts, dim=0)                                         # [S]
-    # value: full; gradient: full's / N (all_gather's backward sums the N ranks' identical gradients)
-    return full / sp_size + full.detach() * (1.0 - 1.0 / sp_size)
+    # value: full; gradient: full's x scale (all_gather's backward sums the N ranks' identical gradients)
+    return full * scale + full.detach() * (1.0 - scale)
 
 
 def sharded_sequence_logprobs(decoder, head, token_ids: torch.Tensor, group, sp_rank: int, sp_size: int,
                               temperature: float = 1.0, chunk_tokens: int = 1024, pad_id: int = 0,
-                              with_entropy: bool = False, entropy_grad: bool = False):
+                              with_entropy: bool = False, entropy_grad: bool = False,
+                              grad_scale: Optional[float] = None):
     """log p(token t+1 | tokens <= t) for every position t of one sequence [L] -> [L - 1], computed with the sequence
     split over the group (each rank's decoder sees S/N tokens; attention exchanges heads all-to-all) and the log-probs
     from hidden states in chunks (`chunk_tokens` 0: from the shard's whole logits, as under ZeRO-3, whose gathered
     output layer cannot be recomputed in a chunk's checkpoint). Collective over `group`: every rank passes the same
-    sequence. `with_entropy`: returns (log-probs, entropies [L - 1]), the entropy with gradient when `entropy_grad`."""
+    sequence. `with_entropy`: returns (log-probs, entropies [L - 1]), the entropy with gradient when `entropy_grad`.
+    `grad_scale`: gather_shards'."""
     from grpo.algorithm import hidden_token_logprobs, token_entropy, token_logprobs
 
     shard = shard_sequence(token_ids, sp_rank, sp_size, pad_id)
@@ -139,18 +153,20 @@ def sharded_sequence_logprobs(decoder, head, token_ids: torch.Tensor, group, sp_
         part_entropy = token_entropy(logits if entropy_grad else logits.detach(), temperature=temperature,
                                      with_grad=entropy_grad)[0] if with_entropy else None
     keep = valid.to(part.dtype)
-    full = gather_shards(part * keep, group, sp_size)[:shard.length - 1]                 # [L - 1]
+    full = gather_shards(part * keep, group, sp_size, grad_scale)[:shard.length - 1]     # [L - 1]
     if not with_entropy:
         return full
     entropy = part_entropy.float() * keep.float()
-    entropy = gather_shards(entropy if entropy_grad else entropy.detach(), group, sp_size)[:shard.length - 1]
+    entropy = gather_shards(entropy if entropy_grad else entropy.detach(), group, sp_size,
+                            grad_scale)[:shard.length - 1]
     return full, (entropy if entropy_grad else entropy.detach())
 
 
 def sharded_completion_scores(decoder, head, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                               completion_width: int, group, sp_rank: int, sp_size: int, temperature: float = 1.0,
                               chunk_tokens: int = 1024, pad_id: int = 0, with_entropy: bool = False,
-                              entropy_grad: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+                              entropy_grad: bool = False,
+                              grad_scale: Optional[float] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """The completion tokens' log-probs (and entropies) of a RolloutBatch's rows [n, P+T] (prompts left-padded,
     completions right-padded) -> [n, T], 0 past each completion: one row at a time through the sharded path
     (DeepSpeed's Ulysses attention holds a fixed batch size of 1). Every rank of the group passes the same rows."""
@@ -163,7 +179,7 @@ def sharded_completion_scores(decoder, head, input_ids: torch.Tensor, attention_
         out_entropy = torch.zeros(completion_width, device=input_ids.device)
         if completion_len:
             scored = sharded_sequence_logprobs(decoder, head, ids[real], group, sp_rank, sp_size, temperature,
-                                               chunk_tokens, pad_id, with_entropy, entropy_grad)
+                                               chunk_tokens, pad_id, with_entropy, entropy_grad, grad_scale)
             per_position, per_entropy = scored if with_entropy else (scored, None)            # [L - 1]
             # completion token j sits at position prompt_len + j, predicted by position prompt_len + j - 1
             taken = slice(prompt_len - 1, prompt_len - 1 + completion_len)
@@ -178,10 +194,11 @@ def sharded_completion_scores(decoder, head, input_ids: torch.Tensor, attention_
 
 def sharded_completion_logprobs(decoder, head, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                                 completion_width: int, group, sp_rank: int, sp_size: int, temperature: float = 1.0,
-                                chunk_tokens: int = 1024, pad_id: int = 0) -> torch.Tensor:
+                                chunk_tokens: int = 1024, pad_id: int = 0,
+                                grad_scale: Optional[float] = None) -> torch.Tensor:
     """sharded_completion_scores' log-probs alone  # [n, T]."""
     return sharded_completion_scores(decoder, head, input_ids, attention_mask, completion_width, group, sp_rank,
-                                     sp_size, temperature, chunk_tokens, pad_id)[0]
+                                     sp_size, temperature, chunk_tokens, pad_id, grad_scale=grad_scale)[0]
 
 
 def group_of_this_rank():

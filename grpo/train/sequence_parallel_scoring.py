@@ -6,15 +6,15 @@ from __future__ import annotations
 import torch
 
 from grpo.errors import ConfigError
-from grpo.runtime.sequence_parallel import group_of_this_rank, sharded_completion_scores
+from grpo.runtime.sequence_parallel import group_gradient_scale, group_of_this_rank, sharded_completion_scores
 from grpo.train.logprobs import decoder_and_head
 from grpo.train.step_data import RolloutBatch
 
 
 def sharded_score(model, batch: RolloutBatch, cfg, chunk_tokens: int, with_entropy: bool = False,
-                  entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                  entropy_grad: bool = False, zero3: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """[n, T] log-probs (and [n, T] entropies with `with_entropy`), 0 past each completion. Collective over the
-    group: its ranks hold the same rows."""
+    group: its ranks hold the same rows. `zero3`: the engine reduces gradients as ZeRO-3 does (group_gradient_scale)."""
     parts = decoder_and_head(model)
     if parts is None or batch.images:
         raise ConfigError("--sequence_parallel_size: the sharded forward needs a text model whose logits are its "
@@ -23,4 +23,5 @@ def sharded_score(model, batch: RolloutBatch, cfg, chunk_tokens: int, with_entro
     group, sp_rank = group_of_this_rank()
     return sharded_completion_scores(decoder, head, batch.input_ids, batch.attention_mask, batch.completion_width,
                                      group, sp_rank, cfg.sequence_parallel_size, cfg.temperature, chunk_tokens,
-                                     with_entropy=with_entropy, entropy_grad=entropy_grad)
+                                     with_entropy=with_entropy, entropy_grad=entropy_grad,
+                                     grad_scale=group_gradient_scale(cfg.sequence_parallel_size, 3 if zero3 else 0))

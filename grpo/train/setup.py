@@ -212,14 +212,17 @@ def prompt_order(num_rows: int, prompts_per_step: int, config: GRPOConfig, rank:
 
 
 def check_sequence_parallel_zero(config: GRPOConfig, ds_config: dict) -> None:
-    """--sequence_parallel_size N > 1 runs under ZeRO-2 (or 0/1) only: under ZeRO-3 with the Ulysses mpu the loss is
-    right but DeepSpeed's step is 1/N of it (tests/test_sequence_parallel.py marks it as a known failure)."""
+    """--sequence_parallel_size N > 1 under ZeRO-3 needs its reduce_scatter (the default), the one gradient
+    reduction whose scale grpo.runtime.sequence_parallel.group_gradient_scale accounts for: without it DeepSpeed
+    0.19.8 averages a bucket over world / N or over world depending on the bucket's size."""
     from grpo.runtime.deepspeed_config import zero_stage
 
-    if config.sequence_parallel_size > 1 and zero_stage(ds_config) == 3:
-        raise ConfigError(f"--sequence_parallel_size {config.sequence_parallel_size} does not work under ZeRO-3 yet "
-                          f"(its gradient averaging with the sequence-parallel groups scales the step by 1/N); use "
-                          f"--deepspeed zero2 (qlora / lora keep the frozen base out of the optimizer anyway)")
+    zero = ds_config.get("zero_optimization", {})
+    if config.sequence_parallel_size > 1 and zero_stage(ds_config) == 3 and zero.get("reduce_scatter", True) is False:
+        raise ConfigError(f"--sequence_parallel_size {config.sequence_parallel_size} under ZeRO-3 needs "
+                          "zero_optimization.reduce_scatter true (DeepSpeed's default) in the DeepSpeed config: "
+                          "without it the gradient's scale depends on the bucket sizes; remove \"reduce_scatter\": "
+                          "false")
 
 
 def initialize_deepspeed(policy, ds_config: dict, config: GRPOConfig, total_updates: int):

@@ -64,7 +64,7 @@ def score(model, mb: MicroBatch, cfg: GRPOConfig, with_entropy: bool = False, en
         from grpo.train.sequence_parallel_scoring import sharded_score
 
         return sharded_score(model, mb.batch, cfg, 0 if zero3 else cfg.logprob_chunk_tokens, with_entropy,
-                             entropy_grad)
+                             entropy_grad, zero3=zero3)
     return completion_logprobs(model, mb.batch, cfg.temperature, with_entropy=with_entropy,
                                chunk_tokens=0 if zero3 else cfg.logprob_chunk_tokens,
                                packed=cfg.padding_free and not zero3, entropy_grad=entropy_grad)
