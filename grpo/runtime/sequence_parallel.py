@@ -253,16 +253,11 @@ class RolloutGroup:
 
 
 def rollout_groups(sp_size: int) -> Optional[RolloutGroup]:
-    """This rank's RolloutGroup (None for sp_size 1). Collective: every rank creates every group, in the same order,
-    as torch.distributed.new_group requires."""
+    """This rank's RolloutGroup (None for sp_size 1): the sequence-parallel group register_ulysses set up (ranks
+    [g*N, (g+1)*N)), so the broadcast rides the process group the sharded attention already has."""
     if sp_size <= 1:
         return None
     import torch.distributed as dist
 
-    world, rank = dist.get_world_size(), dist.get_rank()
-    mine = None
-    for first in range(0, data_parallel_world(world, sp_size) * sp_size, sp_size):
-        group = dist.new_group(list(range(first, first + sp_size)))
-        if first <= rank < first + sp_size:
-            mine = RolloutGroup(group, first, sp_size)
-    return mine
+    group, sp_rank = group_of_this_rank()
+    return RolloutGroup(group, dist.get_rank() - sp_rank, sp_size)
