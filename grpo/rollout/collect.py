@@ -61,6 +61,12 @@ class RolloutCollector:
         # --sequence_parallel_size N > 1: the N ranks of a group train on the same rollouts (None without)
         self.rollout_group = rollout_groups(getattr(config, "sequence_parallel_size", 1))
 
+    @property
+    def first_in_group(self) -> bool:
+        """Whether this rank speaks for its rollouts: always, except on the other ranks of a sequence-parallel group,
+        which hold the same rollouts as its first rank."""
+        return self.rollout_group is None or self.rollout_group.generates
+
     # ------------------------------------------------------------------------------------------- training
     def collect(self, state) -> tuple[RolloutRound, RolloutRound]:
         """The step's prompts with k scored completions each: one round, or with --filter_zero_std_groups as many

@@ -390,7 +390,10 @@ class GRPOTrainer:
 
     def _log_completions(self, prompts, texts, rewards, completions) -> None:
         """One rollout sample per prompt and rank each step, for reading what the model writes (a multi-turn episode:
-        its last message as "completion", the whole episode, tool calls and results included, as "episode")."""
+        its last message as "completion", the whole episode, tool calls and results included, as "episode"). A
+        sequence-parallel group's rollouts are written once, by its first rank."""
+        if not self.rollouts.first_in_group:
+            return
         path = os.path.join(self.config.output_dir, "completions", f"rank{self.rank}.jsonl")
         os.makedirs(os.path.dirname(path), exist_ok=True)
         k = self.config.k_samples
