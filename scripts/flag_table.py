@@ -27,7 +27,8 @@ def page() -> str:
         out.append(f"## {title}\n")
         if group == "guide":
             out.append("The GRPO guide's launch command spells these options as below; each is accepted as written "
-                       "(bare `--use_kl_penalty` / `--use_vllm_rollout` are on) and sets today's option.\n")
+                       "(bare `--use_kl_penalty` / `--use_vllm_rollout` are on) and sets today's option; given beside today's "
+                       "option with another value (`--use_vllm_rollout --rollout_engine hf`), the run is refused.\n")
         out.append("| flag | default | meaning |\n|---|---|---|")
         for f in fields(GRPOConfig):
             if FLAG_GROUPS[f.name] == group:

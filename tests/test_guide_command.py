@@ -65,6 +65,35 @@ def test_each_guide_spelling_sets_todays_option(args, expected, monkeypatch):
     assert {key: getattr(config, key) for key in expected} == expected
 
 
+@pytest.mark.parametrize("args, says", [
+    (["--use_vllm_rollout", "--rollout_engine", "hf"],
+     "--use_vllm_rollout true and --rollout_engine hf disagree (the first means --rollout_engine vllm)"),
+    (["--use_vllm_rollout", "false", "--rollout_engine", "vllm"],
+     "--use_vllm_rollout false and --rollout_engine vllm disagree (the first means --rollout_engine hf)"),
+    (["--vllm_mode", "server", "--rollout_mode", "colocate"],
+     "--vllm_mode server and --rollout_mode colocate disagree (the first means --rollout_mode server)"),
+])
+def test_a_guide_spelling_and_todays_option_that_disagree_are_refused(args, says):
+    from grpo.config import parse_args
+    from grpo.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="give one of them") as refused:
+        parse_args(args)
+    assert says in str(refused.value)
+
+
+def test_a_clash_between_config_json_and_a_flag_is_refused_and_agreement_passes(tmp_path):
+    from grpo.config import parse_args
+    from grpo.errors import ConfigError
+
+    config_file = tmp_path / "run.json"
+    config_file.write_text(json.dumps({"rollout_engine": "hf"}))
+    with pytest.raises(ConfigError, match="--rollout_engine hf disagree"):
+        parse_args(["--config", str(config_file), "--use_vllm_rollout"])
+    # agreeing spellings pass
+    assert parse_args(["--use_vllm_rollout", "--rollout_engine", "vllm"]).rollout_engine == "vllm"
+
+
 def test_guide_spellings_in_config_json_and_in_python(tmp_path):
     from grpo.config import GRPOConfig, parse_args
 

@@ -12,7 +12,7 @@ import sys
 from dataclasses import fields
 from typing import Optional
 
-from grpo.config.guide_spellings import GUIDE_SWITCHES
+from grpo.config.guide_spellings import GUIDE_SWITCHES, check_guide_spellings_agree
 from grpo.config.options import FLAG_GROUPS, GRPOConfig
 from grpo.errors import ConfigError
 
@@ -78,6 +78,7 @@ def parse_args(argv: Optional[list[str]] = None) -> GRPOConfig:
     config_path = _pop_config_flag(argv)
     from_json = _read_config_json(config_path, {f.name for f in fields(GRPOConfig)}) if config_path else {}
     given = {**from_json, **_given_flags(argv)}
+    check_guide_spellings_agree(given)
     saved_path = None
     if given.get("resume_from_checkpoint"):
         from grpo.config.saved import run_options

@@ -7,6 +7,8 @@ then cleared, so a config holds each setting once (and `dataclasses.replace` on 
 """
 from __future__ import annotations
 
+from grpo.errors import ConfigError
+
 # the KL coefficient of the guide's `--use_kl_penalty` when no --kl_beta is given (GRPO's original value)
 GUIDE_KL_BETA = 0.04
 
@@ -19,6 +21,23 @@ GUIDE_SPELLINGS = {
 }
 # the guide's on/off switches: given bare, they are on
 GUIDE_SWITCHES = ("use_kl_penalty", "use_vllm_rollout")
+
+
+def check_guide_spellings_agree(given: dict) -> None:
+    """Raises ConfigError where a guide spelling and today's option are both given (flags or --config) and say
+    different things, e.g. `--use_vllm_rollout --rollout_engine hf`: neither would be the silent winner. (The guide's
+    `--use_kl_penalty false` with its `--kl_beta 0.1` is no clash: the switch turns the term off, whatever its beta.)"""
+    def clash(guide: str, today: str, meant: str) -> None:
+        raise ConfigError(f"--{guide} {str(given[guide]).lower()} and --{today} {given[today]} disagree (the first "
+                          f"means {meant}): give one of them")
+
+    if given.get("use_vllm_rollout") is not None and given.get("rollout_engine") is not None:
+        engine = "vllm" if given["use_vllm_rollout"] else "hf"
+        if given["rollout_engine"] != engine:
+            clash("use_vllm_rollout", "rollout_engine", f"--rollout_engine {engine}")
+    if given.get("vllm_mode") is not None and given.get("rollout_mode") is not None \
+            and given["vllm_mode"] != given["rollout_mode"]:
+        clash("vllm_mode", "rollout_mode", f"--rollout_mode {given['vllm_mode']}")
 
 
 def fold_guide_spellings(cfg) -> None:
