@@ -9,14 +9,12 @@ def free_port() -> int:
 
 
 def _run_rank(rank, rank_main, port, *args) -> None:
-    import torch.distributed as dist
+    from grpo.runtime.distributed import shutdown
 
     rank_main(rank, port, *args)
-    # Left to the interpreter's exit, gloo's threads are torn down in no set order and a rank can abort
-    # ("terminate called without an active exception") after its work passed: end the group here, together.
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    # left to the interpreter's exit, the group's teardown can abort a rank ("terminate called without an active
+    # exception") after its work passed: end it together, as train_grpo.py does
+    shutdown()
 
 
 def spawn_ranks(rank_main, *args, nprocs: int = 2) -> None:
