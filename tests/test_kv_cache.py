@@ -116,6 +116,26 @@ def test_adapters_may_take_the_free_memory_beyond_the_share(tmp_path):
         assert engine_kv_cache_bytes(cfg, model, gpu_total_bytes=total, gpu_free_bytes=total) is None
 
 
+def test_under_a_cap_the_cache_stays_within_half_of_what_the_cap_leaves(tmp_path, grpo_log):
+    model = make_tiny_model_dir(str(tmp_path / "tiny"))
+    flags = ["--per_device_train_batch_size", "128", "--k_samples", "64", "--max_prompt_length", "2048",
+             "--rollout_max_new_tokens", "2048", "--max_seq_length", "4096", "--tuning_strategy", "qlora"]
+    size = 10 * 2**30  # as above: 8,192 sequences of 4,096 tokens, +25%, at 256 bytes a token
+    weights = checkpoint_weight_bytes(model)
+    total = int((2 * size + weights) / 0.3) + 1  # a GPU whose 0.3 share holds the cache: auto takes it uncapped
+    assert engine_kv_cache_bytes(parse_args(flags), model, gpu_total_bytes=total) == size
+    # capped to weights + 20 GiB: half of the 20 left is the 10 GiB cache, and 10 GiB (>= 6) stay beside it
+    fits = (weights + 2 * size) / 2**30
+    assert engine_kv_cache_bytes(parse_args(flags + ["--gpu_memory_gib", str(fits)]), model,
+                                 gpu_total_bytes=total) == size
+    # 1 MiB less: more than half of what the cap leaves, so the share (of the cap) sizes it, and the line says why
+    short = fits - 2**-10
+    assert engine_kv_cache_bytes(parse_args(flags + ["--gpu_memory_gib", str(short)]), model,
+                                 gpu_total_bytes=total) is None
+    assert grpo_log[-1].startswith(f"vLLM KV cache: the memory share (the step's rollouts need 10.00 GiB, more than "
+                                   f"half of what --gpu_memory_gib {short:g} leaves after")
+
+
 def test_checkpoint_weight_bytes_from_headers(tmp_path):
     model = make_tiny_model_dir(str(tmp_path / "tiny"))
     vocab = json.load(open(os.path.join(model, "config.json")))["vocab_size"]

@@ -282,8 +282,9 @@ class GRPOConfig(DerivedOptions):
         None, "vLLM's KV cache per GPU. auto: sized to one step's rollouts (tp x prompts per rank x k sequences of "
               "--max_prompt_length + --rollout_max_new_tokens tokens, plus a quarter), so sleep and wake move less "
               "memory, where that is at most half of what the share leaves after the weights (lora / qlora with "
-              "--vllm_sleep and no --gpu_memory_gib: or of what the GPU has free beside them); else the share, as "
-              "for models it cannot size (MLA, hybrid, vision-language). A number: that many GiB. share: "
+              "--vllm_sleep and no --gpu_memory_gib: or of what the GPU has free beside them; under --gpu_memory_gib: "
+              "and at most half of what the cap leaves after them); else the share, as for models it cannot size "
+              "(MLA, hybrid linear attention). A number: that many GiB. share: "
               "what --vllm_gpu_memory_utilization leaves after the weights and activations. Default: auto colocated, "
               "share in server mode.", "rollout")
     vllm_sleep: bool = _opt(True, "Put vLLM to sleep while DeepSpeed trains, freeing what --vllm_sleep_level says. "

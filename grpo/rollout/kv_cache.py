@@ -19,8 +19,10 @@ which only its own profiling knows). With lora / qlora, an engine that sleeps wh
 (and ENGINE_OWN_BYTES stay beside it): the cache is freed at every sleep, so it shares the GPU with the trainer's
 persistent state alone, which adapters keep small (full fine-tuning's optimizer state comes after the engine starts
 and is not counted here; an awake engine keeps its cache through training; torch's cap counts vLLM's pool even while
-it sleeps). A 32B qlora model in 4 bits (17.9 GiB of weights on an 80 GiB GPU) needs 10 GiB for 8 x 8 sequences of 512
-tokens, where the 0.3 share left 0.62 GiB and its rollouts took 70 s a step. Otherwise the share sizes the cache.
+it sleeps). Under --gpu_memory_gib it also stays within half of what the cap leaves after the weights, with
+ENGINE_OWN_BYTES beside it, as on a card of that size. A 32B qlora model in 4 bits (17.9 GiB of weights on an 80 GiB
+GPU) needs 10 GiB for 8 x 8 sequences of 512 tokens, where the 0.3 share left 0.62 GiB and its rollouts took 70 s a
+step. Otherwise the share sizes the cache.
 Models whose cache is not one K and V per attention layer and token (MLA, hybrid linear-attention / state-space
 stacks, per-layer head sizes) keep the share: kv_bytes_per_token returns None for them. A vision-language model's
 cache is its language model's (its text_config); the memory its engine keeps for images is profiled by vLLM within
@@ -168,6 +170,14 @@ def engine_kv_cache_bytes(config, model_path: str, gpu_total_bytes: int | None =
     # vLLM's share is of what the job may use: under --gpu_memory_gib, of the cap (gpu_budget.engine_memory_share)
     job_bytes = min(gpu_total_bytes, int(config.gpu_memory_gib * 2**30)) if gpu_total_bytes and config.gpu_memory_gib \
         else gpu_total_bytes
+    if job_bytes and config.gpu_memory_gib and not within_free(size, job_bytes, weights):
+        # a capped GPU is treated as a card of the cap's size: the cache stays within half of what the cap leaves
+        # after the weights, as on that card (where a 0.3 share of a large GPU would take most of the cap)
+        logger.info(f"vLLM KV cache: the memory share (the step's rollouts need {size / 2**30:.2f} GiB, more than "
+                    f"half of what --gpu_memory_gib {config.gpu_memory_gib:g} leaves after {weights / 2**30:.2f} GiB "
+                    f"of weights, or too little beside it)"
+                    + share_holds(config.vllm_memory_share * job_bytes - weights, per_token, sequences, longest, size))
+        return None
     if gpu_total_bytes and not within_share(size, config.vllm_memory_share, gpu_total_bytes, weights):
         # the free memory counts only where the cache goes at every sleep: not awake through training, and not
         # under --gpu_memory_gib, whose cap on torch counts vLLM's pool even while it sleeps
