@@ -116,7 +116,6 @@ def test_ranks_not_divisible_are_refused(monkeypatch, flags, says):
 @pytest.mark.parametrize("flags, says", [
     (dict(rollout_engine="vllm", padding_free=True), "--padding_free"),
     (dict(rollout_engine="vllm", rollout_mode="server", rollout_gpus=1), "--rollout_mode colocate"),
-    (dict(warm_start_steps=2), "--warm_start_steps"),
 ])
 def test_unsupported_combinations_say_what_to_use(monkeypatch, flags, says):
     from grpo.config.options import GRPOConfig

@@ -108,3 +108,44 @@ def test_a_sequence_parallel_run_resumes_exactly(tmp_path, zero):
         for key in COMPARED:
             assert abs(mine[key] - theirs[key]) < 1e-6, (mine["step"], key, mine[key], theirs[key])
     assert_same_weights(torch.load(resumed / "final_weights.pt"), torch.load(straight / "final_weights.pt"))
+
+
+def _warm_start_then_train(rank, world, port, model, registry, out):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), WANDB_MODE="disabled")
+    from grpo.train.trainer import GRPOTrainer
+
+    config = tiny_config(model, registry, out, sequence_parallel_size=world, dataset_names=["calc_toy", "toy"],
+                         warm_start_steps=3, max_steps=1, max_prompt_length=224, max_seq_length=320, max_turns=2,
+                         eval_on_start=False, deepspeed="zero2")
+    trainer = GRPOTrainer(config, reward_funcs=[even_tokens])
+    trainer.train()
+    if rank == 0:
+        with open(os.path.join(out, "warm_start_losses.json"), "w") as fh:
+            json.dump(trainer.warm_start_losses, fh)
+    trainer.close()
+
+
+def test_a_warm_start_under_sequence_parallel_equals_one_process(tmp_path):
+    """--warm_start_steps with SP 2 on 2 ranks: the group takes the demonstrations one data-parallel rank would, and
+    each supervised step's loss (the demonstrations' negative log-likelihood) and the GRPO step after it equal those
+    of one process."""
+    import torch.multiprocessing as mp
+
+    from tests.test_warm_start import demonstration_rows, demonstrations_registry
+
+    make_tiny_model_dir(str(tmp_path / "model"))
+    registry = demonstrations_registry(tmp_path / "data", demonstration_rows(8))
+    runs = {}
+    for name, world in (("one", 1), ("sp", 2)):
+        out = str(tmp_path / name)
+        mp.spawn(_warm_start_then_train, args=(world, free_port(), str(tmp_path / "model"), registry, out),
+                 nprocs=world)
+        with open(os.path.join(out, "warm_start_losses.json")) as fh:
+            runs[name] = (json.load(fh), train_rows(out))
+    (one_losses, one_rows), (sp_losses, sp_rows) = runs["one"], runs["sp"]
+    assert len(sp_losses) == 3 and sp_losses[-1] < sp_losses[0]  # the demonstrated turns became likelier
+    assert sp_losses == pytest.approx(one_losses, abs=1e-5)
+    assert [r["step"] for r in sp_rows] == [1]
+    for key in COMPARED:
+        assert abs(sp_rows[0][key] - one_rows[0][key]) < 1e-4, (key, sp_rows[0][key], one_rows[0][key])

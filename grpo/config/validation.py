@@ -190,9 +190,6 @@ def _validate_sequence_parallel(cfg, need, world: int) -> None:
     need(not cfg.padding_free, "sequence_parallel_size",
          "cannot be combined with --padding_free (the sharded attention takes one causal sequence per row); drop "
          "--padding_free")
-    need(not cfg.warm_start_steps, "sequence_parallel_size",
-         "cannot be combined with --warm_start_steps yet (the warm start's supervised steps split demonstrations "
-         "over every rank, not over the sequence-parallel groups); drop --warm_start_steps")
 
 
 def _validate_loss_and_correction(cfg, need) -> None:

@@ -27,6 +27,7 @@ from grpo.data.sampler import PromptOrder
 from grpo.rollout.engine import Completion
 from grpo.rollout.episodes import EpisodeLimits, EpisodePrompt, scripted_episode
 from grpo.runtime import distributed as dist_utils
+from grpo.runtime.sequence_parallel import data_parallel_rank, data_parallel_world
 from grpo.train.step_data import RolloutBatch, StepData, build_rollout_batch
 from grpo.train.update import base_optimizer, step_micro_batches, step_normaliser, update
 
@@ -61,12 +62,14 @@ def supervised_settings(config):
 def run_warm_start(engine, config, demonstrations, tokenizer, episode_datasets: dict, max_completion_tokens: int,
                    micro_batch_tokens: int, device) -> list[float]:
     """config.warm_start_steps supervised steps on `demonstrations` (rendered rows with a `demonstration` column);
-    each rank takes its share of per_device_train_batch_size x k_samples rows a step. Returns each step's loss: the
+    each data-parallel rank takes its share of per_device_train_batch_size x k_samples rows a step (the ranks of a
+    sequence-parallel group the same rows, each 1/N of every row, as in GRPO's update). Returns each step's loss: the
     negative log-likelihood per model token over every rank, before that step's update."""
-    world, rank = dist_utils.world_size(), dist_utils.rank()
+    sp = config.sequence_parallel_size
+    world, rank = data_parallel_world(dist_utils.world_size(), sp), data_parallel_rank(dist_utils.rank(), sp)
     if len(demonstrations) < world:
-        raise ValueError(f"--warm_start_steps: {len(demonstrations)} demonstration(s) for {world} ranks; every rank "
-                         "needs at least one")
+        raise ValueError(f"--warm_start_steps: {len(demonstrations)} demonstration(s) for {world} data-parallel "
+                         "ranks; every rank needs at least one")
     settings = supervised_settings(config)
     per_step = min(config.per_device_train_batch_size * config.k_samples, len(demonstrations) // world)
     order = PromptOrder(len(demonstrations), per_step, config.seed, rank, world)
@@ -83,7 +86,8 @@ def run_warm_start(engine, config, demonstrations, tokenizer, episode_datasets: 
         result = update(engine, data, settings)
         # the pass's log-likelihood: the loss itself reads -1 at ratio 1 whatever the model
         tokens = float(batch.completion_mask.sum())
-        total, count = dist_utils.all_sum([result.metrics.get("logprob_mean", 0.0) * tokens, tokens])
+        # a sequence-parallel group's N ranks hold the same rows (and row-wide log-probs): each counts 1/N
+        total, count = dist_utils.all_sum([result.metrics.get("logprob_mean", 0.0) * tokens / sp, tokens / sp])
         loss = -total / max(count, 1.0)
         losses.append(loss)
         logger.info(f"warm start {step + 1}/{config.warm_start_steps}: loss={loss:.4g} (negative log-likelihood per "
