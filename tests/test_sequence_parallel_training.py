@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from tests.spawn_ranks import free_port
+from tests.spawn_ranks import spawn_ranks
 from tests.tiny_models import make_tiny_model_dir
 from tests.trainer_setup import (assert_same_weights, even_tokens, tiny_config, train_rows, trainable_weights,
                                   write_prompt_registry)
@@ -17,7 +17,7 @@ from tests.trainer_setup import (assert_same_weights, even_tokens, tiny_config, 
 COMPARED = ("loss", "pg_loss", "reward/mean", "reward/std", "advantage/abs_mean", "completion/length_mean")
 
 
-def _train(rank, world, port, model, registry, out, sp_size, zero):
+def _train(rank, port, world, model, registry, out, sp_size, zero):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), WANDB_MODE="disabled")
     from grpo.train.trainer import GRPOTrainer
@@ -30,11 +30,9 @@ def _train(rank, world, port, model, registry, out, sp_size, zero):
 
 
 def _run(tmp_path, name, world, sp_size, zero):
-    import torch.multiprocessing as mp
-
     out = str(tmp_path / name)
-    mp.spawn(_train, args=(world, free_port(), str(tmp_path / "model"), str(tmp_path / "data" / "registry.json"), out,
-                           sp_size, zero), nprocs=world)
+    spawn_ranks(_train, world, str(tmp_path / "model"), str(tmp_path / "data" / "registry.json"), out, sp_size, zero,
+                nprocs=world)
     return out
 
 
@@ -65,7 +63,7 @@ def test_two_ranks_in_one_group_train_as_one_process(tmp_path, zero):
     assert torch.isfinite(torch.tensor([r["grad_norm"] for r in got])).all()
 
 
-def _train_and_keep_weights(rank, world, port, model, registry, out, overrides):
+def _train_and_keep_weights(rank, port, world, model, registry, out, overrides):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), WANDB_MODE="disabled")
     from grpo.train.trainer import GRPOTrainer
@@ -87,7 +85,6 @@ def test_a_sequence_parallel_run_resumes_exactly(tmp_path, zero):
     """SP 2 on 2 ranks (LoRA dropout drawing from each rank's generator), 3 steps straight through against
     the same run stopped after step 1 and resumed from its checkpoint: same later steps, same adapter."""
     import shutil
-    import torch.multiprocessing as mp
 
     make_tiny_model_dir(str(tmp_path / "model"))
     write_prompt_registry(str(tmp_path / "data"))
@@ -96,11 +93,10 @@ def test_a_sequence_parallel_run_resumes_exactly(tmp_path, zero):
     args = (str(tmp_path / "model"), str(tmp_path / "data" / "registry.json"))
 
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    mp.spawn(_train_and_keep_weights, args=(2, free_port(), *args, str(straight), overrides), nprocs=2)
+    spawn_ranks(_train_and_keep_weights, 2, *args, str(straight), overrides)
     os.makedirs(resumed)
     shutil.copytree(straight / "checkpoint-1", resumed / "checkpoint-1")
-    mp.spawn(_train_and_keep_weights, args=(2, free_port(), *args, str(resumed),
-                                            {**overrides, "resume_from_checkpoint": "latest"}), nprocs=2)
+    spawn_ranks(_train_and_keep_weights, 2, *args, str(resumed), {**overrides, "resume_from_checkpoint": "latest"})
 
     expected, got = train_rows(straight), train_rows(resumed)
     assert [r["step"] for r in got] == [2, 3]
@@ -110,7 +106,7 @@ def test_a_sequence_parallel_run_resumes_exactly(tmp_path, zero):
     assert_same_weights(torch.load(resumed / "final_weights.pt"), torch.load(straight / "final_weights.pt"))
 
 
-def _warm_start_then_train(rank, world, port, model, registry, out):
+def _warm_start_then_train(rank, port, world, model, registry, out):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), WANDB_MODE="disabled")
     from grpo.train.trainer import GRPOTrainer
@@ -130,8 +126,6 @@ def test_a_warm_start_under_sequence_parallel_equals_one_process(tmp_path):
     """--warm_start_steps with SP 2 on 2 ranks: the group takes the demonstrations one data-parallel rank would, and
     each supervised step's loss (the demonstrations' negative log-likelihood) and the GRPO step after it equal those
     of one process."""
-    import torch.multiprocessing as mp
-
     from tests.test_warm_start import demonstration_rows, demonstrations_registry
 
     make_tiny_model_dir(str(tmp_path / "model"))
@@ -139,8 +133,7 @@ def test_a_warm_start_under_sequence_parallel_equals_one_process(tmp_path):
     runs = {}
     for name, world in (("one", 1), ("sp", 2)):
         out = str(tmp_path / name)
-        mp.spawn(_warm_start_then_train, args=(world, free_port(), str(tmp_path / "model"), registry, out),
-                 nprocs=world)
+        spawn_ranks(_warm_start_then_train, world, str(tmp_path / "model"), registry, out, nprocs=world)
         with open(os.path.join(out, "warm_start_losses.json")) as fh:
             runs[name] = (json.load(fh), train_rows(out))
     (one_losses, one_rows), (sp_losses, sp_rows) = runs["one"], runs["sp"]
