@@ -17,9 +17,14 @@ from tests.trainer_setup import (assert_same_weights, even_tokens, tiny_config, 
 COMPARED = ("loss", "pg_loss", "reward/mean", "reward/std", "advantage/abs_mean", "completion/length_mean")
 
 
-def _train(rank, port, world, model, registry, out, sp_size, zero):
+def _join(rank, port, world):
+    """This process as rank `rank` of `world` (GRPOTrainer starts the process group from these)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), WANDB_MODE="disabled")
+
+
+def _train(rank, port, world, model, registry, out, sp_size, zero):
+    _join(rank, port, world)
     from grpo.train.trainer import GRPOTrainer
 
     config = tiny_config(model, registry, out, sequence_parallel_size=sp_size, max_steps=2, scale_rewards="batch",
@@ -64,8 +69,7 @@ def test_two_ranks_in_one_group_train_as_one_process(tmp_path, zero):
 
 
 def _train_and_keep_weights(rank, port, world, model, registry, out, overrides):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), WANDB_MODE="disabled")
+    _join(rank, port, world)
     from grpo.train.trainer import GRPOTrainer
 
     trainer = GRPOTrainer(tiny_config(model, registry, out, **overrides), reward_funcs=[even_tokens])
@@ -107,8 +111,7 @@ def test_a_sequence_parallel_run_resumes_exactly(tmp_path, zero):
 
 
 def _warm_start_then_train(rank, port, world, model, registry, out):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), WANDB_MODE="disabled")
+    _join(rank, port, world)
     from grpo.train.trainer import GRPOTrainer
 
     config = tiny_config(model, registry, out, sequence_parallel_size=world, dataset_names=["calc_toy", "toy"],
