@@ -201,6 +201,51 @@ def test_sampler_and_loss_see_the_same_pixels(arch, tmp_path):
     torch.testing.assert_close(changed[3:], scored[3:], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen2_vl"])
+def test_vision_log_probs_come_from_hidden_states_as_from_the_whole_logits(arch, tmp_path, monkeypatch):
+    """The hidden-state path (the multimodal body, then the output layer a few tokens at a time) against the model's
+    own logits (chunk_tokens 0), on image and text rows of one LoRA-adapted batch: the same log-probs, entropies and
+    gradients, and no [N, T, V] logits."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForImageTextToText
+
+    from grpo.train.logprobs import decoder_and_head, vision_body_and_head
+
+    path = make_tiny_vl_model_dir(str(tmp_path / arch), arch=arch)
+    tokenizer = load_tokenizer(path)
+    processor = VisionProcessor.from_pretrained(path, tokenizer)
+    torch.manual_seed(0)
+    base = AutoModelForImageTextToText.from_pretrained(path)
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=language_linear_names(base),
+                                            init_lora_weights=False))
+    assert decoder_and_head(model) is None and vision_body_and_head(model) is not None
+    refs = [[{"bytes": png(COLORS["red"]), "path": None}], []]
+    messages = [[{"role": "user", "content": IMAGE_MARKER + "What color is the image ?"}],
+                [{"role": "user", "content": "How many shapes ?"}]]
+    ids = [processor.render(m, r, "test")[1] for m, r in zip(messages, refs)]
+    images = [processor.prompt_images(r) for r in refs]
+    out = HFRolloutEngine(model, tokenizer).generate(ids, SamplingSettings(n=2, max_new_tokens=7), images=images)
+    batch = build_rollout_batch(ids, out, tokenizer.pad_token_id, images=images)
+    weights = torch.arange(1.0, 1.0 + batch.completion_ids.numel()).view_as(batch.completion_ids)
+    results = {}
+    for chunk in (0, 3):  # the whole logits; 3 tokens of the output layer at a time
+        if chunk:  # the model's own forward (its [N, T, V] logits) is not called
+            monkeypatch.setattr("grpo.train.logprobs.completion_logits",
+                                lambda *a: pytest.fail("the whole logits were computed"))
+        model.zero_grad()
+        logprobs, entropy = completion_logprobs(model, batch, 0.7, with_entropy=True, chunk_tokens=chunk,
+                                                entropy_grad=True)
+        ((logprobs * weights).sum() + entropy.sum()).backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        results[chunk] = (logprobs.detach(), entropy.detach(), grads)
+    (whole, whole_entropy, whole_grads), (hidden, hidden_entropy, hidden_grads) = results[0], results[3]
+    assert whole.abs().sum() > 0 and whole_grads and whole_grads.keys() == hidden_grads.keys()
+    torch.testing.assert_close(hidden, whole, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(hidden_entropy, whole_entropy, atol=1e-5, rtol=1e-5)
+    for name, grad in whole_grads.items():
+        torch.testing.assert_close(hidden_grads[name], grad, atol=1e-4, rtol=1e-4, msg=name)
+
+
 def test_vllm_prompts_collapse_image_runs():
     assert collapse_image_tokens([1, 9, 9, 9, 2, 9, 9, 3], 9) == [1, 9, 2, 9, 3]
     assert collapse_image_tokens([1, 2], 9) == [1, 2]

@@ -158,7 +158,8 @@ class GRPOConfig(DerivedOptions):
     logprob_chunk_tokens: int = _opt(
         1024, "Completion tokens whose logits exist at once: log-probs are computed from hidden states through "
               "the output layer in chunks of this size (never a full [N, T, vocab] logits tensor). 0: the "
-              "model's full logits (as models with logit soft-capping and vision-language models always do).",
+              "model's full logits (as models with logit soft-capping always do, and every model under ZeRO-3); a "
+              "vision-language model takes the hidden states of its multimodal body.",
         "training")
     padding_free: bool = _opt(
         False, "Pack each micro-batch's sequences into one row with per-sequence position ids (no padding "

@@ -6,8 +6,10 @@ Two ways through the model:
   exists, neither in the forward nor in the backward. Optionally padding-free: a micro-batch's sequences are packed
   into one row with per-sequence position ids, which transformers turns into a block-diagonal causal mask (SDPA,
   eager) or varlen flash attention.
+  A vision-language model takes the same path through its multimodal body (image features merged into the token
+  embeddings, multimodal rope positions), whose last hidden states its output layer turns into logits as for text.
 - logits (fallback): the model's own forward with `logits_to_keep`, for models whose output layer is not a plain
-  function of the last hidden state (logit soft-capping or scaling), vision-language models, and chunk_tokens=0.
+  function of the last hidden state (logit soft-capping or scaling), and chunk_tokens=0.
 """
 from __future__ import annotations
 
@@ -22,9 +24,9 @@ from grpo.train.step_data import RolloutBatch, position_ids_for
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
 
 
-def completion_logits(model, batch: RolloutBatch) -> torch.Tensor:
-    """Logits that predict each completion token  # [N, T, V]."""
-    width = batch.completion_width
+def forward_inputs(model, batch: RolloutBatch) -> dict:
+    """The keyword arguments of the model's forward for the batch's rows: ids, mask and positions, and a
+    vision-language prompt's pixels."""
     kwargs = dict(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
     image_inputs = batch.image_inputs(batch.input_ids.device)
     if image_inputs:
@@ -34,6 +36,13 @@ def completion_logits(model, batch: RolloutBatch) -> torch.Tensor:
         kwargs.update(image_inputs, **image_token_types(model, batch.input_ids, batch.images_token_id))
     else:
         kwargs["position_ids"] = position_ids_for(batch.attention_mask)
+    return kwargs
+
+
+def completion_logits(model, batch: RolloutBatch) -> torch.Tensor:
+    """Logits that predict each completion token  # [N, T, V]."""
+    width = batch.completion_width
+    kwargs = forward_inputs(model, batch)
     try:
         # only the last T+1 positions: the prompt's logits are never materialised
         logits = model(**kwargs, logits_to_keep=width + 1).logits
@@ -42,13 +51,22 @@ def completion_logits(model, batch: RolloutBatch) -> torch.Tensor:
     return logits[:, -(width + 1):-1, :]
 
 
+def _transformers_model(model):
+    module = getattr(model, "module", model)                       # DeepSpeed engine -> model
+    return module.get_base_model() if hasattr(module, "get_base_model") else module   # peft -> transformers model
+
+
+def _logits_transformed(config) -> bool:
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return any(getattr(c, name, None) not in (None, 1.0) for c in (config, text) for name in _LOGIT_TRANSFORMS)
+
+
 def decoder_and_head(model):
     """(decoder, output layer) of a causal LM, seen through DeepSpeed and peft wrappers; None where logits are not
-    head(last hidden state) or the parts cannot be found."""
-    module = getattr(model, "module", model)                       # DeepSpeed engine -> model
-    base = module.get_base_model() if hasattr(module, "get_base_model") else module   # peft -> transformers model
+    head(last hidden state) or the parts cannot be found, and for vision-language models (vision_body_and_head)."""
+    base = _transformers_model(model)
     config = getattr(base, "config", None)
-    if config is None or any(getattr(config, name, None) not in (None, 1.0) for name in _LOGIT_TRANSFORMS):
+    if config is None or _logits_transformed(config):
         return None
     if getattr(config, "vision_config", None) is not None:
         return None
@@ -62,11 +80,35 @@ def decoder_and_head(model):
     return decoder, head
 
 
-def _padded_hidden(decoder, batch: RolloutBatch) -> torch.Tensor:
-    """Hidden states that predict each real completion token, in row order  # [M, H]."""
+def vision_body_and_head(model):
+    """(multimodal body, output layer) of a vision-language model (Qwen2-VL, Qwen2.5-VL), seen through DeepSpeed and
+    peft wrappers: the body merges the image features into the token embeddings, derives the multimodal rope positions
+    and returns the last hidden states, which the output layer turns into the logits. None for text models, where
+    logits are not head(hidden), or where the parts cannot be found."""
+    base = _transformers_model(model)
+    config = getattr(base, "config", None)
+    if config is None or getattr(config, "vision_config", None) is None or _logits_transformed(config):
+        return None
+    body, get_head = getattr(base, "model", None), getattr(base, "get_output_embeddings", None)
+    head = get_head() if get_head else None
+    if not isinstance(body, torch.nn.Module) or head is None:
+        return None
+    return body, head
+
+
+def hidden_state_path(model) -> bool:
+    """Whether the model's log-probs can come from its last hidden states, a chunk of the output layer at a time."""
+    return decoder_and_head(model) is not None or vision_body_and_head(model) is not None
+
+
+def _padded_hidden(decoder, batch: RolloutBatch, inputs: Optional[dict] = None) -> torch.Tensor:
+    """Hidden states that predict each real completion token, in row order  # [M, H]. `inputs`: the forward's
+    arguments where they are not only the rows' ids, mask and positions (a vision-language model's pixels)."""
     width = batch.completion_width
-    hidden = decoder(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                     position_ids=position_ids_for(batch.attention_mask), use_cache=False).last_hidden_state
+    if inputs is None:
+        inputs = dict(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                      position_ids=position_ids_for(batch.attention_mask), use_cache=False)
+    hidden = decoder(**inputs).last_hidden_state
     predicting = hidden[:, -(width + 1):-1, :]                                       # [N, T, H]
     real = batch.attention_mask[:, -width:].bool()                                   # [N, T]
     return predicting[real]                                                          # [M, H]
@@ -110,8 +152,9 @@ def completion_logprobs(model, batch: RolloutBatch, temperature: float, with_ent
     """
     real = batch.attention_mask[:, -batch.completion_width:].bool()                           # [N, T]
     # (rows without any completion token take the logits path: its graph reaches every trained parameter)
-    chunked = chunk_tokens > 0 and not batch.images and bool(real.any())
-    parts = decoder_and_head(model) if chunked else None
+    chunked = chunk_tokens > 0 and bool(real.any())
+    vision = vision_body_and_head(model) if chunked else None
+    parts = vision or (decoder_and_head(model) if chunked else None)
     if parts is None:
         logits = completion_logits(model, batch)
         logprobs = token_logprobs(logits, batch.completion_ids, temperature=temperature)
@@ -122,7 +165,10 @@ def completion_logprobs(model, batch: RolloutBatch, temperature: float, with_ent
         keep = real.to(logprobs.dtype)
         return logprobs * keep, (entropy * keep if entropy is not None else None)
     decoder, head = parts
-    hidden = _packed_hidden(decoder, batch) if packed else _padded_hidden(decoder, batch)     # [M, H]
+    if vision:  # padded rows: the body finds each row's images and rope positions by its tokens and mask
+        hidden = _padded_hidden(decoder, batch, forward_inputs(model, batch))                  # [M, H]
+    else:
+        hidden = _packed_hidden(decoder, batch) if packed else _padded_hidden(decoder, batch)  # [M, H]
     flat, flat_entropy = hidden_token_logprobs(hidden, head, batch.completion_ids[real], temperature,
                                                chunk_tokens=chunk_tokens, with_entropy=with_entropy,
                                                entropy_grad=entropy_grad)                             # [M]

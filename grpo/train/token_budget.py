@@ -179,10 +179,10 @@ def training_estimate(config, model) -> tuple[int, int, int, bool]:
     """(kept, transient, chunk, checkpointing) for `model` (a DeepSpeed engine, peft or transformers model) as this
     run trains it: its shape, the dtypes of its embeddings and adapters, whether its layers are checkpointed, and
     whether its log-probs take the hidden-state path (see grpo.train.update.score)."""
-    from grpo.train.logprobs import decoder_and_head
+    from grpo.train.logprobs import hidden_state_path
 
     zero3 = getattr(model, "zero_optimization_stage", lambda: 0)() == 3
-    full_logits = zero3 or config.logprob_chunk_tokens == 0 or decoder_and_head(model) is None
+    full_logits = zero3 or config.logprob_chunk_tokens == 0 or not hidden_state_path(model)
     checkpointing = checkpointing_on(model)
     module = getattr(model, "module", model)
     base = module.get_base_model() if hasattr(module, "get_base_model") else module
