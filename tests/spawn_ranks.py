@@ -1,4 +1,5 @@
 """Tests that start ranks of their own (torch.multiprocessing), each process group on a port the OS reports free."""
+import os
 import socket
 
 
@@ -6,6 +7,12 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def join_world(rank: int, port: int, world: int = 2) -> None:
+    """The environment by which this process is rank `rank` of `world` (as DeepSpeed's launcher sets it)."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
 
 
 def _run_rank(rank, rank_main, port, *args) -> None:

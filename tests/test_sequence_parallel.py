@@ -1,13 +1,12 @@
 """Ulysses sequence parallelism (grpo.runtime.sequence_parallel) on 2 CPU ranks (gloo) with DeepSpeed's own attention:
 the sharded log-probs equal the unsharded ones, and the gradient the group's ranks hold together equals the
 single-process gradient of the same loss."""
-import os
 
 import pytest
 import torch
 
 from grpo.runtime.sequence_parallel import (data_parallel_rank, data_parallel_world, layout_line, shard_sequence)
-from tests.spawn_ranks import spawn_ranks
+from tests.spawn_ranks import join_world, spawn_ranks
 
 
 def test_shards_shift_labels_before_cutting():
@@ -63,8 +62,7 @@ def _reference(path):
 
 
 def _rank_main(rank, port, path, out):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
-                      LOCAL_RANK=str(rank))
+    join_world(rank, port)
     import deepspeed
     import deepspeed.comm as ds_dist
 
@@ -198,8 +196,7 @@ def _lora_reference(path):
 
 
 def _deepspeed_rank_main(rank, port, path, out, stage):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
-                      LOCAL_RANK=str(rank))
+    join_world(rank, port)
     import deepspeed
     import deepspeed.comm as ds_dist
 

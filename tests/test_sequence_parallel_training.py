@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from tests.spawn_ranks import spawn_ranks
+from tests.spawn_ranks import join_world, spawn_ranks
 from tests.tiny_models import make_tiny_model_dir
 from tests.trainer_setup import (assert_same_weights, even_tokens, tiny_config, train_rows, trainable_weights,
                                   write_prompt_registry)
@@ -17,14 +17,9 @@ from tests.trainer_setup import (assert_same_weights, even_tokens, tiny_config, 
 COMPARED = ("loss", "pg_loss", "reward/mean", "reward/std", "advantage/abs_mean", "completion/length_mean")
 
 
-def _join(rank, port, world):
-    """This process as rank `rank` of `world` (GRPOTrainer starts the process group from these)."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), WANDB_MODE="disabled")
-
-
 def _train(rank, port, world, model, registry, out, sp_size, zero):
-    _join(rank, port, world)
+    join_world(rank, port, world)  # GRPOTrainer starts the process group from it
+    os.environ["WANDB_MODE"] = "disabled"
     from grpo.train.trainer import GRPOTrainer
 
     config = tiny_config(model, registry, out, sequence_parallel_size=sp_size, max_steps=2, scale_rewards="batch",
@@ -69,7 +64,8 @@ def test_two_ranks_in_one_group_train_as_one_process(tmp_path, zero):
 
 
 def _train_and_keep_weights(rank, port, world, model, registry, out, overrides):
-    _join(rank, port, world)
+    join_world(rank, port, world)  # GRPOTrainer starts the process group from it
+    os.environ["WANDB_MODE"] = "disabled"
     from grpo.train.trainer import GRPOTrainer
 
     trainer = GRPOTrainer(tiny_config(model, registry, out, **overrides), reward_funcs=[even_tokens])
@@ -111,7 +107,8 @@ def test_a_sequence_parallel_run_resumes_exactly(tmp_path, zero):
 
 
 def _warm_start_then_train(rank, port, world, model, registry, out):
-    _join(rank, port, world)
+    join_world(rank, port, world)  # GRPOTrainer starts the process group from it
+    os.environ["WANDB_MODE"] = "disabled"
     from grpo.train.trainer import GRPOTrainer
 
     config = tiny_config(model, registry, out, sequence_parallel_size=world, dataset_names=["calc_toy", "toy"],

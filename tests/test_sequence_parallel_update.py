@@ -1,11 +1,10 @@
 """A GRPO update through grpo.train.update with --sequence_parallel_size 2 (2 gloo CPU ranks, one group, DeepSpeed's
 Ulysses attention, ZeRO-2) gives the same loss, metrics and SGD-updated weights as the same step on one process."""
-import os
 
 import torch
 
 from tests.optimize_setup import LR, make_step, old_and_ref, run_split, step_config
-from tests.spawn_ranks import spawn_ranks
+from tests.spawn_ranks import join_world, spawn_ranks
 
 GROUPS = [[0, 1, 2], [3, 4, 5, 6, 7]]  # two micro-batches, one with an empty completion
 
@@ -46,8 +45,7 @@ def _step(path, sp_size, mpu_of):
 
 
 def _rank_main(rank, port, path, out):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
-                      LOCAL_RANK=str(rank))
+    join_world(rank, port)
     import deepspeed
 
     from grpo.runtime.sequence_parallel import register_ulysses
@@ -60,7 +58,7 @@ def _rank_main(rank, port, path, out):
 
 
 def _single_main(rank, port, path, out):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    join_world(rank, port, world=1)
     import deepspeed
 
     deepspeed.init_distributed(dist_backend="gloo")

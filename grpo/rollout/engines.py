@@ -13,6 +13,7 @@ import torch
 
 from grpo.errors import ConfigError
 from grpo.model.base_weights import saved_4bit
+from grpo.runtime.deepspeed_config import zero3_partitioned
 from grpo.runtime.gpu_budget import engine_memory_share, least_gpu_memory
 from grpo.rollout.hf import HFRolloutEngine, stop_token_ids
 from grpo.rollout.kv_cache import engine_kv_cache_bytes
@@ -281,7 +282,7 @@ def _in_place_refusal(policy, vision) -> str | None:
                         ("fan_in_fan_out", "fan_in_fan_out layers")):
         if getattr(peft_config, option, None):
             return why
-    if any(hasattr(p, "ds_id") for p in policy.parameters()):
+    if zero3_partitioned(policy):
         return "ZeRO-3 (a rank holds a partition of the base, which vLLM cannot share)"
     fused = _fused_on_load(policy)
     if fused:

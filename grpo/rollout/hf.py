@@ -6,6 +6,7 @@ from typing import Iterable, Optional
 import torch
 
 from grpo.rollout.engine import Completion, RolloutEngine, SamplingSettings
+from grpo.runtime.deepspeed_config import zero3_partitioned
 from grpo.runtime.sequence_parallel import unsharded_attention
 
 
@@ -40,7 +41,7 @@ class HFRolloutEngine(RolloutEngine):
         self.owns_model = owns_model
         # ZeRO-3: each forward gathers the partitioned weights in collectives (transformers' generate then runs with
         # synced_gpus), so a rank whose rollouts come from another (sequence parallelism) still generates
-        self.gathers_weights = any(hasattr(p, "ds_id") for p in model.parameters())
+        self.gathers_weights = zero3_partitioned(model)
         self._by_checkpoint_name: Optional[dict] = None
         # never sampled (e.g. a VL model's image placeholder, which the scoring forward would take for an image)
         self.suppress_token_ids = list(suppress_token_ids or [])

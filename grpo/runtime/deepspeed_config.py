@@ -44,6 +44,11 @@ def zero_stage(ds: dict) -> int:
     return int(ds.get("zero_optimization", {}).get("stage", 0))
 
 
+def zero3_partitioned(module) -> bool:
+    """Whether ZeRO-3 holds `module`'s parameters as partitions (DeepSpeed tags each with a ds_id)."""
+    return any(hasattr(p, "ds_id") for p in module.parameters())
+
+
 def _fill_auto(node: dict, auto: dict, prefix: str = "") -> None:
     for key, value in node.items():
         dotted = f"{prefix}{key}"

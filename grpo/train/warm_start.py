@@ -23,11 +23,11 @@ import time
 
 import torch
 
-from grpo.data.sampler import PromptOrder
 from grpo.rollout.engine import Completion
 from grpo.rollout.episodes import EpisodeLimits, EpisodePrompt, scripted_episode
 from grpo.runtime import distributed as dist_utils
-from grpo.runtime.sequence_parallel import data_parallel_rank, data_parallel_world
+from grpo.runtime.sequence_parallel import data_parallel_world
+from grpo.train.setup import prompt_order
 from grpo.train.step_data import RolloutBatch, StepData, build_rollout_batch
 from grpo.train.update import base_optimizer, step_micro_batches, step_normaliser, update
 
@@ -66,13 +66,13 @@ def run_warm_start(engine, config, demonstrations, tokenizer, episode_datasets: 
     sequence-parallel group the same rows, each 1/N of every row, as in GRPO's update). Returns each step's loss: the
     negative log-likelihood per model token over every rank, before that step's update."""
     sp = config.sequence_parallel_size
-    world, rank = data_parallel_world(dist_utils.world_size(), sp), data_parallel_rank(dist_utils.rank(), sp)
+    world = data_parallel_world(dist_utils.world_size(), sp)
     if len(demonstrations) < world:
         raise ValueError(f"--warm_start_steps: {len(demonstrations)} demonstration(s) for {world} data-parallel "
                          "ranks; every rank needs at least one")
     settings = supervised_settings(config)
     per_step = min(config.per_device_train_batch_size * config.k_samples, len(demonstrations) // world)
-    order = PromptOrder(len(demonstrations), per_step, config.seed, rank, world)
+    order = prompt_order(len(demonstrations), per_step, config, dist_utils.rank(), dist_utils.world_size())
     limits = EpisodeLimits(max_turns=config.max_turns, max_episode_tokens=max_completion_tokens)
     epoch = position = 0
     losses = []

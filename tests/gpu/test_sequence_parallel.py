@@ -1,11 +1,10 @@
 """On 2 GPUs (nccl, bf16): Ulysses sequence parallelism (grpo.runtime.sequence_parallel, DeepSpeed's attention) gives
 the same completion log-probs as one GPU without it, on a small random Llama with a 1000-token sequence."""
-import os
 
 import pytest
 import torch
 
-from tests.spawn_ranks import spawn_ranks
+from tests.spawn_ranks import join_world, spawn_ranks
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
 LENGTH, COMPLETION = 1001, 600  # odd: the sequence is padded to a multiple of 2
@@ -35,8 +34,7 @@ def _load(path, device):
 
 
 def _rank_main(rank, port, path, out):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
-                      LOCAL_RANK=str(rank))
+    join_world(rank, port)
     torch.cuda.set_device(rank)
     import deepspeed
     import deepspeed.comm as ds_dist
