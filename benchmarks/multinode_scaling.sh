@@ -10,6 +10,9 @@
 #
 #   OUT=outputs/scaling bash benchmarks/multinode_scaling.sh
 #   KINDS="strong" CASES="colocate1 colocate4 async4" STEPS=4 bash benchmarks/multinode_scaling.sh
+#   GPUS=2,3 KINDS=weak CASES=colocate2 bash benchmarks/multinode_scaling.sh    # on GPUs 2 and 3 only
+# GPUS picks the GPUs of one-node cases (as many as the case takes; other jobs can use the rest meanwhile);
+# unset, a case takes the first GPUs of the host.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-outputs/bench/scaling}
@@ -51,12 +54,20 @@ run() {
     --max_seq_length $((PROMPT_LEN + NEW)) --max_steps "$STEPS" --rollout_engine vllm --save_steps 0
     --eval_on_start false --logging_steps 1 --output_dir "$dir" --overwrite_output_dir
     "${extra[@]}")
+  local where=(--num_gpus "$gpus")
+  if [ -n "${GPUS:-}" ]; then
+    local listed; listed=$(tr ',' '\n' <<< "$GPUS" | grep -c .)
+    if [ "$listed" != "$gpus" ] || [ "$nodes" != 1 ]; then
+      echo "$name takes $gpus GPU(s) on $nodes node(s); GPUS=$GPUS lists $listed: skipped"; return 1
+    fi
+    where=(--include "localhost:$GPUS")  # the launcher ignores CUDA_VISIBLE_DEVICES
+  fi
   echo "== $name: $mode, $gpus GPU(s) on $nodes node(s), $ranks training rank(s) x $prompts prompts x 8"
   if [ "$nodes" = 2 ]; then
     NODES_DIR="$dir.nodes" PORT=$port GPUS_PER_NODE=2 timeout -k 30 "$T_RUN" \
       bash scripts/emulate_two_nodes.sh "${args[@]}" > "$dir.log" 2>&1
   else
-    timeout -k 30 "$T_RUN" "${launcher[@]}" --num_gpus "$gpus" --master_port "$port" train_grpo.py "${args[@]}" \
+    timeout -k 30 "$T_RUN" "${launcher[@]}" "${where[@]}" --master_port "$port" train_grpo.py "${args[@]}" \
       > "$dir.log" 2>&1
   fi
   local rc=$?; port=$((port + 1))
