@@ -56,7 +56,7 @@ def test_one_group_of_two_trains_on_the_first_rank_s_rollouts(tmp_path):
     drawn = [[r["index"] for r in _completions(tmp_path / run, 0)] for run in ("sp", "one")]
     assert drawn[0] == drawn[1] and drawn[0]
     assert not os.path.exists(tmp_path / "sp" / "completions" / "rank1.jsonl")  # the group's rows, written once
-    assert all(torch.isfinite(torch.tensor([r["loss"], r["grad_norm"]])) for r in sp)
+    assert all(torch.isfinite(torch.tensor([r["loss"], r["grad_norm"]])).all() for r in sp)
     # engine vs trainer over the sampled tokens (bf16): the sharded forward scores as the whole one does
     for mine, theirs in zip(sp, one):
         gap, reference = mine["rollout/logprob_diff_mean"], theirs["rollout/logprob_diff_mean"]
