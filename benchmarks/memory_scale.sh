@@ -18,7 +18,7 @@
 #   SHAPES="qwen2.5-7b qwen2.5-14b" STRATEGIES="qlora lora" MODES=adapter bash benchmarks/memory_scale.sh
 #   SHAPES=qwen2.5-32b FOUR_BIT=1 MODES=auto bash benchmarks/memory_scale.sh      # 32B qlora on one 80 GB GPU
 #   MODES=auto PROMPTS=4 MAX_NEW="4096 8192 16384" STEPS=2 bash benchmarks/memory_scale.sh   # reasoning lengths
-#   GPUS=0,1 PROMPTS=1 SAMPLES=2 MAX_NEW=32768 MODES=adapter STEPS=3 \
+#   GPUS=0,1 MAX_POSITIONS=65536 PROMPTS=1 SAMPLES=2 MAX_NEW=32768 MODES=merged GPU_MEMORY_GIB=80 STEPS=3 \
 #     EXTRA_ARGS="--sequence_parallel_size 2 --max_seq_length 33280" bash benchmarks/memory_scale.sh
 #                                        # a 32k-token completion at the 7B shape, sequence parallel over 2 GPUs
 set -uo pipefail
