@@ -170,13 +170,18 @@ def engine_kv_cache_bytes(config, model_path: str, gpu_total_bytes: int | None =
     # vLLM's share is of what the job may use: under --gpu_memory_gib, of the cap (gpu_budget.engine_memory_share)
     job_bytes = min(gpu_total_bytes, int(config.gpu_memory_gib * 2**30)) if gpu_total_bytes and config.gpu_memory_gib \
         else gpu_total_bytes
+
+    def left_to_share(too_much: str) -> None:
+        """Says why the cache is left to the share, and what the share means for the step's rollouts."""
+        logger.info(f"vLLM KV cache: the memory share (the step's rollouts need {size / 2**30:.2f} GiB, more than "
+                    f"{too_much})" + share_holds(config.vllm_memory_share * job_bytes - weights, per_token, sequences,
+                                                 longest, size))
+
     if job_bytes and config.gpu_memory_gib and not within_free(size, job_bytes, weights):
         # a capped GPU is treated as a card of the cap's size: the cache stays within half of what the cap leaves
         # after the weights, as on that card (where a 0.3 share of a large GPU would take most of the cap)
-        logger.info(f"vLLM KV cache: the memory share (the step's rollouts need {size / 2**30:.2f} GiB, more than "
-                    f"half of what --gpu_memory_gib {config.gpu_memory_gib:g} leaves after {weights / 2**30:.2f} GiB "
-                    f"of weights, or too little beside it)"
-                    + share_holds(config.vllm_memory_share * job_bytes - weights, per_token, sequences, longest, size))
+        left_to_share(f"half of what --gpu_memory_gib {config.gpu_memory_gib:g} leaves after {weights / 2**30:.2f} GiB "
+                      "of weights, or too little beside it")
         return None
     if gpu_total_bytes and not within_share(size, config.vllm_memory_share, gpu_total_bytes, weights):
         # the free memory counts only where the cache goes at every sleep: not awake through training, and not
@@ -184,12 +189,9 @@ def engine_kv_cache_bytes(config, model_path: str, gpu_total_bytes: int | None =
         by_free = config.tuning_strategy in ("lora", "qlora") and config.vllm_sleep and not config.gpu_memory_gib \
             and gpu_free_bytes is not None
         if not (by_free and within_free(size, gpu_free_bytes, weights)):
-            logger.info(f"vLLM KV cache: the memory share (the step's rollouts need {size / 2**30:.2f} GiB, more "
-                        f"than half of what --vllm_gpu_memory_utilization {config.vllm_memory_share} leaves after "
-                        f"{weights / 2**30:.2f} GiB of weights" + (f", and of what the GPU's "
-                        f"{gpu_free_bytes / 2**30:.1f} GiB free leave" if by_free else "") + ")"
-                        + share_holds(config.vllm_memory_share * job_bytes - weights, per_token, sequences,
-                                      longest, size))
+            left_to_share(f"half of what --vllm_gpu_memory_utilization {config.vllm_memory_share} leaves after "
+                          f"{weights / 2**30:.2f} GiB of weights" + (f", and of what the GPU's "
+                          f"{gpu_free_bytes / 2**30:.1f} GiB free leave" if by_free else ""))
             return None
         where = (f"; more than the {config.vllm_memory_share:g} share leaves, within half of the "
                  f"{gpu_free_bytes / 2**30:.1f} GiB free beside {weights / 2**30:.2f} GiB of weights")
