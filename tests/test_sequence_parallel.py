@@ -61,8 +61,8 @@ def _reference(path):
     return logprobs.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def _rank_main(rank, port, path, out):
-    join_world(rank, port)
+def _rank_main(rank, port, path, out, sp):
+    join_world(rank, port, world=sp)
     import deepspeed
     import deepspeed.comm as ds_dist
 
@@ -70,10 +70,10 @@ def _rank_main(rank, port, path, out):
 
     deepspeed.init_distributed(dist_backend="gloo")
     model = _load(path)
-    mpu = register_ulysses(model, 2)
+    mpu = register_ulysses(model, sp)
     ids, mask, width = _batch()
     logprobs = sharded_completion_logprobs(model.model, model.lm_head, ids, mask, width,
-                                           mpu.get_sequence_parallel_group(), mpu.get_sequence_parallel_rank(), 2,
+                                           mpu.get_sequence_parallel_group(), mpu.get_sequence_parallel_rank(), sp,
                                            chunk_tokens=4)
     (logprobs * torch.arange(1, 11.0).view(2, 5)).sum().backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -84,18 +84,21 @@ def _rank_main(rank, port, path, out):
     ds_dist.barrier()
 
 
-def test_two_ranks_match_one(tmp_path):
+# 4 ranks: the tiny model's 2 key/value heads are fewer than the group (DeepSpeed replicates them), and its rows of
+# 7 and 10 tokens are padded to 8 and 12
+@pytest.mark.parametrize("sp", [2, 4])
+def test_sharded_ranks_match_one(tmp_path, sp):
     from tests.tiny_models import make_tiny_model_dir
 
     path = make_tiny_model_dir(str(tmp_path / "model"))
     out = str(tmp_path / "sp.pt")
-    spawn_ranks(_rank_main, path, out)
+    spawn_ranks(_rank_main, path, out, sp, nprocs=sp)
     sharded = torch.load(out)
     logprobs, grads = _reference(path)
     assert torch.allclose(sharded["logprobs"], logprobs, atol=1e-5)
     assert logprobs.abs().sum() > 0
-    for name, grad in grads.items():
-        assert torch.allclose(sharded["grads"][name], grad, atol=1e-5), name
+    for name, grad in grads.items():  # fp32 partial sums of N ranks, added in another order: relative to the largest
+        assert torch.allclose(sharded["grads"][name], grad, atol=4e-6 * float(grad.abs().max()) + 1e-6), name
 
 
 @pytest.mark.parametrize("flags, says", [
