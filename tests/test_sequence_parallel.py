@@ -292,3 +292,21 @@ def test_unsharded_attention_puts_the_wrapped_function_back_for_its_time():
             assert ALL_ATTENTION_FUNCTIONS["sdpa"] is wrapper
         finally:
             ALL_ATTENTION_FUNCTIONS["sdpa"] = original
+
+
+def test_a_group_splits_k_completions_and_merges_them_by_prompt_in_rank_order():
+    from grpo.rollout.collect import merge_group_shares
+    from grpo.rollout.engine import Completion
+    from grpo.runtime.sequence_parallel import split_count
+
+    assert [split_count(8, r, 3) for r in range(3)] == [3, 3, 2]
+    assert [split_count(3, r, 2) for r in range(2)] == [2, 1]
+    assert [split_count(2, r, 4) for r in range(4)] == [1, 1, 0, 0]
+    # 2 prompts, k = 3 over 2 ranks: rank 0 holds 2 of each prompt's, rank 1 one
+    rank0 = [Completion(0, [1], [], "stop"), Completion(0, [2], [], "stop"),
+             Completion(1, [3], [], "stop"), Completion(1, [4], [], "stop")]
+    rank1 = [Completion(0, [5], [], "stop"), Completion(1, [6], [], "stop")]
+    completions, episodes = merge_group_shares([(rank0, [None, None, "e1", "e2"]), (rank1, [None, "e3"])], 2)
+    assert [c.token_ids for c in completions] == [[1], [2], [5], [3], [4], [6]]
+    assert [c.prompt_index for c in completions] == [0, 0, 0, 1, 1, 1]
+    assert episodes == [None, None, None, "e1", "e2", "e3"]

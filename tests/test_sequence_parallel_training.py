@@ -1,8 +1,8 @@
 """GRPO training end to end with --sequence_parallel_size 2 on 2 gloo CPU ranks (one group, ZeRO-2 and ZeRO-3, the HF
-engine):
-the group's first rank generates and shares its rollouts, both ranks score and train 1/2 of every row, and each step's
-loss, rewards and advantages equal those of the same run on one process (which draws the same prompts: one
-data-parallel rank either way)."""
+engine): with --sequence_parallel_rollout first the group's first rank generates and shares its rollouts, both ranks
+score and train 1/2 of every row, and each step's loss, rewards and advantages equal those of the same run on one
+process (which draws the same prompts: one data-parallel rank either way); with share (the default) each rank
+generates its share of every prompt's completions and the group gathers them in order."""
 import json
 import os
 
@@ -11,7 +11,7 @@ import torch
 
 from tests.spawn_ranks import join_world, spawn_ranks
 from tests.tiny_models import make_tiny_model_dir
-from tests.trainer_setup import (assert_same_weights, even_tokens, tiny_config, train_rows, trainable_weights,
+from tests.trainer_setup import (add_dataset, assert_same_weights, even_tokens, tiny_config, train_rows, trainable_weights,
                                   write_prompt_registry)
 
 COMPARED = ("loss", "pg_loss", "reward/mean", "reward/std", "advantage/abs_mean", "completion/length_mean")
@@ -23,7 +23,7 @@ def _train(rank, port, world, model, registry, out, sp_size, zero):
     from grpo.train.trainer import GRPOTrainer
 
     config = tiny_config(model, registry, out, sequence_parallel_size=sp_size, max_steps=2, scale_rewards="batch",
-                         kl_beta=0.05, deepspeed=zero)
+                         kl_beta=0.05, deepspeed=zero, sequence_parallel_rollout="first")
     trainer = GRPOTrainer(config, reward_funcs=[even_tokens])
     trainer.train()
     trainer.close()
@@ -113,7 +113,7 @@ def _warm_start_then_train(rank, port, world, model, registry, out):
 
     config = tiny_config(model, registry, out, sequence_parallel_size=world, dataset_names=["calc_toy", "toy"],
                          warm_start_steps=3, max_steps=1, max_prompt_length=224, max_seq_length=320, max_turns=2,
-                         eval_on_start=False, deepspeed="zero2")
+                         eval_on_start=False, deepspeed="zero2", sequence_parallel_rollout="first")
     trainer = GRPOTrainer(config, reward_funcs=[even_tokens])
     trainer.train()
     if rank == 0:
@@ -142,3 +142,75 @@ def test_a_warm_start_under_sequence_parallel_equals_one_process(tmp_path):
     assert [r["step"] for r in sp_rows] == [1]
     for key in COMPARED:
         assert abs(sp_rows[0][key] - one_rows[0][key]) < 1e-4, (key, sp_rows[0][key], one_rows[0][key])
+
+
+def _collect_in_shares(rank, port, world, model, registry, out, overrides):
+    """One step's rollouts of an SP 2 group with --sequence_parallel_rollout share, each rank's engine watched: what
+    it was asked and what it generated, and the rollout the group ended with, saved by rank 0 for both ranks."""
+    join_world(rank, port, world)  # GRPOTrainer starts the process group from it
+    os.environ["WANDB_MODE"] = "disabled"
+    import torch.distributed as dist
+
+    from grpo.train.trainer import GRPOTrainer
+
+    config = tiny_config(model, registry, out, sequence_parallel_size=2, k_samples=3, eval_on_start=False,
+                         **overrides)
+    trainer = GRPOTrainer(config, reward_funcs=[even_tokens])
+    engine, asked = trainer.rollouts.engine, []
+    generate = engine.generate
+
+    def watched(prompt_token_ids, sampling, images=None):  # the real generate, its calls noted
+        completions = generate(prompt_token_ids, sampling, images)
+        asked.append({"prompts": len(prompt_token_ids), "n": sampling.n,
+                      "token_ids": [c.token_ids for c in completions]})
+        return completions
+
+    engine.generate = watched
+    kept, _ = trainer.rollouts.collect(trainer.state)
+    mine = {"asked": asked, "prompts": [p["index"] for p in kept.prompts],
+            "token_ids": [c.token_ids for c in kept.completions], "rewards": kept.result.total}
+    both = [None] * world
+    dist.all_gather_object(both, mine)
+    if rank == 0:
+        with open(os.path.join(out, "shares.json"), "w") as fh:
+            json.dump(both, fh)
+    trainer.close()
+
+
+@pytest.mark.parametrize("zero", ["zero2", "zero3"])
+def test_a_group_s_ranks_generate_shares_of_every_prompt_s_completions(tmp_path, zero):
+    """k = 3 over a group of 2: rank 0's engine samples 2 of every prompt's completions, rank 1's the third (under
+    ZeRO-3 both take part in every forward anyway); both ranks end with the same rollout, each prompt's completions
+    rank 0's then rank 1's, and the two engines' samples differ (each rank's own generator)."""
+    make_tiny_model_dir(str(tmp_path / "model"))
+    registry = write_prompt_registry(str(tmp_path / "data"))
+    out = str(tmp_path / "out")
+    spawn_ranks(_collect_in_shares, 2, str(tmp_path / "model"), registry, out, {"deepspeed": zero})
+    with open(os.path.join(out, "shares.json")) as fh:
+        first, second = json.load(fh)
+    assert first["prompts"] == second["prompts"] and len(first["prompts"]) == 2  # one data-parallel rank's prompts
+    assert first["token_ids"] == second["token_ids"] and first["rewards"] == second["rewards"]
+    assert [(a["prompts"], a["n"]) for a in first["asked"]] == [(2, 2)]
+    assert [(a["prompts"], a["n"]) for a in second["asked"]] == [(2, 1)]
+    zeros, ones = first["asked"][0]["token_ids"], second["asked"][0]["token_ids"]
+    expected = zeros[0:2] + ones[0:1] + zeros[2:4] + ones[1:2]  # prompt 0: rank 0's two, rank 1's one; then prompt 1
+    assert first["token_ids"] == expected
+    assert all(ids not in zeros for ids in ones)  # rank 1 drew samples of its own
+
+
+def test_a_group_s_ranks_play_shares_of_every_prompt_s_episodes(tmp_path):
+    """Multi-turn rows (the calculator) in shares too: each rank plays its share of every prompt's episodes, turn by
+    turn on its own engine, and the group ends with every prompt's k episodes on both ranks."""
+    make_tiny_model_dir(str(tmp_path / "model"))
+    registry = write_prompt_registry(str(tmp_path / "data"))
+    add_dataset(registry, "calc_toy", [(f"What is {a} + 3?", str(a + 3)) for a in range(1, 9)], tools=["calculator"])
+    out = str(tmp_path / "out")
+    overrides = {"deepspeed": "zero2", "dataset_names": ["calc_toy"], "max_prompt_length": 224,
+                 "max_seq_length": 320, "max_turns": 2}
+    spawn_ranks(_collect_in_shares, 2, str(tmp_path / "model"), registry, out, overrides)
+    with open(os.path.join(out, "shares.json")) as fh:
+        first, second = json.load(fh)
+    assert first["token_ids"] == second["token_ids"] and len(first["token_ids"]) == 2 * 3
+    # the first turn asks each engine for its share of every prompt's episodes: 2 + 1
+    assert (first["asked"][0]["prompts"], first["asked"][0]["n"]) == (2, 2)
+    assert (second["asked"][0]["prompts"], second["asked"][0]["n"]) == (2, 1)

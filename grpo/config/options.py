@@ -20,7 +20,7 @@ from grpo.config.derived import DerivedOptions
 from grpo.config.validation import validate
 from grpo.config.guide_spellings import GUIDE_SPELLINGS, fold_guide_spellings, upgrade_saved_options  # noqa: F401
 from grpo.config.shipped import resolve_shipped_file
-from grpo.config.choices import LOSS_TYPES, ROLLOUT_CORRECTIONS, ROLLOUT_MASK_BANDS
+from grpo.config.choices import LOSS_TYPES, ROLLOUT_CORRECTIONS, ROLLOUT_MASK_BANDS, SEQUENCE_PARALLEL_ROLLOUTS
 
 DEFAULT_LEARNING_RATE = {"lora": 2e-5, "qlora": 2e-5, "full": 1e-6}
 MIN_DEFAULT_SEQ_LENGTH = 768  # the default --max_seq_length's floor: tool episodes take a few turns past one completion
@@ -169,9 +169,16 @@ class GRPOConfig(DerivedOptions):
     sequence_parallel_size: int = _opt(
         1, "Ulysses sequence parallelism (DeepSpeed ALST): N ranks train on the same samples, each holding 1/N of "
            "every sequence (attention heads exchanged all-to-all), for completions too long for one GPU. The "
-           "training ranks must be a multiple of N; N must divide the model's attention heads. Each group's first "
-           "rank generates its rollouts. Needs --rollout_mode colocate, a text model, sdpa or flash_attention_2 "
-           "attention; see docs/sequence_parallel.md.", "training")
+           "training ranks must be a multiple of N; N must divide the model's attention heads. The group's engines "
+           "generate its rollouts together (--sequence_parallel_rollout). Needs --rollout_mode colocate, a text "
+           "model, sdpa or flash_attention_2 attention; see docs/sequence_parallel.md.", "training")
+    sequence_parallel_rollout: str = _opt(
+        "share", "How a sequence-parallel group (--sequence_parallel_size N > 1) generates the rollouts its ranks "
+                 "train on together. share: each rank's engine generates its share of every prompt's --k_samples "
+                 "completions (N engines decode at once, with N KV caches); first: the group's first rank generates "
+                 "them all, the others' engines idle (the rollouts one process with the same seed draws, for "
+                 "comparing layouts). A tensor-parallel engine (--vllm_tp > 1) always generates on every rank "
+                 "together and keeps the first rank's.", "training", choices=SEQUENCE_PARALLEL_ROLLOUTS)
     learning_rate: Optional[float] = _opt(
         None, "AdamW learning rate. Default: 2e-5 for lora / qlora, 1e-6 for full.", "training")
     weight_decay: float = _opt(0.0, "AdamW weight decay.", "training")

@@ -9,7 +9,7 @@ import re
 from grpo.config.choices import (AGGREGATIONS, BITSANDBYTES_BLOCK_SIZE, DEFAULT_BLOCK_SIZE, IMPORTANCE_SAMPLING_LEVELS,
                                  KL_ESTIMATORS, LOSS_TYPES, ROLLOUT_CORRECTIONS, ROLLOUT_MASK_BANDS, QLORA_BLOCK_SCALES, QLORA_BLOCK_SIZES, QLORA_INITS, QLORA_QUANT_TYPES,
                                  REWARD_SCALES, ROLLOUT_ENGINES, ROLLOUT_MODES, ROLLOUT_WEIGHTS, SCHEDULERS,
-                                 STRATEGIES)
+                                 SEQUENCE_PARALLEL_ROLLOUTS, STRATEGIES)
 from grpo.errors import ConfigError
 from grpo.runtime.roles import job_world_size
 
@@ -177,6 +177,8 @@ def _validate_sequence_parallel(cfg, need, world: int) -> None:
     """--sequence_parallel_size: what DeepSpeed's Ulysses attention (ALST) can shard, and what it cannot."""
     sp = cfg.sequence_parallel_size
     need(sp >= 1, "sequence_parallel_size", f"must be >= 1; got {sp}")
+    need(cfg.sequence_parallel_rollout in SEQUENCE_PARALLEL_ROLLOUTS, "sequence_parallel_rollout",
+         f"got '{cfg.sequence_parallel_rollout}', choose one of {', '.join(SEQUENCE_PARALLEL_ROLLOUTS)}")
     if sp <= 1:
         return
     need(world % sp == 0, "sequence_parallel_size",
@@ -185,7 +187,7 @@ def _validate_sequence_parallel(cfg, need, world: int) -> None:
     need(cfg.rollout_mode == "colocate", "sequence_parallel_size",
          "works with --rollout_mode colocate only (server mode's rollout ranks sit outside the training world the "
          "sequence-parallel groups are cut from); drop --rollout_mode server")
-    # both engines work: the HF engine generates with the training model on the group's first rank alone, with the
+    # both engines work: the HF engine generates with the training model, each rank over whole sequences, with the
     # attention DeepSpeed wrapped put back for the time of generate (sequence_parallel.unsharded_attention)
     need(not cfg.padding_free, "sequence_parallel_size",
          "cannot be combined with --padding_free (the sharded attention takes one causal sequence per row); drop "

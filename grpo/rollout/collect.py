@@ -15,7 +15,7 @@ where it generates; for the others the collector runs them turn by turn through 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
 from grpo.rollout.dynamic_sampling import PendingRollouts, RolloutRound, dynamic_rollouts
@@ -60,11 +60,17 @@ class RolloutCollector:
         self.eval_episodes: list[Episode] = []          # the last evaluation's, on this rank
         # --sequence_parallel_size N > 1: the N ranks of a group train on the same rollouts (None without)
         self.rollout_group = rollout_groups(getattr(config, "sequence_parallel_size", 1))
+        # ... which their engines generate in shares (--sequence_parallel_rollout share), unless the engine generates
+        # collectively (tensor parallel: every rank the same request), or its forward gathers ZeRO-3 weights and some
+        # rank would have no share (k < N: that rank could not take part in every forward)
+        group = self.rollout_group
+        self.shares_generation = group is not None and config.sequence_parallel_rollout == "share" \
+            and not engine.collective_generate and not (engine.gathers_weights and config.k_samples < group.size)
 
     @property
     def first_in_group(self) -> bool:
-        """Whether this rank speaks for its rollouts: always, except on the other ranks of a sequence-parallel group,
-        which hold the same rollouts as its first rank."""
+        """Whether this rank speaks for its rollouts (writes its completions): always, except on the other ranks of a
+        sequence-parallel group, which hold the same rollouts as its first rank."""
         return self.rollout_group is None or self.rollout_group.generates
 
     # ------------------------------------------------------------------------------------------- training
@@ -155,7 +161,10 @@ class RolloutCollector:
         images = self.prompt_images(prompts)  # each prompt's pixels once, shared by its k samples
         pending = PendingRollouts(prompts, images, sampling, policy_step=step)
         images_done = time.perf_counter()
-        pending.ticket = self._submit(prompts, sampling, images)  # posted now in server mode; else on collection
+        # a sequence-parallel group's ranks each generate their share of every prompt's k completions
+        mine = replace(sampling, n=self.rollout_group.share_of(cfg.k_samples)) if self.shares_generation else sampling
+        # posted now in server mode; else on collection
+        pending.ticket = self._submit(prompts, mine, images) if mine.n else RolloutTickets(single=[], multi=[])
         pending.seconds = {"rollout_images": images_done - start, "rollout_submit": time.perf_counter() - images_done}
         return pending
 
@@ -201,13 +210,16 @@ class RolloutCollector:
         return tickets
 
     def _collect_in_group(self, prompts: list[dict], tickets: RolloutTickets):
-        """`_collect`, except under sequence parallelism: there the group's first rank generates (every rank, when
-        the engine's generate is collective) and hands its completions and episodes to the other ranks of the group,
-        before any reward is computed. Their engines still wake, sleep and take weights with everyone's (and, under
-        ZeRO-3 with the HF engine, generate too: its forward gathers weights collectively)."""
+        """`_collect`, except under sequence parallelism, where every rank of the group ends with the same completions
+        and episodes before any reward is computed: each rank's share of every prompt's, gathered in rank order
+        (`shares_generation`), or the first rank's (every rank generates when the engine's generate is collective),
+        handed to the others. In the latter case their engines still wake, sleep and take weights with everyone's
+        (and, under ZeRO-3 with the HF engine, generate too: its forward gathers weights collectively)."""
         group = self.rollout_group
         if group is None:
             return self._collect(prompts, tickets)
+        if self.shares_generation:
+            return merge_group_shares(group.gather(self._collect(prompts, tickets)), len(prompts))
         takes_part = group.generates or self.engine.collective_generate or self.engine.gathers_weights
         generated = self._collect(prompts, tickets) if takes_part else None
         return group.share(generated)
@@ -303,3 +315,14 @@ class RolloutCollector:
         texts, messages = self._texts_and_messages(rows, completions, episodes, per_prompt=1)
         result, _ = self._score(rows, texts, completions, per_prompt=1, messages=messages)
         return completions, texts, result
+
+
+def merge_group_shares(shares: list[tuple[list, list]], prompt_count: int) -> tuple[list, list]:
+    """The (completions, episodes) of a sequence-parallel group's ranks, each its share of every prompt's, as one
+    rollout grouped by prompt: prompt 0's completions from rank 0, then rank 1, ..., then prompt 1's."""
+    by_prompt: list[list] = [[] for _ in range(prompt_count)]
+    for completions, episodes in shares:  # rank order
+        for completion, episode in zip(completions, episodes):
+            by_prompt[completion.prompt_index].append((completion, episode))
+    pairs = [pair for group in by_prompt for pair in group]
+    return [c for c, _ in pairs], [e for _, e in pairs]

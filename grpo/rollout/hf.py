@@ -68,7 +68,7 @@ class HFRolloutEngine(RolloutEngine):
             config.use_cache = True  # gradient checkpointing turns the cache off for training
         try:
             out = []
-            # under sequence parallelism the model's attention is sharded over a group for training; one rank
+            # under sequence parallelism the model's attention is sharded over a group for training; a rank
             # generates alone, over whole sequences
             with unsharded_attention():
                 for start in range(0, len(prompt_token_ids), self.max_batch_size):

@@ -229,10 +229,17 @@ def unsharded_attention():
 
 
 # ------------------------------------------------------------------------------------------- shared rollouts
+def split_count(count: int, index: int, parts: int) -> int:
+    """Part `index` of `count` items split over `parts`: count // parts each, the first count % parts one more
+    (8 over 3: 3, 3, 2)."""
+    return count // parts + (index < count % parts)
+
+
 @dataclass
 class RolloutGroup:
-    """The ranks that share one rollout: a sequence-parallel group. Its first rank generates; `share` hands what it
-    generated to the others, so rewards, advantages and the update are computed alike on every rank of the group."""
+    """The ranks that share one rollout: a sequence-parallel group. Its ranks generate shares of it (`share_of`,
+    `gather`), or its first rank all of it (`share` hands that to the others), so rewards, advantages and the update
+    are computed alike on every rank of the group."""
     group: Any           # torch.distributed process group of the ranks [first, first + size)
     first: int           # the global rank that generates
     size: int
@@ -243,6 +250,16 @@ class RolloutGroup:
 
         return dist.get_rank() == self.first
 
+    @property
+    def rank_in_group(self) -> int:
+        import torch.distributed as dist
+
+        return dist.get_rank() - self.first
+
+    def share_of(self, count: int) -> int:
+        """This rank's part of `count` items split over the group (split_count)."""
+        return split_count(count, self.rank_in_group, self.size)
+
     def share(self, value):
         """The first rank's `value` on every rank of the group (collective over the group; pickled)."""
         import torch.distributed as dist
@@ -250,6 +267,14 @@ class RolloutGroup:
         box = [value if self.generates else None]
         dist.broadcast_object_list(box, src=self.first, group=self.group)
         return box[0]
+
+    def gather(self, value) -> list:
+        """Every rank's `value`, in rank order, on every rank of the group (collective over the group; pickled)."""
+        import torch.distributed as dist
+
+        values = [None] * self.size
+        dist.all_gather_object(values, value, group=self.group)
+        return values
 
 
 def rollout_groups(sp_size: int) -> Optional[RolloutGroup]:

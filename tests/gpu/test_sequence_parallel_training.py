@@ -1,6 +1,7 @@
 """On 2 GPUs with vLLM colocated: a GRPO run with --sequence_parallel_size 2 (one group of 2 ranks, ZeRO-2, lora) on a
-random llama-0.68b (16 heads) trains 2 steps; the group's ranks train on the same completions (the first rank's), and
-the trainer's sharded log-probs match the engine's about as closely as one GPU's unsharded ones do."""
+random llama-0.68b (16 heads) trains 2 steps; the group's ranks train on the same completions (each rank's engine
+generating its share of every prompt's, --sequence_parallel_rollout share), and the trainer's sharded log-probs match
+the engines' about as closely as one GPU's unsharded ones do."""
 import importlib.util
 import json
 import os
@@ -47,7 +48,7 @@ def _completions(out, rank):
         return [json.loads(line) for line in fh]
 
 
-def test_one_group_of_two_trains_on_the_first_rank_s_rollouts(tmp_path):
+def test_one_group_of_two_trains_on_the_rollouts_its_engines_share(tmp_path):
     model = _model(tmp_path)
     one = _run(model, tmp_path / "one", 29571, 1)
     sp = _run(model, tmp_path / "sp", 29573, 2, "--sequence_parallel_size", "2")
