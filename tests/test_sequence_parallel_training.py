@@ -11,8 +11,8 @@ import torch
 
 from tests.spawn_ranks import join_world, spawn_ranks
 from tests.tiny_models import make_tiny_model_dir
-from tests.trainer_setup import (add_dataset, assert_same_weights, even_tokens, tiny_config, train_rows, trainable_weights,
-                                  write_prompt_registry)
+from tests.trainer_setup import (add_dataset, assert_same_weights, even_tokens, tiny_config, train_rows,
+                                  trainable_weights, write_prompt_registry)
 
 COMPARED = ("loss", "pg_loss", "reward/mean", "reward/std", "advantage/abs_mean", "completion/length_mean")
 
