@@ -195,6 +195,21 @@ def test_engine_kv_cache_bytes_from_flags(tmp_path, monkeypatch):
     assert engine_kv_cache_bytes(parse_args(["--vllm_kv_cache_gib", "share"]), model) is None
 
 
+def test_a_sequence_parallel_engine_holds_its_share_of_the_completions(tmp_path, monkeypatch):
+    model = make_tiny_model_dir(str(tmp_path / "tiny"))  # 2 layers, 2 KV heads, head_dim 16, fp32: 256 B per token
+    per_token = 2 * 2 * 2 * 16 * 2
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    flags = ["--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "3", "--k_samples", "3",
+             "--max_prompt_length", "128", "--rollout_max_new_tokens", "64", "--max_seq_length", "512",
+             "--sequence_parallel_size", "2"]
+    # k = 3 over a group of 2: the fuller engine generates 2 of each prompt's; 6 prompts x 2 = 12 sequences of
+    # 128 + 64 tokens, +25% = 2,880 tokens
+    assert engine_kv_cache_bytes(parse_args(flags), model, gpu_total_bytes=2**30) == 2_880 * per_token
+    # the first rank generating them all: 6 x 3 = 18 sequences, 4,320 tokens
+    first = parse_args(flags + ["--sequence_parallel_rollout", "first"])
+    assert engine_kv_cache_bytes(first, model, gpu_total_bytes=2**30) == 4_320 * per_token
+
+
 def test_flag_values_and_defaults(monkeypatch):
     assert parse_args(["--vllm_kv_cache_gib", "AUTO"]).vllm_kv_cache == "auto"
     assert parse_args(["--vllm_kv_cache_gib", "4"]).vllm_kv_cache == 4.0

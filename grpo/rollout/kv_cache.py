@@ -133,6 +133,15 @@ def share_holds(room_bytes: float, per_token: int, sequences: int, longest: int,
             f"--vllm_kv_cache_gib {math.ceil(needed_bytes / 2**30)} holds them all where the GPU has the room")
 
 
+def completions_per_prompt(config) -> int:
+    """The completions of each prompt one engine generates: --k_samples, or where a sequence-parallel group's
+    engines generate in shares (--sequence_parallel_rollout share, an engine of one GPU) the largest share."""
+    sp = getattr(config, "sequence_parallel_size", 1)
+    if sp > 1 and config.sequence_parallel_rollout == "share" and config.vllm_tp == 1:
+        return -(-config.k_samples // sp)
+    return config.k_samples
+
+
 def engine_kv_cache_bytes(config, model_path: str, gpu_total_bytes: int | None = None,
                           completion_tokens: int | None = None, gpu_free_bytes: int | None = None) -> int | None:
     """--vllm_kv_cache_gib in bytes per GPU: a number as given; auto sized to a colocated step's rollouts when that
@@ -155,7 +164,7 @@ def engine_kv_cache_bytes(config, model_path: str, gpu_total_bytes: int | None =
                     "cache that --vllm_kv_cache_gib auto can size)")
         return None
     sequences = config.vllm_tp * config.per_device_train_batch_size * config.gradient_accumulation_steps \
-        * config.k_samples
+        * completions_per_prompt(config)
     completion = completion_tokens or config.rollout_max_new_tokens
     longest = min(config.max_seq_length, config.max_prompt_length + completion)
     size = auto_kv_cache_bytes(per_token, sequences, longest, config.max_seq_length)
