@@ -39,8 +39,8 @@ class HFRolloutEngine(RolloutEngine):
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
         self.owns_model = owns_model
-        # ZeRO-3: each forward gathers the partitioned weights in collectives (transformers' generate then runs with
-        # synced_gpus), so a rank whose rollouts come from another (sequence parallelism) still generates
+        # ZeRO-3: each forward gathers the partitioned weights in collectives (generate runs with synced_gpus), so a
+        # rank whose rollouts come from another (sequence parallelism) still generates
         self.gathers_weights = zero3_partitioned(model)
         self._by_checkpoint_name: Optional[dict] = None
         # never sampled (e.g. a VL model's image placeholder, which the scoring forward would take for an image)
@@ -96,6 +96,10 @@ class HFRolloutEngine(RolloutEngine):
         kwargs = dict(max_new_tokens=sampling.max_new_tokens, num_return_sequences=per_prompt,
                       eos_token_id=self.stop_ids, pad_token_id=self.pad_id, use_cache=True,
                       output_logits=sampling.logprobs, return_dict_in_generate=True)
+        if self.gathers_weights and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            # every forward gathers ZeRO-3 partitions over all ranks: a rank whose rows all stopped keeps stepping
+            # until every rank's have (transformers sets this itself only under its own DeepSpeed integration)
+            kwargs["synced_gpus"] = True
         if self.suppress_token_ids:
             kwargs["suppress_tokens"] = self.suppress_token_ids
         if sampling.greedy:
