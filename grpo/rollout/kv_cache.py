@@ -138,7 +138,9 @@ def completions_per_prompt(config) -> int:
     engines generate in shares (--sequence_parallel_rollout share, an engine of one GPU) the largest share."""
     sp = getattr(config, "sequence_parallel_size", 1)
     if sp > 1 and config.sequence_parallel_rollout == "share" and config.vllm_tp == 1:
-        return -(-config.k_samples // sp)
+        from grpo.runtime.sequence_parallel import split_count
+
+        return split_count(config.k_samples, 0, sp)  # the first rank's share is the largest
     return config.k_samples
 
 
