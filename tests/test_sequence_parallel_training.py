@@ -168,7 +168,8 @@ def _collect_in_shares(rank, port, world, model, registry, out, overrides):
     engine.generate = watched
     kept, _ = trainer.rollouts.collect(trainer.state)
     mine = {"asked": asked, "prompts": [p["index"] for p in kept.prompts],
-            "token_ids": [c.token_ids for c in kept.completions], "rewards": kept.result.total}
+            "token_ids": [c.token_ids for c in kept.completions], "rewards": kept.result.total,
+            "engine_tokens": kept.times["_rollout_tokens"], "sizes": trainer.rollouts.sizes}
     both = [None] * world
     dist.all_gather_object(both, mine)
     if rank == 0:
@@ -196,6 +197,10 @@ def test_a_group_s_ranks_generate_shares_of_every_prompt_s_completions(tmp_path,
     expected = zeros[0:2] + ones[0:1] + zeros[2:4] + ones[1:2]  # prompt 0: rank 0's two, rank 1's one; then prompt 1
     assert first["token_ids"] == expected
     assert all(ids not in zeros for ids in ones)  # rank 1 drew samples of its own
+    # the throughput metric counts each rank's own engine's tokens; the out-of-memory sizes name its share
+    assert first["engine_tokens"] == sum(map(len, zeros)) and second["engine_tokens"] == sum(map(len, ones))
+    assert first["sizes"]["completions per rank"] == 6 and first["sizes"]["generated per rank (its share)"] == 4
+    assert second["sizes"]["generated per rank (its share)"] == 2
 
 
 def test_a_group_s_ranks_play_shares_of_every_prompt_s_episodes(tmp_path):

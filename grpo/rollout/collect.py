@@ -175,17 +175,19 @@ class RolloutCollector:
         cfg = self.config
         self.sizes = {"prompts per rank": len(pending.prompts),
                       "completions per rank": len(pending.prompts) * cfg.k_samples,
+                      **({"generated per rank (its share)": len(pending.prompts) *
+                          self.rollout_group.share_of(cfg.k_samples)} if self.shares_generation else {}),
                       "--rollout_max_new_tokens": cfg.rollout_max_new_tokens}
         start = time.perf_counter()
-        completions, episodes = self._collect_in_group(pending.prompts, pending.ticket)  # server mode: waits
+        # server mode: waits; engine_tokens: what this rank's own engine generated (its share, under shares)
+        completions, episodes, engine_tokens = self._collect_in_group(pending.prompts, pending.ticket)
         self.episodes_drawn += [e for e in episodes if e is not None]
         generated = time.perf_counter()
         texts, messages = self._texts_and_messages(pending.prompts, completions, episodes, pending.sampling.n)
         # time/rollout_images, _submit, _generate (the wait, in server mode), _decode (+ _wake, _sleep)
         parts = {**pending.seconds, "rollout_generate": generated - start,
                  "rollout_decode": time.perf_counter() - generated}
-        tokens = sum(len(c.token_ids) for c in completions)
-        return completions, texts, messages, {"rollout": sum(parts.values()), **parts, "_rollout_tokens": tokens}
+        return completions, texts, messages, {"rollout": sum(parts.values()), **parts, "_rollout_tokens": engine_tokens}
 
     def _generate(self, prompts: list[dict], sampling: SamplingSettings, images: Optional[list]):
         """`sampling.n` completions per prompt, grouped by prompt, and per completion its Episode (None for a row
@@ -195,15 +197,16 @@ class RolloutCollector:
     def _submit(self, prompts: list[dict], sampling: SamplingSettings, images: Optional[list]) -> RolloutTickets:
         """Ask the engine for the prompts' completions: rows of episode datasets as episodes, the others in one
         request. An engine that runs episodes itself (server mode) gets them now; for the others they run turn by
-        turn when collected. With a collective engine every rank takes part in both, rows of its own or not."""
+        turn when collected. With an engine that generates in step every rank takes part in both, rows of its own or
+        not."""
         runs_episode = [p.get("data_source") in self.episode_datasets for p in prompts]
         tickets = RolloutTickets(single=[i for i, e in enumerate(runs_episode) if not e],
                                  multi=[i for i, e in enumerate(runs_episode) if e])
-        collective = self.engine.collective_generate
-        if tickets.single or (collective and not self.only_episodes):
+        in_step = self.engine.generates_in_step
+        if tickets.single or (in_step and not self.only_episodes):
             pick = [images[i] for i in tickets.single] if images else None
             tickets.completions = self.engine.submit([prompts[i]["prompt_ids"] for i in tickets.single], sampling, pick)
-        if tickets.multi or (collective and self.episode_datasets):
+        if tickets.multi or (in_step and self.episode_datasets):
             episode_prompts = [self._episode_prompt(prompts[i]) for i in tickets.multi]
             tickets.episodes = self.engine.submit_episodes(episode_prompts, sampling, self._episode_limits()) \
                 if self.engine.runs_episodes else (episode_prompts, sampling)
@@ -214,15 +217,19 @@ class RolloutCollector:
         and episodes before any reward is computed: each rank's share of every prompt's, gathered in rank order
         (`shares_generation`), or the first rank's (every rank generates when the engine's generate is collective),
         handed to the others. In the latter case their engines still wake, sleep and take weights with everyone's
-        (and, under ZeRO-3 with the HF engine, generate too: its forward gathers weights collectively)."""
+        (and, under ZeRO-3 with the HF engine, generate too: its forward gathers weights collectively).
+        Returns (completions, episodes, the tokens this rank's engine generated: the throughput metric's count)."""
         group = self.rollout_group
         if group is None:
-            return self._collect(prompts, tickets)
+            completions, episodes = self._collect(prompts, tickets)
+            return completions, episodes, completion_tokens(completions)
         if self.shares_generation:
-            return merge_group_shares(group.gather(self._collect(prompts, tickets)), len(prompts))
+            mine = self._collect(prompts, tickets)
+            merged = merge_group_shares(group.gather(mine), len(prompts))
+            return *merged, completion_tokens(mine[0])
         takes_part = group.generates or self.engine.collective_generate or self.engine.gathers_weights
         generated = self._collect(prompts, tickets) if takes_part else None
-        return group.share(generated)
+        return *group.share(generated), completion_tokens(generated[0]) if generated else 0
 
     def _collect(self, prompts: list[dict], tickets: RolloutTickets):
         """What `_submit` asked for: the completions grouped by prompt, and per completion its Episode or None."""
@@ -299,7 +306,7 @@ class RolloutCollector:
         self.restore_engine_weights()  # on every rank, with or without eval rows
         completions: list = []
         self.eval_episodes = []
-        if rows or self.engine.collective_generate:  # all ranks generate together
+        if rows or self.engine.generates_in_step:  # all ranks generate together
             self.engine.wake()
             sampling = SamplingSettings(n=1, max_new_tokens=cfg.rollout_max_new_tokens, temperature=cfg.temperature,
                                         top_p=cfg.top_p, greedy=cfg.eval_greedy, logprobs=False)
@@ -315,6 +322,10 @@ class RolloutCollector:
         texts, messages = self._texts_and_messages(rows, completions, episodes, per_prompt=1)
         result, _ = self._score(rows, texts, completions, per_prompt=1, messages=messages)
         return completions, texts, result
+
+
+def completion_tokens(completions: list) -> int:
+    return sum(len(c.token_ids) for c in completions)
 
 
 def merge_group_shares(shares: list[tuple[list, list]], prompt_count: int) -> tuple[list, list]:

@@ -59,6 +59,12 @@ class RolloutEngine(ABC):
     runs_episodes: bool = False        # runs whole multi-turn episodes where it generates (server mode: on the
                                        # rollout ranks); otherwise the collector runs them turn by turn through generate
 
+    @property
+    def generates_in_step(self) -> bool:
+        """Every rank must call generate as often as the others, with no prompts of its own too (the engine then
+        takes part in the collectives alone): a collective engine, or one whose forward gathers weights."""
+        return self.collective_generate or self.gathers_weights
+
     @abstractmethod
     def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingSettings,
                  images: Optional[list] = None) -> list[Completion]:

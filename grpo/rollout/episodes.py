@@ -77,9 +77,11 @@ def run_episodes(engine: RolloutEngine, tokenizer, prompts: list[EpisodePrompt],
 
     `sampling.max_new_tokens` bounds each model turn. `turns` renders environment messages to token ids (default:
     this tokenizer's chat template). An engine whose generate is collective (tensor-parallel vLLM, server mode) needs
-    every rank in every call with the same sampling settings: pass `any_rank` (grpo.runtime.distributed.any_rank),
-    and each rank takes part in every turn, with no prompts once its own episodes are over, until no rank has any;
-    each turn then asks for max_new_tokens and cuts to each episode's room afterwards."""
+    every rank in every call with the same sampling settings, and one whose forward gathers ZeRO-3 weights (the HF
+    engine on several ranks) every rank in every call (`generates_in_step`): pass `any_rank`
+    (grpo.runtime.distributed.any_rank), and each rank takes part in every turn, with no prompts once its own
+    episodes are over, until no rank has any; a collective engine's turns then ask for max_new_tokens and are cut to
+    each episode's room afterwards."""
     if limits.max_turns < 1 or limits.max_episode_tokens < 1:
         raise ValueError(f"max_turns and max_episode_tokens must be at least 1, got {limits.max_turns} and "
                          f"{limits.max_episode_tokens}")
@@ -87,12 +89,14 @@ def run_episodes(engine: RolloutEngine, tokenizer, prompts: list[EpisodePrompt],
     environments = [p.environment or get_environment(DEFAULT_ENVIRONMENT) for p in prompts]
     episodes = [Episode(i, [dict(m) for m in p.messages]) for i, p in enumerate(prompts) for _ in range(sampling.n)]
     live = list(range(len(episodes)))
-    failure: Optional[Exception] = None  # collective engines: this rank's error, raised once no rank has episodes
+    failure: Optional[Exception] = None  # engines in step: this rank's error, raised once no rank has episodes
     with ThreadPoolExecutor(max(1, limits.environment_workers), thread_name_prefix="grpo-environment") as pool:
-        first_turn, collective = True, engine.collective_generate
-        while any_rank(bool(live)) if collective else live:
+        # in step: every rank takes part in every turn (a collective engine also needs the same sampling settings)
+        first_turn, in_step, collective = True, engine.generates_in_step, engine.collective_generate
+        while any_rank(bool(live)) if in_step else live:
             room = {i: limits.max_episode_tokens - len(episodes[i].completion_ids) for i in live}
-            cap = sampling.max_new_tokens if collective else min(sampling.max_new_tokens, max(room.values()))
+            cap = sampling.max_new_tokens if collective or not live else min(sampling.max_new_tokens,
+                                                                               max(room.values()))
             if first_turn:  # k samples of each prompt in one request (engines share the prompt's prefix)
                 completions = engine.generate([p.prompt_ids for p in prompts],
                                               dataclasses.replace(sampling, max_new_tokens=cap),
@@ -114,7 +118,7 @@ def run_episodes(engine: RolloutEngine, tokenizer, prompts: list[EpisodePrompt],
                 live = [i for i, step in zip(answering, steps)
                         if _add_environment_turn(episodes[i], step, turns, limits)]
             except Exception as exc:
-                if not collective:
+                if not in_step:
                     raise
                 # the other ranks of the engine wait for this one in every turn (a hang until the process group's
                 # timeout otherwise): it takes part with no prompts until none has episodes left, then fails

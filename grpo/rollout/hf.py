@@ -71,16 +71,34 @@ class HFRolloutEngine(RolloutEngine):
             # under sequence parallelism the model's attention is sharded over a group for training; a rank
             # generates alone, over whole sequences
             with unsharded_attention():
-                for start in range(0, len(prompt_token_ids), self.max_batch_size):
+                starts = range(0, len(prompt_token_ids), self.max_batch_size)
+                # ZeRO-3 on several ranks: a rank with fewer chunks (or no prompts) runs stand-in ones, since the
+                # others' forwards wait for its share of every weight gather
+                stand_ins = self._chunks_of_every_rank(len(starts)) - len(starts)
+                for start in starts:
                     chunk = prompt_token_ids[start:start + self.max_batch_size]
                     chunk_images = images[start:start + self.max_batch_size] if images else None
                     out += [Completion(c.prompt_index + start, c.token_ids, c.logprobs, c.finish_reason)
                             for c in self._generate_chunk(chunk, sampling, chunk_images)]
+                for _ in range(stand_ins):
+                    self._generate_chunk([[self.pad_id]], SamplingSettings(n=1, max_new_tokens=1, greedy=True))
             return out
         finally:
             if config is not None:
                 config.use_cache = use_cache
             self.model.train(was_training)
+
+    @property
+    def _gathers_with_peers(self) -> bool:
+        return self.gathers_weights and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
+
+    def _chunks_of_every_rank(self, chunks: int) -> int:
+        """The most generate chunks any rank has in this call (all ranks call it together under ZeRO-3)."""
+        if not self._gathers_with_peers:
+            return chunks
+        from grpo.runtime.distributed import all_max
+
+        return int(all_max([float(chunks)])[0])
 
     def _generate_chunk(self, prompts: list[list[int]], sampling: SamplingSettings,
                         images: Optional[list] = None) -> list[Completion]:
@@ -96,7 +114,7 @@ class HFRolloutEngine(RolloutEngine):
         kwargs = dict(max_new_tokens=sampling.max_new_tokens, num_return_sequences=per_prompt,
                       eos_token_id=self.stop_ids, pad_token_id=self.pad_id, use_cache=True,
                       output_logits=sampling.logprobs, return_dict_in_generate=True)
-        if self.gathers_weights and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        if self._gathers_with_peers:
             # every forward gathers ZeRO-3 partitions over all ranks: a rank whose rows all stopped keeps stepping
             # until every rank's have (transformers sets this itself only under its own DeepSpeed integration)
             kwargs["synced_gpus"] = True
