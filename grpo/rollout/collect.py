@@ -227,7 +227,7 @@ class RolloutCollector:
             mine = self._collect(prompts, tickets)
             merged = merge_group_shares(group.gather(mine), len(prompts))
             return *merged, completion_tokens(mine[0])
-        takes_part = group.generates or self.engine.collective_generate or self.engine.gathers_weights
+        takes_part = group.generates or self.engine.generates_in_step
         generated = self._collect(prompts, tickets) if takes_part else None
         return *group.share(generated), completion_tokens(generated[0]) if generated else 0
 

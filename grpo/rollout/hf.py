@@ -6,6 +6,7 @@ from typing import Iterable, Optional
 import torch
 
 from grpo.rollout.engine import Completion, RolloutEngine, SamplingSettings
+from grpo.runtime import distributed as dist_utils
 from grpo.runtime.deepspeed_config import zero3_partitioned
 from grpo.runtime.sequence_parallel import unsharded_attention
 
@@ -90,15 +91,11 @@ class HFRolloutEngine(RolloutEngine):
 
     @property
     def _gathers_with_peers(self) -> bool:
-        return self.gathers_weights and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
+        return self.gathers_weights and dist_utils.world_size() > 1
 
     def _chunks_of_every_rank(self, chunks: int) -> int:
         """The most generate chunks any rank has in this call (all ranks call it together under ZeRO-3)."""
-        if not self._gathers_with_peers:
-            return chunks
-        from grpo.runtime.distributed import all_max
-
-        return int(all_max([float(chunks)])[0])
+        return int(dist_utils.all_max([float(chunks)])[0]) if self._gathers_with_peers else chunks
 
     def _generate_chunk(self, prompts: list[list[int]], sampling: SamplingSettings,
                         images: Optional[list] = None) -> list[Completion]:
