@@ -10,6 +10,8 @@ STATE_FILE = "trainer_state.json"
 MANIFEST_FILE = "manifest.json"
 CONFIG_FILE = "grpo_config.json"       # the options the checkpoint was trained with (also the run's, beside them)
 BASE_FILE = "base_model.json"          # lora / qlora: which base model files the adapter was trained on
+METRICS_FILE = "metrics.jsonl"         # a run's metrics, one row per step and evaluation
+FINAL_MODEL_FOLDERS = ("lora_adapter", "model", "merged_model")  # the final model, as save_final_model writes it
 _CKPT_RE = re.compile(r"^checkpoint-(\d+)$")
 
 
@@ -24,6 +26,40 @@ def list_checkpoints(output_dir: str) -> list[tuple[int, str]]:
         if m and (os.path.isfile(os.path.join(path, STATE_FILE)) or os.path.isfile(os.path.join(path, MANIFEST_FILE))):
             found.append((int(m.group(1)), path))
     return sorted(found)
+
+
+def earlier_results(output_dir: str) -> list[str]:
+    """What an earlier run left in output_dir that a new run there would replace: its checkpoints, its final model
+    and its metrics (names relative to output_dir, folders with a trailing slash); empty for a new or unused
+    folder (a log or saved options alone are no result)."""
+    found = [f"{os.path.basename(path)}/" for _, path in list_checkpoints(output_dir)]
+    for name in FINAL_MODEL_FOLDERS:
+        path = os.path.join(output_dir, name)
+        if os.path.isdir(path) and os.listdir(path):
+            found.append(f"{name}/")
+    metrics = os.path.join(output_dir, METRICS_FILE)
+    if os.path.isfile(metrics) and os.path.getsize(metrics) > 0:
+        found.append(METRICS_FILE)
+    return found
+
+
+def resume_source_problem(resume: str, output_dir: str) -> str | None:
+    """Why `resume` ('latest' or a folder) cannot be resumed from, judged from the folder names and files alone
+    (cheap: before anything loads); None when it may be (whether it is intact is checked as it loads)."""
+    if resume == "latest":
+        if list_checkpoints(output_dir):
+            return None
+        if not os.path.isdir(output_dir):
+            return f"--resume_from_checkpoint latest: {output_dir} does not exist, so there is no run to continue"
+        why = (f"the run there saved none ({', '.join(earlier_results(output_dir))} only; --save_steps sets how "
+               f"often a run saves)" if earlier_results(output_dir) else "it holds no run")
+        return (f"--resume_from_checkpoint latest: no checkpoint-* folder with {STATE_FILE} in {output_dir}: {why}; "
+                f"start a new run without --resume_from_checkpoint")
+    resume = resume.rstrip("/")
+    if os.path.isfile(os.path.join(resume, STATE_FILE)) or os.path.isfile(os.path.join(resume, MANIFEST_FILE)):
+        return None
+    return (f"--resume_from_checkpoint: {resume} is not a checkpoint folder (no {STATE_FILE}); give a "
+            f"checkpoint-<step> folder or 'latest'")
 
 
 def folder_bytes(folder: str) -> int:

@@ -31,7 +31,8 @@ import torch
 from grpo.runtime import distributed as dist_utils
 from grpo.errors import CheckpointError, ConfigError
 from grpo.checkpoint.base_model import write_base_model_record
-from grpo.checkpoint.layout import CONFIG_FILE, ENGINE_TAG, STATE_FILE, list_checkpoints  # noqa: F401 (read here too)
+from grpo.checkpoint.layout import (CONFIG_FILE, ENGINE_TAG, STATE_FILE, list_checkpoints,  # noqa: F401 (read here too)
+                                    resume_source_problem)
 from grpo.checkpoint.manifest import MANIFEST_FILE, has_manifest, quick_problem, verify_checkpoint, write_manifest
 
 logger = logging.getLogger("grpo")
@@ -57,11 +58,11 @@ def resolve_resume_path(resume: str, output_dir: str) -> str:
     a path must be a checkpoint folder, and intact: a damaged one raises CheckpointError naming the file and the
     checkpoint to use instead. Checkpoints without a manifest (older versions) load unverified.
     """
+    problem = resume_source_problem(resume, output_dir)
+    if problem is not None:
+        raise ConfigError(problem)
     if resume == "latest":
         found = list_checkpoints(output_dir)
-        if not found:
-            raise ConfigError(f"--resume_from_checkpoint latest: no checkpoint-* folder with {STATE_FILE} "
-                              f"in {output_dir}")
         skipped = []
         for _, path in reversed(found):
             problem = verify_checkpoint(path)
@@ -77,9 +78,6 @@ def resolve_resume_path(resume: str, output_dir: str) -> str:
                               f"newest, {bad}: {why}. Start again with --overwrite_output_dir "
                               f"(or give a folder of your own with --resume_from_checkpoint)")
     resume = resume.rstrip("/")
-    if not os.path.isfile(os.path.join(resume, STATE_FILE)) and not has_manifest(resume):
-        raise ConfigError(f"--resume_from_checkpoint: {resume} is not a checkpoint folder (no {STATE_FILE}); "
-                          f"give a checkpoint-<step> folder or 'latest'")
     problem = verify_checkpoint(resume)
     if problem is not None:
         raise CheckpointError(f"--resume_from_checkpoint: checkpoint {resume} is damaged: {problem}. "

@@ -12,11 +12,13 @@ import importlib.util
 import logging
 import logging.handlers
 import os
+import traceback
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
+from grpo.checkpoint.layout import earlier_results, list_checkpoints, resume_source_problem
 from grpo.config.options import EMBEDDED_MODEL, GRPOConfig
-from grpo.errors import ConfigError
+from grpo.errors import ConfigError, GRPOError
 from grpo.runtime.roles import check_node_layout, enter_training_world, launcher_rank_and_world, rollout_ranks_of
 
 logger = logging.getLogger("grpo")
@@ -34,16 +36,44 @@ def check_run_can_start(config: GRPOConfig) -> None:
                        "training_curves.png only (pip install .[wandb] to log them to Weights & Biases)")
         config.use_wandb = False
     check_node_layout(config)  # several nodes: each vLLM tensor-parallel group within one node
-    if os.path.isdir(config.output_dir) and not config.resume_from_checkpoint and not config.overwrite_output_dir:
-        from grpo.checkpoint.store import list_checkpoints  # torch: only where an earlier run may have left some
-
-        if list_checkpoints(config.output_dir):
-            raise ConfigError(f"--output_dir {config.output_dir} holds checkpoints of an earlier run; continue it "
-                              f"with --resume_from_checkpoint latest, or start over with --overwrite_output_dir")
+    if not config.resume_from_checkpoint and not config.overwrite_output_dir:
+        check_no_earlier_run(config.output_dir)
     if config.resume_from_checkpoint:
         from grpo.checkpoint.resume import check_resume_keeps_policy, saved_config_path
 
+        problem = resume_source_problem(config.resume_from_checkpoint, config.output_dir)
+        if problem is not None:
+            raise ConfigError(problem)
         check_resume_keeps_policy(saved_config_path(config.resume_from_checkpoint, config.output_dir), config)
+
+
+def check_no_earlier_run(output_dir: str) -> None:
+    """A fresh run never replaces what an earlier run left in its folder: checkpoints, a trained model or metrics
+    stop it, naming them, unless --overwrite_output_dir (or --resume_from_checkpoint) says what to do with them."""
+    found = earlier_results(output_dir)
+    if list_checkpoints(output_dir):
+        raise ConfigError(f"--output_dir {output_dir} holds checkpoints of an earlier run; continue it "
+                          f"with --resume_from_checkpoint latest, or start over with --overwrite_output_dir")
+    if found:
+        raise ConfigError(f"--output_dir {output_dir} holds the results of an earlier run ({', '.join(found)}), "
+                          f"which a new run would replace (it saved no checkpoint to continue from); give another "
+                          f"--output_dir, or start over there with --overwrite_output_dir")
+
+
+def log_failed_start(output_dir: str, exc: BaseException) -> None:
+    """Write why the run stopped before its first step into output_dir/train.log, when this run logs there (the
+    console shows the error as the caller reports it: written to the file only)."""
+    path = os.path.abspath(os.path.join(output_dir, "train.log"))
+    handlers = [h for h in logger.handlers if isinstance(h, logging.FileHandler) and h.baseFilename == path]
+    if not handlers:
+        return
+    text = f"the run stopped before its first step: {exc}"
+    if not isinstance(exc, GRPOError):
+        text = f"the run stopped before its first step: {type(exc).__name__}: {exc}\n" + "".join(
+            traceback.format_exception(exc)).rstrip()
+    record = logger.makeRecord(logger.name, logging.ERROR, __file__, 0, text, None, None)
+    for handler in handlers:
+        handler.handle(record)
 
 
 def check_engine_available(config: GRPOConfig) -> None:
@@ -102,8 +132,8 @@ class RunData:
 
 def prepare_run(config: GRPOConfig, reward_funcs: Sequence[Callable] = ()) -> RunData:
     """Every check and load that needs no process group and no model, cheapest first: the options and the output
-    folder, rewards and the registry, the data files, the DeepSpeed config, the tokenizer and the prompts. Also
-    starts console logging (and train.log) for this rank."""
+    folder, rewards and the registry, the data files, the DeepSpeed config, the tokenizer and the prompts. Once
+    they all passed, makes the run's folder and starts console logging (and train.log) for this rank."""
     from grpo.train.reporting import setup_console_logging
 
     enter_training_world(rollout_ranks_of(config))  # server mode: the rollout ranks are not in this world
@@ -114,12 +144,14 @@ def prepare_run(config: GRPOConfig, reward_funcs: Sequence[Callable] = ()) -> Ru
     try:
         check_run_can_start(config)
         rewards = load_rewards(config, reward_funcs)
+        data = load_run_data(config, rewards, rank, world)
     finally:
         logger.removeHandler(early)
-    os.makedirs(config.output_dir, exist_ok=True)  # the run's folder, once its options are known good
+    # the run's folder, once every check passed: a refused start leaves nothing behind
+    os.makedirs(config.output_dir, exist_ok=True)
     if config.log_to_file:
         setup_console_logging(rank == 0, os.path.join(config.output_dir, "train.log"), earlier=early.buffer)
-    return load_run_data(config, rewards, rank, world)
+    return data
 
 
 def load_run_data(config: GRPOConfig, rewards, rank: int, world: int) -> RunData:

@@ -43,7 +43,7 @@ from grpo.train.metrics import mean_over_ranks, step_metrics, step_std
 from grpo.train.micro_batches import MicroBatch
 from grpo.train.reporting import RunReporter, plot_training_curves, read_metrics
 from grpo.train.run_summary import run_summary, steps_phrase
-from grpo.train.setup import RunData, initialize_deepspeed, prepare_run
+from grpo.train.setup import RunData, initialize_deepspeed, log_failed_start, prepare_run
 from grpo.train.step_data import RolloutBatch, StepData, build_rollout_batch
 from grpo.train.token_budget import checkpointing_on, micro_batch_token_budget
 from grpo.train.update import has_dropout, score, step_micro_batches, step_normaliser, update
@@ -71,6 +71,15 @@ class GRPOTrainer:
                               f"as train_grpo.py does")
         # --- options, data and rewards first: their errors come before DeepSpeed starts or any model loads ------
         data = prepared or prepare_run(config, reward_funcs)
+        try:
+            self._start(data)
+        except Exception as exc:
+            log_failed_start(config.output_dir, exc)  # the run's log says why it stopped, not only the console
+            raise
+
+    def _start(self, data: RunData) -> None:
+        """The process group, the checkpoint to resume from, the models, DeepSpeed and the rollout engine."""
+        config = self.config
         dist_utils.init_distributed(config.ddp_timeout_minutes)
         check_shared_output_dir(config.output_dir)  # every node sees it: checkpoints and failure records live there
         self.rank, self.world = dist_utils.rank(), dist_utils.world_size()
