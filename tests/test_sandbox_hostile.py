@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from grpo.tools.sandbox import SANDBOX_UID_BASE, SandboxLimits, run_python, sandbox_problem
+from grpo.tools.sandbox import SANDBOX_UID_BASE, SandboxLimits, interpreter_folders, run_python, sandbox_problem
 
 PROBLEM = sandbox_problem(sys.executable)
 pytestmark = pytest.mark.skipif(PROBLEM is not None, reason=f"no sandbox here: {PROBLEM}")
@@ -164,9 +164,11 @@ print(sorted(os.listdir("/")))
 
 
 def test_files_left_in_tmp_are_gone_for_the_next_call():
+    # empty, but for the way to the interpreter's folders where they live under /tmp (a virtual environment there)
+    under_tmp = sorted({f.split("/")[2] for f in interpreter_folders(sys.executable) if f.startswith("/tmp/")})
     run_python("open('/tmp/left', 'w').write('x')\nopen('/dev/shm/left', 'w').write('x')", LIMITS)
-    result = run_python("import os\nprint(os.listdir('/tmp'), os.listdir('/dev/shm'))", LIMITS)
-    assert result.stdout == "[] []\n"
+    result = run_python("import os\nprint(sorted(os.listdir('/tmp')), os.listdir('/dev/shm'))", LIMITS)
+    assert result.stdout == f"{under_tmp} []\n"
     assert not os.path.exists("/dev/shm/left")
 
 
@@ -283,6 +285,34 @@ for pid in (p for p in os.listdir("/proc") if p.isdigit()):
 print(found)
 """
     assert run_python(code, LIMITS).stdout == "False\nFalse\n"
+
+
+# ------------------------------------------------------------------------------ where the interpreter lives
+def test_an_interpreter_in_a_virtual_environment_under_tmp_runs_and_sees_a_private_tmp():
+    """Containers and CI jobs make their venv under /tmp: the call's private /tmp must not hide it, nor show the
+    host's /tmp."""
+    import shutil
+    import subprocess
+    import tempfile
+
+    host_file = f"grpo-host-{uuid.uuid4().hex}"
+    folder = tempfile.mkdtemp(prefix="grpo-venv-", dir="/tmp")
+    try:
+        os.chmod(folder, 0o755)
+        subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", folder + "/venv"],
+                       check=True, timeout=120)
+        open(f"/tmp/{host_file}", "w").close()
+        limits = SandboxLimits(timeout=LIMITS.timeout, python_executable=folder + "/venv/bin/python")
+        code = (f"import os, sys\nprint(sum(range(10)), sys.prefix)\nprint(os.path.exists('/tmp/{host_file}'))\n"
+                f"open('/tmp/mine', 'w').write('x')\ntry:\n    open('{folder}/venv/written', 'w')\n"
+                f"except OSError as exc:\n    print(exc.errno)")
+        result = run_python(code, limits)
+        assert result.stdout == f"45 {folder}/venv\nFalse\n30\n", result.stderr  # 30: EROFS
+        assert not os.path.exists(folder + "/venv/written")
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+        if os.path.exists(f"/tmp/{host_file}"):
+            os.remove(f"/tmp/{host_file}")
 
 
 # ------------------------------------------------------------------------------ output

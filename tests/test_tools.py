@@ -244,6 +244,32 @@ def test_without_a_sandbox_the_python_tool_refuses_to_start_unless_allowed(monke
     assert call("python", code="print(1)").message["content"] == "1\n"
 
 
+def test_a_sandbox_that_fails_is_explained_in_bwraps_own_words(monkeypatch):
+    """The way to allow namespaces is given only where bwrap says they were refused; any other failure in its own
+    words (a missing interpreter is no matter of Docker flags)."""
+    missing = sandbox.failure_message("/x/bwrap", "bwrap: execvp /tmp/venv/bin/python: No such file or directory\n", 1)
+    assert missing == ("bubblewrap (/x/bwrap) could not make a sandbox here: bwrap: execvp /tmp/venv/bin/python: "
+                       "No such file or directory")
+    python_failed = sandbox.failure_message("/x/bwrap", "Fatal Python error: init_fs_encoding\n", 1)
+    assert python_failed.startswith("the interpreter failed in the sandbox") and "CAP_SYS_ADMIN" not in python_failed
+    refused = "bwrap: Creating new namespace failed: Operation not permitted\n"
+    monkeypatch.setattr(sandbox.os, "geteuid", lambda: 0)
+    assert "bwrap: Creating new namespace failed" in sandbox.failure_message("/x/bwrap", refused, 1)
+    assert "CAP_SYS_ADMIN" in sandbox.failure_message("/x/bwrap", refused, 1)
+    monkeypatch.setattr(sandbox.os, "geteuid", lambda: 1000)
+    assert "unprivileged user namespaces" in sandbox.failure_message("/x/bwrap", refused, 1)
+
+
+def test_the_interpreter_folders_never_show_the_host_root_or_its_tmp(monkeypatch):
+    monkeypatch.setattr(sandbox.subprocess, "run", lambda *a, **k: type("P", (), dict(
+        returncode=0, stdout='["/opt/venv", "/", "/usr", "/usr/local"]', stderr=""))())
+    assert sandbox.interpreter_folders.__wrapped__("/opt/python3") == ("/opt", "/opt/venv")
+    monkeypatch.setattr(sandbox.subprocess, "run", lambda *a, **k: type("P", (), dict(
+        returncode=0, stdout='["/tmp", "/usr"]', stderr=""))())
+    with pytest.raises(ToolError, match="lives in /tmp, which holds the sandbox's private /tmp"):
+        sandbox.interpreter_folders.__wrapped__("/tmp/bin/python")
+
+
 def test_python_tool_messages():
     ok = call("python", code="print(sum(range(10)))")
     assert (ok.status, ok.message["content"]) == ("ok", "45\n")

@@ -36,6 +36,8 @@ from grpo.tools.registry import register_tool
 # process count and own nothing of each other's.
 SANDBOX_UID_BASE = 1_500_000_000
 _UID_SLOTS = 4096
+# the call's private, writable folders (memory-backed, made fresh for each call)
+_SCRATCH = ("/tmp", "/dev/shm")
 
 
 @dataclass(frozen=True)
@@ -100,7 +102,17 @@ def interpreter_folders(python: str) -> tuple[str, ...]:
         raise SandboxUnavailable(f"the interpreter {python} does not start: {probe.stderr.strip()[-500:]}")
     folders = {os.path.realpath(p) for p in json.loads(probe.stdout)}
     folders.add(os.path.dirname(os.path.realpath(python)))
-    return tuple(sorted(p for p in folders if p != "/usr" and not p.startswith("/usr/")))
+    # "/" (an interpreter one folder below it, /opt/python3) would show the whole host: its top folders come in by
+    # the other entries and the system binds
+    folders = tuple(sorted(p for p in folders if p not in ("/", "/usr") and not p.startswith("/usr/")))
+    for folder in folders:
+        for scratch in _SCRATCH:
+            if scratch == folder or scratch.startswith(folder + "/"):
+                raise SandboxUnavailable(
+                    f"the interpreter {python} lives in {folder}, which holds the sandbox's private {scratch}: "
+                    f"showing it would show the host's {scratch}. Make the virtual environment in a folder of its "
+                    f"own (e.g. {folder.rstrip('/')}/venv) or elsewhere")
+    return folders
 
 
 def _system_binds() -> list[str]:
@@ -126,17 +138,22 @@ def sandbox_command(bwrap: str, python: str, code_path: str, limits: SandboxLimi
         identity = ["--unshare-user", "--cap-drop", "ALL"]
     command = [bwrap, "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
                *identity, "--die-with-parent", "--new-session", "--hostname", "sandbox", *_system_binds()]
+    # the private scratch folders first, then the interpreter's folders: a folder bound before a tmpfs on a folder
+    # above it would be hidden by it (a virtual environment under /tmp, as containers and CI jobs make them)
+    command += ["--proc", "/proc", "--dev", "/dev",
+                "--size", str(limits.tmp_bytes), "--perms", "1777", "--tmpfs", "/tmp",
+                "--size", str(limits.tmp_bytes), "--perms", "1777", "--tmpfs", "/dev/shm",
+                "--perms", "0755", "--dir", "/code", "--ro-bind", code_path, "/code/main.py"]
     folders = interpreter_folders(python)
-    # the folders above them, made by bwrap (with the umask's mode otherwise: /root would stay closed to the code)
-    above = sorted({f[:i] for f in folders for i in range(1, len(f)) if f[i] == "/"} - set(folders))
+    # the folders above them, made by bwrap (with the umask's mode otherwise: /root would stay closed to the code);
+    # those made above (/tmp, /dev) stay as they are
+    made = {"/proc", "/dev", "/dev/shm", "/tmp", "/code"}
+    above = sorted({f[:i] for f in folders for i in range(1, len(f)) if f[i] == "/"} - set(folders) - made)
     for folder in above:
         command += ["--perms", "0755", "--dir", folder]
     for folder in folders:
         command += ["--ro-bind", folder, folder]
-    command += ["--proc", "/proc", "--dev", "/dev",
-                "--size", str(limits.tmp_bytes), "--perms", "1777", "--tmpfs", "/tmp",
-                "--size", str(limits.tmp_bytes), "--perms", "1777", "--tmpfs", "/dev/shm",
-                "--perms", "0755", "--dir", "/code", "--ro-bind", code_path, "/code/main.py", "--remount-ro", "/", "--chdir", "/tmp", "--clearenv"]
+    command += ["--remount-ro", "/", "--chdir", "/tmp", "--clearenv"]
     for name, value in _CODE_ENVIRONMENT.items():
         command += ["--setenv", name, value]
     cpu_seconds = int(limits.timeout) + 2
@@ -180,7 +197,23 @@ def sandbox_problem(python: str) -> Optional[str]:
         return str(exc)
     if result.stdout == "ok\n":
         return None
-    why = (result.stderr.strip() or f"exit status {result.returncode}")[-600:]
+    return failure_message(bwrap, result.stderr, result.returncode)
+
+
+# what bwrap writes when the kernel or a container's profile refuses it namespaces (or the mounts in them)
+_REFUSED = ("Operation not permitted", "No permissions to creat", "Permission denied", "uid map", "namespace")
+
+
+def failure_message(bwrap: str, stderr: str, returncode: int) -> str:
+    """Why the trial call failed, in bwrap's (or the interpreter's) own words; the way to allow namespaces is added
+    only where bwrap's words say they were refused."""
+    why = (stderr.strip() or f"exit status {returncode}")[-600:]
+    words = [line for line in stderr.splitlines() if line.startswith("bwrap:")]
+    if not words:
+        return f"the interpreter failed in the sandbox made by bubblewrap ({bwrap}): {why}"
+    message = f"bubblewrap ({bwrap}) could not make a sandbox here: {why}"
+    if not any(sign in line for line in words for sign in _REFUSED):
+        return message
     if os.geteuid() == 0:
         hint = ("Run as root, the sandbox needs the power to make namespaces (CAP_SYS_ADMIN): in Docker, "
                 "`--cap-add SYS_ADMIN --security-opt seccomp=unconfined --security-opt apparmor=unconfined`; or "
@@ -189,7 +222,7 @@ def sandbox_problem(python: str) -> Optional[str]:
         hint = ("A normal user's sandbox needs unprivileged user namespaces: `sysctl -w kernel.unprivileged_userns_"
                 "clone=1` (Debian), `sysctl -w kernel.apparmor_restrict_unprivileged_userns=0` (Ubuntu 23.10+), "
                 "`user.max_user_namespaces` > 0; in Docker, `--security-opt seccomp=unconfined`")
-    return f"bubblewrap ({bwrap}) could not make a sandbox here: {why}. {hint}"
+    return f"{message}. {hint}"
 
 
 def require_sandbox(python: Optional[str] = None) -> None:
