@@ -8,4 +8,5 @@ export WANDB_MODE=${WANDB_MODE:-disabled}
 # arguments go to pytest: files or folders select what runs (e.g. tests/test_cli.py -k help); without any, tests/
 paths=tests
 for arg in "$@"; do [ -e "${arg%%::*}" ] && paths=; done
-exec ${PYTHON:-python3} -m pytest -q -p no:cacheprovider $paths "$@"
+# -rs: each skipped test with its reason (no sandbox here, no GPU, ...)
+exec ${PYTHON:-python3} -m pytest -q -rs -p no:cacheprovider $paths "$@"

@@ -3,7 +3,8 @@ outside, other calls, signals, the network (unix sockets included), the environm
 
 The tests hold whoever runs the suite, root or a normal user (run them as both: as root,
 `runuser -u someone -- python -m pytest tests/test_sandbox_hostile.py` with an interpreter that user can start); a
-test that needs root, or a machine where no sandbox can be made, skips with the reason."""
+test that needs root, or a machine where no sandbox can be made, skips with the reason; with GRPO_REQUIRE_SANDBOX=1
+(as CI runs them) a machine where no sandbox can be made fails them instead."""
 import os
 import socket
 import sys
@@ -17,7 +18,15 @@ import pytest
 from grpo.tools.sandbox import SANDBOX_UID_BASE, SandboxLimits, interpreter_folders, run_python, sandbox_problem
 
 PROBLEM = sandbox_problem(sys.executable)
-pytestmark = pytest.mark.skipif(PROBLEM is not None, reason=f"no sandbox here: {PROBLEM}")
+# GRPO_REQUIRE_SANDBOX=1 (CI sets it, .ci/run): a machine where no sandbox can be made fails these tests, with the
+# reason, instead of passing without testing anything; elsewhere they skip with it
+REQUIRED = os.environ.get("GRPO_REQUIRE_SANDBOX", "") not in ("", "0")
+if PROBLEM is not None and REQUIRED:
+    @pytest.fixture(autouse=True)
+    def no_sandbox_is_a_failure():
+        pytest.fail(f"no sandbox here, and GRPO_REQUIRE_SANDBOX is set: {PROBLEM}", pytrace=False)
+else:
+    pytestmark = pytest.mark.skipif(PROBLEM is not None, reason=f"no sandbox here: {PROBLEM}")
 AS_ROOT = os.geteuid() == 0
 LIMITS = SandboxLimits(timeout=4.0, memory_bytes=256 * 2**20, max_processes=4, tmp_bytes=8 * 2**20,
                        max_output_chars=200)

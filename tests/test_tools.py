@@ -270,6 +270,27 @@ def test_the_interpreter_folders_never_show_the_host_root_or_its_tmp(monkeypatch
         sandbox.interpreter_folders.__wrapped__("/tmp/bin/python")
 
 
+@pytest.mark.parametrize("required", [False, True])
+def test_the_hostile_sandbox_tests_fail_where_required_and_no_sandbox_can_be_made(required):
+    """CI sets GRPO_REQUIRE_SANDBOX=1: a machine without a sandbox fails the hostile tests there (with the reason);
+    elsewhere they skip, with the reason printed."""
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = ("import sys, pytest, grpo.tools.sandbox as s\n"
+            "s.sandbox_problem = lambda python: 'bubblewrap is not installed (test)'\n"
+            "sys.exit(pytest.main(['-q', '-rs', '-p', 'no:cacheprovider', 'tests/test_sandbox_hostile.py']))")
+    env = dict(os.environ, GRPO_REQUIRE_SANDBOX="1" if required else "0")
+    run = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    summary = run.stdout.strip().splitlines()[-1]
+    if required:
+        assert run.returncode == 1 and "error" in summary and "passed" not in summary, run.stdout[-2000:]
+        assert "no sandbox here, and GRPO_REQUIRE_SANDBOX is set: bubblewrap is not installed (test)" in run.stdout
+    else:
+        assert run.returncode == 0 and "skipped" in summary and "failed" not in summary, run.stdout[-2000:]
+        assert "SKIPPED" in run.stdout and "no sandbox here: bubblewrap is not installed (test)" in run.stdout
+
+
 def test_python_tool_messages():
     ok = call("python", code="print(sum(range(10)))")
     assert (ok.status, ok.message["content"]) == ("ok", "45\n")
