@@ -24,6 +24,11 @@ LORA_RANK=${LORA_RANK:-16}
 LORA_ALPHA=${LORA_ALPHA:-32}
 SEED=${SEED:-42}
 LR_GIVEN=${LR:-}
+PYTHON=${PYTHON:-python3}
+if ! $PYTHON -c 'import grpo, deepspeed, peft' >/dev/null 2>&1; then
+  echo "installing grpo and its dependencies (scripts/install.sh)..." >&2
+  PYTHON=$PYTHON bash scripts/install.sh
+fi
 if [ "$GPUS" -gt 0 ]; then
   MAX_STEPS=${MAX_STEPS:-200}; BATCH=${BATCH:-8}; MAX_NEW_TOKENS=${MAX_NEW_TOKENS:-256}
   LR=${LR:-3e-4}; EVAL_STEPS=${EVAL_STEPS:-25}; SAVE_STEPS=${SAVE_STEPS:-50}
@@ -31,20 +36,16 @@ if [ "$GPUS" -gt 0 ]; then
 else
   # on a CPU shared with other work the run slows in proportion to its share: grpo lets idle OpenMP threads sleep
   # (OMP_WAIT_POLICY=PASSIVE) and sizes torch's threads to the cores it may use, unless you set OMP_* yourself.
-  # sized to finish in about 10 minutes on a 2-core CPU; 14 steps of 4 prompts with batch-std advantages learn the
-  # answer format at 6e-4 (eval format 0.97 at step 14), not yet at 3e-4 (0.00)
-  MAX_STEPS=${MAX_STEPS:-14}; BATCH=${BATCH:-4}; MAX_NEW_TOKENS=${MAX_NEW_TOKENS:-40}
-  LR=${LR:-6e-4}; EVAL_STEPS=${EVAL_STEPS:-0}; SAVE_STEPS=${SAVE_STEPS:-7}
+  # sized to finish in about 10 minutes on a 2-core CPU: the values train_grpo.py takes on a CPU, from their one
+  # source (grpo/config/cpu_sizing.py: cpu_MAX_STEPS=14, cpu_BATCH=4, ...)
+  eval "$($PYTHON -m grpo.config.cpu_sizing)"
+  MAX_STEPS=${MAX_STEPS:-$cpu_MAX_STEPS}; BATCH=${BATCH:-$cpu_BATCH}; MAX_NEW_TOKENS=${MAX_NEW_TOKENS:-$cpu_MAX_NEW_TOKENS}
+  LR=${LR:-$cpu_LR}; EVAL_STEPS=${EVAL_STEPS:-0}; SAVE_STEPS=${SAVE_STEPS:-$cpu_SAVE_STEPS}
   USE_VLLM=false
 fi
 
 [ "$STRATEGY" = full ] && [ -z "$LR_GIVEN" ] && LR=1e-6  # the defaults above are lora / qlora rates
 ENGINE=hf; [ "$USE_VLLM" = true ] && ENGINE=vllm
-PYTHON=${PYTHON:-python3}
-if ! $PYTHON -c 'import grpo, deepspeed, peft' >/dev/null 2>&1; then
-  echo "installing grpo and its dependencies (scripts/install.sh)..." >&2
-  PYTHON=$PYTHON bash scripts/install.sh
-fi
 
 args=(
   --model_name_or_path "$MODEL_PATH" --output_dir "$OUTPUT_DIR"

@@ -96,6 +96,9 @@ def parse_args(argv: Optional[list[str]] = None) -> GRPOConfig:
         parser.error(f"unrecognized arguments: {' '.join(hints or unknown)}")  # exits with status 2
     config = parsed[0]
     config.resumes_saved_options = saved_path
+    # the options given (flags or --config), apart from defaults: on a CPU the others take CPU-sized values once the
+    # device is known (grpo.config.cpu_sizing)
+    config.given_options = frozenset(given)
     return config
 
 

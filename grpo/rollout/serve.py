@@ -16,6 +16,7 @@ from datetime import timedelta
 
 import torch
 
+from grpo.config.cpu_sizing import size_for_cpu
 from grpo.runtime import distributed as dist_utils
 from grpo.errors import ConfigError, GRPOError
 from grpo.runtime.failure_watch import RankHeartbeat, note_phase
@@ -32,6 +33,7 @@ def serve_rollouts(config) -> int:
     from grpo.train.reporting import setup_console_logging
 
     setup_console_logging(is_main=False)
+    size_for_cpu(config, on_cpu=not torch.cuda.is_available())  # the training ranks' options, as they size them
     count = rollout_ranks_of(config)
     index, rank = rollout_index(count), job_rank()  # (vLLM's launcher variables overwrite RANK later)
     timeout = timedelta(minutes=config.ddp_timeout_minutes)

@@ -168,7 +168,10 @@ def load_run_data(config: GRPOConfig, rewards, rank: int, world: int) -> RunData
                                                  max_images_per_prompt=config.max_images_per_prompt)
     import torch
 
+    from grpo.config.cpu_sizing import size_for_cpu
     from grpo.runtime.deepspeed_config import default_dtype, load_deepspeed_config
+
+    size_for_cpu(config, on_cpu=not torch.cuda.is_available())  # before anything is sized by those options
 
     ds_config = load_deepspeed_config(config, use_bf16=default_dtype() == torch.bfloat16)
     check_sequence_parallel_zero(config, ds_config)
