@@ -57,18 +57,18 @@ def _lines(ax) -> dict:
 def test_one_dataset_draws_totals_eval_as_markers_and_rare_points_unjoined(tmp_path):
     fig = plots.draw_training_curves(write_metrics(tmp_path, ONE_DATASET))
     axes = _axes(fig)
-    assert list(axes) == ["Reward", "Reward per function", "KL to reference, engine log-prob gap",
-                          "Completion length (tokens)"]
+    assert list(axes) == ["Reward", "Reward per function", "Rollout engine vs trainer: log-prob gap",
+                          "Completion length (tokens)"]  # kl was 0 throughout: no KL term, no KL panel
     reward = _lines(axes["Reward"])
     assert sorted(reward) == ["eval", "train"]  # no per-dataset copy of the total with one dataset
     assert reward["train"].get_linestyle() == "-" and list(reward["train"].get_xdata()) == [1, 2, 3, 4]
     assert reward["eval"].get_linestyle() == "None" and reward["eval"].get_marker() == "o"
     assert list(reward["eval"].get_xdata()) == [0, 4]
-    gap = _lines(axes["KL to reference, engine log-prob gap"])
-    assert list(gap) == ["logprob_diff (mean)"]  # kl was 0 throughout: no KL term, no KL line
-    assert gap["logprob_diff (mean)"].get_linestyle() == "None"  # two points, logged at steps 1 and 3: markers
-    notes = [t.get_text() for t in axes["KL to reference, engine log-prob gap"].texts]
-    assert notes == [plots.KL_OFF_NOTE]
+    gap = _lines(axes["Rollout engine vs trainer: log-prob gap"])
+    assert list(gap) == ["engine vs trainer"]
+    assert gap["engine vs trainer"].get_linestyle() == "None"  # two points, logged at steps 1 and 3: markers
+    notes = [t.get_text() for t in axes["Rollout engine vs trainer: log-prob gap"].texts]
+    assert notes == [plots.GAP_NOTE] and "--logprob_check_steps" in notes[0]  # what the two points are
     per_function = _lines(axes["Reward per function"])
     assert per_function["format"].get_color() == per_function["format (eval)"].get_color()
     fig.clf()
@@ -77,7 +77,7 @@ def test_one_dataset_draws_totals_eval_as_markers_and_rare_points_unjoined(tmp_p
 def test_the_kl_is_drawn_when_it_was_computed(tmp_path):
     rows = [dict(r, kl=0.01 * r["step"]) if "kl" in r else r for r in ONE_DATASET]
     fig = plots.draw_training_curves(write_metrics(tmp_path, rows))
-    ax = _axes(fig)["KL to reference, engine log-prob gap"]
+    ax = _axes(fig)["KL to reference"]
     assert _lines(ax)["KL to reference"].get_linestyle() == "-" and not ax.texts
     fig.clf()
 

@@ -1,9 +1,10 @@
-"""Training curves as one PNG, drawn from metrics.jsonl rows: reward, each reward function, KL / engine log-prob gap,
-completion length and, for runs with tools, tool use.
+"""Training curves as one PNG, drawn from metrics.jsonl rows: reward, each reward function, completion length and,
+where the rows hold them, the KL to the reference, the rollout engine's log-prob gap to the trainer and tool use.
 
 Training figures logged every step are lines; eval points and figures logged only now and then are markers (a line
 between two rare points says nothing). Totals are drawn bold; per-dataset eval figures only when there are several
-datasets (with one they repeat the total)."""
+datasets (with one they repeat the total). The eval markers of the reward functions are hollow, each of its own
+shape, so that two functions with one value at one step both show. A panel with nothing to show is left out."""
 from __future__ import annotations
 
 from typing import Callable, Optional
@@ -13,7 +14,11 @@ EVAL_STYLE = dict(linestyle="none", marker="o", markersize=7)
 SPARSE_STYLE = dict(linestyle="none", marker="s", markersize=5)
 PER_DATASET_STYLE = dict(linestyle="none", marker="^", markersize=5, alpha=0.6)
 
-KL_OFF_NOTE = "KL term off (--kl_beta 0): no KL computed"
+# one shape per reward function's eval markers (hollow): markers of equal values stay visible inside each other
+EVAL_MARKERS = ("o", "s", "D", "^", "v", "P", "X", "*")
+GAP_KEYS = ("rollout/logprob_diff_mean", "rollout/offpolicy_logprob_diff_mean")
+GAP_NOTE = ("mean |log p engine - log p trainer| per sampled token, every --logprob_check_steps steps;\n"
+            "near 0: the rollout engine samples the policy being trained")
 
 
 def series(rows: list[dict], key: str) -> list[tuple[float, float]]:
@@ -39,6 +44,10 @@ def train_steps(rows: list[dict]) -> int:
 def kl_was_computed(rows: list[dict]) -> bool:
     """The trainer logs kl = 0 when there is no KL term: a KL that is 0 throughout was never computed."""
     return any(r.get("kl") for r in rows)
+
+
+def has_engine_gap(rows: list[dict]) -> bool:
+    return any(r.get(key) is not None for r in rows for key in GAP_KEYS)
 
 
 def _draw(ax, pts, label: str, style: dict, color: Optional[str] = None) -> None:
@@ -69,18 +78,29 @@ def _reward_function_panel(ax, rows) -> None:
     for i, name in enumerate(names):
         pts = series(rows, f"rewards/{name}")
         _draw(ax, pts, name, _train_style(pts, rows), f"C{i}")
-        _draw(ax, series(rows, f"eval/rewards/{name}"), f"{name} (eval)", EVAL_STYLE, f"C{i}")
+        _draw(ax, series(rows, f"eval/rewards/{name}"), f"{name} (eval)", eval_marker_style(i), f"C{i}")
+
+
+def eval_marker_style(i: int) -> dict:
+    """The i-th reward function's eval markers: hollow, of their own shape, a little smaller than the one before."""
+    return dict(EVAL_STYLE, marker=EVAL_MARKERS[i % len(EVAL_MARKERS)], markerfacecolor="none", markeredgewidth=1.6,
+                markersize=max(4.0, EVAL_STYLE["markersize"] + 2 - 1.0 * (i % len(EVAL_MARKERS))))
 
 
 def _kl_panel(ax, rows) -> None:
-    if kl_was_computed(rows):
-        pts = series(rows, "kl")
-        _draw(ax, pts, "KL to reference", _train_style(pts, rows), "C0")
-    else:
-        ax.text(0.5, 0.9, KL_OFF_NOTE, transform=ax.transAxes, ha="center", fontsize=8, color="0.4")
-    for i, key in enumerate(("rollout/logprob_diff_mean", "rollout/offpolicy_logprob_diff_mean")):
+    pts = series(rows, "kl")
+    _draw(ax, pts, "KL to reference", _train_style(pts, rows), "C0")
+
+
+def _engine_gap_panel(ax, rows) -> None:
+    for i, key in enumerate(GAP_KEYS):
         pts = series(rows, key)
-        _draw(ax, pts, key.split("/")[1].replace("_mean", " (mean)"), _train_style(pts, rows), f"C{i + 1}")
+        label = "behind the policy (--async_rollout)" if "offpolicy" in key else "engine vs trainer"
+        _draw(ax, pts, label, _train_style(pts, rows), f"C{i + 1}")
+    ax.set_ylabel("nats per token")
+    ax.text(0.02, 0.97, GAP_NOTE, transform=ax.transAxes, ha="left", va="top", fontsize=7, color="0.35")
+    top = max((value for key in GAP_KEYS for _, value in series(rows, key)), default=0.0)
+    ax.set_ylim(0.0, 1.5 * top if top > 0 else 1.0)  # a gap is >= 0; room for the note above the points
 
 
 def _length_panel(ax, rows) -> None:
@@ -106,9 +126,15 @@ def has_tools(rows: list[dict]) -> bool:
 
 
 def panels(rows: list[dict]) -> list[tuple[str, Callable]]:
-    """(title, draw) of each panel the rows call for: four always, two more for a run with tools."""
-    out = [("Reward", _reward_panel), ("Reward per function", _reward_function_panel),
-           ("KL to reference, engine log-prob gap", _kl_panel), ("Completion length (tokens)", _length_panel)]
+    """(title, draw) of each panel the rows call for: reward, reward per function and completion length always; the
+    KL where a KL term was computed; the engine's log-prob gap where it was measured; two more for a run with
+    tools."""
+    out = [("Reward", _reward_panel), ("Reward per function", _reward_function_panel)]
+    if kl_was_computed(rows):
+        out.append(("KL to reference", _kl_panel))
+    if has_engine_gap(rows):
+        out.append(("Rollout engine vs trainer: log-prob gap", _engine_gap_panel))
+    out.append(("Completion length (tokens)", _length_panel))
     if has_tools(rows):
         out += [("Tool use (share)", _tool_share_panel), ("Tool calls per episode", _tool_calls_panel)]
     return out
