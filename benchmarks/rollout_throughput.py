@@ -218,13 +218,13 @@ class GCTimer:
 
 
 def kv_bytes(args) -> int | None:
-    """--kv_cache_gib in bytes; auto sizes it as a training run would for this batch (grpo/rollout/kv_cache.py)."""
+    """--kv_cache_gib in bytes; auto sizes it as a training run would for this batch (grpo/memory/kv_cache.py)."""
     if args.kv_cache_gib in (None, "share"):
         return None
     if args.kv_cache_gib == "auto":
         from transformers import AutoConfig
 
-        from grpo.rollout.kv_cache import auto_kv_cache_bytes, kv_bytes_per_token
+        from grpo.memory.kv_cache import auto_kv_cache_bytes, kv_bytes_per_token
 
         longest = args.prompt_len + args.max_new
         return auto_kv_cache_bytes(kv_bytes_per_token(AutoConfig.from_pretrained(args.model)),

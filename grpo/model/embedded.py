@@ -63,10 +63,13 @@ def _convert(gguf_path: str, target: str) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from grpo.runtime.quiet_output import gguf_conversion_bar_off
+
     logger.info(f"converting {os.path.basename(gguf_path)} to safetensors in {target} (once, ~30 s)")
     folder, name = os.path.dirname(gguf_path), os.path.basename(gguf_path)
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    with gguf_conversion_bar_off():  # off a terminal its redraws would be one long line of the log
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     # the weights are fully dequantized now; drop the GGUF marker so the model saves as a plain checkpoint
     model.hf_quantizer = None
     model.is_quantized = False

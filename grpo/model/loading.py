@@ -70,8 +70,10 @@ def attention_without_shape_plans(device: torch.device) -> None:
                     "for every new batch shape)")
 
 
-def load_policy(config: GRPOConfig, model_path: str, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
-    """The trainable policy: the full model, or the base with a (new or continued) LoRA adapter."""
+def load_policy(config: GRPOConfig, model_path: str, dtype: torch.dtype, device: torch.device,
+                checkpointing: Optional[bool] = None) -> torch.nn.Module:
+    """The trainable policy: the full model, or the base with a (new or continued) LoRA adapter. `checkpointing`:
+    the memory plan's choice of gradient checkpointing (None: --gradient_checkpointing, auto decided here)."""
     from grpo.model import vision
 
     attention_without_shape_plans(device)
@@ -102,7 +104,8 @@ def load_policy(config: GRPOConfig, model_path: str, dtype: torch.dtype, device:
                                   "give a name or its last parts")
     if is_vl and config.freeze_vision_tower:
         vision.freeze_vision_tower(model)
-    checkpointing = wants_checkpointing(config.gradient_checkpointing, model)
+    checkpointing = wants_checkpointing(config.gradient_checkpointing if checkpointing is None else checkpointing,
+                                        model)
     if config.tuning_strategy == "qlora":
         prepare_4bit_base(model, dtype)
     if checkpointing:

@@ -14,32 +14,12 @@ import torch
 from grpo.errors import ConfigError
 from grpo.model.base_weights import saved_4bit
 from grpo.runtime.deepspeed_config import zero3_partitioned
-from grpo.runtime.gpu_budget import engine_memory_share, least_gpu_memory
+from grpo.runtime.gpu_budget import engine_memory_share
 from grpo.rollout.hf import HFRolloutEngine, stop_token_ids
-from grpo.rollout.kv_cache import engine_kv_cache_bytes
 from grpo.sync.shared_base import park_frozen_base, restore_parked
 from grpo.sync.weight_sync import converted_on_load
 
 logger = logging.getLogger("grpo")
-# --rollout_weights auto, qlora: the engine holds the 4-bit base plus the adapter once the merged 16-bit copy would
-# take more than this share of the GPU. Below it both fit and merged is faster: on one H100 at Qwen2.5-7B's shape
-# (a 15 GiB copy, 19% of the GPU) merged took 8.1 s/step with eager vLLM (26.4 GiB peak), adapter 8.5 s/step with
-# CUDA graphs and 27.7 eager (19.0 GiB peak); at 0.68B with lora, 1.76 against 2.26 (benchmarks/RESULTS.md)
-ADAPTER_FROM_SHARE = 0.4
-# default --vllm_sleep_level, lora / qlora with merged weights on one GPU: the engine keeps its 16-bit copy through
-# training (level 0: a sync writes the adapted layers in place) where the copy takes at most this share of the GPU;
-# level 2 frees it. At Qwen2.5-7B's shape on one H100 (a 15 GiB copy, 19%), level 2's sync took 0.15-0.18 s
-# (benchmarks/RESULTS.md)
-KEEP_WEIGHTS_UP_TO_SHARE = 0.25
-# --rollout_weights auto, lora: in_place (one 16-bit base) where its 16-bit copy takes IN_PLACE_FROM_BYTES or more, or
-# more than KEEP_WEIGHTS_UP_TO_SHARE of the GPU; merged (kept through training) below both (8 GiB: 4.3B parameters). On
-# one H100 at Qwen2.5-7B's shape (a 14.2 GiB copy), five runs in turn on one GPU: in_place 5.08-5.19 s/step (mean 5.15)
-# at a 30.8 GiB peak, merged 5.11-5.21 (mean 5.16) at 43.3 GiB; its merge costs the rollout 0.025 s and its sync saves
-# 0.016, within the steps' spread (benchmarks/RESULTS.md, 2026-11-27 10:00). At 0.68B (a 1.3 GiB copy) in_place took
-# 0.05-0.15 s more of a 2.0 s step, its launches and waits weighing more there (03:50, before its kernels were retiled),
-# so merged keeps small models; sizes between are not measured. Beyond the share a merged copy leaves the GPU at every
-# sleep and comes back whole at every sync (0.15-0.18 s at 7B), so in_place is both smaller and faster there.
-IN_PLACE_FROM_BYTES = 8 * 2**30
 
 
 def engine_holds_weights(config) -> bool:
@@ -54,13 +34,15 @@ def engine_dtype(config, trainer_dtype: torch.dtype) -> torch.dtype:
 
 
 def build_rollout_engine(config, model_path: str, policy, tokenizer, vision, rank: int, trainer_dtype: torch.dtype,
-                         completion_tokens: int | None = None, episode_datasets: list[str] | None = None):
+                         completion_tokens: int | None = None, episode_datasets: list[str] | None = None,
+                         plan=None):
     """Server mode: the rollout ranks, reached through RemoteRolloutEngine; otherwise a colocated vLLM engine, or
-    the HF engine over the policy module itself. `completion_tokens`: the longest completion (a multi-turn
-    episode's budget), which a colocated engine's KV cache is sized for. `episode_datasets`: the datasets whose rows
-    run as episodes, which server mode's rollout ranks run."""
+    the HF engine over the policy module itself. `plan`: the run's grpo.memory.plan.MemoryPlan, whose choices (the
+    engine's weights and sleep level, its KV cache in bytes, its batch limits) a colocated engine takes.
+    `episode_datasets`: the datasets whose rows run as episodes, which server mode's rollout ranks run."""
     stops = stop_token_ids(policy, tokenizer)
-    weights = engine_weights(config, policy, vision, model_path) if config.uses_vllm else "merged"
+    planned = plan.rollout_weights if plan is not None else None
+    weights = engine_weights(config, policy, vision, model_path, planned) if config.uses_vllm else "merged"
     adapter, in_place = weights == "adapter", weights == "in_place"
     lora_rank = adapter_rank(policy) if adapter else None
     if config.rollout_mode == "server":
@@ -90,9 +72,8 @@ def build_rollout_engine(config, model_path: str, policy, tokenizer, vision, ran
         with _engine_base(config, policy, model_path if quantized else None, keep=vision is not None) as base:
             parked = park_frozen_base(policy) if (adapter or in_place) and config.vllm_tp == 1 else {}
             try:
-                engine = _vllm_engine(config, base or model_path, rank, vision, stops, lora_rank=lora_rank,
-                                      quantized=quantized, completion_tokens=completion_tokens,
-                                      sleep_level=engine_sleep_level(config, policy, adapter),
+                engine = _vllm_engine(config, base or model_path, rank, vision, stops, plan, lora_rank=lora_rank,
+                                      quantized=quantized, sleep_level=engine_sleep_level(config, plan, weights),
                                       merge_in_place=in_place)
             except BaseException:
                 restore_parked(policy, parked)
@@ -170,28 +151,22 @@ def _engine_base(config, policy, model_path: str | None, parent: str | None = No
             shutil.rmtree(folder, ignore_errors=True)
 
 
-def engine_weights(config, policy, vision, model_path: str | None = None) -> str:
-    """--rollout_weights for this model: "in_place", "adapter" or "merged". auto takes in_place for lora where it
-    can, else falls back as adapter does; adapter falls back to merged, said once, where vLLM's LoRA cannot take
-    the adapter; an explicit choice that cannot be is an error. A checkpoint saved in 4 bits has no 16-bit weights
-    for a merged engine to start from: adapter."""
-    choice = config.engine_weights
+def engine_weights(config, policy, vision, model_path: str | None = None, planned: str | None = None) -> str:
+    """--rollout_weights for this model: "in_place", "adapter" or "merged". auto takes the memory plan's choice
+    (`planned`; grpo.memory.plan weighs sizes and speed), which the loaded policy may still refuse: in_place falls
+    back as adapter does, adapter to merged, said once; an explicit choice that cannot be is an error. A checkpoint
+    saved in 4 bits has no 16-bit weights for a merged engine to start from: adapter."""
+    choice = config.engine_weights if config.rollout_weights != "auto" or planned is None else planned
     if choice == "in_place":
         why = _in_place_refusal(policy, vision)
         if why is None:
-            copy_bytes, gpu_bytes = copy_and_gpu_bytes(config, policy)
-            if (config.rollout_weights == "auto" and copy_bytes < IN_PLACE_FROM_BYTES
-                    and copy_bytes <= KEEP_WEIGHTS_UP_TO_SHARE * gpu_bytes):
-                logger.info(f"vLLM takes merged weights: their 16-bit copy ({copy_bytes / 2**30:.1f} GiB) fits "
-                            f"{KEEP_WEIGHTS_UP_TO_SHARE:.0%} of the GPU's {gpu_bytes / 2**30:.0f} GiB, and at this "
-                            "size merged is a little faster (--rollout_weights auto; in_place holds the base once)")
-                return "merged"
             logger.info("vLLM holds the base once, shared with the trainer; each rollout merges the adapter into it "
                         f"and takes it out after (--rollout_weights {config.rollout_weights})")
             return "in_place"
         if config.rollout_weights == "in_place":
             raise ConfigError(f"--rollout_weights in_place merges one plain LoRA adapter into the shared base, which "
                               f"cannot take {why}: use --rollout_weights merged")
+        logger.info(f"vLLM cannot merge in place into the shared base ({why}): the adapter instead")
         choice = "adapter"  # auto: as for qlora
     stored_4bit = model_path is not None and config.tuning_strategy == "qlora" and bool(saved_4bit(model_path))
     if stored_4bit:
@@ -203,6 +178,9 @@ def engine_weights(config, policy, vision, model_path: str | None = None) -> str
                               "use --vllm_tp 1")
         choice = "adapter"
     if choice != "adapter":
+        if choice == "merged" and config.uses_lora:
+            logger.info(f"vLLM takes merged weights (--rollout_weights {config.rollout_weights}; the memory plan says "
+                        "why)")
         return choice
     why = _adapter_refusal(config, policy, vision, stored_4bit)
     if why is not None:
@@ -214,13 +192,6 @@ def engine_weights(config, policy, vision, model_path: str | None = None) -> str
                               "merged")
         logger.info(f"vLLM takes merged weights: its LoRA cannot take {why} (--rollout_weights auto)")
         return "merged"
-    if config.rollout_weights == "auto" and not stored_4bit:
-        copy_bytes, gpu_bytes = copy_and_gpu_bytes(config, policy)
-        if copy_bytes <= ADAPTER_FROM_SHARE * gpu_bytes:
-            logger.info(f"vLLM takes merged weights: their 16-bit copy ({copy_bytes / 2**30:.1f} GiB) fits "
-                        f"{ADAPTER_FROM_SHARE:.0%} of the GPU's {gpu_bytes / 2**30:.0f} GiB, and merged generates "
-                        "faster (--rollout_weights auto; adapter holds the 4-bit base instead)")
-            return "merged"
     logger.info("vLLM holds the base once and takes the adapter at each sync (--rollout_weights "
                 f"{config.rollout_weights})")
     return "adapter"
@@ -325,32 +296,15 @@ def _fused_parts_left_16bit(config) -> str | None:
             "cannot leave a part of it in 16 bits)")
 
 
-def gpu_memory_bytes(cap_gib=None) -> int:
-    """What the job may use of this rank's GPU (--gpu_memory_gib, or all of it)."""
-    from grpo.runtime.gpu_budget import usable_gpu_bytes
-
-    return usable_gpu_bytes(cap_gib)
-
-
-def copy_and_gpu_bytes(config, policy) -> tuple[int, int]:
-    """The bytes of a 16-bit copy of the policy (what a merged engine holds) and of the GPU the job may use: what
-    auto's rules weigh."""
-    from grpo.model.loading import parameter_count
-
-    return 2 * parameter_count(policy), gpu_memory_bytes(config.gpu_memory_gib)
-
-
-def engine_sleep_level(config, policy, adapter: bool) -> int:
-    """--vllm_sleep_level, or its default: 0 (the KV cache alone) for lora / qlora with merged weights on one GPU
-    whose 16-bit copy takes at most KEEP_WEIGHTS_UP_TO_SHARE of it, as the trainer's own memory is small there and a
-    sync then writes the adapted layers alone; 2 otherwise (full fine-tuning needs the memory; an adapter engine
-    keeps its base anyway)."""
+def engine_sleep_level(config, plan, weights: str) -> int:
+    """--vllm_sleep_level, or the memory plan's for the weights it planned (grpo.memory.plan.default_sleep_level);
+    where the loaded policy made the engine take other weights than planned, 2 (an engine holding the base once
+    keeps it whatever the level)."""
     if config.vllm_sleep_level is not None:
         return config.vllm_sleep_level
-    if adapter or config.tuning_strategy not in ("lora", "qlora") or config.vllm_tp > 1:
-        return 2
-    copy_bytes, gpu_bytes = copy_and_gpu_bytes(config, policy)
-    return 0 if copy_bytes <= KEEP_WEIGHTS_UP_TO_SHARE * gpu_bytes else 2
+    if plan is not None and plan.rollout_weights == weights and plan.sleep_level is not None:
+        return plan.sleep_level
+    return 2
 
 
 def adapter_rank(policy) -> int:
@@ -359,28 +313,31 @@ def adapter_rank(policy) -> int:
     return max([peft_config.r, *(peft_config.rank_pattern or {}).values()])
 
 
-def _vllm_engine(config, model_path: str, rank: int, vision, stops, lora_rank: int | None = None,
-                 quantized: bool = False, completion_tokens: int | None = None, sleep_level: int = 2,
-                 merge_in_place: bool = False):
+# vLLM checks at start that this share of the GPU is free even where it is given its KV cache in bytes, and reads it
+# for nothing else then (vllm/v1/worker/utils.py request_memory, 0.26): a token share
+SHARE_BESIDE_KV_BYTES = 0.01
+
+
+def _vllm_engine(config, model_path: str, rank: int, vision, stops, plan, lora_rank: int | None = None,
+                 quantized: bool = False, sleep_level: int = 2, merge_in_place: bool = False):
     from grpo.rollout.vllm import VLLMRolloutEngine
 
-    free, total = least_gpu_memory()  # every rank sizes its KV cache alike
+    kv_bytes = plan.kv_cache_bytes if plan is not None else None
+    if kv_bytes is None and isinstance(config.vllm_kv_cache, float):
+        kv_bytes = int(config.vllm_kv_cache * 2**30)
+    share = SHARE_BESIDE_KV_BYTES if kv_bytes else engine_memory_share(config.vllm_memory_share, config.gpu_memory_gib)
+    limits = dict(max_num_seqs=plan.engine_max_seqs, max_num_batched_tokens=plan.engine_batched_tokens) \
+        if plan is not None and plan.engine_max_seqs else {}
     # ranks of one tensor-parallel group share a seed: they must sample the same completions
-    return VLLMRolloutEngine(model_path, tensor_parallel_size=config.vllm_tp,
-                                 gpu_memory_utilization=engine_memory_share(config.vllm_memory_share,
-                                                                            config.gpu_memory_gib),
-                                 kv_cache_bytes=engine_kv_cache_bytes(config, model_path, gpu_total_bytes=total,
-                                                                      gpu_free_bytes=free,
-                                                                      completion_tokens=completion_tokens),
-                                 max_model_len=config.max_seq_length, seed=config.seed + rank // config.vllm_tp,
-                                 enable_sleep=config.vllm_sleep,
-                                 sleep_level=sleep_level, enforce_eager=config.vllm_enforce_eager,
-                                 stop_token_ids=stops,
-                                 max_images_per_prompt=config.max_images_per_prompt if vision else 0,
-                                 image_token_id=vision.image_token_id if vision else None,
-                                 lora_rank=lora_rank, quantized=quantized, merge_in_place=merge_in_place,
-                                 # a cap on torch counts its cached blocks: hand them back at every sleep and wake
-                                 keep_torch_cache=config.gpu_memory_gib is None)
+    return VLLMRolloutEngine(model_path, tensor_parallel_size=config.vllm_tp, gpu_memory_utilization=share,
+                             kv_cache_bytes=kv_bytes, max_model_len=config.max_seq_length,
+                             seed=config.seed + rank // config.vllm_tp, enable_sleep=config.vllm_sleep,
+                             sleep_level=sleep_level, enforce_eager=config.vllm_enforce_eager, stop_token_ids=stops,
+                             max_images_per_prompt=config.max_images_per_prompt if vision else 0,
+                             image_token_id=vision.image_token_id if vision else None,
+                             lora_rank=lora_rank, quantized=quantized, merge_in_place=merge_in_place,
+                             # a cap on torch counts its cached blocks: hand them back at every sleep and wake
+                             keep_torch_cache=config.gpu_memory_gib is None, **limits)
 
 
 def check_tensor_parallel(model_path: str, config) -> None:

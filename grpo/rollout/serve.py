@@ -17,6 +17,7 @@ from datetime import timedelta
 import torch
 
 from grpo.config.cpu_sizing import size_for_cpu
+from grpo.runtime.quiet_output import quiet_progress_bars
 from grpo.runtime import distributed as dist_utils
 from grpo.errors import ConfigError, GRPOError
 from grpo.runtime.failure_watch import RankHeartbeat, note_phase
@@ -34,6 +35,7 @@ def serve_rollouts(config) -> int:
 
     setup_console_logging(is_main=False)
     size_for_cpu(config, on_cpu=not torch.cuda.is_available())  # the training ranks' options, as they size them
+    quiet_progress_bars()  # off a terminal: no bars of weight loading in a log file
     count = rollout_ranks_of(config)
     index, rank = rollout_index(count), job_rank()  # (vLLM's launcher variables overwrite RANK later)
     timeout = timedelta(minutes=config.ddp_timeout_minutes)
@@ -168,13 +170,14 @@ def _build_engine(config, spec: dict, index: int, count: int, device: torch.devi
         timeout = timedelta(minutes=config.ddp_timeout_minutes)
         world_store = dist.PrefixStore("grpo_rollout_world", connect_store(timeout))  # a client of its own
         dist.init_process_group("nccl", store=world_store, rank=index, world_size=count, timeout=timeout)
-        from grpo.rollout.kv_cache import engine_kv_cache_bytes
         from grpo.rollout.vllm import VLLMRolloutEngine
 
         # ranks of one tensor-parallel group share a seed: they must sample the same completions
         return VLLMRolloutEngine(model_path, tensor_parallel_size=config.vllm_tp,
                                  gpu_memory_utilization=config.vllm_memory_share,
-                                 kv_cache_bytes=engine_kv_cache_bytes(config, model_path),
+                                 # a GPU that only generates: the cache as given, or what the share leaves
+                                 kv_cache_bytes=int(config.vllm_kv_cache * 2**30)
+                                 if isinstance(config.vllm_kv_cache, float) else None,
                                  max_model_len=config.max_seq_length, seed=config.seed + index // config.vllm_tp,
                                  enable_sleep=False, enforce_eager=config.vllm_enforce_eager,
                                  stop_token_ids=spec["stop_token_ids"],

@@ -74,7 +74,8 @@ class VLLMRolloutEngine(RolloutEngine):
                  sleep_level: int = 2, enforce_eager: bool = False, stop_token_ids: list[int] | None = None,
                  max_images_per_prompt: int = 0, image_token_id: int | None = None,
                  kv_cache_bytes: int | None = None, lora_rank: int | None = None, quantized: bool = False,
-                 keep_torch_cache: bool = True, merge_in_place: bool = False):
+                 keep_torch_cache: bool = True, merge_in_place: bool = False, max_num_seqs: int | None = None,
+                 max_num_batched_tokens: int | None = None):
         """`max_images_per_prompt` > 0 (with the model's `image_token_id`) serves a vision-language model: prompts
         then come with their images, passed as multi_modal_data (vLLM runs the model's own image processor).
         `sleep_level` 2 drops the weights in sleep(), so every sync must send all of them; 0 keeps them and frees
@@ -86,7 +87,8 @@ class VLLMRolloutEngine(RolloutEngine):
         for what the wake maps beside them (False: always handed back to the driver, as under --gpu_memory_gib,
         whose cap on torch counts them).
         `merge_in_place`: in-place mode (module docstring), once share_base has made the trainer's base this
-        engine's."""
+        engine's. `max_num_seqs`, `max_num_batched_tokens`: vLLM's batch limits (the memory plan's: what a card of
+        the budget's size gets by default), else vLLM's defaults for this GPU."""
         if sleep_level not in (0, 1, 2):
             raise ConfigError(f"sleep_level={sleep_level}: vLLM sleeps at level 0 (weights kept on the GPU), 1 (kept "
                               "in CPU memory) or 2 (dropped)")
@@ -125,6 +127,8 @@ class VLLMRolloutEngine(RolloutEngine):
         self._adapter_loaded = False
         if quantized:
             adapter["quantization"] = "bitsandbytes"
+        limits = {name: value for name, value in (("max_num_seqs", max_num_seqs),
+                                                  ("max_num_batched_tokens", max_num_batched_tokens)) if value}
         self.llm = vllm.LLM(
             model=model_path, tensor_parallel_size=tensor_parallel_size, dtype=dtype,
             gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len, seed=seed,
@@ -134,7 +138,8 @@ class VLLMRolloutEngine(RolloutEngine):
             skip_tokenizer_init=not multimodal,
             distributed_executor_backend="external_launcher",
             # log-probs after temperature, like the trainer's log_softmax(logits / T) (vllm/v1/sample/sampler.py)
-            logprobs_mode="processed_logprobs", kv_cache_memory_bytes=kv_cache_bytes, **multimodal, **adapter)
+            logprobs_mode="processed_logprobs", kv_cache_memory_bytes=kv_cache_bytes, **multimodal, **adapter,
+            **limits)
         self._asleep: set[str] = set()  # vLLM allocation tags now released: "weights", "kv_cache"
         self._views: tuple | None = None  # (policy, its writable blocks): found once, as neither changes shape
         self.shares_base = False  # the trainer's base tensors view this engine's: it never releases its weights

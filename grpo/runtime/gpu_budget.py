@@ -2,7 +2,8 @@
 larger one (e.g. a 24 GB card's budget on an 80 GB H100) to see what fits before buying or renting the card.
 
     torch      torch.cuda.set_per_process_memory_fraction(cap / total): the allocator refuses beyond the cap
-    vLLM       its --vllm_gpu_memory_utilization share is taken of the cap: share x cap / total of the whole GPU
+    vLLM       its KV cache in bytes, as the memory plan sized it within the cap (grpo.memory); where the plan cannot
+               size it (no plain per-token cache), its --vllm_gpu_memory_utilization share taken of the cap
 
 vLLM's own memory (weights, KV cache) comes from its pool, not torch's allocator, so the cap bounds each side; the
 driver's figure for the whole process (benchmarks/memory_scale.sh) is the one to compare with the card.
@@ -66,17 +67,6 @@ def cap_gpu_memory(cap_gib: Optional[float], device: torch.device) -> None:
         raise ConfigError(f"--gpu_memory_gib {cap_gib}: this GPU has {total / 2**30:.1f} GiB")
     torch.cuda.set_per_process_memory_fraction(cap_gib * 2**30 / total, device)
     logger.info(f"GPU memory capped at {cap_gib:g} GiB of {total / 2**30:.1f} (--gpu_memory_gib)")
-
-
-def least_gpu_memory() -> tuple[int, int]:
-    """(free, total) bytes of this rank's GPU, each the least over all ranks (all must call it together): what every
-    rank can count on, so that what is sized from it (vLLM's KV cache) comes out the same on every rank, as the
-    ranks of a tensor-parallel group need."""
-    from grpo.runtime import distributed as dist_utils
-
-    free, total = torch.cuda.mem_get_info()
-    least = dist_utils.all_max([-float(free), -float(total)])  # float64: exact for byte counts below 2**53
-    return int(-least[0]), int(-least[1])
 
 
 def engine_memory_share(share: float, cap_gib: Optional[float]) -> float:

@@ -8,8 +8,9 @@ Two ways through the model:
   eager) or varlen flash attention.
   A vision-language model takes the same path through its multimodal body (image features merged into the token
   embeddings, multimodal rope positions), whose last hidden states its output layer turns into logits as for text.
+  A final logit soft-cap (Gemma 2: cap tanh(head(h) / cap)) is applied to each chunk's logits (SoftCappedHead).
 - logits (fallback): the model's own forward with `logits_to_keep`, for models whose output layer is not a plain
-  function of the last hidden state (logit soft-capping or scaling), and chunk_tokens=0.
+  function of the last hidden state (logit scaling), and chunk_tokens=0.
 """
 from __future__ import annotations
 
@@ -18,10 +19,8 @@ from typing import Optional
 import torch
 
 from grpo.algorithm import hidden_token_logprobs, token_entropy, token_logprobs
+from grpo.memory.activations import logit_soft_cap, logits_transformed
 from grpo.train.step_data import RolloutBatch, position_ids_for
-
-# config attributes of models whose logits are not head(hidden): they take the logits path
-_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
 
 
 def forward_inputs(model, batch: RolloutBatch) -> dict:
@@ -51,14 +50,25 @@ def completion_logits(model, batch: RolloutBatch) -> torch.Tensor:
     return logits[:, -(width + 1):-1, :]
 
 
+class SoftCappedHead(torch.nn.Module):
+    """The output layer followed by the model's final soft-cap:  z = cap tanh(head(h) / cap)."""
+
+    def __init__(self, head: torch.nn.Module, cap: float):
+        super().__init__()
+        self.head, self.cap = head, float(cap)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.cap * torch.tanh(self.head(hidden) / self.cap)
+
+
+def _capped(head, config):
+    cap = logit_soft_cap(config)
+    return SoftCappedHead(head, cap) if cap else head
+
+
 def _transformers_model(model):
     module = getattr(model, "module", model)                       # DeepSpeed engine -> model
     return module.get_base_model() if hasattr(module, "get_base_model") else module   # peft -> transformers model
-
-
-def _logits_transformed(config) -> bool:
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    return any(getattr(c, name, None) not in (None, 1.0) for c in (config, text) for name in _LOGIT_TRANSFORMS)
 
 
 def decoder_and_head(model):
@@ -66,7 +76,7 @@ def decoder_and_head(model):
     head(last hidden state) or the parts cannot be found, and for vision-language models (vision_body_and_head)."""
     base = _transformers_model(model)
     config = getattr(base, "config", None)
-    if config is None or _logits_transformed(config):
+    if config is None or logits_transformed(config):
         return None
     if getattr(config, "vision_config", None) is not None:
         return None
@@ -77,7 +87,7 @@ def decoder_and_head(model):
         return None
     if decoder is None or head is None or decoder is base:
         return None
-    return decoder, head
+    return decoder, _capped(head, config)
 
 
 def vision_body_and_head(model):
@@ -87,13 +97,13 @@ def vision_body_and_head(model):
     logits are not head(hidden), or where the parts cannot be found."""
     base = _transformers_model(model)
     config = getattr(base, "config", None)
-    if config is None or getattr(config, "vision_config", None) is None or _logits_transformed(config):
+    if config is None or getattr(config, "vision_config", None) is None or logits_transformed(config):
         return None
     body, get_head = getattr(base, "model", None), getattr(base, "get_output_embeddings", None)
     head = get_head() if get_head else None
     if not isinstance(body, torch.nn.Module) or head is None:
         return None
-    return body, head
+    return body, _capped(head, config)
 
 
 def hidden_state_path(model) -> bool:

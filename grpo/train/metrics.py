@@ -1,13 +1,17 @@
 """What a step logs: rewards, advantages, lengths and timings, over every rank (an evaluation's: evaluation.py)."""
 from __future__ import annotations
 
+import logging
 import math
+from typing import Optional
 
 import torch
 
 from grpo.runtime import distributed as dist_utils
 from grpo.algorithm import reward_std
 from grpo.rollout.dynamic_sampling import ZERO_STD
+
+logger = logging.getLogger("grpo")
 
 
 def step_metrics(batch, drawn, rewards: torch.Tensor, advantages: torch.Tensor, train_metrics: dict, times: dict,
@@ -56,3 +60,50 @@ def mean_over_ranks(local: dict) -> dict:
         if values:
             out[key] = max(values) if key.endswith("_max") else sum(values) / len(values)
     return out
+
+
+class ZeroSpreadWatch:
+    """Says when a step had nothing to learn from: every group's rewards equal (reward/zero_std_group_frac 1 over
+    every rank), so every advantage is 0 and the update moves nothing but the KL and entropy terms. Said at the first
+    such step, again when they run 10 and 100 steps in a row, with the usual causes."""
+
+    REPEAT_AT = (10, 100)
+
+    def __init__(self):
+        self.streak = 0
+        self.said = False
+
+    def check(self, step: int, metrics: dict) -> Optional[str]:
+        """The warning for this step's metrics (also logged), or None."""
+        if metrics.get("reward/zero_std_group_frac", 0.0) < 1.0 - 1e-9:
+            self.streak = 0
+            return None
+        self.streak += 1
+        if self.said and self.streak not in self.REPEAT_AT:
+            return None
+        self.said = True
+        text = zero_spread_message(step, metrics, self.streak)
+        logger.warning(text)
+        return text
+
+
+def zero_spread_message(step: int, metrics: dict, streak: int = 1) -> str:
+    """Why a step whose groups all scored alike taught nothing, and what usually causes it."""
+    mean, truncated = metrics.get("reward/mean", 0.0), metrics.get("completion/truncated_frac", 0.0)
+    where = f"step {step}" if streak == 1 else f"steps {step - streak + 1}-{step} ({streak} in a row)"
+    if abs(mean) < 1e-12:
+        what = "every completion scored 0"
+        causes = [f"completions cut off before their answer ({truncated:.0%} reached --rollout_max_new_tokens: "
+                  "raise it)" if truncated > 0 else "completions cut off before their answer (--rollout_max_new_tokens)",
+                  "answers in a form the rewards do not read (compare completions/rank0.jsonl with the dataset's "
+                  "answer_extractor and rewards)",
+                  "a task beyond the model as it starts (an easier dataset, a larger model, or --warm_start_steps on "
+                  "demonstrations)"]
+    else:
+        what = f"the completions of each prompt all scored alike (reward/mean {mean:.3g})"
+        causes = ["a task the model already solves every time, or never (a harder or easier dataset)",
+                  "samples too alike to differ (more --k_samples, a higher --temperature)",
+                  "a reward that scores every completion the same"]
+    return (f"{where}: {what}, so every group's rewards are equal and the step had nothing to learn from (advantages "
+            f"0). Usual causes: {'; '.join(causes)}. --filter_zero_std_groups draws other prompts in place of such "
+            f"groups")

@@ -170,8 +170,11 @@ def load_run_data(config: GRPOConfig, rewards, rank: int, world: int) -> RunData
 
     from grpo.config.cpu_sizing import size_for_cpu
     from grpo.runtime.deepspeed_config import default_dtype, load_deepspeed_config
+    from grpo.runtime.quiet_output import name_cpu_accelerator, quiet_progress_bars
 
     size_for_cpu(config, on_cpu=not torch.cuda.is_available())  # before anything is sized by those options
+    name_cpu_accelerator()  # before the model code may import DeepSpeed
+    quiet_progress_bars()  # off a terminal: no bars of weight loading in a log file
 
     ds_config = load_deepspeed_config(config, use_bf16=default_dtype() == torch.bfloat16)
     check_sequence_parallel_zero(config, ds_config)

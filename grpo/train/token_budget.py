@@ -1,18 +1,16 @@
-"""--max_tokens_per_micro_batch auto: the largest micro-batch, in tokens, whose training memory fits what the GPU has
-left once the model and the colocated rollout engine are loaded; resolved once, before the first rollout.
+"""--max_tokens_per_micro_batch auto on a GPU: the memory plan's budget (grpo.memory.plan, made before loading),
+checked once the model and the colocated rollout engine are loaded, before the first rollout, against what is
+measured free for training:
 
-    budget = min(16384, floor(t / 1024) x 1024), and at least one row of --max_seq_length
-    t      = the most tokens with  ESTIMATE_MARGIN x (t kept + max(chunk, t transient)) <= room
-    room   = free + torch's cached blocks - (total - usable) - gradients to come - safety margin
-             and, under --gpu_memory_gib, at most  usable - torch's allocated bytes - gradients to come - margin
+    room   = free + torch's cached blocks - gradients to come - safety margin
+             and, under --gpu_memory_gib, at most  cap - torch's allocated bytes - gradients to come - margin
 
-`free` is measured with the rollout engine asleep, as it is during every update (a level-1 sleep and a wake, as
-around an evaluation), so what the sleeping engine still holds counts as used; `usable` is --gpu_memory_gib or the
-whole GPU. The cap is torch's per-process fraction, which counts every block torch's allocator has handed out,
-vLLM's pool included: a KV cache asleep is back with the driver but still counted against the cap. `kept`,
-`transient` and `chunk` come from the model's shape (activation_bytes_per_token, logprob_chunk_bytes). Where the
-log-prob chunk is what limits t, it is halved first (fitted_chunk_tokens). If one row does not fit, a ConfigError with
-the figures and the options that help stops the run here, before any rollout.
+`free` is measured with the rollout engine asleep, as during every update; memory other processes hold is already
+not free, and the cap is this run's own (never the two subtracted together). The cap is torch's per-process
+fraction, which counts every block torch's allocator has handed out, vLLM's pool included: a KV cache asleep is back
+with the driver but still counted against the cap. Where the room holds fewer tokens than planned, the budget is
+lowered to what it holds and the log says by how much the plan missed; where not even one row fits, a ConfigError
+with the figures and the options that help stops the run here, before any rollout.
 """
 from __future__ import annotations
 
@@ -25,79 +23,9 @@ from grpo.config.choices import MICRO_BATCH_TOKENS
 from grpo.errors import ConfigError
 
 logger = logging.getLogger("grpo")
-GIB, MIB = 2**30, 2**20
-BUDGET_STEP = 1024
-MIN_CHUNK_TOKENS = 128  # the smallest log-prob chunk auto shrinks --logprob_chunk_tokens to
-# What the equation leaves out (allocator fragmentation, fused kernels' temporaries), on top of it. The equation was
-# checked against three measured runs: Qwen2.5-1.5B's shape, lora, checkpointing, 16384 tokens: 4.4 GiB of
-# activations measured (benchmarks/train_memory.py), 4.7 estimated; a 0.68B Llama, lora, no checkpointing: 22.5
-# measured, 28 estimated. The margin is set on Qwen2.5-7B's shape, qlora, checkpointing, bf16 activations, one H100
-# with expandable segments (benchmarks/RESULTS.md, 2026-11-26 evening): --gpu_memory_gib 16 ran 6144 tokens (15.88 GiB
-# for the whole process); --gpu_memory_gib 15 ran out of memory at 5120, which 1.25 had picked from 4.4 GiB of room:
-# the first update held 4.8 GiB beyond the model, and 0.76 GiB more sat reserved and unused. 1.5 picks 4096 there.
-ESTIMATE_MARGIN = 1.5
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    hidden: int          # H
-    intermediate: int    # I (the MLP's width; routed experts x their width for a mixture of experts)
-    layers: int          # L
-    q_dim: int           # attention heads x head_dim
-    vocab: int           # V
-
-
-def model_shape(model_config) -> ModelShape:
-    """The decoder's shape from a transformers config (a vision-language model's text config)."""
-    cfg = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
-    hidden, heads = cfg.hidden_size, cfg.num_attention_heads
-    head_dim = getattr(cfg, "head_dim", None) or hidden // heads
-    routed = (getattr(cfg, "num_experts_per_tok", None) or 0) * (getattr(cfg, "moe_intermediate_size", None) or 0)
-    intermediate = max(getattr(cfg, "intermediate_size", None) or 4 * hidden, routed)
-    return ModelShape(hidden, intermediate, cfg.num_hidden_layers, heads * head_dim, cfg.vocab_size)
-
-
-def activation_bytes_per_token(s: ModelShape, checkpointing: bool, act_bytes: int, adapter_bytes: int,
-                               dropout: bool, full_logits: bool) -> tuple[int, int]:
-    """(kept, transient): training memory of one token of a micro-batch, in bytes; `kept` lives through the whole
-    backward, `transient` only while one layer's backward runs. a = act_bytes (2 for bf16 activations, 4 where the
-    residual stream is fp32, as behind fp32 embeddings), b = adapter_bytes (the LoRA input copies' element
-    size, fp32 adapters 4; 0 for full fine-tuning), d = 1 with LoRA dropout, else 0:
-
-        layer    = 8 H                          two RMSNorms, each keeping its fp32 upcast input
-                 + 4 q a                        SDPA's q, k, v (k, v repeated to q's heads) and output
-                 + 3 I a                        gate, act(gate), up (their product is down's input)
-                 + (b + d)(5 H + q + I)  [lora] each adapter's copy of its input (and dropout's mask): q, k, v,
-                                                gate, up read H, o reads q, down reads I
-                 + a (2 H + q + I)       [full] the inputs the trained weights need for their gradients
-        backward = 4 I a                        one layer's MLP gradients in flight
-        ends     = H (2 a + 4)                  the embedding output, the final norm's fp32 input, the hidden states
-                                                kept for the log-prob chunks
-        logits   = 14 V  [full logits only]     bf16 logits, an fp32 copy, log-softmax, its gradient (all kept)
-
-        with checkpointing:  kept = L H a + ends (+ logits),   transient = layer + backward
-                             (every layer's input kept; one layer recomputed in its backward)
-        without:             kept = L layer + ends (+ logits), transient = backward
-    """
-    H, I, q, a, b = s.hidden, s.intermediate, s.q_dim, act_bytes, adapter_bytes
-    layer = 8 * H + 4 * q * a + 3 * I * a
-    layer += (b + int(dropout)) * (5 * H + q + I) if b else a * (2 * H + q + I)
-    backward, ends = 4 * I * a, H * (2 * a + 4) + (14 * s.vocab if full_logits else 0)
-    if checkpointing:
-        return s.layers * H * a + ends, layer + backward
-    return s.layers * layer + ends, backward
-
-
-def logprob_chunk_bytes(chunk_tokens: int, vocab: int, full_logits: bool) -> int:
-    """One log-prob chunk's logits, whatever the micro-batch: 16 c V bytes (fp32 logits, their temperature-scaled
-    copy, logsumexp's exponentials, the gradient), at the start of the backward, beside the kept activations only;
-    none on the full-logits path (counted per token there)."""
-    return 0 if full_logits else 16 * chunk_tokens * vocab
-
-
-def micro_batch_bytes(tokens: int, kept: int, transient: int, chunk: int) -> int:
-    """The estimate's peak for a micro-batch of `tokens`:  t kept + max(chunk, t transient)."""
-    return tokens * kept + max(chunk, tokens * transient)
+from grpo.memory.activations import (  # noqa: F401 (the plan's math, read here too)
+    BUDGET_STEP, ESTIMATE_MARGIN, GIB, MIB, MIN_CHUNK_TOKENS, ModelShape, activation_bytes_per_token,
+    fitted_chunk_tokens, logprob_chunk_bytes, micro_batch_bytes, model_shape)
 
 
 @dataclass(frozen=True)
@@ -117,21 +45,10 @@ class GpuFigures:
     @property
     def room(self) -> int:
         """What the micro-batch's activations may take."""
-        room = self.free + self.cached - (self.total - self.usable) - self.to_come - self.margin
-        if self.capped_allocated is not None:  # torch's cap also counts what vLLM's pool holds asleep
+        room = self.free + self.cached - self.to_come - self.margin  # others' memory is already not free
+        if self.capped_allocated is not None:  # the run's own cap, which also counts what vLLM's pool holds asleep
             room = min(room, self.usable - self.capped_allocated - self.to_come - self.margin)
         return room
-
-
-def fitted_chunk_tokens(room: int, chunk_tokens: int, chunk: int, kept: int, transient: int) -> tuple[int, int]:
-    """(tokens, bytes) of the log-prob chunk, halved (never below MIN_CHUNK_TOKENS) while it is what limits the
-    micro-batch. The budget t is the least of 16384, room / (kept + transient) and (room - chunk) / kept; the chunk
-    stops binding once  chunk <= room - kept x min(16384, room / (kept + transient)). `room` as resolve_token_budget
-    divides it."""
-    limit = room - kept * min(MICRO_BATCH_TOKENS, room // (kept + transient))
-    while chunk_tokens // 2 >= MIN_CHUNK_TOKENS and chunk > limit:
-        chunk_tokens, chunk = chunk_tokens // 2, chunk // 2
-    return chunk_tokens, chunk
 
 
 def resolve_token_budget(gpu: GpuFigures, kept: int, transient: int, chunk: int, max_seq_length: int,
@@ -175,10 +92,11 @@ def checkpointing_on(model) -> bool:
     return any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
 
 
-def training_estimate(config, model) -> tuple[int, int, int, bool]:
+def training_estimate(config, model, chunk_tokens: int | None = None) -> tuple[int, int, int, bool]:
     """(kept, transient, chunk, checkpointing) for `model` (a DeepSpeed engine, peft or transformers model) as this
     run trains it: its shape, the dtypes of its embeddings and adapters, whether its layers are checkpointed, and
-    whether its log-probs take the hidden-state path (see grpo.train.update.score)."""
+    whether its log-probs take the hidden-state path (see grpo.train.update.score), with log-prob chunks of
+    `chunk_tokens` (default --logprob_chunk_tokens)."""
     from grpo.train.logprobs import hidden_state_path
 
     zero3 = getattr(model, "zero_optimization_stage", lambda: 0)() == 3
@@ -192,23 +110,27 @@ def training_estimate(config, model) -> tuple[int, int, int, bool]:
         shape, checkpointing, act_bytes=base.get_input_embeddings().weight.element_size(),
         adapter_bytes=adapters[0].element_size() if adapters else 0,
         dropout=bool(adapters) and config.lora_dropout > 0, full_logits=full_logits)
-    return kept, transient, logprob_chunk_bytes(config.logprob_chunk_tokens, shape.vocab, full_logits), checkpointing
+    chunk_tokens = config.logprob_chunk_tokens if chunk_tokens is None else chunk_tokens
+    return kept, transient, logprob_chunk_bytes(chunk_tokens, shape.vocab, full_logits), checkpointing
 
 
-def micro_batch_token_budget(config, model, engine, device: torch.device) -> tuple[int, int]:
-    """(--max_tokens_per_micro_batch, --logprob_chunk_tokens) for this run: as given, 16384 for auto on CPU, else
-    resolved on the GPU (the least any rank fits, so every rank trains alike; a rank that cannot fit one row stops
-    every rank). auto also halves the log-prob chunk where it is what limits the micro-batch (fitted_chunk_tokens):
-    the log-probs are the same, computed in more pieces."""
+def micro_batch_token_budget(config, model, engine, device: torch.device, plan=None) -> tuple[int, int]:
+    """(--max_tokens_per_micro_batch, --logprob_chunk_tokens) for this run: as given; auto the memory plan's (16384 on
+    CPU without one), on a GPU checked against the room measured once the model and engine are loaded (module
+    docstring): lowered where the room holds less, to the least any rank holds, so every rank trains alike; a rank
+    that cannot fit one row stops every rank."""
     value, chunk_tokens = config.max_tokens_per_micro_batch, config.logprob_chunk_tokens
     if value != "auto":
         return value, chunk_tokens
+    planned = plan.micro_batch_tokens if plan is not None else MICRO_BATCH_TOKENS
+    if plan is not None:
+        chunk_tokens = plan.logprob_chunk_tokens
     if device.type != "cuda":
-        return MICRO_BATCH_TOKENS, chunk_tokens
+        return planned, chunk_tokens
     from grpo.runtime import distributed as dist_utils
     from grpo.runtime.gpu_budget import usable_gpu_bytes
 
-    kept, transient, chunk, checkpointing = training_estimate(config, model)
+    kept, transient, chunk, checkpointing = training_estimate(config, model, chunk_tokens)
     engine.sleep(keep_weights=True)  # as during an update; woken at once, so the engine is left as it was
     try:
         torch.cuda.synchronize(device)
@@ -220,15 +142,15 @@ def micro_batch_token_budget(config, model, engine, device: torch.device) -> tup
     to_come = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad and p.grad is None)
     gpu = GpuFigures(free, cached, total, usable_gpu_bytes(config.gpu_memory_gib, device), to_come,
                      capped_allocated=allocated if config.gpu_memory_gib else None)
-    if chunk:
-        chunk_tokens, chunk = fitted_chunk_tokens(max(gpu.room, 0) / ESTIMATE_MARGIN, chunk_tokens, chunk, kept,
-                                                  transient)
     try:
-        budget, line = resolve_token_budget(gpu, kept, transient, chunk, config.max_seq_length, checkpointing,
-                                            smallest_chunk=chunk_tokens // 2 < MIN_CHUNK_TOKENS,
-                                            sp_size=config.sequence_parallel_size)
-        if chunk_tokens < config.logprob_chunk_tokens:
-            line += f"; log-probs in chunks of {chunk_tokens} tokens, not {config.logprob_chunk_tokens}, to fit"
+        measured, line = resolve_token_budget(gpu, kept, transient, chunk, config.max_seq_length, checkpointing,
+                                              smallest_chunk=chunk_tokens // 2 < MIN_CHUNK_TOKENS,
+                                              sp_size=config.sequence_parallel_size)
+        budget = min(planned, measured)
+        line = (f"micro-batches of up to {budget} tokens (--max_tokens_per_micro_batch auto: the memory plan's "
+                f"{planned}" + (f", lowered: the room measured after loading holds {measured}" if measured < planned
+                                else f"; the room measured after loading holds {measured}") + ")" + line[
+                    line.index(":"):])
     except ConfigError as exc:
         budget, line, error = 0, "", exc
     least = -int(dist_utils.all_max([-float(budget)])[0])
@@ -236,5 +158,6 @@ def micro_batch_token_budget(config, model, engine, device: torch.device) -> tup
         raise error if budget == 0 else ConfigError(
             "--max_tokens_per_micro_batch auto: another rank's GPU cannot train one row of --max_seq_length "
             f"{config.max_seq_length} tokens (its error gives the figures)")
-    logger.info(line + (f"; {least} on every rank, the least any rank fits" if least < budget else ""))
+    (logger.warning if budget < planned else logger.info)(
+        line + (f"; {least} on every rank, the least any rank fits" if least < budget else ""))
     return least, chunk_tokens

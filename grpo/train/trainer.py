@@ -39,7 +39,7 @@ from grpo.runtime.shared_output import check_shared_output_dir
 from grpo.runtime.roles import job_rank, rollout_index, rollout_ranks_of
 from grpo.runtime.signals import GracefulStop
 from grpo.train.evaluation import evaluate_prompts
-from grpo.train.metrics import mean_over_ranks, step_metrics, step_std
+from grpo.train.metrics import ZeroSpreadWatch, mean_over_ranks, step_metrics, step_std
 from grpo.train.micro_batches import MicroBatch
 from grpo.train.reporting import RunReporter, plot_training_curves, read_metrics
 from grpo.train.run_summary import run_summary, steps_phrase
@@ -183,6 +183,7 @@ class GRPOTrainer:
         logger.info(f"training {cfg.tuning_strategy} on {', '.join(cfg.dataset_names)}: {len(self.train_set)} "
                     f"prompts, {self.world} rank(s), {steps_phrase(start_step, self.total_steps, each)}")
         signals = GracefulStop(before=self.failures.raise_if_peer_failed)
+        spread = ZeroSpreadWatch()
         metrics: dict = {}
         try:
             signals.install()
@@ -202,6 +203,8 @@ class GRPOTrainer:
 
                 metrics = self._step_metrics(step, drawn, {**rollout.stats, **train_metrics}, times)
                 reporter.log_step(self.state.step, metrics)
+                if self.is_main:
+                    spread.check(self.state.step, metrics)  # a step whose groups all scored alike taught nothing
                 self._log_completions(rollout.prompts, rollout.texts, rollout.rewards, rollout.completions)
                 if cfg.eval_steps and self.state.step % cfg.eval_steps == 0:
                     self.evaluate(reporter)

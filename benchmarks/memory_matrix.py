@@ -1,0 +1,157 @@
+"""The memory plan against real runs: random-weight models of published shapes (tests/model_configs) x GPU budgets x
+completion lengths, qlora (or --strategy) with the defaults otherwise, 4 prompts x 8 samples on `arith`.
+
+Every cell is planned first (in this process, no weights); a cell whose plan does not fit is recorded as refused,
+with the change the refusal names; the others run train_grpo.py for --steps steps, LANES at a time on one GPU (each
+under its own --gpu_memory_gib: several runs share the GPU, as users' runs do), and each run's measured peaks per
+phase (metrics.jsonl's memory/*) are set beside the planned ones. Prints a markdown table and appends
+results.jsonl under --out. Without a GPU (or with --plan_only) only the plans.
+
+    python benchmarks/memory_matrix.py --plan_only                                    # the whole matrix's plans
+    python benchmarks/memory_matrix.py --shapes llama-3.1-8b qwen2.5-7b --budgets 24 --new 4096 --lanes 2 \\
+        --model_root /root/models --steps 2                                      # on a GPU: build, plan, run
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+SHAPES = ["qwen2.5-7b", "llama-3.1-8b", "qwen3-8b", "mistral-7b", "gemma-2-9b"]
+GIB = 2**30
+
+
+def flags(model: str, args, budget: float, new: int, out: str) -> list[str]:
+    return ["--model_name_or_path", model, "--tuning_strategy", args.strategy, "--rollout_engine", "vllm",
+            "--dataset_names", "arith", "--per_device_train_batch_size", str(args.prompts), "--k_samples",
+            str(args.samples), "--rollout_max_new_tokens", str(new), "--max_steps", str(args.steps),
+            "--save_steps", "0", "--eval_on_start", "false", "--train_split_ratio", "1.0", "--logging_steps", "1",
+            "--logprob_check_steps", "1", "--output_dir", out, "--overwrite_output_dir",
+            "--gpu_memory_gib", f"{budget:g}"] + args.extra
+
+
+def plan_cell(model: str, args, budget: float, new: int) -> dict:
+    from grpo.config import parse_args
+    from grpo.memory.advice import cheapest_fixes
+    from grpo.memory.planner import named_card, plan_parts
+
+    config = parse_args(flags(model, args, budget, new, "/tmp/unused"))
+    import torch
+
+    gpu = None if torch.cuda.is_available() else named_card(budget)
+    plan, run, size, gpu, hf_config = plan_parts(config, model, gpu=gpu)
+    row = {"fits": plan.fits, "planned_gib": {k: round(v / GIB, 2) for k, v in plan.phases.items()},
+           "weights": plan.rollout_weights, "kv_gib": round((plan.kv_cache_bytes or 0) / GIB, 2),
+           "at_once": round(plan.sequences_at_once, 1), "micro_batch": plan.micro_batch_tokens}
+    if not plan.fits:
+        row["why_not"] = plan.why_not
+        row["fixes"] = cheapest_fixes(run, size, gpu, hf_config, config)
+    return row
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def start(model: str, args, budget: float, new: int, name: str):
+    out = os.path.join(args.out, "runs", name)
+    os.makedirs(out, exist_ok=True)
+    env = dict(os.environ, WANDB_MODE="disabled", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1",
+               VLLM_ENABLE_V1_MULTIPROCESSING="0", CUDA_VISIBLE_DEVICES=str(args.gpu))
+    command = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "1", "--master_port",
+               str(free_port()), os.path.join(ROOT, "train_grpo.py")] + flags(model, args, budget, new, out)
+    log = open(out + ".log", "w")
+    return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT), out, time.time()
+
+
+def measured(out: str) -> dict:
+    path = os.path.join(out, "metrics.jsonl")
+    rows = [json.loads(line) for line in open(path)] if os.path.exists(path) else []
+    steps = [r for r in rows if "time/step" in r]
+    peaks = {}
+    for r in steps:
+        for key, value in r.items():
+            if key.startswith("memory/") and not key.endswith("_planned_gib"):
+                phase = key[len("memory/"):-len("_gib")]
+                peaks[phase] = max(peaks.get(phase, 0), value)
+    return {"steps": len(steps), "measured_gib": peaks,
+            "step_s": round(sum(r["time/step"] for r in steps[1:]) / max(len(steps) - 1, 1), 1) if steps else None}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", nargs="+", default=SHAPES)
+    parser.add_argument("--budgets", nargs="+", type=float, default=[16, 24, 40, 80])
+    parser.add_argument("--new", nargs="+", type=int, default=[512, 4096, 8192])
+    parser.add_argument("--strategy", default="qlora")
+    parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--samples", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--lanes", type=int, default=1)
+    parser.add_argument("--gpu", type=int, default=0)
+    parser.add_argument("--four_bit", action="store_true", help="build the models saved in 4 bits")
+    parser.add_argument("--model_root", default=None, help="where the random models are (built if missing)")
+    parser.add_argument("--out", default="outputs/bench/memory_matrix")
+    parser.add_argument("--plan_only", action="store_true")
+    parser.add_argument("--limit", type=int, default=900, help="seconds a run may take")
+    parser.add_argument("--extra", nargs=argparse.REMAINDER, default=[])
+    args = parser.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    cells = []
+    for shape in args.shapes:
+        model = os.path.join(ROOT, "tests", "model_configs", shape)
+        if not args.plan_only:
+            model = os.path.join(args.model_root, shape + ("-4bit" if args.four_bit else ""))
+            if not os.path.isfile(os.path.join(model, "config.json")):
+                subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "random_model.py"), "--config",
+                                os.path.join(ROOT, "tests", "model_configs", shape), "--out", model]
+                               + (["--four_bit"] if args.four_bit else []), check=True)
+        for budget in args.budgets:
+            for new in args.new:
+                cell = {"shape": shape, "budget": budget, "new": new, "model": model}
+                cell.update(plan_cell(model, args, budget, new))
+                cells.append(cell)
+                print(json.dumps({k: v for k, v in cell.items() if k != "model"}), flush=True)
+    running = []
+    queue = [c for c in cells if c["fits"]] if not args.plan_only else []
+    while queue or running:
+        while queue and len(running) < args.lanes:
+            cell = queue.pop(0)
+            name = f"{cell['shape']}-{args.strategy}-{cell['budget']:g}gib-{cell['new']}new"
+            running.append((cell, *start(cell["model"], args, cell["budget"], cell["new"], name)))
+        time.sleep(5)
+        for item in list(running):
+            cell, process, out, began = item
+            if process.poll() is None and time.time() - began < args.limit:
+                continue
+            if process.poll() is None:
+                process.kill()
+            running.remove(item)
+            cell.update(rc=process.wait(), wall_s=round(time.time() - began), **measured(out))
+            with open(os.path.join(args.out, "results.jsonl"), "a") as fh:
+                fh.write(json.dumps(cell) + "\n")
+            print(json.dumps(cell), flush=True)
+    print("| shape | budget GiB | new tokens | plan | rc | planned peak | measured peak | within |")
+    print("|---|---|---|---|---|---|---|---|")
+    for c in cells:
+        planned = max(c["planned_gib"].values())
+        if not c["fits"]:
+            print(f"| {c['shape']} | {c['budget']:g} | {c['new']} | refused: {'; '.join(c['fixes'][:2])} | - | "
+                  f"{planned} | - | - |")
+            continue
+        got = max(c.get("measured_gib", {}).values(), default=None)
+        within = f"{got / planned - 1:+.0%}" if got else "-"
+        print(f"| {c['shape']} | {c['budget']:g} | {c['new']} | {c['weights']}, KV {c['kv_gib']} "
+              f"({c['at_once']} at once), mb {c['micro_batch']} | {c.get('rc', '-')} | {planned} | {got} | {within} |")
+
+
+if __name__ == "__main__":
+    main()

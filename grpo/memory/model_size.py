@@ -1,0 +1,118 @@
+"""What a model's parts take, counted from its config alone: the model is built on PyTorch's meta device (no memory,
+no weights read, ~1 s at 8B), so every architecture transformers builds is counted exactly, vision towers and
+untied output layers included.
+
+    P  every parameter                     Q  parameters of the linear layers qlora holds in 4 bits (not the output
+    A  LoRA parameters: r (in + out)          layer, not the vision tower, not --qlora_skip_modules)
+       per adapted linear layer            V  parameters of the vision tower
+
+Bytes (b = 2 on a GPU's bf16, 4 on a CPU's fp32; a 4-bit value with bitsandbytes' double quantization takes
+q = 1/2 + 1/block + 4 / (256 block) bytes: two values a byte, an 8-bit scale per block, an fp32 scale per 256 blocks):
+
+    full   b P          lora   b P + b A          qlora  q Q + b (P - Q) + b A
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from grpo.memory.activations import ModelShape, model_shape
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    parameters: int        # P
+    quantized: int         # Q: what qlora holds in 4 bits
+    adapter: int           # A at --lora_rank over --lora_target_modules (0 for full)
+    adapter_all_linear: int  # LoRA parameters at --lora_rank over every language linear layer (vLLM's LoRA slots)
+    vision: int            # V
+    largest_tensor: int    # elements of the largest parameter: a transient copy at load
+    largest_layer: int     # parameters of the largest decoder layer: what a weight sync merges at once
+    fused_experts: bool    # experts held as fused 3-D tensors (transformers converts them on load)
+    shape: ModelShape
+
+
+def four_bit_bytes_per_value(block_size: int) -> float:
+    """q: bytes per 4-bit value with double quantization (module docstring)."""
+    return 0.5 + 1 / block_size + 4 / (256 * block_size)
+
+
+def weight_bytes(size: ModelSize, strategy: str, float_bytes: int = 2, block_size: int = 64) -> int:
+    """The trainer's weights (module docstring's table), adapters included."""
+    adapter = float_bytes * size.adapter if strategy in ("lora", "qlora") else 0
+    if strategy == "qlora":
+        q = four_bit_bytes_per_value(block_size)
+        return int(q * size.quantized) + float_bytes * (size.parameters - size.quantized) + adapter
+    return float_bytes * size.parameters + adapter
+
+
+def build_on_meta(hf_config, trust_remote_code: bool = False):
+    """The model as transformers builds it (AutoModelForCausalLM, or AutoModelForImageTextToText for a config with a
+    vision_config), on the meta device: shapes without memory."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    auto = AutoModelForImageTextToText if getattr(hf_config, "vision_config", None) is not None \
+        else AutoModelForCausalLM
+    with torch.device("meta"):
+        return auto.from_config(hf_config, trust_remote_code=trust_remote_code, dtype=torch.bfloat16)
+
+
+def _matches(name: str, patterns) -> bool:
+    """peft's module matching: a list matches a full name or its last parts, a string is a regex over full names."""
+    if patterns is None:
+        return False
+    if isinstance(patterns, str):
+        return re.fullmatch(patterns, name) is not None
+    return any(name == p or name.endswith("." + p) for p in patterns)
+
+
+def count_model(model, lora_rank: int, lora_targets, lora_exclude=None, qlora_skip=(),
+                vision_towers: tuple[str, ...] = ()) -> ModelSize:
+    """Count a built model's parts (module docstring). `lora_targets`: "all-linear" or module names (peft's rules);
+    `vision_towers`: names of the vision tower modules, frozen and never adapted or quantized."""
+    import torch
+
+    output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    towers = tuple(t + "." for t in vision_towers)
+    parameters = sum(p.numel() for p in model.parameters())
+    vision = sum(p.numel() for name, p in model.named_parameters() if name.startswith(towers))
+    quantized = adapter = adapter_all = 0
+    for name, module in model.named_modules():
+        if not isinstance(module, torch.nn.Linear) or module is output or (name + ".").startswith(towers):
+            continue
+        per_lora = lora_rank * (module.in_features + module.out_features)
+        adapter_all += per_lora
+        if not _matches(name, list(qlora_skip)):
+            quantized += module.weight.numel()
+        wanted = lora_targets == "all-linear" or _matches(name, lora_targets)
+        if wanted and not _matches(name, lora_exclude):
+            adapter += per_lora
+    layers = _decoder_layers(model)
+    largest_layer = max((sum(p.numel() for p in layer.parameters()) for layer in layers), default=0)
+    fused = any(p.dim() == 3 for name, p in model.named_parameters()
+                if not name.startswith(towers) and "conv" not in name and "patch_embed" not in name)
+    return ModelSize(parameters, quantized, adapter, adapter_all, vision,
+                     max(p.numel() for p in model.parameters()), largest_layer, fused, model_shape(model.config))
+
+
+def _decoder_layers(model) -> list:
+    """The repeated blocks of the language model (the longest ModuleList)."""
+    import torch
+
+    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
+    return list(max(lists, key=len)) if lists else []
+
+
+def model_size(hf_config, config) -> ModelSize:
+    """ModelSize of the model `hf_config` describes, trained with `config`'s LoRA and qlora options."""
+    from grpo.model.vision import VISION_TOWERS
+
+    model = build_on_meta(hf_config, config.trust_remote_code)
+    targets = "all-linear" if config.lora_target_modules.strip() == "all-linear" else \
+        [m.strip() for m in config.lora_target_modules.split(",") if m.strip()]
+    towers = ()
+    if getattr(hf_config, "vision_config", None) is not None:
+        towers = tuple(name for name, _ in model.named_modules() if name.rsplit(".", 1)[-1] in VISION_TOWERS)
+    rank = config.lora_rank if config.tuning_strategy in ("lora", "qlora") else 0
+    return count_model(model, rank, targets, config.lora_exclude, config.qlora_skip_list, towers)

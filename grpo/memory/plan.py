@@ -1,0 +1,354 @@
+"""The memory plan: from the model's config, the options and the GPU's budget, each phase's peak and every automatic
+memory choice (the engine's weights and sleep level, vLLM's KV cache in bytes, the micro-batch token budget, the
+log-prob chunk, gradient checkpointing), made once, before any weight loads. Everything else reads the plan.
+
+The parts (bytes on one GPU; b = 2 for bf16, T = trainable parameters, dp = data-parallel ranks sharing ZeRO's
+partitions; model_size.py, kv_cache.py, activations.py, engine.py):
+
+    base        the frozen weights: qlora q Q + b (P - Q), lora / full b P     (held once where the engine shares them)
+    adapters    b A
+    optimizer   12 T / dp          fp32 master weights and Adam's two moments (ZeRO partitions them)
+    gradients   (2 + 4 / dp) T     bf16 gradients and their fp32 partition (during the update only)
+    engine      the engine's own weights: merged b P / tp; adapter its LoRA slots; in_place nothing
+    kv          vLLM's KV cache (explicit bytes)
+    vllm        what vLLM holds beside weights and cache (activations of its largest batch, sampler, CUDA graphs)
+    context     the CUDA context and library workspaces
+
+    rollout   = context + base + adapters + optimizer + engine + kv + vllm
+    logprobs  = context + base + adapters + optimizer + asleep + forward(t)  (+ reference, full with beta > 0)
+    train     = context + base + adapters + optimizer + gradients + asleep + ESTIMATE_MARGIN x micro_batch(t)
+    sync      = context + base + adapters + optimizer + engine + 2 b (largest layer)
+    asleep    = what the sleeping engine still counts: its weights where it keeps them (sleep level 0, or shared);
+                under --gpu_memory_gib also its KV cache and every weight of its pool (torch's cap counts vLLM's pool
+                while it sleeps)
+
+Choices, in this order: the engine's weights (auto: by preference, the faster mode where its 16-bit copy is small
+next to the budget, the first that fits with the step's sequences in its cache at once, else the one whose cache holds
+the most), the KV cache (the step's sequences at once where they fit; under a cap at
+most what leaves training micro-batches of LEAST_TRAIN_TOKENS, never below one --max_seq_length sequence: rollouts
+then run in waves), the token
+budget (the most tokens that fit beside the rest, at least one row), the log-prob chunk (halved while it is what
+limits the budget). A plan whose smallest settings do not fit is refused (advice.py says what fits).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+from grpo.config.choices import MICRO_BATCH_TOKENS
+from grpo.memory.activations import (ESTIMATE_MARGIN, GIB, MIN_CHUNK_TOKENS, activation_bytes_per_token,
+                                     fitted_chunk_tokens, logprob_chunk_bytes, micro_batch_bytes, token_budget,
+                                     tokens_that_fit)
+from grpo.memory.engine import CONTEXT_BYTES, engine_batch_limits, vllm_own_bytes
+from grpo.memory.kv_cache import FLOOR_SLACK_TOKENS, auto_kv_cache_bytes, kv_bytes_per_token
+from grpo.memory.model_size import ModelSize, weight_bytes
+
+# --rollout_weights auto, qlora: the engine holds the 4-bit base plus the adapter once the merged 16-bit copy would
+# take more than this share of the budget. Below it both fit and merged is faster: on one H100 at Qwen2.5-7B's shape
+# (a 15 GiB copy, 19% of the GPU) merged took 8.1 s/step with eager vLLM (26.4 GiB peak), adapter 8.5 s/step with
+# CUDA graphs and 27.7 eager (19.0 GiB peak); at 0.68B with lora, 1.76 against 2.26 (benchmarks/RESULTS.md)
+ADAPTER_FROM_SHARE = 0.4
+# default --vllm_sleep_level, lora / qlora with merged weights on one GPU: the engine keeps its 16-bit copy through
+# training (level 0: a sync writes the adapted layers in place) where the copy takes at most this share of the
+# budget; level 2 frees it. At Qwen2.5-7B's shape on one H100 (a 15 GiB copy, 19%), level 2's sync took 0.15-0.18 s
+KEEP_WEIGHTS_UP_TO_SHARE = 0.25
+# --rollout_weights auto, lora: in_place (one 16-bit base) where its 16-bit copy takes IN_PLACE_FROM_BYTES or more, or
+# more than KEEP_WEIGHTS_UP_TO_SHARE of the budget; merged (kept through training) below both. On one H100 at
+# Qwen2.5-7B's shape (a 14.2 GiB copy): in_place 5.15 s/step at a 30.8 GiB peak, merged 5.16 at 43.3 GiB; at 0.68B
+# in_place took 0.05-0.15 s more of a 2.0 s step, so merged keeps small models (benchmarks/RESULTS.md, 2026-11-27)
+IN_PLACE_FROM_BYTES = 8 * 2**30
+# under a cap, where the KV cache counts while training too, it gets what the step's sequences need as long as
+# training keeps micro-batches of this many tokens (or one row): rollouts in waves cost more than smaller micro-batches
+LEAST_TRAIN_TOKENS = 4096
+WARN_ABOVE_PLAN = 1.10  # a measured phase this much over its plan is said in the log
+
+
+@dataclass(frozen=True)
+class GpuBudget:
+    """What this run may use of one GPU. `total`: the GPU's memory (or the named card's); `free`: free on it before
+    the run loaded anything, this process's context included (None where no GPU is asked: a card named by
+    --gpu_memory_gib); `cap`: --gpu_memory_gib. The run's own cap bounds it; other processes lower what is free,
+    never the cap twice."""
+    total: int
+    free: int | None
+    cap: int | None
+    name: str
+
+    @property
+    def budget(self) -> int:
+        bound = min(self.cap, self.total) if self.cap else self.total
+        return bound if self.free is None else min(bound, self.free)
+
+    @property
+    def margin(self) -> int:
+        """Kept back from every phase: allocator fragmentation, what no equation counts."""
+        return max(GIB, self.budget // 20)
+
+
+@dataclass(frozen=True)
+class RunShape:
+    """What of the options the plan reads, resolved: engine, lengths, batch, parallelism."""
+    strategy: str
+    engine: str               # "vllm", "hf" or "server" (this rank trains; the rollout ranks generate)
+    tp: int
+    dp: int                   # data-parallel ranks (ZeRO partitions)
+    zero3: bool
+    sequences: int            # sequences one engine generates per step
+    longest: int              # prompt + completion tokens of the longest sequence
+    max_seq_length: int
+    sp: int
+    kl_reference: bool        # full fine-tuning with beta > 0: a frozen copy of the model
+    lora_rank: int
+    lora_dropout: bool
+    block_size: int
+    chunk_tokens: int
+    full_logits: bool
+    checkpointing: bool | None   # --gradient_checkpointing (None: auto)
+    micro_batch_tokens: str | int
+    kv_cache: str | float     # --vllm_kv_cache_gib as parsed: "auto", "share" or GiB
+    rollout_weights: str      # --rollout_weights (auto or a mode)
+    sleep_level: int | None
+    vllm_sleep: bool
+    eager: bool
+    capable: tuple[str, ...]  # engine weight modes this model and these options can take, by preference
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    gpu: str
+    budget: int
+    capped: bool
+    rollout_weights: str | None   # merged / adapter / in_place (vLLM), None for an engine without weights of its own
+    sleep_level: int | None
+    kv_cache_bytes: int | None    # vLLM's KV cache (None: the engine has no cache of its own to size)
+    kv_needed_bytes: int | None   # what the step's sequences need at once
+    kv_per_token: int | None
+    engine_batched_tokens: int | None   # vLLM's max_num_batched_tokens and max_num_seqs, passed to it
+    engine_max_seqs: int | None
+    sequences: int
+    longest: int
+    micro_batch_tokens: int
+    logprob_chunk_tokens: int
+    gradient_checkpointing: bool
+    parts: dict = field(default_factory=dict)    # name -> bytes
+    phases: dict = field(default_factory=dict)   # phase -> planned peak bytes
+    fits: bool = True
+    why_not: str = ""
+    notes: tuple = ()
+
+    @property
+    def peak(self) -> int:
+        return max(self.phases.values()) if self.phases else 0
+
+    @property
+    def sequences_at_once(self) -> float:
+        if not self.kv_cache_bytes or not self.kv_per_token:
+            return float(self.sequences)
+        return self.kv_cache_bytes / (self.kv_per_token * self.longest)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def auto_checkpointing(parameters: int, on_gpu: bool, option: bool | None) -> bool:
+    """--gradient_checkpointing auto: on from 1B parameters (at 7B, 16k tokens of activations without it take more
+    than an 80 GB GPU has; at 0.5B they fit beside the weights) and always on a CPU (RAM is short there)."""
+    from grpo.model.loading import CHECKPOINTING_FROM_PARAMETERS, CHECKPOINTING_ON_CPU
+
+    if option is not None:
+        return option
+    return parameters >= CHECKPOINTING_FROM_PARAMETERS or (CHECKPOINTING_ON_CPU and not on_gpu)
+
+
+def preferred_weights(run: RunShape, size: ModelSize, budget: int) -> list[str]:
+    """The engine's weight modes to try, best first: an explicit --rollout_weights alone; auto by the measured
+    rules (ADAPTER_FROM_SHARE, IN_PLACE_FROM_BYTES, KEEP_WEIGHTS_UP_TO_SHARE), then the others it can take."""
+    if run.rollout_weights != "auto":
+        return [run.rollout_weights]
+    copy = 2 * size.parameters
+    if run.strategy == "qlora":
+        first = "merged" if copy <= ADAPTER_FROM_SHARE * budget else "adapter"
+        order = [first, "adapter", "merged"]
+    elif run.strategy == "lora":
+        small = copy < IN_PLACE_FROM_BYTES and copy <= KEEP_WEIGHTS_UP_TO_SHARE * budget
+        order = ["merged", "in_place", "adapter"] if small else ["in_place", "adapter", "merged"]
+    else:
+        order = ["merged"]
+    capable = [mode for mode in order if mode in run.capable]
+    return list(dict.fromkeys(capable or ["merged"]))
+
+
+def default_sleep_level(run: RunShape, weights: str, size: ModelSize, budget: int) -> int:
+    """--vllm_sleep_level auto: 0 for lora / qlora with merged weights on one GPU where the 16-bit copy takes at most
+    KEEP_WEIGHTS_UP_TO_SHARE of the budget (a sync then writes the adapted layers alone); an engine holding the base
+    once keeps it (1); 2 otherwise."""
+    if run.sleep_level is not None:
+        return run.sleep_level
+    if weights in ("adapter", "in_place"):
+        return 1
+    if run.strategy not in ("lora", "qlora") or run.tp > 1:
+        return 2
+    return 0 if 2 * size.parameters <= KEEP_WEIGHTS_UP_TO_SHARE * budget else 2
+
+
+def trainer_parts(run: RunShape, size: ModelSize, float_bytes: int) -> dict:
+    """The trainer's persistent parts and its gradients (module docstring), bytes on one GPU."""
+    base = weight_bytes(size, run.strategy, float_bytes, run.block_size) - float_bytes * (
+        size.adapter if run.strategy in ("lora", "qlora") else 0)
+    trainable = size.adapter if run.strategy in ("lora", "qlora") else size.parameters - size.vision
+    master = 4 if float_bytes == 2 else 0  # bf16 training keeps an fp32 master copy
+    parts = {"base": base // (run.dp if run.zero3 else 1),
+             "adapters": float_bytes * size.adapter if run.strategy in ("lora", "qlora") else 0,
+             "optimizer": (master + 8) * trainable // run.dp,
+             "gradients": float_bytes * trainable + (4 * trainable // run.dp if master else 0)}
+    if run.kl_reference:
+        parts["reference"] = float_bytes * size.parameters // (run.dp if run.zero3 else 1)
+    return parts
+
+
+def engine_weight_bytes(mode: str, run: RunShape, size: ModelSize) -> int:
+    """What the engine holds beyond the trainer's base: merged its own 16-bit copy; adapter its LoRA slots (at vLLM's
+    rank, the base shared); in_place nothing."""
+    if mode == "merged":
+        return 2 * size.parameters // run.tp
+    if mode == "adapter":
+        from grpo.rollout.vllm_lora import engine_lora_rank
+
+        rank = engine_lora_rank(run.lora_rank)
+        embeddings = 2 * rank * (2 * size.shape.vocab + 2 * size.shape.hidden)
+        return 2 * size.adapter_all_linear * rank // max(run.lora_rank, 1) + embeddings
+    return 0
+
+
+def plan_memory(run: RunShape, size: ModelSize, gpu: GpuBudget | None, hf_config) -> MemoryPlan:
+    """The plan (module docstring). `gpu` None: a CPU run, planned in RAM with no budget to refuse against."""
+    on_gpu = gpu is not None
+    float_bytes = 2 if on_gpu else 4
+    checkpointing = auto_checkpointing(size.parameters, on_gpu, run.checkpointing)
+    kept, transient = activation_bytes_per_token(size.shape, checkpointing, float_bytes,
+                                                 float_bytes if run.strategy in ("lora", "qlora") else 0,
+                                                 run.lora_dropout, run.full_logits)
+    chunk = logprob_chunk_bytes(run.chunk_tokens, size.shape.vocab, run.full_logits)
+    per_token = kv_bytes_per_token(hf_config, run.tp)
+    kv_needed = auto_kv_cache_bytes(per_token, run.sequences, run.longest, run.max_seq_length)
+    trainer = trainer_parts(run, size, float_bytes)
+    row_tokens = -(-run.max_seq_length // run.sp)
+    common = dict(sequences=run.sequences, longest=run.longest, kv_per_token=per_token,
+                  gradient_checkpointing=checkpointing)
+    if not on_gpu:
+        tokens = run.micro_batch_tokens if run.micro_batch_tokens != "auto" else MICRO_BATCH_TOKENS
+        fixed = sum(v for k, v in trainer.items() if k != "gradients")
+        generation = (kv_needed or 0) * 2 + run.sequences * size.shape.vocab * 4
+        phases = {"rollout": fixed + generation,
+                  "train": fixed + trainer["gradients"] + micro_batch_bytes(max(tokens, 1), kept, transient, chunk)}
+        return MemoryPlan("CPU", 0, False, None, None, None, kv_needed, **common, engine_batched_tokens=None,
+                          engine_max_seqs=None, micro_batch_tokens=tokens,
+                          logprob_chunk_tokens=run.chunk_tokens, parts=trainer, phases=phases,
+                          notes=("a CPU run: planned in RAM, nothing refused",))
+    budget, margin, capped = gpu.budget, gpu.margin, gpu.cap is not None
+    plans = [_plan_with(run, size, gpu, trainer, weights, checkpointing, kept, transient, chunk, per_token,
+                        kv_needed, row_tokens, common)
+             for weights in (preferred_weights(run, size, budget) if run.engine == "vllm" else [None])]
+    fitting = [plan for plan in plans if plan.fits]
+    if not fitting:
+        return plans[0]
+    # the first by preference whose cache holds the step's sequences at once; else the one holding the most
+    at_once = [plan for plan in fitting if plan.sequences_at_once >= plan.sequences]
+    return at_once[0] if at_once else max(fitting, key=lambda plan: plan.sequences_at_once)
+
+
+def _plan_with(run: RunShape, size: ModelSize, gpu: GpuBudget, trainer: dict, weights: str | None,
+               checkpointing: bool, kept: int, transient: int, chunk: int, per_token: int | None,
+               kv_needed: int | None, row_tokens: int, common: dict) -> MemoryPlan:
+    budget, margin, capped = gpu.budget, gpu.margin, gpu.cap is not None
+    notes = []
+    held = sum(v for k, v in trainer.items() if k != "gradients")  # what the trainer holds through the step
+    context = CONTEXT_BYTES
+    sleep_level = batched_tokens = max_seqs = None
+    engine = own = 0
+    asleep_weights = kept_physical = 0
+    if weights is not None:
+        from grpo.rollout.vllm_lora import engine_lora_rank
+
+        sleep_level = default_sleep_level(run, weights, size, budget)
+        engine = engine_weight_bytes(weights, run, size)
+        batched_tokens, max_seqs = engine_batch_limits(budget)
+        own = vllm_own_bytes(size.shape, batched_tokens, max_seqs,
+                             lora_rank=engine_lora_rank(run.lora_rank) if weights == "adapter" else 0,
+                             four_bit=run.strategy == "qlora" and weights == "adapter", eager=run.eager)
+        # asleep, the engine keeps its weights at level 0, its LoRA slots always (the base is the trainer's), and
+        # everything without --vllm_sleep; under a cap torch counts its whole pool while it sleeps
+        kept_weights = not run.vllm_sleep or weights != "merged" or sleep_level == 0
+        kept_physical = engine if kept_weights else 0
+        asleep_weights = engine if (kept_weights or capped) else 0
+    fixed_train = context + held + trainer["gradients"] + asleep_weights
+    fixed_rollout = context + held + engine + own
+    floor = (run.max_seq_length + FLOOR_SLACK_TOKENS) * per_token if per_token else 0
+
+    def training_fit(room: int) -> tuple[int, int, int]:
+        """(tokens that fit, chunk tokens, chunk bytes) for training room `room`, the chunk halved where it binds."""
+        tokens_chunk, chunk_bytes = run.chunk_tokens, chunk
+        if chunk_bytes and run.micro_batch_tokens == "auto":
+            tokens_chunk, chunk_bytes = fitted_chunk_tokens(max(room, 0) / ESTIMATE_MARGIN, tokens_chunk,
+                                                            chunk_bytes, kept, transient)
+        return tokens_that_fit(room, kept, transient, chunk_bytes), tokens_chunk, chunk_bytes
+
+    # the KV cache: the step's sequences at once where they fit (module docstring)
+    if weights is None:
+        kv_bytes = None
+    elif run.kv_cache not in ("auto", "share"):
+        kv_bytes = int(run.kv_cache * GIB)
+    elif per_token is None:
+        kv_bytes = None
+        notes.append(f"{type(size).__name__}: no plain per-token K/V cache to size; vLLM's share sizes it")
+    else:
+        room_rollout = budget - margin - fixed_rollout
+        kv_bytes = max(floor, min(kv_needed if run.kv_cache == "auto" else room_rollout, room_rollout))
+        if capped or not run.vllm_sleep:  # the cache counts while training too: leave training its least budget
+            least = max(row_tokens, LEAST_TRAIN_TOKENS)
+            while kv_bytes > floor and training_fit(budget - margin - fixed_train - kv_bytes)[0] < least:
+                kv_bytes = max(floor, kv_bytes - GIB // 4)
+    kv_asleep = kv_bytes if kv_bytes and (capped or not run.vllm_sleep) else 0
+    # the micro-batch token budget and the log-prob chunk
+    fits, chunk_tokens, chunk = training_fit(budget - margin - fixed_train - kv_asleep)
+    if run.micro_batch_tokens == "auto":
+        tokens = token_budget(fits, row_tokens)
+    else:
+        tokens = int(run.micro_batch_tokens) or run.sequences * run.longest
+    activations = int(ESTIMATE_MARGIN * micro_batch_bytes(tokens, kept, transient, chunk))
+    forward = tokens * transient + chunk // 2
+    # physical peaks (what the driver reports for this process); under a cap torch's count of a phase adds what the
+    # sleeping engine gave back to the driver but its pool still holds: that count is what must fit
+    kv_kept = (kv_bytes or 0) if not run.vllm_sleep else 0
+    given_back = asleep_weights - kept_physical + kv_asleep - kv_kept
+    phases = {
+        "rollout": fixed_rollout + (kv_bytes or 0) if weights is not None else
+        context + held + 2 * (kv_needed or 0) + run.sequences * size.shape.vocab * 4,
+        "logprobs": context + held + kept_physical + kv_kept + forward,
+        "train": context + held + trainer["gradients"] + kept_physical + kv_kept + activations,
+        "sync": context + held + engine + 2 * 2 * size.largest_layer if weights is not None else 0,
+    }
+    phases = {name: int(value) for name, value in phases.items() if value}
+    counted = {name: value + (given_back if name in ("logprobs", "train") else 0) for name, value in phases.items()}
+    parts = {"context": context, **trainer, "engine weights": engine, "kv cache": kv_bytes or 0, "vllm": own,
+             "activations": activations}
+    fits, why_not = True, ""
+    over = {name: value for name, value in counted.items() if value > budget - margin}
+    if over:
+        fits = False
+        name = max(over, key=over.get)
+        why_not = (f"{name} needs {over[name] / GIB:.1f} GiB, more than the {(budget - margin) / GIB:.1f} GiB the "
+                   f"budget leaves after {margin / GIB:.1f} kept back"
+                   + (" (torch's cap counts the sleeping engine's memory)" if counted[name] > phases[name] else ""))
+    elif kv_bytes and per_token and kv_bytes / (per_token * run.longest) < run.sequences:
+        at_once = kv_bytes / (per_token * run.longest)
+        notes.append(f"the KV cache holds about {at_once:.1f} of the step's {run.sequences} sequences at once "
+                     f"({kv_needed / GIB:.1f} GiB would hold them all): vLLM runs the rest in waves")
+    if given_back:
+        notes.append(f"torch's cap (--gpu_memory_gib) counts {given_back / GIB:.2f} GiB of the sleeping engine's "
+                     "memory while training")
+    if run.micro_batch_tokens == "auto" and chunk_tokens < run.chunk_tokens:
+        notes.append(f"log-probs in chunks of {chunk_tokens} tokens, not {run.chunk_tokens}, to fit")
+    return MemoryPlan(gpu.name, budget, capped, weights, sleep_level, kv_bytes, kv_needed, **common,
+                      engine_batched_tokens=batched_tokens, engine_max_seqs=max_seqs, micro_batch_tokens=tokens, logprob_chunk_tokens=chunk_tokens, parts=parts, phases=phases,
+                      fits=fits, why_not=why_not, notes=tuple(notes))

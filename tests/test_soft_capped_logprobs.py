@@ -1,0 +1,37 @@
+"""A model with a final logit soft-cap (Gemma 2: z = cap tanh(head(h) / cap)) takes the chunked hidden-state path,
+with the cap applied per chunk: the same log-probs, entropies and gradients as its own full logits."""
+import torch
+from transformers import Gemma2Config, Gemma2ForCausalLM
+
+from grpo.rollout.engine import Completion
+from grpo.train.logprobs import SoftCappedHead, completion_logprobs, decoder_and_head
+from grpo.train.step_data import build_rollout_batch
+
+
+def test_soft_capped_logits_come_through_the_chunked_path_unchanged():
+    torch.manual_seed(0)
+    config = Gemma2Config(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
+                          final_logit_softcapping=3.0, attn_logit_softcapping=50.0, sliding_window=16)
+    model = Gemma2ForCausalLM(config).float()
+    with torch.no_grad():  # logits large enough that the cap bends them
+        model.lm_head.weight.mul_(40)
+    parts = decoder_and_head(model)
+    assert parts is not None and isinstance(parts[1], SoftCappedHead) and parts[1].cap == 3.0
+    prompts = [[5, 6, 7, 8], [9, 10]]
+    completions = [Completion(0, [11, 12, 13], [], "length"), Completion(1, [14, 15, 16, 17, 18], [], "length"),
+                   Completion(1, [19], [], "stop")]
+    batch = build_rollout_batch(prompts, completions, pad_id=0)
+    results = {}
+    for chunk in (0, 2):  # 0: the model's own (capped) logits; 2: hidden states, two tokens at a time
+        model.zero_grad()
+        logprobs, entropy = completion_logprobs(model, batch, temperature=0.7, with_entropy=True,
+                                                chunk_tokens=chunk, entropy_grad=True)
+        (logprobs.sum() + entropy.sum()).backward()
+        results[chunk] = (logprobs.detach(), entropy.detach(), model.lm_head.weight.grad.clone())
+    full, chunked = results[0], results[2]
+    assert full[0].abs().max() > 0.1  # the capped logits are not all alike
+    for a, b in zip(full, chunked):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    raw = model.lm_head(torch.randn(3, 32))
+    assert raw.abs().max() > 3 and parts[1](torch.randn(3, 32)).abs().max() <= 3.0
