@@ -360,8 +360,13 @@ class GRPOConfig(DerivedOptions):
                           "distributed")
     local_rank: int = _opt(-1, "Set by the deepspeed launcher; leave alone.", "distributed")
     gpu_memory_gib: Optional[float] = _opt(
-        None, "Use at most this much of each GPU, e.g. 24 to try a 24 GB card's budget on a larger GPU: torch's "
-              "allocator stops there, and vLLM's share is taken of it (grpo/runtime/gpu_budget.py).", "training")
+        None, "This run's budget on each GPU, e.g. 24 to try a 24 GB card on a larger GPU (memory other processes "
+              "hold lowers what is free, not this budget). The memory plan fits the run within it (docs/memory.md); "
+              "with --plan_only on a machine without a GPU it names the card to plan for.", "training")
+    plan_only: bool = _opt(
+        False, "Print the memory plan of the run these flags describe (each phase's peak, the automatic choices, "
+               "what to change where it does not fit) and exit, loading no weights: in seconds, with or without a "
+               "GPU (then for the card --gpu_memory_gib names).", "training")
     ddp_timeout_minutes: float = _opt(
         30.0, "How long a collective waits for a rank that never arrives before the run stops with an error "
         "(the process-group timeout).", "distributed")

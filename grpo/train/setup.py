@@ -128,6 +128,7 @@ class RunData:
     ds_config: dict
     episode_datasets: dict = field(default_factory=dict)  # {name: EpisodeDataset}: rows that run as episodes
     demonstrations: Optional[object] = None  # rendered rows with the model's turns (--warm_start_steps)
+    memory_plan: Optional[object] = None  # grpo.memory.plan.MemoryPlan: every automatic memory choice of the run
 
 
 def prepare_run(config: GRPOConfig, reward_funcs: Sequence[Callable] = ()) -> RunData:
@@ -227,6 +228,7 @@ def load_run_data(config: GRPOConfig, rewards, rank: int, world: int) -> RunData
         check_tensor_parallel(model_path, config)
     check_checkpoint_weights(config, model_path)  # qlora's re-quantization and loftq read its 16-bit weights
     check_positions(model_path, config)  # vLLM would refuse a longer --max_seq_length after loading the model
+    memory_plan = plan_for_run(config, model_path, episode_datasets)  # refused here if it does not fit
     prompts_per_step = config.per_device_train_batch_size * config.gradient_accumulation_steps
     order = prompt_order(len(train_set), prompts_per_step, config, rank, world)
     if order.steps_per_epoch == 0:
@@ -236,7 +238,22 @@ def load_run_data(config: GRPOConfig, rewards, rank: int, world: int) -> RunData
             f"--gradient_accumulation_steps, or raise --train_split_ratio")
     total_steps = config.max_steps if config.max_steps > 0 else config.epochs * order.steps_per_epoch
     return RunData(model_path, tokenizer, vision, rewards, train_set, eval_set, order, total_steps, ds_config,
-                   episode_datasets, demonstrations)
+                   episode_datasets, demonstrations, memory_plan)
+
+
+def longest_completion(config: GRPOConfig, episode_datasets: dict) -> int:
+    """The longest a training completion may be: a multi-turn episode's token budget where a training dataset runs
+    as episodes, else --rollout_max_new_tokens."""
+    episodes = any(name in episode_datasets for name in config.dataset_names)
+    return config.episode_token_budget if episodes else config.rollout_max_new_tokens
+
+
+def plan_for_run(config: GRPOConfig, model_path: str, episode_datasets: dict):
+    """The run's memory plan, from the model's config.json and this rank's GPU, before any weight loads: a
+    ConfigError with what fits where it does not fit (grpo.memory)."""
+    from grpo.memory.planner import checked_plan
+
+    return checked_plan(config, model_path, longest_completion(config, episode_datasets))
 
 
 def prompt_order(num_rows: int, prompts_per_step: int, config: GRPOConfig, rank: int, world: int):
