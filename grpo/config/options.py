@@ -353,6 +353,10 @@ class GRPOConfig(DerivedOptions):
     use_wandb: bool = _opt(False, "Log metrics to Weights & Biases (WANDB_MODE=offline works).", "logging")
     wandb_project: str = _opt("grpo", "W&B project name.", "logging")
     wandb_run_name: Optional[str] = _opt(None, "W&B run name (default: output_dir's name).", "logging")
+    report_to: list[str] = _list(
+        [], "Trackers the metrics also go to, named as in transformers: wandb, tensorboard, trackio, mlflow "
+            "(several, space or comma separated); 'all': each one installed; 'none'. --use_wandb adds wandb; "
+            "--wandb_project names each one's project, --wandb_run_name the run (docs/checkpoints.md).", "logging")
 
     # --- distributed ------------------------------------------------------------------------------
     deepspeed: str = _opt("zero2", "DeepSpeed config file, or 'zero2' / 'zero3' for the shipped ones (a relative "

@@ -9,7 +9,7 @@ import re
 from grpo.config.choices import (AGGREGATIONS, BITSANDBYTES_BLOCK_SIZE, DEFAULT_BLOCK_SIZE, IMPORTANCE_SAMPLING_LEVELS,
                                  KL_ESTIMATORS, LOSS_TYPES, ROLLOUT_CORRECTIONS, ROLLOUT_MASK_BANDS, QLORA_BLOCK_SCALES, QLORA_BLOCK_SIZES, QLORA_INITS, QLORA_QUANT_TYPES,
                                  REWARD_SCALES, ROLLOUT_ENGINES, ROLLOUT_MODES, ROLLOUT_WEIGHTS, SCHEDULERS,
-                                 SEQUENCE_PARALLEL_ROLLOUTS, STRATEGIES)
+                                 SEQUENCE_PARALLEL_ROLLOUTS, STRATEGIES, TRACKERS)
 from grpo.errors import ConfigError
 from grpo.runtime.roles import job_world_size
 
@@ -141,6 +141,7 @@ def validate(cfg) -> None:
     need(cfg.save_total_limit >= 1, "save_total_limit", "must be >= 1")
     need(cfg.eval_steps >= 0, "eval_steps", "must be >= 0")
     need(cfg.logging_steps >= 1, "logging_steps", "must be >= 1")
+    _check_report_to(cfg, need)
     need(cfg.ddp_timeout_minutes > 0, "ddp_timeout_minutes",
          f"must be > 0 (minutes; got {cfg.ddp_timeout_minutes}); raise it when one step (a long rollout, "
          f"a large checkpoint save) can keep some ranks waiting longer than that")
@@ -274,3 +275,16 @@ def token_budget(value) -> "str | int":
                           f"16384 on CPU), a number of tokens (e.g. 8192), or 0 (micro-batches of "
                           f"--per_device_train_batch_size prompts)")
     return tokens
+
+
+def _check_report_to(cfg, need) -> None:
+    """--report_to: tracker names (a list, or one string, space or comma separated; lower-cased here), or 'none' /
+    'all' alone ('none' becomes the empty list). Whether each is installed is checked when the run starts."""
+    parts = [cfg.report_to] if isinstance(cfg.report_to, str) else list(cfg.report_to or [])
+    names = [n.strip().lower() for part in parts for n in str(part).split(",") if n.strip()]
+    unknown = [n for n in names if n not in TRACKERS and n not in ("none", "all")]
+    need(not unknown, "report_to", f"unknown tracker {', '.join(repr(n) for n in unknown)}; choose from "
+                                   f"{', '.join(TRACKERS)}, or 'none', or 'all' (each one installed)")
+    need(len(names) <= 1 or not {"none", "all"} & set(names), "report_to",
+         f"'none' and 'all' stand alone (got {' '.join(names)})")
+    cfg.report_to = [] if names == ["none"] else names

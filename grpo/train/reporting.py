@@ -1,4 +1,5 @@
-"""Run reporting on rank 0: console log + progress bar, train.log, metrics.jsonl, wandb, eval samples."""
+"""Run reporting on rank 0: console log + progress bar, train.log, metrics.jsonl, the trackers (trackers.py), eval
+samples."""
 from __future__ import annotations
 
 import json
@@ -10,7 +11,7 @@ from typing import Optional, Sequence
 from tqdm.auto import tqdm
 
 from grpo.config.options import GRPOConfig
-from grpo.errors import ConfigError
+from grpo.train.trackers import start_trackers
 from grpo.train.plots import plot_training_curves  # noqa: F401  (the trainer draws through here)
 
 
@@ -75,7 +76,7 @@ class RunReporter:
         self.is_main = is_main
         self.metrics_path = os.path.join(config.output_dir, "metrics.jsonl")
         self.eval_dir = os.path.join(config.output_dir, "eval")
-        self._wandb = None
+        self._trackers: list = []
         self._bar = None
         if not is_main:
             return
@@ -84,8 +85,7 @@ class RunReporter:
             os.remove(self.metrics_path)  # a fresh run in a used folder starts a fresh log
         else:
             _truncate_after(self.metrics_path, start_step)  # a resumed run drops rows past its checkpoint
-        if config.use_wandb:
-            self._wandb = _start_wandb(config)
+        self._trackers = start_trackers(config, start_step)  # --report_to (and --use_wandb)
         self._bar = tqdm(total=total_steps, initial=start_step, desc="grpo", dynamic_ncols=True,
                          disable=not sys.stderr.isatty())
 
@@ -95,8 +95,8 @@ class RunReporter:
         row = {"step": step, **metrics}
         with open(self.metrics_path, "a") as fh:
             fh.write(json.dumps(row) + "\n")
-        if self._wandb is not None:
-            self._wandb.log(metrics, step=step)
+        for tracker in self._trackers:
+            tracker.log(metrics, step)
         # kl is 0 by construction without a KL term (--kl_beta 0): not worth a column then
         headline = {short: metrics[key] for key, short in _HEADLINE
                     if key in metrics and (key != "kl" or self.config.kl_beta > 0)}
@@ -120,16 +120,17 @@ class RunReporter:
                 fh.write(json.dumps(row) + "\n")
         with open(self.metrics_path, "a") as fh:
             fh.write(json.dumps({"step": step, **metrics}) + "\n")
-        if self._wandb is not None:
-            self._wandb.log(metrics, step=step)
+        for tracker in self._trackers:
+            tracker.log(metrics, step)
         logger.info(f"eval at step {step}: {eval_line(metrics)}")
         return path
 
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
-        if self._wandb is not None:
-            self._wandb.finish()
+        for tracker in self._trackers:
+            tracker.close()
+        self._trackers = []
 
 
 def read_metrics(path: str) -> list[dict]:
@@ -145,16 +146,6 @@ def _truncate_after(path: str, step: int) -> None:
         with open(path, "w") as fh:
             for r in rows:
                 fh.write(json.dumps(r) + "\n")
-
-
-def _start_wandb(config: GRPOConfig):
-    try:
-        import wandb
-    except ImportError:
-        raise ConfigError("--use_wandb needs wandb: pip install .[wandb] (or drop --use_wandb)")
-    return wandb.init(project=config.wandb_project,
-                      name=config.wandb_run_name or os.path.basename(os.path.abspath(config.output_dir)),
-                      config=config.to_dict(), dir=config.output_dir)
 
 
 def eval_line(metrics: dict) -> str:

@@ -43,6 +43,7 @@ from grpo.train.metrics import ZeroSpreadWatch, mean_over_ranks, step_metrics, s
 from grpo.train.micro_batches import MicroBatch
 from grpo.train.reporting import RunReporter, plot_training_curves, read_metrics
 from grpo.train.run_summary import run_summary, steps_phrase
+from grpo.train.trackers import check_trackers
 from grpo.train.setup import RunData, initialize_deepspeed, log_failed_start, prepare_run
 from grpo.train.step_data import RolloutBatch, StepData, build_rollout_batch
 from grpo.train.token_budget import checkpointing_on, micro_batch_token_budget
@@ -70,6 +71,8 @@ class GRPOTrainer:
                               f"which only generates; run grpo.serve_rollouts(config) on it instead of GRPOTrainer, "
                               f"as train_grpo.py does")
         # --- options, data and rewards first: their errors come before DeepSpeed starts or any model loads ------
+        if job_rank() == 0:
+            check_trackers(config)  # --report_to's libraries (rank 0 reports)
         data = prepared or prepare_run(config, reward_funcs)
         try:
             self._start(data)
