@@ -461,3 +461,36 @@ def test_an_engine_left_without_weights_gets_the_policy_before_it_wakes(tiny_mod
     engine.loaded.clear()
     trainer.evaluate()
     assert engine.loaded == [] and not engine.weights_dropped
+
+
+NOTEBOOK_TWICE = """
+import json, os, sys
+import torch.distributed as dist
+sys.path.insert(0, {root!r})
+from grpo.train.trainer import GRPOTrainer
+from tests.trainer_setup import tiny_config
+
+seen = []
+for run in ("first", "second"):
+    trainer = GRPOTrainer(tiny_config({model!r}, {registry!r}, os.path.join({out!r}, run), max_steps=1,
+                                      eval_on_start=False, train_split_ratio=1.0))
+    trainer.train()
+    trainer.close()
+    seen.append([dist.is_initialized(), "MASTER_PORT" in os.environ])
+trainer.close()  # twice is harmless
+print(json.dumps(seen))
+"""
+
+
+def test_close_ends_the_process_group_it_started_so_a_notebook_trains_twice(tiny_model, registry, tmp_path):
+    """A notebook (one process, no launcher) trains, closes, and trains again without ending the group by hand."""
+    import subprocess
+    import sys
+
+    from .trainer_setup import ROOT, child_env
+
+    code = NOTEBOOK_TWICE.format(root=ROOT, model=tiny_model, registry=registry, out=str(tmp_path))
+    run = subprocess.run([sys.executable, "-c", code], env=child_env(), capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert json.loads(run.stdout.strip().splitlines()[-1]) == [[False, False], [False, False]]
+    assert os.path.isfile(tmp_path / "second" / "metrics.jsonl")

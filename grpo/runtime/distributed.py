@@ -10,6 +10,7 @@ import logging
 import os
 import random
 import socket
+import sys
 from datetime import timedelta
 
 import torch
@@ -25,18 +26,24 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_distributed(timeout_minutes: float = 30.0) -> None:
-    """Start the process group (nccl on GPU, gloo on CPU) once; fill launcher variables when absent.
+# the launcher variables init_distributed filled in (no launcher: a notebook), forgotten when the group ends, so that
+# the next group gets a port of its own
+_filled: dict[str, str] = {}
+
+
+def init_distributed(timeout_minutes: float = 30.0) -> bool:
+    """Start the process group (nccl on GPU, gloo on CPU) once; fill launcher variables when absent. True where this
+    call started it (its caller ends it: shutdown()), False where one was running already.
 
     `timeout_minutes` bounds how long a collective waits for a rank that never arrives (--ddp_timeout_minutes).
     """
     if dist.is_available() and dist.is_initialized():
-        return
-    os.environ.setdefault("RANK", "0")
-    os.environ.setdefault("LOCAL_RANK", "0")
-    os.environ.setdefault("WORLD_SIZE", "1")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        return False
+    for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
+        if name not in os.environ:
+            os.environ[name] = _filled[name] = value
+    if "MASTER_PORT" not in os.environ:
+        os.environ["MASTER_PORT"] = _filled["MASTER_PORT"] = str(_free_port())
     if not torch.cuda.is_available():  # told, DeepSpeed does not warn that it fell back to its CPU accelerator
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import deepspeed
@@ -48,6 +55,7 @@ def init_distributed(timeout_minutes: float = 30.0) -> None:
     else:
         _prepare_cpu_comm_op(int(os.environ["WORLD_SIZE"]))
     deepspeed.init_distributed(dist_backend=backend, timeout=timedelta(minutes=timeout_minutes))
+    return True
 
 
 def _prepare_cpu_comm_op(world: int) -> None:
@@ -78,7 +86,15 @@ def shutdown() -> None:
     (rank 0 writing the final model) can abort in the communication library's teardown."""
     if dist.is_available() and dist.is_initialized():
         barrier()
-        dist.destroy_process_group()
+        comm = sys.modules.get("deepspeed.comm")
+        if comm is not None and comm.is_initialized():
+            comm.destroy_process_group()  # also DeepSpeed's own references to the groups (the next engine's anew)
+        else:
+            dist.destroy_process_group()
+    for name, value in list(_filled.items()):
+        if os.environ.get(name) == value:
+            del os.environ[name]
+        del _filled[name]
 
 
 def rank() -> int:

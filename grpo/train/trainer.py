@@ -83,7 +83,8 @@ class GRPOTrainer:
     def _start(self, data: RunData) -> None:
         """The process group, the checkpoint to resume from, the models, DeepSpeed and the rollout engine."""
         config = self.config
-        dist_utils.init_distributed(config.ddp_timeout_minutes)
+        self._owns_group = dist_utils.init_distributed(config.ddp_timeout_minutes)  # close() ends a group it started
+        self._trained = False
         check_shared_output_dir(config.output_dir)  # every node sees it: checkpoints and failure records live there
         self.rank, self.world = dist_utils.rank(), dist_utils.world_size()
         self.is_main = dist_utils.is_main()
@@ -226,6 +227,7 @@ class GRPOTrainer:
             reporter.close()
             self._plot()
         self._summarize(time.perf_counter() - started, self.state.step - start_step, saved)
+        self._trained = True
         return {**metrics, "saved": saved}
 
     # ---------------------------------------------------------------------------------------- phases
@@ -372,9 +374,14 @@ class GRPOTrainer:
     # -------------------------------------------------------------------------------------- internals
     def close(self) -> None:
         """Stop the rollout ranks of server mode (they wait for this, or for training rank 0 to go away), and the
-        watch over the other ranks."""
+        watch over the other ranks; then end the process group this trainer started, so that a notebook can train
+        again. Several ranks end it together after a finished run; after a failed one, a group of several ranks is
+        left to the failure handling (a peer may never come to end it)."""
         self.failures.close()
         self.rollouts.close()
+        if self._owns_group and (self._trained or self.world == 1):
+            self._owns_group = False
+            dist_utils.shutdown()
 
     def _grad_norm(self) -> float:
         norm = self.engine.get_global_grad_norm()
