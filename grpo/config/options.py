@@ -357,6 +357,16 @@ class GRPOConfig(DerivedOptions):
         [], "Trackers the metrics also go to, named as in transformers: wandb, tensorboard, trackio, mlflow "
             "(several, space or comma separated); 'all': each one installed; 'none'. --use_wandb adds wandb; "
             "--wandb_project names each one's project, --wandb_run_name the run (docs/checkpoints.md).", "logging")
+    push_to_hub: bool = _opt(
+        False, "Upload the final model (the adapter, or the full model) with its model card, the run's options and "
+               "curves to the Hugging Face Hub; the token and the hub are checked before any weight loads.", "logging")
+    hub_model_id: Optional[str] = _opt(
+        None, "--push_to_hub: the repository, 'user/name' or 'name' (the token's user); default: output_dir's name.",
+        "logging")
+    hub_private_repo: bool = _opt(
+        False, "--push_to_hub: make the repository private (else the hub's default for new ones).", "logging")
+    hub_strategy: str = _opt("end", "--push_to_hub: 'end' (the final model), or 'every_save' (also the model as it "
+                                    "is at each checkpoint).", "logging", choices=("end", "every_save"))
 
     # --- distributed ------------------------------------------------------------------------------
     deepspeed: str = _opt("zero2", "DeepSpeed config file, or 'zero2' / 'zero3' for the shipped ones (a relative "

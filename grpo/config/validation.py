@@ -142,6 +142,8 @@ def validate(cfg) -> None:
     need(cfg.eval_steps >= 0, "eval_steps", "must be >= 0")
     need(cfg.logging_steps >= 1, "logging_steps", "must be >= 1")
     _check_report_to(cfg, need)
+    need(cfg.hub_strategy in ("end", "every_save"), "hub_strategy",
+         f"got '{cfg.hub_strategy}', choose one of end, every_save")
     need(cfg.ddp_timeout_minutes > 0, "ddp_timeout_minutes",
          f"must be > 0 (minutes; got {cfg.ddp_timeout_minutes}); raise it when one step (a long rollout, "
          f"a large checkpoint save) can keep some ranks waiting longer than that")

@@ -26,6 +26,7 @@ from grpo.checkpoint.store import TrainerState, load_checkpoint, resolve_resume_
 from grpo.config.options import GRPOConfig
 from grpo.errors import ConfigError, TrainingError
 from grpo.checkpoint.final_model import save_final_model
+from grpo.checkpoint.hub import check_hub, hub_files, push
 from grpo.model.loading import load_policy, load_reference, reference_mode
 from grpo.rollout.collect import RolloutCollector
 from grpo.rollout.dynamic_sampling import RolloutRound
@@ -71,8 +72,10 @@ class GRPOTrainer:
                               f"which only generates; run grpo.serve_rollouts(config) on it instead of GRPOTrainer, "
                               f"as train_grpo.py does")
         # --- options, data and rewards first: their errors come before DeepSpeed starts or any model loads ------
+        self.hub_repo = None  # --push_to_hub's repository (rank 0 pushes)
         if job_rank() == 0:
             check_trackers(config)  # --report_to's libraries (rank 0 reports)
+            self.hub_repo = check_hub(config)  # the token is there and the hub answers, in seconds
         data = prepared or prepare_run(config, reward_funcs)
         try:
             self._start(data)
@@ -227,6 +230,8 @@ class GRPOTrainer:
             reporter.close()
             self._plot()
         self._summarize(time.perf_counter() - started, self.state.step - start_step, saved)
+        if self.hub_repo is not None:
+            self._push_to_hub(saved.get("model") or saved["lora_adapter"], f"final model, step {self.state.step}")
         self._trained = True
         return {**metrics, "saved": saved}
 
@@ -428,6 +433,35 @@ class GRPOTrainer:
                     row["episode"] = self.tokenizer.decode(completions[i * k].token_ids)
                 fh.write(json.dumps(row) + "\n")
 
+    def _push_to_hub(self, model_folder: str, message: str, must: bool = True) -> None:
+        """Rank 0: the model in `model_folder`, its card, the run's options and curves, to --push_to_hub's repository
+        in one commit. A push that fails stops the run (`must`: the final one; the saved model stays) or warns."""
+        try:
+            url = push(self.hub_repo, hub_files(self.config, model_folder, self.config.output_dir),
+                       True if self.config.hub_private_repo else None, message)
+        except Exception as exc:
+            if not must:
+                logger.warning(f"--push_to_hub: pushing {message} to {self.hub_repo} failed ({exc}); training goes on")
+                return
+            raise TrainingError(f"--push_to_hub: pushing {message} to {self.hub_repo} failed: {exc}. The model is "
+                                f"saved in {model_folder}; upload it with `hf upload {self.hub_repo} {model_folder}`")
+        logger.info(f"pushed {message} to the hub: {url}")
+
+    def _push_checkpoint_model(self) -> None:
+        """--hub_strategy every_save: the model as it is now, written as the final one is (without a merged copy) to
+        a folder of its own, pushed, then removed. Every rank takes part (ZeRO-3 gathers the weights)."""
+        import shutil
+
+        state_dict = self.engine._zero3_consolidated_16bit_state_dict() if self.zero3 else None
+        if self.hub_repo is not None:
+            folder = os.path.join(self.config.output_dir, "hub_upload")
+            options = dataclasses.replace(self.config, save_merged_model=False)
+            saved = save_final_model(self.engine.module, self.tokenizer, folder, options, self.model_path, self.dtype,
+                                     state_dict=state_dict, steps=self.state.step)
+            self._push_to_hub(saved.get("model") or saved["lora_adapter"], f"step {self.state.step}", must=False)
+            shutil.rmtree(folder, ignore_errors=True)
+        dist_utils.barrier()
+
     @phase("save", after_step=True)
     def _save_checkpoint(self) -> None:
         trained = (self.state.epoch, self.state.position)
@@ -441,6 +475,8 @@ class GRPOTrainer:
             self.state.epoch, self.state.position = trained
         if self.is_main:
             logger.info(f"checkpoint saved: {path} ({readable_size(folder_bytes(path))})")
+        if self.config.push_to_hub and self.config.hub_strategy == "every_save":
+            self._push_checkpoint_model()
 
     @phase("save final model", after_step=True)
     def _save_final_model(self) -> dict:
