@@ -1,16 +1,25 @@
 """Which weights the vLLM engine takes (--rollout_weights: merged, adapter, in_place) and at which level it
-sleeps, from the strategy, the model, its checkpoint and the GPU; on CPU, with the GPU's size stood in for."""
+sleeps: the memory plan's size rules (grpo.memory.plan) against numbers worked by hand, and what the loaded policy
+and its checkpoint still refuse (grpo.rollout.engines); on CPU."""
+import dataclasses
 import os
 import shutil
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from grpo.config.options import GRPOConfig
 from grpo.errors import ConfigError
+from grpo.memory.activations import ModelShape
+from grpo.memory.model_size import ModelSize
+from grpo.memory.plan import (ADAPTER_FROM_SHARE, IN_PLACE_FROM_BYTES, KEEP_WEIGHTS_UP_TO_SHARE, RunShape,
+                              default_sleep_level, preferred_weights)
 from grpo.model.loading import load_policy
 
 from .sync_setup import CPU, IDS, STOCK_4BIT, trained_policy
+
+GIB = 2**30
 
 
 @pytest.fixture(scope="module")
@@ -18,68 +27,133 @@ def model_dir(tiny_model):
     return tiny_model
 
 
-def test_a_merged_lora_engine_keeps_its_weights_through_training_where_they_are_small_next_to_the_gpu(
-        model_dir, monkeypatch):
+def run_shape(strategy="qlora", **changes) -> RunShape:
+    """What the plan reads of the options, for the size rules: one GPU, auto weights, every mode possible."""
+    run = RunShape(strategy=strategy, engine="vllm", tp=1, dp=1, zero3=False, sequences=16, longest=512,
+                   max_seq_length=768, sp=1, kl_reference=False, lora_rank=16, lora_dropout=True, block_size=64,
+                   chunk_tokens=1024, full_logits=False, checkpointing=None, micro_batch_tokens="auto",
+                   kv_cache="auto", rollout_weights="auto", sleep_level=None, vllm_sleep=True, eager=False,
+                   capable=("in_place", "adapter", "merged") if strategy == "lora" else ("adapter", "merged"))
+    return dataclasses.replace(run, **changes)
+
+
+def sized(parameters: int) -> ModelSize:
+    """A model of `parameters` parameters (all the size rules read: its 16-bit copy is 2 x parameters bytes)."""
+    shape = ModelShape(hidden=3584, intermediate=18944, layers=28, q_dim=3584, vocab=152064)
+    return ModelSize(parameters, 0, 0, 0, 0, 0, 0, False, shape)
+
+
+QWEN_7B = sized(7_615_616_512)   # Qwen2.5-7B: a 15,231,233,024-byte (14.19 GiB) copy
+LLAMA_3B = sized(3_212_749_824)  # Llama-3.2-3B: 6,425,499,648 bytes (5.98 GiB)
+
+
+def test_qlora_auto_takes_the_adapter_where_the_16bit_copy_crowds_the_gpu():
+    """qlora: merged while a 16-bit copy takes at most ADAPTER_FROM_SHARE (0.4) of the budget (it generates
+    faster), adapter beyond; the other mode next, where the first does not fit."""
+    assert ADAPTER_FROM_SHARE == 0.4
+    qlora = run_shape("qlora")
+    # 14.19 GiB against 0.4 x 24 = 9.6 GiB: the adapter; against 0.4 x 36 = 14.4 GiB: merged; 0.4 x 35 = 14.0: not
+    assert preferred_weights(qlora, QWEN_7B, 24 * GIB) == ["adapter", "merged"]
+    assert preferred_weights(qlora, QWEN_7B, 36 * GIB) == ["merged", "adapter"]
+    assert preferred_weights(qlora, QWEN_7B, 35 * GIB) == ["adapter", "merged"]
+    # the boundary itself: the copy is 0.4 of 2.5 x 15,231,233,024 bytes
+    assert preferred_weights(qlora, QWEN_7B, 38_078_082_560)[0] == "merged"
+    assert preferred_weights(qlora, QWEN_7B, 38_078_082_560 - 8)[0] == "adapter"
+    # what this model and these options cannot take is left out; an explicit choice is tried alone
+    assert preferred_weights(run_shape("qlora", capable=("merged",)), QWEN_7B, 24 * GIB) == ["merged"]
+    assert preferred_weights(run_shape("qlora", rollout_weights="merged"), QWEN_7B, 24 * GIB) == ["merged"]
+    assert preferred_weights(run_shape("full", capable=("merged",)), QWEN_7B, 24 * GIB) == ["merged"]
+
+
+def test_lora_auto_merges_in_place_from_8_gib_or_a_quarter_of_the_gpu():
+    """lora: merged while its 16-bit copy takes less than IN_PLACE_FROM_BYTES (8 GiB) and at most
+    KEEP_WEIGHTS_UP_TO_SHARE (0.25) of the budget, in_place beyond either; adapter where in_place cannot be."""
+    assert (IN_PLACE_FROM_BYTES, KEEP_WEIGHTS_UP_TO_SHARE) == (8 * GIB, 0.25)
+    lora = run_shape("lora")
+    # Qwen2.5-7B's 14.19 GiB is past 8 GiB: in_place on any GPU
+    assert preferred_weights(lora, QWEN_7B, 80 * GIB) == ["in_place", "adapter", "merged"]
+    assert preferred_weights(lora, QWEN_7B, 10**15)[0] == "in_place"
+    # Llama-3.2-3B's 5.98 GiB: within 0.25 x 24 = 6 GiB, merged; 0.25 x 23 = 5.75 GiB, in_place
+    assert preferred_weights(lora, LLAMA_3B, 24 * GIB) == ["merged", "in_place", "adapter"]
+    assert preferred_weights(lora, LLAMA_3B, 23 * GIB) == ["in_place", "adapter", "merged"]
+    # 4.0e9 parameters: 7.45 GiB, under 8 and within 0.25 x 80: merged; 0.68e9 likewise
+    assert preferred_weights(lora, sized(4_000_000_000), 80 * GIB)[0] == "merged"
+    assert preferred_weights(lora, sized(680_000_000), 80 * GIB)[0] == "merged"
+    assert preferred_weights(lora, sized(4_294_967_296), 80 * GIB)[0] == "in_place"  # exactly 8 GiB
+    # in_place not possible (a vision-language model, MLA, ZeRO-3, no Triton, ...): the adapter by qlora's order
+    no_in_place = run_shape("lora", capable=("adapter", "merged"))
+    assert preferred_weights(no_in_place, QWEN_7B, 80 * GIB) == ["adapter", "merged"]
+    assert preferred_weights(run_shape("lora", capable=("merged",)), QWEN_7B, 80 * GIB) == ["merged"]
+    assert preferred_weights(run_shape("lora", rollout_weights="in_place"), LLAMA_3B, 10**15) == ["in_place"]
+
+
+def test_a_merged_lora_engine_keeps_its_weights_through_training_where_they_are_small_next_to_the_gpu():
     """--vllm_sleep_level by default: 0 (the KV cache alone, so a sync writes only the adapted layers) for lora /
-    qlora with merged weights on one GPU while their 16-bit copy takes at most KEEP_WEIGHTS_UP_TO_SHARE of it; 2
-    beyond, for full fine-tuning, under tensor parallelism and for an adapter engine (which keeps its base anyway);
-    an explicit level always wins."""
-    from grpo.model.loading import parameter_count
+    qlora with merged weights on one GPU while their 16-bit copy takes at most KEEP_WEIGHTS_UP_TO_SHARE of the
+    budget; 2 beyond, for full fine-tuning and under tensor parallelism; 1 for an engine that holds the base once
+    (adapter, in_place), which keeps it anyway; an explicit level always wins."""
+    # Llama-3.2-3B's 5.98 GiB: within 0.25 x 24 GiB, level 0; past 0.25 x 23 GiB, level 2
+    for strategy in ("lora", "qlora"):
+        assert default_sleep_level(run_shape(strategy), "merged", LLAMA_3B, 24 * GIB) == 0
+        assert default_sleep_level(run_shape(strategy), "merged", LLAMA_3B, 23 * GIB) == 2
+    assert default_sleep_level(run_shape("full"), "merged", LLAMA_3B, 80 * GIB) == 2
+    assert default_sleep_level(run_shape("qlora", tp=2), "merged", LLAMA_3B, 80 * GIB) == 2
+    assert default_sleep_level(run_shape("qlora"), "adapter", LLAMA_3B, 80 * GIB) == 1
+    assert default_sleep_level(run_shape("lora"), "in_place", QWEN_7B, 24 * GIB) == 1
+    assert default_sleep_level(run_shape("qlora", sleep_level=2), "merged", LLAMA_3B, 80 * GIB) == 2
+    assert default_sleep_level(run_shape("qlora", sleep_level=0), "adapter", QWEN_7B, 24 * GIB) == 0
+
+
+def test_the_engine_sleeps_at_the_plans_level(model_dir):
+    """engine_sleep_level: --vllm_sleep_level where given; else the plan's, for the weights it planned; 2 where the
+    loaded policy made the engine take other weights than planned, or without a plan."""
     from grpo.rollout import engines
 
-    policy = trained_policy(model_dir, "qlora")
-    copy_bytes = 2 * parameter_count(policy)
-    roomy = int(copy_bytes / engines.KEEP_WEIGHTS_UP_TO_SHARE) + 1
-    monkeypatch.setattr(engines, "gpu_memory_bytes", lambda cap=None: roomy)
-
-    def level(adapter=False, **options):
+    def level(weights, plan, **options):
         cfg = GRPOConfig(**{"model_name_or_path": model_dir, "tuning_strategy": "qlora", "rollout_engine": "vllm",
                             **options})
-        return engines.engine_sleep_level(cfg, policy, adapter)
+        return engines.engine_sleep_level(cfg, plan, weights)
 
-    assert level() == 0 and level(tuning_strategy="lora") == 0
-    assert level(tuning_strategy="full") == 2 and level(adapter=True) == 2
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    assert level(vllm_tp=2) == 2
-    monkeypatch.delenv("WORLD_SIZE")
-    assert level(vllm_sleep_level=2) == 2 and level(adapter=True, vllm_sleep_level=0) == 0
-    monkeypatch.setattr(engines, "gpu_memory_bytes", lambda cap=None: roomy - 2)
-    assert level() == 2
+    planned = SimpleNamespace(rollout_weights="merged", sleep_level=0)
+    assert level("merged", planned) == 0
+    assert level("adapter", SimpleNamespace(rollout_weights="adapter", sleep_level=1)) == 1
+    assert level("merged", SimpleNamespace(rollout_weights="adapter", sleep_level=1)) == 2  # fell back from adapter
+    assert level("merged", None) == 2
+    assert level("merged", planned, vllm_sleep_level=2) == 2 and level("adapter", None, vllm_sleep_level=0) == 0
     with pytest.raises(ConfigError, match="vllm_sleep_level"):
         GRPOConfig(model_name_or_path=model_dir, vllm_sleep_level=3)
 
 
-def test_rollout_weights_auto_picks_adapter_only_where_the_16bit_copy_crowds_the_gpu(model_dir, monkeypatch):
-    """qlora with vLLM: merged while a 16-bit copy of the model takes at most ADAPTER_FROM_SHARE of the GPU (it
-    generates faster), adapter beyond; an explicit adapter where vLLM's LoRA cannot take the model is an error."""
-    from grpo.model.loading import parameter_count
+def test_rollout_weights_take_the_plans_choice_and_fall_back_where_the_policy_cannot_take_it(model_dir,
+                                                                                              monkeypatch):
+    """qlora with vLLM: auto takes the plan's choice (merged or adapter); the adapter falls back to merged where
+    vLLM's LoRA cannot take the model, and an explicit adapter there is an error."""
     from grpo.rollout import engines
 
     cfg = GRPOConfig(model_name_or_path=model_dir, tuning_strategy="qlora", rollout_engine="vllm", lora_rank=4,
                      lora_alpha=8, lora_dropout=0.0)
     assert cfg.engine_weights == "adapter"  # a candidate, before the model and the GPU are known
     policy = trained_policy(model_dir, "qlora")
-    copy_bytes = 2 * parameter_count(policy)
-    monkeypatch.setattr(engines, "gpu_memory_bytes", lambda cap=None: int(copy_bytes / engines.ADAPTER_FROM_SHARE) + 1)
-    assert engines.engine_weights(cfg, policy, vision=None) == "merged"
-    monkeypatch.setattr(engines, "gpu_memory_bytes", lambda cap=None: int(copy_bytes / engines.ADAPTER_FROM_SHARE) - 1)
-    assert engines.engine_weights(cfg, policy, vision=None) == "adapter"
-    assert engines.engine_weights(cfg, policy, vision=object()) == "merged"  # a vision-language model
+    assert engines.engine_weights(cfg, policy, vision=None, planned="merged") == "merged"
+    assert engines.engine_weights(cfg, policy, vision=None, planned="adapter") == "adapter"
+    assert engines.engine_weights(cfg, policy, vision=None) == "adapter"  # no plan: the options' candidate
+    assert engines.engine_weights(cfg, policy, vision=object(), planned="adapter") == "merged"  # a VL model
     explicit = GRPOConfig(model_name_or_path=model_dir, tuning_strategy="qlora", rollout_engine="vllm",
                           rollout_weights="adapter")
+    assert engines.engine_weights(explicit, policy, vision=None, planned="merged") == "adapter"  # as asked
     with pytest.raises(ConfigError, match="vision-language"):
-        engines.engine_weights(explicit, policy, vision=object())
+        engines.engine_weights(explicit, policy, vision=object(), planned="adapter")
     # a 16-bit part of a layer vLLM fuses (its skip list names the fused layer): the engine could not load the base
     skips_v = GRPOConfig(**{**cfg.__dict__, "qlora_skip_modules": "model.layers.0.self_attn.v_proj,down_proj"})
-    assert engines.engine_weights(skips_v, policy, vision=None) == "merged"
+    assert engines.engine_weights(skips_v, policy, vision=None, planned="adapter") == "merged"
     with pytest.raises(ConfigError, match=r"cannot take --qlora_skip_modules v_proj \(vLLM quantizes qkv_proj as "
                                           r"one layer.*use --rollout_weights merged"):
         engines.engine_weights(GRPOConfig(**{**skips_v.__dict__, "rollout_weights": "adapter"}), policy, None)
     skips_down = GRPOConfig(**{**cfg.__dict__, "qlora_skip_modules": "down_proj"})  # not fused: still adapter
-    assert engines.engine_weights(skips_down, policy, vision=None) == "adapter"
+    assert engines.engine_weights(skips_down, policy, vision=None, planned="adapter") == "adapter"
     # MLA attention (DeepSeek-V2/V3): vLLM's LoRA scored it 0.4-0.8 nats off the policy (tests/gpu/test_vllm_sync.py)
     monkeypatch.setattr(policy.config, "kv_lora_rank", 512, raising=False)
-    assert engines.engine_weights(cfg, policy, vision=None) == "merged"
+    assert engines.engine_weights(cfg, policy, vision=None, planned="adapter") == "merged"
     with pytest.raises(ConfigError, match="adapter: vLLM's LoRA cannot take MLA.*use --rollout_weights merged"):
         engines.engine_weights(explicit, policy, None)
 
@@ -89,49 +163,35 @@ def lora_with_vllm(model_dir, **options) -> GRPOConfig:
                       lora_alpha=8, lora_dropout=0.0, **options)
 
 
-def test_rollout_weights_auto_merges_lora_in_place_from_8_gib_or_a_quarter_of_the_gpu(model_dir, monkeypatch):
-    """lora with vLLM: merged while its 16-bit copy takes at most KEEP_WEIGHTS_UP_TO_SHARE of the GPU and less than
-    IN_PLACE_FROM_BYTES, in_place beyond either; an explicit in_place at any size."""
-    import grpo.model.loading
-    from grpo.model.loading import parameter_count
+def test_lora_takes_the_plans_in_place_or_merged(model_dir, monkeypatch, grpo_log):
+    """lora with vLLM: auto takes the plan's in_place or merged; an explicit in_place at any plan."""
     from grpo.rollout import engines
 
     lora = lora_with_vllm(model_dir)
     assert lora.engine_weights == "in_place"  # lora: a candidate, the base shared and the adapter merged into it
     lora_policy = trained_policy(model_dir, "lora")
     monkeypatch.setattr(engines, "has_triton", lambda: True)  # (a CUDA build of torch brings it)
-    lora_copy = 2 * parameter_count(lora_policy)
-    keep_share = engines.KEEP_WEIGHTS_UP_TO_SHARE
-    monkeypatch.setattr(engines, "gpu_memory_bytes", lambda cap=None: int(lora_copy / keep_share) + 1)
-    assert engines.engine_weights(lora, lora_policy, vision=None) == "merged"  # a quarter of the GPU: merged is faster
-    monkeypatch.setattr(engines, "gpu_memory_bytes", lambda cap=None: int(lora_copy / keep_share) - 1)
-    assert engines.engine_weights(lora, lora_policy, vision=None) == "in_place"  # beyond it: one base
-    monkeypatch.setattr(engines, "gpu_memory_bytes", lambda cap=None: 10**15)
-    assert engines.engine_weights(lora, lora_policy, vision=None) == "merged"  # a small model on a large GPU
+    assert engines.engine_weights(lora, lora_policy, vision=None, planned="merged") == "merged"
+    assert "vLLM takes merged weights (--rollout_weights auto; the memory plan says why)" in grpo_log[-1]
+    assert engines.engine_weights(lora, lora_policy, vision=None, planned="in_place") == "in_place"
+    assert "vLLM holds the base once, shared with the trainer" in grpo_log[-1]
     explicit_in_place = lora_with_vllm(model_dir, rollout_weights="in_place")
-    assert engines.engine_weights(explicit_in_place, lora_policy, vision=None) == "in_place"  # as asked, at any size
-    with monkeypatch.context() as bar:  # a model as large as the bar: one base, on any GPU
-        bar.setattr(engines, "IN_PLACE_FROM_BYTES", lora_copy)
-        assert engines.engine_weights(lora, lora_policy, vision=None) == "in_place"
-    monkeypatch.setattr(engines, "gpu_memory_bytes", lambda cap=None: 80 * 2**30)
-    for parameters, expected in ((7.62e9, "in_place"), (4.0e9, "merged"), (0.68e9, "merged")):  # Qwen2.5-7B, ...
-        monkeypatch.setattr(grpo.model.loading, "parameter_count", lambda model, n=int(parameters): n)
-        assert engines.engine_weights(lora, lora_policy, vision=None) == expected, parameters
+    assert engines.engine_weights(explicit_in_place, lora_policy, vision=None, planned="merged") == "in_place"
     # MLA attention (DeepSeek-V2/V3): vLLM decodes through W_UK_T / W_UV, views of kv_b_proj's bf16 weight, so the
     # merge reaches them (tests/gpu/test_vllm_sync.py)
-    monkeypatch.setattr(grpo.model.loading, "parameter_count", lambda model: int(7.62e9))
     monkeypatch.setattr(lora_policy.config, "kv_lora_rank", 512, raising=False)
-    assert engines.engine_weights(lora, lora_policy, vision=None) == "in_place"
+    assert engines.engine_weights(lora, lora_policy, vision=None, planned="in_place") == "in_place"
     assert engines.engine_weights(explicit_in_place, lora_policy, vision=None) == "in_place"
     monkeypatch.setattr(engines, "has_triton", lambda: False)  # in_place cannot: auto falls back as for qlora, ...
-    monkeypatch.setattr(engines, "gpu_memory_bytes", lambda cap=None: 30 * 2**30)  # (15 GB of 30: adapter by size)
-    assert engines.engine_weights(lora, lora_policy, vision=None) == "merged"  # ... and vLLM's LoRA cannot take MLA
+    assert engines.engine_weights(lora, lora_policy, vision=None, planned="in_place") == "merged"
+    assert "vLLM takes merged weights: its LoRA cannot take MLA attention" in grpo_log[-1]  # ... nor the adapter
+    assert any("vLLM cannot merge in place into the shared base (a merge without Triton" in line
+               for line in grpo_log[-3:])
 
 
 def test_in_place_refuses_what_its_merge_cannot_take(model_dir, monkeypatch):
     """What in_place cannot take: auto falls back as qlora's rule does, an explicit in_place is an error that
     names the reason."""
-    from grpo.model.loading import parameter_count
     from grpo.rollout import engines
     from grpo.sync import merge_record
 
@@ -139,8 +199,8 @@ def test_in_place_refuses_what_its_merge_cannot_take(model_dir, monkeypatch):
     explicit_in_place = lora_with_vllm(model_dir, rollout_weights="in_place")
     lora_policy = trained_policy(model_dir, "lora")
     monkeypatch.setattr(engines, "has_triton", lambda: True)
-    monkeypatch.setattr(engines, "gpu_memory_bytes", lambda cap=None: 10**15)
-    assert engines.engine_weights(lora, lora_policy, vision=object()) == "merged"  # a vision-language model
+    # a vision-language model: no in_place, and vLLM's LoRA does not know the tiny text model as one
+    assert engines.engine_weights(lora, lora_policy, vision=object(), planned="in_place") == "merged"
     with pytest.raises(ConfigError, match="in_place merges one plain LoRA adapter.*vision-language"):
         engines.engine_weights(explicit_in_place, lora_policy, vision=object())
     with pytest.raises(ConfigError, match="in_place.*--tuning_strategy lora"):
@@ -149,15 +209,16 @@ def test_in_place_refuses_what_its_merge_cannot_take(model_dir, monkeypatch):
     monkeypatch.setattr(merge_record, "KERNEL_MAX_RANK", 2)  # the policy's rank 4 is above it
     with pytest.raises(ConfigError, match="in_place.*cannot take a LoRA rank above 2"):
         engines.engine_weights(explicit_in_place, lora_policy, vision=None)
+    assert engines.engine_weights(lora, lora_policy, vision=None, planned="in_place") == "adapter"
     monkeypatch.setattr(merge_record, "KERNEL_MAX_RANK", 64)
     monkeypatch.setattr(engines, "has_triton", lambda: False)
     with pytest.raises(ConfigError, match="in_place.*cannot take a merge without Triton"):
         engines.engine_weights(explicit_in_place, lora_policy, vision=None)
     monkeypatch.setattr(engines, "has_triton", lambda: True)
-    next(lora_policy.parameters()).ds_id = 0  # a ZeRO-3 partition: auto takes what qlora's rule picks
-    lora_copy = 2 * parameter_count(lora_policy)
-    monkeypatch.setattr(engines, "gpu_memory_bytes", lambda cap=None: int(lora_copy / engines.ADAPTER_FROM_SHARE) - 1)
-    assert engines.engine_weights(lora, lora_policy, vision=None) == "adapter"
+    next(lora_policy.parameters()).ds_id = 0  # a ZeRO-3 partition: auto takes the adapter, as for qlora
+    assert engines.engine_weights(lora, lora_policy, vision=None, planned="in_place") == "adapter"
+    with pytest.raises(ConfigError, match="in_place.*ZeRO-3"):
+        engines.engine_weights(explicit_in_place, lora_policy, vision=None)
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert GRPOConfig(**{**lora.__dict__, "vllm_tp": 2}).engine_weights == "merged"
     with pytest.raises(ConfigError, match="rollout_weights.*--vllm_tp 1"):
@@ -168,8 +229,9 @@ def test_in_place_refuses_what_its_merge_cannot_take(model_dir, monkeypatch):
 @pytest.mark.parametrize("strategy", ["lora", "qlora"])
 def test_a_mixture_of_experts_model_takes_merged_weights(tmp_path, monkeypatch, strategy):
     """transformers fuses a mixture-of-experts checkpoint's experts on load; vLLM holds them per the checkpoint, so
-    they cannot be shared and in_place / adapter would hold the base twice: auto takes merged at any size, and an
-    explicit choice is an error that says why."""
+    they cannot be shared and in_place / adapter would hold the base twice: the planner offers merged alone, auto
+    falls back to merged whatever was planned, and an explicit choice is an error that says why."""
+    from grpo.memory import planner
     from grpo.rollout import engines
 
     from .tiny_models import make_tiny_moe_model_dir
@@ -178,15 +240,39 @@ def test_a_mixture_of_experts_model_takes_merged_weights(tmp_path, monkeypatch, 
     options = dict(lora_rank=4, lora_alpha=8, lora_dropout=0.0, lora_target_modules="k_proj,o_proj,q_proj,v_proj")
     policy = trained_policy(folder, strategy, targets=options["lora_target_modules"])
     monkeypatch.setattr(engines, "has_triton", lambda: True)
-    monkeypatch.setattr(engines, "IN_PLACE_FROM_BYTES", 0)  # as large as in_place's and adapter's bars
-    monkeypatch.setattr(engines, "gpu_memory_bytes", lambda cap=None: 1)
     auto = GRPOConfig(model_name_or_path=folder, tuning_strategy=strategy, rollout_engine="vllm", **options)
-    assert engines.engine_weights(auto, policy, vision=None) == "merged"
+    plan, run, size = planner.plan_parts(auto, folder, gpu=planner.named_card(24))[:3]
+    assert size.fused_experts and run.capable == ("merged",) and plan.rollout_weights == "merged"
+    for planned in ("in_place", "adapter", "merged"):
+        assert engines.engine_weights(auto, policy, vision=None, planned=planned) == "merged"
     for explicit in (["adapter", "in_place"] if strategy == "lora" else ["adapter"]):
         config = GRPOConfig(**{**auto.__dict__, "rollout_weights": explicit})
         with pytest.raises(ConfigError, match=rf"--rollout_weights {explicit}.*cannot take tensors that transformers "
                                               r"fused or moved on load \(6, e\.g\. model\.layers\.0\.mlp\.experts\.down_proj\)"):
             engines.engine_weights(config, policy, vision=None)
+
+
+def test_the_planner_offers_the_modes_the_options_can_take(model_dir, monkeypatch):
+    """capable_weights, before any weight loads: in_place for plain lora on one colocated GPU, adapter where vLLM's
+    LoRA takes the model and options, merged always (a checkpoint saved in 4 bits: the adapter only)."""
+    from grpo.memory import planner
+
+    def capable(**options):
+        cfg = GRPOConfig(**{"model_name_or_path": model_dir, "rollout_engine": "vllm", "lora_rank": 4,
+                            "lora_alpha": 8, **options})
+        hf_config = planner.load_model_config(model_dir, False)
+        from grpo.memory.model_size import model_size
+
+        return planner.capable_weights(cfg, hf_config, model_size(hf_config, cfg), model_dir)
+
+    assert capable(tuning_strategy="lora") == ("in_place", "adapter", "merged")
+    assert capable(tuning_strategy="qlora") == ("adapter", "merged")
+    assert capable(tuning_strategy="full") == ("merged",)
+    assert capable(tuning_strategy="qlora", qlora_init="loftq") == ("merged",)
+    assert capable(tuning_strategy="qlora", qlora_skip_modules="v_proj") == ("merged",)  # part of vLLM's qkv_proj
+    assert capable(tuning_strategy="lora", lora_rank=1024, lora_alpha=8) == ("merged",)  # past vLLM's and the kernels'
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert capable(tuning_strategy="lora", vllm_tp=2) == ("merged",)
 
 
 def test_a_checkpoint_saved_in_4bit_trains_with_qlora_as_it_is(model_dir, tmp_path, monkeypatch):
@@ -213,9 +299,12 @@ def test_a_checkpoint_saved_in_4bit_trains_with_qlora_as_it_is(model_dir, tmp_pa
     assert loaded.quant_state.blocksize == saved.quant_state.blocksize == 64
     with torch.no_grad(), policy.disable_adapter(), trained.disable_adapter():
         torch.testing.assert_close(policy.eval()(IDS).logits, trained.eval()(IDS).logits)
-    # auto would pick merged for a 16-bit model
-    monkeypatch.setattr(engines, "gpu_memory_bytes", lambda cap=None: 10**15)
-    assert engines.engine_weights(cfg, policy, None, folder) == "adapter"
+    # a plan for a 16-bit model of this size would take merged: there are no 16-bit weights to start it from
+    assert engines.engine_weights(cfg, policy, None, folder, planned="merged") == "adapter"
+    from grpo.memory import planner
+
+    plan, run = planner.plan_parts(cfg, folder, gpu=planner.named_card(80))[:2]
+    assert run.capable == ("adapter",) and plan.rollout_weights == "adapter"
     for options, message in ((dict(rollout_weights="merged"), "saved in 4 bits: use --rollout_weights adapter"),):
         with pytest.raises(ConfigError, match=message):
             engines.engine_weights(GRPOConfig(**{**cfg.__dict__, **options}), policy, None, folder)

@@ -1,23 +1,24 @@
-"""--vllm_kv_cache_gib: the KV cache sizing math against numbers worked by hand, and the flag's parsing."""
-import glob
-import json
+"""--vllm_kv_cache_gib: the KV cache's bytes per token and the step's need against numbers worked by hand, the size
+the memory plan gives the cache (grpo.memory.plan) on published models' configs, and the flag's parsing."""
 import os
-import shutil
 import subprocess
 import sys
 
 import pytest
-import torch
 from transformers import DeepseekV3Config, LlamaConfig, Qwen2VLConfig, Qwen3NextConfig
 
 from grpo.config import parse_args
+from grpo.config.options import GRPOConfig
 from grpo.errors import ConfigError
-from grpo.rollout.kv_cache import (auto_kv_cache_bytes, checkpoint_weight_bytes, engine_kv_cache_bytes,
-                                   kv_bytes_per_token, within_free, within_share)
+from grpo.memory import planner
+from grpo.memory.kv_cache import auto_kv_cache_bytes, completions_per_prompt, kv_bytes_per_token
+from grpo.memory.plan import LEAST_TRAIN_TOKENS, GpuBudget
 
-from .tiny_models import make_tiny_model_dir
 from .trainer_setup import ROOT, child_env
 
+GIB = 2**30
+LLAMA_8B = os.path.join(ROOT, "tests", "model_configs", "llama-3.1-8b")
+LLAMA_PER_TOKEN = 2 * 32 * 8 * 128 * 2  # Llama-3.1-8B: 2 (K, V) x 32 layers x 8 KV heads x 128 x 2 bytes = 131,072
 # the 0.68B Llama of the rollout benchmark: 20 layers, 16 heads of 96 over hidden 1536, 8 KV heads
 LLAMA_068 = LlamaConfig(num_hidden_layers=20, num_attention_heads=16, num_key_value_heads=8, hidden_size=1536)
 
@@ -69,145 +70,122 @@ def test_auto_size_by_hand():
     assert auto_kv_cache_bytes(100, 1, 128, 768) == (768 + 256) * 100
 
 
-def test_within_share_by_hand():
-    # 0.3 of 80 GiB = 24 GiB, minus 14 GiB of weights leaves 10: auto may take up to half of it, 5 GiB
-    assert within_share(5 * 2**30, 0.3, 80 * 2**30, 14 * 2**30)
-    assert not within_share(5 * 2**30 + 1, 0.3, 80 * 2**30, 14 * 2**30)
+def plan_parts(gpu=None, completion_tokens=None, model=LLAMA_8B, **flags):
+    """(plan, run shape, ModelSize, budget, model config) of Llama-3.1-8B, qlora with vLLM, on `gpu` (a 24 GiB card)."""
+    config = GRPOConfig(**{"model_name_or_path": model, "rollout_engine": "vllm", "tuning_strategy": "qlora",
+                           **flags})
+    return planner.plan_parts(config, model, completion_tokens, gpu=gpu or planner.named_card(24))
 
 
-def test_within_free_by_hand():
-    # 60 GiB free, 17.9 GiB of 4-bit 32B weights: (60 - 17.9) / 2 = 21.05 GiB for the cache
-    gib = 2**30
-    assert within_free(10 * gib, 60 * gib, int(17.9 * gib))
-    assert within_free(int(21.05 * gib), 60 * gib, int(17.9 * gib))
-    assert not within_free(int(21.05 * gib) + 2, 60 * gib, int(17.9 * gib))
-    assert not within_free(1, 10 * gib, 12 * gib)  # the weights alone do not fit
-    # and 6 GiB stay beside the cache for the engine's own use: 20 GiB free, 10 of weights, 4 of cache leaves 6
-    assert within_free(4 * gib, 20 * gib, 10 * gib)
-    assert not within_free(4 * gib + 1, 20 * gib, 10 * gib)
-    assert not within_free(gib, 10 * gib + 2 * gib - 1, 5 * gib)  # half of 7 GiB holds 1, but 6 do not stay
-
-
-def test_adapters_may_take_the_free_memory_beyond_the_share(tmp_path):
-    model = make_tiny_model_dir(str(tmp_path / "tiny"))
-    flags = ["--per_device_train_batch_size", "128", "--k_samples", "64", "--max_prompt_length", "2048",
-             "--rollout_max_new_tokens", "2048", "--max_seq_length", "4096"]
-    # 128 x 64 sequences of 4,096 tokens, +25%, at 2 layers x 2 KV heads x 16 x 2 (K, V) x 2 bytes: 10 GiB
-    size = 8_192 * 4_096 * 5 // 4 * (2 * 2 * 2 * 16 * 2)
-    assert size == 10 * 2**30
-    weights = checkpoint_weight_bytes(model)
-    # a GPU whose 0.3 share leaves too little: weights + 2 x size is 0.6 of it
-    total = int((2 * size + weights) / 0.6)
-    free_enough, free_short = 2 * size + weights, 2 * size + weights - 2
-    for strategy in ("lora", "qlora"):
-        cfg = parse_args(flags + ["--tuning_strategy", strategy])
-        assert engine_kv_cache_bytes(cfg, model, gpu_total_bytes=total, gpu_free_bytes=free_enough) == size
-        assert engine_kv_cache_bytes(cfg, model, gpu_total_bytes=total, gpu_free_bytes=free_short) is None
-        assert engine_kv_cache_bytes(cfg, model, gpu_total_bytes=total) is None  # free memory unknown
-    # full fine-tuning's optimizer state arrives after the engine: the share alone decides
-    full = parse_args(flags + ["--tuning_strategy", "full"])
-    assert engine_kv_cache_bytes(full, model, gpu_total_bytes=total, gpu_free_bytes=total) is None
-    # an engine awake through training keeps its cache there, and torch's cap (--gpu_memory_gib) counts vLLM's pool
-    # even while it sleeps: the share alone decides for both
-    lora = parse_args(flags + ["--tuning_strategy", "lora"])
-    assert engine_kv_cache_bytes(lora, model, gpu_total_bytes=total, gpu_free_bytes=total) == size
-    for more in (["--vllm_sleep", "false"], ["--gpu_memory_gib", str(total / 2**30)]):
-        cfg = parse_args(flags + ["--tuning_strategy", "lora"] + more)
-        assert engine_kv_cache_bytes(cfg, model, gpu_total_bytes=total, gpu_free_bytes=total) is None
-
-
-def test_under_a_cap_the_cache_stays_within_half_of_what_the_cap_leaves(tmp_path, grpo_log):
-    model = make_tiny_model_dir(str(tmp_path / "tiny"))
-    flags = ["--per_device_train_batch_size", "128", "--k_samples", "64", "--max_prompt_length", "2048",
-             "--rollout_max_new_tokens", "2048", "--max_seq_length", "4096", "--tuning_strategy", "qlora"]
-    size = 10 * 2**30  # as above: 8,192 sequences of 4,096 tokens, +25%, at 256 bytes a token
-    weights = checkpoint_weight_bytes(model)
-    total = int((2 * size + weights) / 0.3) + 1  # a GPU whose 0.3 share holds the cache: auto takes it uncapped
-    assert engine_kv_cache_bytes(parse_args(flags), model, gpu_total_bytes=total) == size
-    # capped to weights + 20 GiB: half of the 20 left is the 10 GiB cache, and 10 GiB (>= 6) stay beside it
-    fits = (weights + 2 * size) / 2**30
-    assert engine_kv_cache_bytes(parse_args(flags + ["--gpu_memory_gib", str(fits)]), model,
-                                 gpu_total_bytes=total) == size
-    # 1 MiB less: more than half of what the cap leaves, so the share (of the cap) sizes it, and the line says why
-    short = fits - 2**-10
-    assert engine_kv_cache_bytes(parse_args(flags + ["--gpu_memory_gib", str(short)]), model,
-                                 gpu_total_bytes=total) is None
-    assert grpo_log[-1].startswith(f"vLLM KV cache: the memory share (the step's rollouts need 10.00 GiB, more than "
-                                   f"half of what --gpu_memory_gib {short:g} leaves after")
-
-
-def test_checkpoint_weight_bytes_from_headers(tmp_path):
-    model = make_tiny_model_dir(str(tmp_path / "tiny"))
-    vocab = json.load(open(os.path.join(model, "config.json")))["vocab_size"]
-    # per layer: q 64x64, k and v 64x32, o 64x64, gate and up 64x128, down 128x64, two norms of 64 = 36,992
-    # values; two layers, the final norm, untied embeddings and output layer; fp32 on disk, bf16 in the engine
-    values = 2 * 36_992 + 64 + 2 * vocab * 64
-    assert checkpoint_weight_bytes(model) == 2 * values
-    assert checkpoint_weight_bytes(model, tensor_parallel_size=2) == values
-    assert checkpoint_weight_bytes(str(tmp_path)) is None
-    assert checkpoint_weight_bytes("no-such-org/no-such-model") is None  # a hub id that is not cached
-
-
-def test_checkpoint_weight_bytes_of_a_cached_hub_model(tmp_path, monkeypatch):
-    import huggingface_hub.constants
-
-    model = make_tiny_model_dir(str(tmp_path / "tiny"))
-    # the local cache's layout for hub id org/tiny: refs/main names the snapshot folder that holds the files
-    repo = tmp_path / "hub" / "models--org--tiny"
-    (repo / "refs").mkdir(parents=True)
-    (repo / "refs" / "main").write_text("0" * 40)
-    shutil.copytree(model, repo / "snapshots" / ("0" * 40))
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
-    assert checkpoint_weight_bytes("org/tiny") == checkpoint_weight_bytes(model)
-
-
-def test_auto_keeps_the_share_when_the_weights_are_unknown(tmp_path):
-    model = make_tiny_model_dir(str(tmp_path / "tiny"))
-    for shard in glob.glob(os.path.join(model, "*.safetensors")):
-        os.remove(shard)  # config alone: nothing tells how much of the share the weights take
-    assert engine_kv_cache_bytes(parse_args([]), model, gpu_total_bytes=80 * 2**30) is None
-
-
-def test_engine_kv_cache_bytes_from_flags(tmp_path, monkeypatch):
-    model = make_tiny_model_dir(str(tmp_path / "tiny"))  # 2 layers, 2 KV heads, head_dim 64 / 4 = 16
-    per_token = 2 * 2 * 2 * 16 * 2
-    cfg = parse_args(["--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "3", "--k_samples", "4",
-                      "--max_prompt_length", "128", "--rollout_max_new_tokens", "64", "--max_seq_length", "512"])
-    assert cfg.vllm_kv_cache == "auto"
+def test_the_plan_sizes_the_cache_for_the_steps_sequences():
     # 2 x 3 prompts x 4 samples = 24 sequences of at most 128 + 64 tokens, +25% = 5,760 tokens
-    size = 5_760 * per_token
-    assert engine_kv_cache_bytes(cfg, model, gpu_total_bytes=2**30) == size
+    flags = dict(per_device_train_batch_size=2, gradient_accumulation_steps=3, k_samples=4, max_prompt_length=128,
+                 rollout_max_new_tokens=64, max_seq_length=512)
+    plan, run = plan_parts(**flags)[:2]
+    assert (run.sequences, run.longest, run.max_seq_length) == (24, 192, 512)
+    assert plan.kv_cache_bytes == plan.kv_needed_bytes == 5_760 * LLAMA_PER_TOKEN
+    assert plan.kv_per_token == LLAMA_PER_TOKEN and plan.sequences_at_once == 30.0  # 24 x 1.25
     # multi-turn episodes grow to their token budget: 24 x (128 + 256) tokens, +25% = 11,520; never past the sequence
-    assert engine_kv_cache_bytes(cfg, model, gpu_total_bytes=2**30, completion_tokens=256) == 11_520 * per_token
-    assert engine_kv_cache_bytes(cfg, model, gpu_total_bytes=2**30, completion_tokens=10_000) == 15_360 * per_token
-    # a GPU where that is more than half of what the 0.3 share leaves after the weights: the share instead
-    weights = checkpoint_weight_bytes(model)
-    small_gpu = int((2 * size + weights) / 0.3) - 1000
-    assert engine_kv_cache_bytes(cfg, model, gpu_total_bytes=small_gpu) is None
-    assert engine_kv_cache_bytes(cfg, model, gpu_total_bytes=small_gpu + 2000) == size
-    # without gpu_total_bytes, the GPU's own total (as the trainer's engine start asks it)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (0, small_gpu))
-    assert engine_kv_cache_bytes(cfg, model) is None
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (0, 80 * 2**30))
-    assert engine_kv_cache_bytes(cfg, model) == size
-    assert engine_kv_cache_bytes(parse_args(["--vllm_kv_cache_gib", "1.5"]), model) == 3 * 2**29
-    assert engine_kv_cache_bytes(parse_args(["--vllm_kv_cache_gib", "share"]), model) is None
+    assert plan_parts(completion_tokens=256, **flags)[0].kv_cache_bytes == 11_520 * LLAMA_PER_TOKEN
+    assert plan_parts(completion_tokens=10_000, **flags)[0].kv_cache_bytes == 15_360 * LLAMA_PER_TOKEN
+    # an 80 GiB GPU holds the same: the step's need, not what the GPU has room for
+    assert plan_parts(GpuBudget(80 * GIB, 80 * GIB, None, "H100"), **flags)[0].kv_cache_bytes == \
+        5_760 * LLAMA_PER_TOKEN
+    # given in GiB: as given, whatever the step needs
+    assert plan_parts(vllm_kv_cache_gib="1.5", **flags)[0].kv_cache_bytes == 3 * 2**29
 
 
-def test_a_sequence_parallel_engine_holds_its_share_of_the_completions(tmp_path, monkeypatch):
-    model = make_tiny_model_dir(str(tmp_path / "tiny"))  # 2 layers, 2 KV heads, head_dim 16, fp32: 256 B per token
-    per_token = 2 * 2 * 2 * 16 * 2
+def test_never_less_than_one_max_seq_length_sequence():
+    # 1 prompt x 2 samples of 64 + 64 tokens need 1.25 x 256 = 320 tokens; vLLM starts only with room for one
+    # --max_seq_length sequence: 4096 + 256 tokens of whole blocks
+    plan = plan_parts(per_device_train_batch_size=1, k_samples=2, max_prompt_length=64, rollout_max_new_tokens=64,
+                      max_seq_length=4096)[0]
+    assert plan.kv_needed_bytes == plan.kv_cache_bytes == (4096 + 256) * LLAMA_PER_TOKEN
+
+
+def test_a_sequence_parallel_engine_holds_its_share_of_the_completions(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
-    flags = ["--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "3", "--k_samples", "3",
-             "--max_prompt_length", "128", "--rollout_max_new_tokens", "64", "--max_seq_length", "512",
-             "--sequence_parallel_size", "2"]
+    flags = dict(per_device_train_batch_size=2, gradient_accumulation_steps=3, k_samples=3, max_prompt_length=128,
+                 rollout_max_new_tokens=64, max_seq_length=512, sequence_parallel_size=2)
     # k = 3 over a group of 2: the fuller engine generates 2 of each prompt's; 6 prompts x 2 = 12 sequences of
     # 128 + 64 tokens, +25% = 2,880 tokens
-    assert engine_kv_cache_bytes(parse_args(flags), model, gpu_total_bytes=2**30) == 2_880 * per_token
+    assert completions_per_prompt(GRPOConfig(**flags)) == 2
+    plan, run = plan_parts(**flags)[:2]
+    assert (run.sequences, run.dp, run.sp) == (12, 1, 2)
+    assert plan.kv_needed_bytes == 2_880 * LLAMA_PER_TOKEN
     # the first rank generating them all: 6 x 3 = 18 sequences, 4,320 tokens
-    first = parse_args(flags + ["--sequence_parallel_rollout", "first"])
-    assert engine_kv_cache_bytes(first, model, gpu_total_bytes=2**30) == 4_320 * per_token
+    first = plan_parts(sequence_parallel_rollout="first", **flags)[0]
+    assert first.kv_needed_bytes == 4_320 * LLAMA_PER_TOKEN
+
+
+def test_under_a_cap_the_cache_is_left_smaller_and_says_how_many_sequences_it_holds():
+    # 4 prompts x 8 samples of 256 + 8192 tokens: 1.25 x 32 x 8448 = 337,920 tokens, 41.25 GiB
+    flags = dict(per_device_train_batch_size=4, k_samples=8, rollout_max_new_tokens=8192)
+    needed = 337_920 * LLAMA_PER_TOKEN
+    assert needed == 41.25 * GIB
+    # the whole 80 GiB GPU, the engine asleep through training: all of it
+    plan = plan_parts(GpuBudget(80 * GIB, 80 * GIB, None, "H100"), **flags)[0]
+    assert plan.kv_cache_bytes == plan.kv_needed_bytes == needed
+    assert not any("at once" in note for note in plan.notes)
+    # --gpu_memory_gib 24: torch's cap counts the cache while the engine sleeps, so it gets what leaves training
+    # micro-batches of max(one row, LEAST_TRAIN_TOKENS) tokens; the rest of the step runs in waves
+    plan, run = plan_parts(planner.named_card(24), **flags)[:2]
+    assert plan.fits and (8448 + 256) * LLAMA_PER_TOKEN <= plan.kv_cache_bytes < needed
+    assert plan.micro_batch_tokens >= max(run.max_seq_length, LEAST_TRAIN_TOKENS)
+    at_once = plan.kv_cache_bytes / (LLAMA_PER_TOKEN * 8448)
+    assert 1 < at_once < 32 and at_once == plan.sequences_at_once
+    assert f"the KV cache holds about {at_once:.1f} of the step's 32 sequences at once (41.2 GiB would hold them " \
+           "all): vLLM runs the rest in waves" in plan.notes
+    # 4 GiB more, more of the step at once
+    assert plan_parts(planner.named_card(28), **flags)[0].kv_cache_bytes > plan.kv_cache_bytes
+    # an engine awake through training (--vllm_sleep false) keeps its cache there too: left smaller on the GPU
+    awake = plan_parts(GpuBudget(80 * GIB, 80 * GIB, None, "H100"), vllm_sleep=False, **flags)[0]
+    assert awake.kv_cache_bytes <= needed and awake.micro_batch_tokens >= LEAST_TRAIN_TOKENS
+
+
+def test_under_a_tight_cap_the_cache_keeps_its_floor():
+    # where not even training's least micro-batch leaves room, the cache keeps one --max_seq_length sequence (vLLM
+    # starts with no less) and the plan says what does not fit
+    flags = dict(per_device_train_batch_size=4, k_samples=8, rollout_max_new_tokens=8192)
+    plan = plan_parts(planner.named_card(16), **flags)[0]
+    assert plan.kv_cache_bytes == (8448 + 256) * LLAMA_PER_TOKEN == 1.0625 * GIB
+    assert not plan.fits and plan.why_not.startswith("train needs")
+
+
+def tiny_config_dir(config, folder) -> str:
+    config.save_pretrained(str(folder))
+    return str(folder)
+
+
+MLA = DeepseekV3Config(hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=4, vocab_size=1000, n_routed_experts=4,
+                       num_experts_per_tok=2, first_k_dense_replace=1, q_lora_rank=64, kv_lora_rank=32,
+                       qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32, n_group=1, topk_group=1)
+HYBRID = Qwen3NextConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=1000, num_experts=4, moe_intermediate_size=128,
+                         num_experts_per_tok=2)
+
+
+@pytest.mark.parametrize("config", [MLA, HYBRID], ids=["mla", "hybrid linear attention"])
+def test_a_model_without_a_plain_cache_is_left_to_vllms_share(config, tmp_path):
+    model = tiny_config_dir(config, tmp_path)
+    plan = plan_parts(model=model, tuning_strategy="lora")[0]
+    assert plan.kv_per_token is None and plan.kv_needed_bytes is None and plan.kv_cache_bytes is None
+    assert any("no plain per-token K/V cache to size; vLLM's memory share sizes it" in note for note in plan.notes)
+    assert plan.sequences_at_once == plan.sequences  # nothing to say how many it holds
+    # given in GiB, the cache is as given
+    assert plan_parts(model=model, tuning_strategy="lora", vllm_kv_cache_gib="2")[0].kv_cache_bytes == 2 * GIB
+
+
+def test_an_engine_without_weights_of_its_own_has_no_cache_to_size():
+    # the HF engine generates with the policy itself: no vLLM cache, its generation counted in the rollout phase as
+    # the step's K/V twice (2 x 24 x 192 x 1.25 tokens) and fp32 logits of one position per sequence
+    plan = plan_parts(rollout_engine="hf", per_device_train_batch_size=2, gradient_accumulation_steps=3,
+                      k_samples=4, max_prompt_length=128, rollout_max_new_tokens=64, max_seq_length=512)[0]
+    assert plan.rollout_weights is None and plan.kv_cache_bytes is None
+    assert plan.kv_needed_bytes == 5_760 * LLAMA_PER_TOKEN
+    trainer = sum(plan.parts[name] for name in ("context", "base", "adapters", "optimizer"))
+    assert plan.phases["rollout"] == trainer + 2 * 5_760 * LLAMA_PER_TOKEN + 24 * 128_256 * 4
 
 
 def test_flag_values_and_defaults(monkeypatch):
@@ -236,62 +214,56 @@ def test_wake_keeps_torch_cache_only_with_room_to_spare():
     assert not room_beside_cache(gib // 2, 0)
 
 
-# two gloo ranks whose GPUs report different memory: both must size the KV cache from the same figures
+# two gloo ranks whose GPUs have different memory free: both must plan from the least (the ranks of a
+# tensor-parallel group size their KV caches alike)
 RANKS_AGREE = """
-import os, socket, torch, torch.distributed as dist, torch.multiprocessing as mp
+import os, socket, sys, torch, torch.distributed as dist, torch.multiprocessing as mp
 
-def rank_main(rank, port):
+def rank_main(rank, port, model):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
                       LOCAL_RANK=str(rank))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     gib = 2**30
-    torch.cuda.is_available = lambda: False  # gloo reduces on the CPU, also on a host with one GPU
-    torch.cuda.mem_get_info = lambda device=None: ((70 - 9 * rank) * gib, (80 - rank) * gib)
-    from grpo.runtime.gpu_budget import least_gpu_memory
-    assert least_gpu_memory() == (61 * gib, 79 * gib), least_gpu_memory()
-    dist.destroy_process_group()
+    from grpo.config.options import GRPOConfig
+    from grpo.memory import planner
+    from grpo.memory.plan import GpuBudget
+
+    # rank 0: 70 GiB free of 80; rank 1: 40 (another process holds the rest); both capped at 60
+    mine = GpuBudget(80 * gib, (70 - 30 * rank) * gib, 60 * gib, f"GPU {rank}")
+    planner.local_gpu_budget = lambda cap_gib: mine
+    config = GRPOConfig(model_name_or_path=model, rollout_engine="vllm", tuning_strategy="qlora",
+                        per_device_train_batch_size=4, k_samples=8, rollout_max_new_tokens=8192,
+                        gpu_memory_gib=60)
+    own = planner.checked_plan(config, model, gpu=mine)
+    agreed = planner.agreed_plan(own, config, model, config.rollout_max_new_tokens)
+    assert own.budget == (60 - 20 * rank) * gib, own.budget
+    assert agreed.budget == 40 * gib, agreed.budget
+    figures = torch.tensor([float(agreed.kv_cache_bytes), float(agreed.micro_batch_tokens)], dtype=torch.float64)
+    others = figures.clone()
+    dist.all_reduce(others, op=dist.ReduceOp.MAX)
+    assert torch.equal(figures, others), (figures, others)  # the same cache and budget on both ranks
+    from grpo.runtime.distributed import shutdown
+
+    shutdown()  # the group ended together (left to the exit, its teardown can abort a rank after its work passed)
 
 if __name__ == "__main__":
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(rank_main, args=(port,), nprocs=2)
+    mp.spawn(rank_main, args=(port, sys.argv[1]), nprocs=2)
     print("agreed")
 """
 
 
-def test_every_rank_counts_on_the_least_gpu_memory(tmp_path):
+def test_every_rank_plans_for_the_least_budget(tmp_path):
     script = tmp_path / "ranks_agree.py"
     script.write_text(RANKS_AGREE)
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=ROOT, timeout=300,
-                          env=child_env())
+    proc = subprocess.run([sys.executable, str(script), LLAMA_8B], capture_output=True, text=True, cwd=ROOT,
+                          timeout=300, env=child_env(CUDA_VISIBLE_DEVICES=""))
     assert proc.returncode == 0 and proc.stdout.strip().endswith("agreed"), proc.stderr[-3000:]
 
 
-def test_a_cache_left_to_the_share_says_how_many_sequences_it_holds(tmp_path, grpo_log):
-    model = make_tiny_model_dir(str(tmp_path / "tiny"))
-    # 4 x 8 = 32 sequences of min(1024, 64 + 960) tokens; 2 layers x 2 KV heads x 16 x 2 (K, V) x 2 bytes = 256 bytes
-    # a token, so a sequence takes 256 KiB and the step, +25%, 10 MiB
-    cfg = parse_args(["--per_device_train_batch_size", "4", "--k_samples", "8", "--max_prompt_length", "64",
-                      "--rollout_max_new_tokens", "960", "--max_seq_length", "1024", "--tuning_strategy", "lora"])
-    weights = checkpoint_weight_bytes(model)
-    sequence = 1024 * 256
-    for room_sequences, said in ((8, "about 8 of the step's 32 sequences of 1024 tokens at once"), (40, None)):
-        total = int((room_sequences * sequence + weights) / 0.3) + 1  # the 0.3 share less the weights
-        assert engine_kv_cache_bytes(cfg, model, gpu_total_bytes=total) is None  # more than half of it: the share
-        line = grpo_log[-1]
-        assert line.startswith("vLLM KV cache: the memory share (the step's rollouts need 0.01 GiB")
-        if said:  # 8 sequences at a time: the rest wait, and how to hold them all
-            assert said in line and "vLLM queues and preempts the rest" in line and "--vllm_kv_cache_gib 1 " in line
-        else:  # it holds all 32 at once, only without auto's half for vLLM's activations: nothing more to say
-            assert "at once" not in line
-    # under --gpu_memory_gib vLLM's share is of the cap, not of the whole GPU: a GPU with room for 4 more sequences
-    # in its share, capped to the size above, still holds 8
-    cap_total = int((8 * sequence + weights) / 0.3) + 1
-    capped = parse_args(["--per_device_train_batch_size", "4", "--k_samples", "8", "--max_prompt_length", "64",
-                         "--rollout_max_new_tokens", "960", "--max_seq_length", "1024", "--tuning_strategy", "lora",
-                         "--gpu_memory_gib", str(cap_total / 2**30)])
-    assert engine_kv_cache_bytes(capped, model, gpu_total_bytes=cap_total + int(4 * sequence / 0.3)) is None
-    assert "about 8 of the step's 32 sequences" in grpo_log[-1]
-    assert engine_kv_cache_bytes(cfg, model, gpu_total_bytes=cap_total + int(4 * sequence / 0.3)) is None
-    assert "about 12 of the step's 32 sequences" in grpo_log[-1]
+def test_one_rank_keeps_its_own_plan():
+    plan = plan_parts()[0]
+    assert planner.agreed_plan(plan, None, LLAMA_8B, 256) is plan
+    assert planner.agreed_plan(None, None, LLAMA_8B, 256) is None

@@ -1,11 +1,14 @@
-"""--max_tokens_per_micro_batch auto: the activation estimate against numbers worked by hand, and the budget it
-resolves to for given GPU figures (no GPU needed: the figures are passed in)."""
+"""--max_tokens_per_micro_batch auto: the activation estimate against numbers worked by hand, the budget it
+resolves to for given GPU figures (no GPU needed: the figures are passed in), and the memory plan's budget checked
+against the room measured once the model and engine are loaded."""
+from types import SimpleNamespace
+
 import pytest
 
 from grpo.errors import ConfigError
-from grpo.train.token_budget import (ESTIMATE_MARGIN, GIB, MIB, GpuFigures, ModelShape, activation_bytes_per_token,
-                                     fitted_chunk_tokens, logprob_chunk_bytes, micro_batch_bytes,
-                                     micro_batch_token_budget, model_shape, resolve_token_budget, training_estimate)
+from grpo.memory.activations import (ESTIMATE_MARGIN, GIB, MIB, ModelShape, activation_bytes_per_token,
+                                     fitted_chunk_tokens, logprob_chunk_bytes, micro_batch_bytes, model_shape)
+from grpo.train.token_budget import GpuFigures, micro_batch_token_budget, resolve_token_budget, training_estimate
 
 TINY = ModelShape(hidden=8, intermediate=16, layers=2, q_dim=8, vocab=32)
 
@@ -60,8 +63,10 @@ def test_the_estimate_reads_the_model_as_it_is_trained():
     assert training_estimate(GRPOConfig(logprob_chunk_tokens=0), model) == (1280 + 1400, 8736, 0, True)
 
 
-def figures(free_gib, usable_gib=80, cached_gib=0.0, to_come_gib=0.0, capped_allocated_gib=None):
-    return GpuFigures(free=int(free_gib * GIB), cached=int(cached_gib * GIB), total=80 * GIB,
+def figures(free_gib, usable_gib=80, cached_gib=0.0, to_come_gib=0.0, capped_allocated_gib=None, total_gib=80):
+    """An 80 GiB GPU (by default) with the rollout engine asleep; `usable_gib` below it with `capped_allocated_gib`:
+    --gpu_memory_gib, and what torch's allocator has handed out under it."""
+    return GpuFigures(free=int(free_gib * GIB), cached=int(cached_gib * GIB), total=int(total_gib * GIB),
                       usable=int(usable_gib * GIB), to_come=int(to_come_gib * GIB),
                       capped_allocated=None if capped_allocated_gib is None else int(capped_allocated_gib * GIB))
 
@@ -76,11 +81,18 @@ def test_plenty_of_memory_keeps_the_cap():
 def test_tight_memory_picks_a_smaller_multiple_of_1024():
     # room = 40 - 4 = 36 GiB; / 1.5 = 24 GiB; / 2 MiB = 12288 tokens
     assert resolve_token_budget(figures(40), MIB, MIB, GIB, 768, True)[0] == 12288
-    # --gpu_memory_gib 24 on the 80 GiB GPU: room = 70 - 56 - 1.2 = 12.8 GiB; / 1.5 / 2 MiB = 4369 -> 4096,
-    # the same with 4 of the 70 GiB held in torch's cache; gradients to come (1 GiB): 11.8 GiB -> 4027 -> 3072
-    assert resolve_token_budget(figures(70, usable_gib=24), MIB, MIB, GIB, 768, True)[0] == 4096
-    assert resolve_token_budget(figures(66, usable_gib=24, cached_gib=4), MIB, MIB, GIB, 768, True)[0] == 4096
-    assert resolve_token_budget(figures(70, usable_gib=24, to_come_gib=1), MIB, MIB, GIB, 768, True)[0] == 3072
+    # a 24 GiB card with 14 GiB free: room = 14 - 1.2 = 12.8 GiB; / 1.5 / 2 MiB = 4369 -> 4096, the same with 4 of
+    # the 14 GiB held in torch's cache; gradients to come (1 GiB): 11.8 GiB -> 4027 -> 3072
+    card = dict(usable_gib=24, total_gib=24)
+    assert resolve_token_budget(figures(14, **card), MIB, MIB, GIB, 768, True)[0] == 4096
+    assert resolve_token_budget(figures(10, cached_gib=4, **card), MIB, MIB, GIB, 768, True)[0] == 4096
+    assert resolve_token_budget(figures(14, to_come_gib=1, **card), MIB, MIB, GIB, 768, True)[0] == 3072
+    # --gpu_memory_gib 24 on the 80 GiB GPU, 10 GiB counted by torch's cap: room = min(70 - 1.2, 24 - 10 - 1.2)
+    # = 12.8 GiB -> 4096 as on the card; 1 GiB of gradients to come: min(67.8, 11.8) -> 3072
+    assert resolve_token_budget(figures(70, usable_gib=24, capped_allocated_gib=10), MIB, MIB, GIB, 768, True)[0] \
+        == 4096
+    assert resolve_token_budget(figures(70, usable_gib=24, to_come_gib=1, capped_allocated_gib=10), MIB, MIB, GIB,
+                                768, True)[0] == 3072
     # the chunk binds: room 18 GiB / 1.5 = 12; (12 - 10 GiB) / 1 MiB kept = 2048
     assert resolve_token_budget(figures(22), MIB, 0, 10 * GIB, 768, True)[0] == 2048
     # 900 tokens fit (room 2700 MiB / 1.5 / 2 MiB), less than 1024: one row of 768
@@ -88,14 +100,30 @@ def test_tight_memory_picks_a_smaller_multiple_of_1024():
 
 
 def test_under_a_cap_what_torch_counts_binds_when_it_is_more_than_the_driver_sees():
-    # --gpu_memory_gib 24, 10 GiB in use as the driver sees it: room = 70 - 56 - 1.2 = 12.8 GiB. Torch counts 12 GiB
-    # (2 more: a KV cache asleep, back with the driver, still counted by its cap): room = 24 - 12 - 1.2 = 10.8 GiB;
-    # / 1.5 / 2 MiB = 3686 tokens -> 3072
+    # --gpu_memory_gib 24 on the 80 GiB GPU, 10 GiB of it in use: room = min(70 - 1.2, 24 - 10 - 1.2) = 12.8 GiB.
+    # Torch counts 12 GiB (2 more: a KV cache asleep, back with the driver, still counted by its cap): room =
+    # 24 - 12 - 1.2 = 10.8 GiB; / 1.5 / 2 MiB = 3686 tokens -> 3072
     assert resolve_token_budget(figures(70, usable_gib=24, capped_allocated_gib=10), MIB, MIB, GIB, 768, True)[0] \
         == 4096
     budget, line = resolve_token_budget(figures(70, usable_gib=24, capped_allocated_gib=12), MIB, MIB, GIB, 768, True)
     assert budget == 3072
     assert "10.8 GiB free for training" in line and "12.0 counted by torch's cap" in line
+
+
+def test_a_run_sharing_the_gpu_with_another_process_is_not_counted_twice():
+    # --gpu_memory_gib 24 on an 80 GiB GPU where another process holds 56 GiB and this run 10 (torch's count under
+    # its cap): 14 GiB free. The other process's memory is already not free, the cap is this run's own:
+    #   room = min(14 - 1.2, 24 - 10 - 1.2) = 12.8 GiB -> 4096 tokens, as on a 24 GiB card of its own
+    # (subtracting what lies beyond the cap, 80 - 24, from the free memory as well would leave none: no row at all)
+    shared = figures(14, usable_gib=24, capped_allocated_gib=10)
+    assert round(shared.room / GIB, 6) == 12.8
+    assert resolve_token_budget(shared, MIB, MIB, GIB, 768, True)[0] == 4096
+    # the other process at 60 GiB leaves 10 free: then the free memory binds, min(10 - 1.2, 12.8) = 8.8 GiB;
+    # / 1.5 / 2 MiB = 3003 tokens -> 2048
+    budget, line = resolve_token_budget(figures(10, usable_gib=24, capped_allocated_gib=10), MIB, MIB, GIB, 768, True)
+    assert budget == 2048
+    assert "8.8 GiB free for training (24.0 GiB usable, 10.0 free on the GPU with the rollout engine asleep, 10.0 " \
+           "counted by torch's cap, 1.2 kept back)" in line
 
 
 def test_the_log_prob_chunk_is_halved_while_it_limits_the_micro_batch():
@@ -117,28 +145,34 @@ def test_the_log_prob_chunk_is_halved_while_it_limits_the_micro_batch():
 
 
 def test_one_row_that_does_not_fit_is_an_error_with_the_figures_and_the_remedies():
-    # room = 58 - 56 - 1.2 = 0.8 GiB; one row of 768 tokens: 1.5 x (768 MiB kept + max(1 GiB, 768 MiB)) = 2.6 GiB
+    # a 24 GiB card with 2 GiB free: room = 2 - 1.2 = 0.8 GiB; one row of 768 tokens: 1.5 x (768 MiB kept +
+    # max(1 GiB, 768 MiB)) = 2.6 GiB
+    card = dict(usable_gib=24, total_gib=24)
     with pytest.raises(ConfigError) as err:
-        resolve_token_budget(figures(58, usable_gib=24), MIB, MIB, GIB, 768, False)
+        resolve_token_budget(figures(2, **card), MIB, MIB, GIB, 768, False)
     message = str(err.value)
     for part in ("--max_tokens_per_micro_batch auto", "--max_seq_length 768", "needs about 2.6 GiB",
                  "0.8 GiB is free for training", "24.0 GiB usable", "--gradient_checkpointing true",
                  "--gpu_memory_gib", "--rollout_weights in_place (lora) or adapter (qlora)", "checkpointing off"):
         assert part in message, part
     with pytest.raises(ConfigError) as err:  # already on: not suggested
-        resolve_token_budget(figures(58, usable_gib=24), MIB, MIB, GIB, 768, True)
+        resolve_token_budget(figures(2, **card), MIB, MIB, GIB, 768, True)
     assert "--gradient_checkpointing true" not in str(err.value)
     assert "--logprob_chunk_tokens" in str(err.value) and "--vllm_kv_cache_gib" not in str(err.value)
-    with pytest.raises(ConfigError) as err:  # the chunk as small as auto makes it; under a cap the KV cache counts
-        resolve_token_budget(figures(58, usable_gib=24, capped_allocated_gib=20), MIB, MIB, GIB, 768, True,
+    # the chunk as small as auto makes it; under a cap the KV cache counts: --gpu_memory_gib 24 of the 80 GiB GPU,
+    # 22 GiB counted by torch's cap (58 free): room = min(56.8, 24 - 22 - 1.2) = 0.8 GiB
+    with pytest.raises(ConfigError) as err:
+        resolve_token_budget(figures(58, usable_gib=24, capped_allocated_gib=22), MIB, MIB, GIB, 768, True,
                              smallest_chunk=True)
+    assert "0.8 GiB is free for training" in str(err.value)
     assert "--logprob_chunk_tokens" not in str(err.value) and "--vllm_kv_cache_gib" in str(err.value)
 
 
 def test_qwen_7b_qlora_within_15_and_16_gib_comes_out_below_the_measured_failure():
     # the calibration runs: Qwen2.5-7B's shape, qlora (bf16 activations and adapters, dropout), checkpointing, one
     # H100 with expandable segments, 9.5 GiB counted by torch's cap with the engine asleep. --gpu_memory_gib 16
-    # (room 5.4 GiB) ran 6144 tokens; --gpu_memory_gib 15 (room 4.4 GiB) ran out of memory at 5120
+    # (room min(75 - 0.1 - 1, 16 - 9.5 - 0.1 - 1) = 5.4 GiB) ran 6144 tokens; --gpu_memory_gib 15 (room 4.4 GiB)
+    # ran out of memory at 5120
     shape = ModelShape(hidden=3584, intermediate=18944, layers=28, q_dim=3584, vocab=151936)
     kept, transient = activation_bytes_per_token(shape, True, 2, 2, True, False)
     assert (round(kept / MIB, 2), round(transient / MIB, 2)) == (0.22, 0.42)  # as the runs' logs say
@@ -160,9 +194,84 @@ def test_cpu_and_explicit_values_are_kept():
 
     cpu = torch.device("cpu")
     assert micro_batch_token_budget(GRPOConfig(), None, None, cpu) == (16384, 1024)
+    assert micro_batch_token_budget(GRPOConfig(), None, None, cpu, plan=None) == (16384, 1024)
     assert micro_batch_token_budget(GRPOConfig(max_tokens_per_micro_batch=4096), None, None, cpu) == (4096, 1024)
     assert micro_batch_token_budget(GRPOConfig(max_tokens_per_micro_batch=0, logprob_chunk_tokens=256), None, None,
                                     cpu) == (0, 256)
+    # with a plan: auto is the plan's tokens and log-prob chunk; an explicit value stays as given
+    plan = SimpleNamespace(micro_batch_tokens=6144, logprob_chunk_tokens=512)
+    assert micro_batch_token_budget(GRPOConfig(), None, None, cpu, plan) == (6144, 512)
+    assert micro_batch_token_budget(GRPOConfig(max_tokens_per_micro_batch=4096), None, None, cpu, plan) == (4096, 1024)
+
+
+def test_a_cpu_runs_plan_gives_its_budget():
+    import os
+
+    import torch
+
+    from grpo.config import GRPOConfig
+    from grpo.memory.planner import plan_run
+
+    model = os.path.join(os.path.dirname(__file__), "model_configs", "llama-3.2-3b")
+    config = GRPOConfig(model_name_or_path=model, tuning_strategy="lora")
+    plan = plan_run(config, model, on_gpu=False)
+    assert plan.budget == 0 and plan.micro_batch_tokens == 16384 and plan.gradient_checkpointing  # RAM: always on
+    assert micro_batch_token_budget(config, None, None, torch.device("cpu"), plan) == (16384, 1024)
+
+
+class SleepyEngine:
+    """Stands in for the rollout engine: measured asleep, woken at once."""
+
+    def __init__(self):
+        self.calls = []
+
+    def sleep(self, keep_weights=False):
+        self.calls.append(("sleep", keep_weights))
+
+    def wake(self):
+        self.calls.append(("wake",))
+
+
+def test_on_a_gpu_the_plans_budget_is_lowered_only_where_the_measured_room_holds_less(monkeypatch, grpo_log):
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from grpo.config import GRPOConfig
+    from grpo.runtime import gpu_budget
+
+    cfg = Qwen2Config(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=100, tie_word_embeddings=False)
+    model = get_peft_model(Qwen2ForCausalLM(cfg), LoraConfig(r=2, lora_dropout=0.05, target_modules="all-linear"))
+    config = GRPOConfig(logprob_chunk_tokens=8)
+    # as worked above (fp32, no checkpointing): kept 13,120 and transient 2560 bytes a token; chunk 16 x 8 x 100
+    assert training_estimate(config, model) == (13_120, 2560, 12_800, False)
+    to_come = sum(p.numel() * 4 for p in model.parameters() if p.requires_grad)
+    # an 80 GiB GPU (4 GiB kept back) with the gradients, the margin and 1.5 x 3000 x 15,680 bytes free: 3000 tokens
+    # fit by the activations ((room / 1.5 - chunk) / kept = 3584 does not bind) -> 2048 in steps of 1024
+    free = 4 * GIB + to_come + int(1.5 * 3000 * 15_680)
+    monkeypatch.setattr(gpu_budget, "usable_gpu_bytes", lambda cap_gib, device=None: 80 * GIB)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, 80 * GIB))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 0)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
+    gpu = torch.device("cuda", 0)
+    engine = SleepyEngine()
+    planned = SimpleNamespace(micro_batch_tokens=4096, logprob_chunk_tokens=8)
+    assert micro_batch_token_budget(config, model, engine, gpu, planned) == (2048, 8)
+    assert engine.calls == [("sleep", True), ("wake",)]  # measured asleep, as during an update; left awake
+    assert grpo_log[-1].startswith("micro-batches of up to 2048 tokens (--max_tokens_per_micro_batch auto: the "
+                                   "memory plan's 4096, lowered: the room measured after loading holds 2048)")
+    # a plan below what the room holds stands
+    assert micro_batch_token_budget(config, model, SleepyEngine(), gpu,
+                                    SimpleNamespace(micro_batch_tokens=1024, logprob_chunk_tokens=8)) == (1024, 8)
+    assert "the memory plan's 1024; the room measured after loading holds 2048" in grpo_log[-1]
+    # without a plan: 16384 at most, lowered the same way
+    assert micro_batch_token_budget(config, model, SleepyEngine(), gpu) == (2048, 8)
+    # not one row of 768 tokens in the room: the error with the figures, before any rollout
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (4 * GIB + to_come + 1000, 80 * GIB))
+    with pytest.raises(ConfigError, match="one row of --max_seq_length 768 tokens needs"):
+        micro_batch_token_budget(config, model, SleepyEngine(), gpu, planned)
 
 
 def test_expandable_segments_are_turned_on_unless_the_user_chose(monkeypatch):

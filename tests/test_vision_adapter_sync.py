@@ -211,39 +211,68 @@ def vl_config(model_dir, **options):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_auto_takes_the_adapter_for_a_vl_model_where_the_merged_copy_crowds_the_gpu(vl_models, arch, monkeypatch,
-                                                                                    grpo_log):
-    from grpo.model.loading import parameter_count
+def test_auto_takes_the_plans_adapter_or_merged_for_a_vl_model(vl_models, arch, grpo_log):
     from grpo.rollout import engines
 
     model_dir = vl_models[arch]
     for strategy in ("qlora", "lora"):
         policy = trained_policy(model_dir, strategy)
-        copy_bytes = 2 * parameter_count(policy)
         cfg = vl_config(model_dir, tuning_strategy=strategy)
-        roomy = int(copy_bytes / engines.ADAPTER_FROM_SHARE) + 1
-        monkeypatch.setattr(engines, "gpu_memory_bytes", lambda cap=None: roomy)
-        assert engines.engine_weights(cfg, policy, vision=object()) == "merged"
-        monkeypatch.setattr(engines, "gpu_memory_bytes", lambda cap=None: roomy - 2)
-        assert engines.engine_weights(cfg, policy, vision=object()) == "adapter"
+        assert engines.engine_weights(cfg, policy, vision=object(), planned="merged") == "merged"
+        assert engines.engine_weights(cfg, policy, vision=object(), planned="adapter") == "adapter"
         assert "vLLM holds the base once and takes the adapter" in grpo_log[-1]
         explicit = vl_config(model_dir, tuning_strategy=strategy, rollout_weights="adapter")
-        monkeypatch.setattr(engines, "gpu_memory_bytes", lambda cap=None: roomy)
-        assert engines.engine_weights(explicit, policy, vision=object()) == "adapter"  # as asked, at any size
-    with pytest.raises(ConfigError, match="in_place.*vision-language"):  # in-place still cannot rename the tower
+        assert engines.engine_weights(explicit, policy, vision=object(), planned="merged") == "adapter"  # as asked
+    # lora's in_place cannot rename the tower: a plan's in_place (the planner offers none for a VL model) would
+    # fall back to the adapter, and an explicit in_place is an error
+    assert engines.engine_weights(vl_config(model_dir, tuning_strategy="lora"), policy, vision=object(),
+                                  planned="in_place") == "adapter"
+    with pytest.raises(ConfigError, match="in_place.*vision-language"):
         engines.engine_weights(vl_config(model_dir, tuning_strategy="lora", rollout_weights="in_place"), policy,
                                vision=object())
 
 
-def test_lora_on_the_vision_tower_keeps_the_merged_engine(vl_models, monkeypatch, grpo_log):
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_planner_offers_a_vl_model_the_adapter_and_merged(vl_models, arch):
+    from grpo.memory import planner
+
+    model_dir = vl_models[arch]
+    for strategy in ("qlora", "lora"):
+        cfg = vl_config(model_dir, tuning_strategy=strategy)
+        plan, run = planner.plan_parts(cfg, model_dir, gpu=planner.named_card(24))[:2]
+        assert run.capable == ("adapter", "merged")  # no in_place for a vision-language model
+        # a tiny model next to any GPU: merged (the copy well within 0.4, and 0.25, of the budget)
+        assert plan.rollout_weights == "merged" and plan.sleep_level == 0
+
+
+def test_qwen25_vl_7b_takes_the_adapter_where_its_copy_crowds_the_gpu():
+    """Qwen2.5-VL-7B's published config: 8,292,166,656 parameters (its tower's 676,550,144 included), a
+    16,584,333,312-byte (15.45 GiB) 16-bit copy."""
+    from grpo.memory import planner
+
+    model_dir = os.path.join(os.path.dirname(__file__), "model_configs", "qwen2.5-vl-7b")
+
+    def plan(strategy, cap_gib):
+        cfg = vl_config(model_dir, tuning_strategy=strategy, lora_rank=16, lora_alpha=32)
+        return planner.plan_parts(cfg, model_dir, gpu=planner.named_card(cap_gib))[0]
+
+    # qlora: 15.45 GiB past 0.4 x 24 = 9.6 GiB, the adapter (level 1); within 0.4 x 80 = 32 GiB merged, and within
+    # 0.25 x 80 = 20 GiB kept through training (level 0)
+    assert (plan("qlora", 24).rollout_weights, plan("qlora", 24).sleep_level) == ("adapter", 1)
+    assert (plan("qlora", 80).rollout_weights, plan("qlora", 80).sleep_level) == ("merged", 0)
+    # lora: past 8 GiB, in_place would come first; a VL model cannot take it, so the adapter at any size
+    assert plan("lora", 80).rollout_weights == "adapter"
+
+
+def test_lora_on_the_vision_tower_keeps_the_merged_engine(vl_models, grpo_log):
     """vLLM 0.26 adapts the language model only: an adapter on the tower would go unapplied in the engine."""
     from grpo.rollout import engines
 
     model_dir = vl_models["qwen2_5_vl"]
     policy = trained_policy(model_dir, "qlora", targets="qkv,q_proj")  # qkv: the tower's attention
-    monkeypatch.setattr(engines, "gpu_memory_bytes", lambda cap=None: 1)  # a merged copy would crowd any GPU
+    # the plan takes the adapter (a merged copy would crowd the GPU); the loaded policy cannot take it
     assert engines.engine_weights(vl_config(model_dir, lora_target_modules="qkv,q_proj"), policy,
-                                  vision=object()) == "merged"
+                                  vision=object(), planned="adapter") == "merged"
     assert "vLLM takes merged weights: its LoRA cannot take LoRA on the vision tower" in grpo_log[-1]
     with pytest.raises(ConfigError, match=r"vLLM's LoRA cannot take LoRA on the vision tower \(2 layers, e\.g\. "
                                           r"model\.visual\.blocks\.0\.attn\.qkv.*leave vision layers out of "
@@ -252,7 +281,7 @@ def test_lora_on_the_vision_tower_keeps_the_merged_engine(vl_models, monkeypatch
                                policy, vision=object())
     language_only = trained_policy(model_dir, "qlora", targets="q_proj")
     assert engines.engine_weights(vl_config(model_dir, lora_target_modules="q_proj"), language_only,
-                                  vision=object()) == "adapter"
+                                  vision=object(), planned="adapter") == "adapter"
 
 
 def test_a_vl_family_vllms_lora_is_not_known_for_keeps_the_merged_engine(vl_models, monkeypatch):
@@ -260,8 +289,7 @@ def test_a_vl_family_vllms_lora_is_not_known_for_keeps_the_merged_engine(vl_mode
 
     model_dir = vl_models["qwen2_5_vl"]
     policy = trained_policy(model_dir, "qlora")
-    monkeypatch.setattr(engines, "gpu_memory_bytes", lambda cap=None: 1)
     monkeypatch.setattr(policy.config, "model_type", "llava")
-    assert engines.engine_weights(vl_config(model_dir), policy, vision=object()) == "merged"
+    assert engines.engine_weights(vl_config(model_dir), policy, vision=object(), planned="adapter") == "merged"
     with pytest.raises(ConfigError, match="'llava' .*Qwen2-VL and Qwen2.5-VL only"):
         engines.engine_weights(vl_config(model_dir, rollout_weights="adapter"), policy, vision=object())

@@ -36,11 +36,21 @@ def cheapest_fixes(run: RunShape, size: ModelSize, gpu: GpuBudget, hf_config, op
         attempt("--gradient_checkpointing true", checkpointing=True)
     if run.chunk_tokens > 128 and not run.full_logits:
         attempt("--logprob_chunk_tokens 256", chunk_tokens=256)
-    new = options.rollout_max_new_tokens // 2
-    while new >= 64:  # shorter completions: the longest fitting, halving
-        longest = min(run.longest, options.max_prompt_length + new)
-        seq = max(longest, min(run.max_seq_length, options.max_prompt_length + new))
-        if attempt(f"--rollout_max_new_tokens {new}", longest=longest, max_seq_length=seq):
+    # shorter completions, the longest that fits (halving); a default --max_seq_length follows them, a given one
+    # is suggested with them
+    from grpo.config.options import MIN_DEFAULT_SEQ_LENGTH
+
+    prompt, given = options.max_prompt_length, options.rollout_max_new_tokens
+    stated = getattr(options, "given_options", None)  # the flags given, where the command line says (cli.py)
+    default_seq = "max_seq_length" not in stated if stated is not None else \
+        options.max_seq_length == max(prompt + given, MIN_DEFAULT_SEQ_LENGTH)
+    new = given // 2
+    while new >= 64:
+        seq = max(prompt + new, MIN_DEFAULT_SEQ_LENGTH) if default_seq else min(options.max_seq_length, prompt + new)
+        # (said with the length it leaves wherever that changes: a given --max_seq_length would stay)
+        flag = f"--rollout_max_new_tokens {new}" + ("" if default_seq or seq == options.max_seq_length
+                                                    else f" --max_seq_length {seq}")
+        if attempt(flag, longest=min(seq, prompt + new), max_seq_length=seq):
             break
         new //= 2
     per_sequence = max(run.sequences // max(options.k_samples, 1), 1)

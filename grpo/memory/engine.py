@@ -14,6 +14,8 @@ r: vLLM's LoRA rank; vllm/v1/worker/gpu/model_runner.py, gpu/sample/, config/vll
          + [LoRA] 12 T r                           the LoRA kernels' fp32 buffers
          + [4-bit] 2 I h + 2 T I                   a dequantized shard and the 4-bit layers' output copies
          + VLLM_NON_TORCH_BYTES                    kernels, workspaces, fragmentation
+    asleep, vLLM keeps its tables, its graph pool and what is outside torch (vllm_asleep_bytes): sleep frees its
+    pools (weights, KV cache), not those
 
 T and S are the plan's (vLLM's own defaults for a card of the budget's size: 16384 and 1024 from 70 GiB, else 8192
 and 256), passed to vLLM explicitly, so a capped large GPU runs as the card it stands for.
@@ -24,7 +26,9 @@ from grpo.memory.activations import ModelShape
 
 GIB, MIB = 2**30, 2**20
 LARGE_CARD_BYTES = 70 * GIB  # vLLM's larger defaults from here (vllm/engine/arg_utils.py)
-VLLM_NON_TORCH_BYTES = 3 * GIB // 4
+# kernels, workspaces and what no formula here counts; set from the runs of 2026-11-29 (benchmarks/RESULTS.md: four
+# 7-9B shapes in 4 bits under --gpu_memory_gib 24, whose rollouts peaked 1.1-1.9 GiB above the formulas with 0.75)
+VLLM_NON_TORCH_BYTES = 5 * GIB // 4
 # the CUDA context, cuBLAS workspaces and the kernels' modules of one process, which torch does not count
 CONTEXT_BYTES = GIB // 2
 
@@ -34,17 +38,23 @@ def engine_batch_limits(budget: int) -> tuple[int, int]:
     return (16384, 1024) if budget >= LARGE_CARD_BYTES else (8192, 256)
 
 
-def vllm_own_bytes(shape: ModelShape, batched_tokens: int, max_seqs: int, lora_rank: int = 0,
-                   four_bit: bool = False, eager: bool = False) -> int:
-    """vLLM's own memory beside its weights and cache (module docstring)."""
-    h, inter, vocab, T, S = shape.hidden, shape.intermediate, shape.vocab, batched_tokens, max_seqs
-    per_token = 6 * inter + 6 * h
-    tables = int(4.25 * S * vocab) + 528 * vocab
-    largest = max(int((1.3 if eager else 1.0) * T * per_token), 8 * S * vocab + 2 * T * h)
+def vllm_asleep_bytes(shape: ModelShape, max_seqs: int, lora_rank: int = 0, eager: bool = False) -> int:
+    """What vLLM keeps while it sleeps, whatever the level: its sampler tables, its CUDA graph pool and the memory
+    outside torch (module docstring's terms)."""
+    per_token = 6 * shape.intermediate + 6 * shape.hidden
+    tables = int(4.25 * max_seqs * shape.vocab) + 528 * shape.vocab
     graphs = 0
     if not eager:
-        count = (51 + (35 if S < 512 else 51)) * (2 if lora_rank else 1)
-        graphs = min(512, 2 * S, T) * per_token + count * 2 * MIB
+        count = (51 + (35 if max_seqs < 512 else 51)) * (2 if lora_rank else 1)
+        graphs = min(512, 2 * max_seqs) * per_token + count * 2 * MIB
+    return tables + graphs + VLLM_NON_TORCH_BYTES
+
+
+def vllm_own_bytes(shape: ModelShape, batched_tokens: int, max_seqs: int, lora_rank: int = 0,
+                   four_bit: bool = False, eager: bool = False) -> int:
+    """vLLM's own memory beside its weights and cache, awake (module docstring)."""
+    h, inter, vocab, T, S = shape.hidden, shape.intermediate, shape.vocab, batched_tokens, max_seqs
+    largest = max(int((1.3 if eager else 1.0) * T * (6 * inter + 6 * h)), 8 * S * vocab + 2 * T * h)
     lora = 12 * T * lora_rank
     quantized = 2 * inter * h + 2 * T * inter if four_bit else 0
-    return tables + largest + graphs + lora + quantized + VLLM_NON_TORCH_BYTES
+    return vllm_asleep_bytes(shape, S, lora_rank, eager) + largest + lora + quantized

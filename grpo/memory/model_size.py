@@ -88,7 +88,7 @@ def count_model(model, lora_rank: int, lora_targets, lora_exclude=None, qlora_sk
         wanted = lora_targets == "all-linear" or _matches(name, lora_targets)
         if wanted and not _matches(name, lora_exclude):
             adapter += per_lora
-    layers = _decoder_layers(model)
+    layers = _decoder_layers(model, towers)
     largest_layer = max((sum(p.numel() for p in layer.parameters()) for layer in layers), default=0)
     fused = any(p.dim() == 3 for name, p in model.named_parameters()
                 if not name.startswith(towers) and "conv" not in name and "patch_embed" not in name)
@@ -96,11 +96,12 @@ def count_model(model, lora_rank: int, lora_targets, lora_exclude=None, qlora_sk
                      max(p.numel() for p in model.parameters()), largest_layer, fused, model_shape(model.config))
 
 
-def _decoder_layers(model) -> list:
-    """The repeated blocks of the language model (the longest ModuleList)."""
+def _decoder_layers(model, towers: tuple[str, ...] = ()) -> list:
+    """The repeated blocks of the language model: the longest ModuleList outside the vision tower."""
     import torch
 
-    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
+    lists = [m for name, m in model.named_modules() if isinstance(m, torch.nn.ModuleList)
+             and not (name + ".").startswith(towers)]
     return list(max(lists, key=len)) if lists else []
 
 

@@ -17,10 +17,12 @@ partitions; model_size.py, kv_cache.py, activations.py, engine.py):
     rollout   = context + base + adapters + optimizer + engine + kv + vllm
     logprobs  = context + base + adapters + optimizer + asleep + forward(t)  (+ reference, full with beta > 0)
     train     = context + base + adapters + optimizer + gradients + asleep + ESTIMATE_MARGIN x micro_batch(t)
-    sync      = context + base + adapters + optimizer + engine + 2 b (largest layer)
-    asleep    = what the sleeping engine still counts: its weights where it keeps them (sleep level 0, or shared);
-                under --gpu_memory_gib also its KV cache and every weight of its pool (torch's cap counts vLLM's pool
-                while it sleeps)
+    sync      = max(train, context + base + adapters + optimizer + engine + 2 b (largest layer))
+                (it follows the update, whose blocks torch still holds)
+    asleep    = what the sleeping engine still holds: its sampler tables, graph pool and memory outside torch
+                (engine.vllm_asleep_bytes), its weights where it keeps them (sleep level 0, or shared); under
+                --gpu_memory_gib torch's count also has its KV cache and every weight of its pool (torch's cap counts
+                vLLM's pool while it sleeps): what must fit, beside the physical peak the table shows
 
 Choices, in this order: the engine's weights (auto: by preference, the faster mode where its 16-bit copy is small
 next to the budget, the first that fits with the step's sequences in its cache at once, else the one whose cache holds
@@ -39,7 +41,7 @@ from grpo.config.choices import MICRO_BATCH_TOKENS
 from grpo.memory.activations import (ESTIMATE_MARGIN, GIB, MIN_CHUNK_TOKENS, activation_bytes_per_token,
                                      fitted_chunk_tokens, logprob_chunk_bytes, micro_batch_bytes, token_budget,
                                      tokens_that_fit)
-from grpo.memory.engine import CONTEXT_BYTES, engine_batch_limits, vllm_own_bytes
+from grpo.memory.engine import CONTEXT_BYTES, engine_batch_limits, vllm_asleep_bytes, vllm_own_bytes
 from grpo.memory.kv_cache import FLOOR_SLACK_TOKENS, auto_kv_cache_bytes, kv_bytes_per_token
 from grpo.memory.model_size import ModelSize, weight_bytes
 
@@ -247,7 +249,7 @@ def plan_memory(run: RunShape, size: ModelSize, gpu: GpuBudget | None, hf_config
                           notes=("a CPU run: planned in RAM, nothing refused",))
     budget, margin, capped = gpu.budget, gpu.margin, gpu.cap is not None
     plans = [_plan_with(run, size, gpu, trainer, weights, checkpointing, kept, transient, chunk, per_token,
-                        kv_needed, row_tokens, common)
+                        kv_needed, row_tokens, common, hf_config)
              for weights in (preferred_weights(run, size, budget) if run.engine == "vllm" else [None])]
     fitting = [plan for plan in plans if plan.fits]
     if not fitting:
@@ -259,13 +261,13 @@ def plan_memory(run: RunShape, size: ModelSize, gpu: GpuBudget | None, hf_config
 
 def _plan_with(run: RunShape, size: ModelSize, gpu: GpuBudget, trainer: dict, weights: str | None,
                checkpointing: bool, kept: int, transient: int, chunk: int, per_token: int | None,
-               kv_needed: int | None, row_tokens: int, common: dict) -> MemoryPlan:
+               kv_needed: int | None, row_tokens: int, common: dict, hf_config=None) -> MemoryPlan:
     budget, margin, capped = gpu.budget, gpu.margin, gpu.cap is not None
     notes = []
     held = sum(v for k, v in trainer.items() if k != "gradients")  # what the trainer holds through the step
     context = CONTEXT_BYTES
     sleep_level = batched_tokens = max_seqs = None
-    engine = own = 0
+    engine = own = vllm_asleep = 0
     asleep_weights = kept_physical = 0
     if weights is not None:
         from grpo.rollout.vllm_lora import engine_lora_rank
@@ -273,15 +275,16 @@ def _plan_with(run: RunShape, size: ModelSize, gpu: GpuBudget, trainer: dict, we
         sleep_level = default_sleep_level(run, weights, size, budget)
         engine = engine_weight_bytes(weights, run, size)
         batched_tokens, max_seqs = engine_batch_limits(budget)
-        own = vllm_own_bytes(size.shape, batched_tokens, max_seqs,
-                             lora_rank=engine_lora_rank(run.lora_rank) if weights == "adapter" else 0,
+        lora_rank = engine_lora_rank(run.lora_rank) if weights == "adapter" else 0
+        own = vllm_own_bytes(size.shape, batched_tokens, max_seqs, lora_rank=lora_rank,
                              four_bit=run.strategy == "qlora" and weights == "adapter", eager=run.eager)
+        vllm_asleep = vllm_asleep_bytes(size.shape, max_seqs, lora_rank, run.eager)
         # asleep, the engine keeps its weights at level 0, its LoRA slots always (the base is the trainer's), and
         # everything without --vllm_sleep; under a cap torch counts its whole pool while it sleeps
         kept_weights = not run.vllm_sleep or weights != "merged" or sleep_level == 0
         kept_physical = engine if kept_weights else 0
         asleep_weights = engine if (kept_weights or capped) else 0
-    fixed_train = context + held + trainer["gradients"] + asleep_weights
+    fixed_train = context + held + trainer["gradients"] + asleep_weights + vllm_asleep
     fixed_rollout = context + held + engine + own
     floor = (run.max_seq_length + FLOOR_SLACK_TOKENS) * per_token if per_token else 0
 
@@ -300,7 +303,8 @@ def _plan_with(run: RunShape, size: ModelSize, gpu: GpuBudget, trainer: dict, we
         kv_bytes = int(run.kv_cache * GIB)
     elif per_token is None:
         kv_bytes = None
-        notes.append(f"{type(size).__name__}: no plain per-token K/V cache to size; vLLM's share sizes it")
+        notes.append(f"{type(hf_config).__name__}: no plain per-token K/V cache to size; vLLM's memory share sizes it "
+                     "(--vllm_gpu_memory_utilization), which this plan does not count")
     else:
         room_rollout = budget - margin - fixed_rollout
         kv_bytes = max(floor, min(kv_needed if run.kv_cache == "auto" else room_rollout, room_rollout))
@@ -316,18 +320,20 @@ def _plan_with(run: RunShape, size: ModelSize, gpu: GpuBudget, trainer: dict, we
     else:
         tokens = int(run.micro_batch_tokens) or run.sequences * run.longest
     activations = int(ESTIMATE_MARGIN * micro_batch_bytes(tokens, kept, transient, chunk))
-    forward = tokens * transient + chunk // 2
+    # a no-grad forward: one layer's activations at a time (its backward's gradients never come) and the chunk
+    forward = tokens * max(transient - 4 * size.shape.intermediate * 2, 0) + chunk // 2  # (bf16 on a GPU)
     # physical peaks (what the driver reports for this process); under a cap torch's count of a phase adds what the
     # sleeping engine gave back to the driver but its pool still holds: that count is what must fit
     kv_kept = (kv_bytes or 0) if not run.vllm_sleep else 0
     given_back = asleep_weights - kept_physical + kv_asleep - kv_kept
     phases = {
         "rollout": fixed_rollout + (kv_bytes or 0) if weights is not None else
-        context + held + 2 * (kv_needed or 0) + run.sequences * size.shape.vocab * 4,
-        "logprobs": context + held + kept_physical + kv_kept + forward,
-        "train": context + held + trainer["gradients"] + kept_physical + kv_kept + activations,
-        "sync": context + held + engine + 2 * 2 * size.largest_layer if weights is not None else 0,
+        0 if run.engine == "server" else context + held + 2 * (kv_needed or 0) + run.sequences * size.shape.vocab * 4,
+        "logprobs": context + held + kept_physical + kv_kept + vllm_asleep + forward,
+        "train": context + held + trainer["gradients"] + kept_physical + kv_kept + vllm_asleep + activations,
     }
+    if weights is not None:  # right after the update: torch still holds its blocks, the engine's weights come back
+        phases["sync"] = max(phases["train"], context + held + engine + vllm_asleep + 2 * 2 * size.largest_layer)
     phases = {name: int(value) for name, value in phases.items() if value}
     counted = {name: value + (given_back if name in ("logprobs", "train") else 0) for name, value in phases.items()}
     parts = {"context": context, **trainer, "engine weights": engine, "kv cache": kv_bytes or 0, "vllm": own,
