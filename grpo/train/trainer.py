@@ -45,7 +45,10 @@ from grpo.train.micro_batches import MicroBatch
 from grpo.train.reporting import RunReporter, plot_training_curves, read_metrics
 from grpo.train.run_summary import run_summary, steps_phrase
 from grpo.train.trackers import check_trackers
-from grpo.train.setup import RunData, initialize_deepspeed, log_failed_start, prepare_run
+from grpo.memory.planner import agreed_plan
+from grpo.memory.report import save_plan
+from grpo.memory.watch import MemoryWatch
+from grpo.train.setup import RunData, initialize_deepspeed, log_failed_start, longest_completion, prepare_run
 from grpo.train.step_data import RolloutBatch, StepData, build_rollout_batch
 from grpo.train.token_budget import checkpointing_on, micro_batch_token_budget
 from grpo.train.update import has_dropout, score, step_micro_batches, step_normaliser, update
@@ -97,19 +100,22 @@ class GRPOTrainer:
         self.rewards, self.train_set, self.eval_set = data.rewards, data.train_set, data.eval_set
         self.total_steps = data.total_steps
         # the longest a training completion may be: seq_mean_token_sum_norm's constant
-        episodes = any(name in data.episode_datasets for name in config.dataset_names)
-        self.max_completion_tokens = config.episode_token_budget if episodes else config.rollout_max_new_tokens
+        self.max_completion_tokens = longest_completion(config, data.episode_datasets)
+        # every automatic memory choice, made once before loading; the ranks agree on the least budget
+        self.plan = agreed_plan(data.memory_plan, config, data.model_path, self.max_completion_tokens)
         self.prompts_per_step = config.per_device_train_batch_size * config.gradient_accumulation_steps
         self.resume_path = self._checkpoint_to_resume()  # verified, and for lora / qlora on its base: before loading
 
         # --- models, DeepSpeed, rollout engine --------------------------------------------------------
         self.device, self.dtype = dist_utils.device(), default_dtype()
+        self.memory = MemoryWatch(self.plan, self.device)  # each phase's measured peak beside the plan's
         if self.device.type == "cuda":
             use_expandable_segments()
         cap_gpu_memory(config.gpu_memory_gib, self.device)
         self.ds_config = data.ds_config
         self.zero3 = zero_stage(self.ds_config) == 3
-        policy = load_policy(config, self.model_path, self.dtype, self.device)
+        policy = load_policy(config, self.model_path, self.dtype, self.device,
+                             checkpointing=self.plan.gradient_checkpointing if self.plan else None)
         self.reference = load_reference(config, self.model_path, self.dtype, self.device)
         self.demonstrations = data.demonstrations
         self.warm_start_losses: list[float] = []  # per warm-start step: negative log-likelihood per model token
@@ -120,13 +126,14 @@ class GRPOTrainer:
         self._last_sync = None
         engine = build_rollout_engine(config, self.model_path, self.engine.module, self.tokenizer, self.vision,
                                       self.rank, self.dtype, completion_tokens=self.max_completion_tokens,
-                                      episode_datasets=sorted(data.episode_datasets))
+                                      episode_datasets=sorted(data.episode_datasets), plan=self.plan)
         self.rollouts = RolloutCollector(config, engine, self.tokenizer, self.rewards, self.vision, self.train_set,
                                          data.order, self.total_steps, sync_weights=self._sync_rollout_weights,
                                          episode_datasets=data.episode_datasets)
         try:
             self._restore_and_sync()
-            self.micro_batch_tokens, chunk_tokens = micro_batch_token_budget(config, self.engine, engine, self.device)
+            self.micro_batch_tokens, chunk_tokens = micro_batch_token_budget(config, self.engine, engine, self.device,
+                                                                             self.plan)
             # the options as scoring and updates read them: auto may have halved the log-prob chunk to fit (memory
             # only); the options saved stay those given
             self.update_config = dataclasses.replace(config, logprob_chunk_tokens=chunk_tokens)
@@ -135,6 +142,8 @@ class GRPOTrainer:
             raise
         if self.is_main:
             self._save_run_options()
+            if self.plan is not None:
+                save_plan(self.plan, config.output_dir)  # the plan beside the options it came from
 
     @property
     def rollout_engine(self):
@@ -200,15 +209,20 @@ class GRPOTrainer:
                 self.evaluate(reporter)  # step 0: what training starts from
             while self.state.step < self.total_steps:
                 step_start = time.perf_counter()
-                rollout, drawn = self._collect_rollouts()        # prompts -> k completions each -> rewards
+                with self.memory.phase("rollout"):
+                    rollout, drawn = self._collect_rollouts()        # prompts -> k completions each -> rewards
                 times = dict(rollout.times)
-                step, times["logprobs"] = self._step_data(rollout)  # batch, reference log-probs, advantages
-                train_metrics, times["train"] = self._optimize(step)  # loss + DeepSpeed step(s)
-                times["sync"] = self._sync_rollout_weights()       # the new policy into the rollout engine
+                with self.memory.phase("logprobs"):
+                    step, times["logprobs"] = self._step_data(rollout)  # batch, reference log-probs, advantages
+                with self.memory.phase("train"):
+                    train_metrics, times["train"] = self._optimize(step)  # loss + DeepSpeed step(s)
+                with self.memory.phase("sync"):
+                    times["sync"] = self._sync_rollout_weights()       # the new policy into the rollout engine
                 self.state.step += 1
                 times["step"] = time.perf_counter() - step_start
 
                 metrics = self._step_metrics(step, drawn, {**rollout.stats, **train_metrics}, times)
+                metrics.update(self.memory.step_metrics())  # measured peaks beside the plan's
                 reporter.log_step(self.state.step, metrics)
                 if self.is_main:
                     spread.check(self.state.step, metrics)  # a step whose groups all scored alike taught nothing
@@ -384,6 +398,7 @@ class GRPOTrainer:
         left to the failure handling (a peer may never come to end it)."""
         self.failures.close()
         self.rollouts.close()
+        self.memory.close()
         if self._owns_group and (self._trained or self.world == 1):
             self._owns_group = False
             dist_utils.shutdown()
