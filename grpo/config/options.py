@@ -152,9 +152,10 @@ class GRPOConfig(DerivedOptions):
     max_tokens_per_micro_batch: str = _opt(
         "auto", "Token budget (prompt + completion, padding included) of one micro-batch per rank: a step's rows are "
                 "packed longest first into as many as needed (the step's loss does not depend on the split). auto: "
-                "16384 on CPU; on a GPU the most that fits beside the model and the sleeping rollout engine, in steps "
-                "of 1024 up to 16384 (halving the log-prob chunk where that is what limits it), else an error "
-                "before the first rollout. 0: --per_device_train_batch_size x --k_samples rows.", "training")
+                "16384 on CPU; on a GPU the memory plan's: the most that fits beside the model and the sleeping "
+                "rollout engine, in steps of 1024 up to 16384 (halving the log-prob chunk where that is what limits "
+                "it), checked once they are loaded; a run where one row cannot fit is refused before loading. 0: "
+                "--per_device_train_batch_size x --k_samples rows.", "training")
     logprob_chunk_tokens: int = _opt(
         1024, "Completion tokens whose logits exist at once: log-probs are computed from hidden states through "
               "the output layer in chunks of this size (never a full [N, T, vocab] logits tensor). 0: the "
@@ -270,11 +271,11 @@ class GRPOConfig(DerivedOptions):
         "auto", "What the vLLM engine holds of a lora / qlora policy (docs/qlora.md). merged: a 16-bit copy, the "
                 "adapter merged in at every sync. adapter: the base once (lora: shared with the trainer; qlora: its "
                 "4-bit base) plus the adapter, all a sync sends. in_place (lora): the base once, shared with the "
-                "trainer, the adapter merged in for each rollout and taken out after, bit for bit. auto: in_place for "
-                "lora once the 16-bit copy would take 8 GiB (4.3B parameters) or over 25 percent of the GPU; adapter "
-                "over 40 percent for qlora (and lora where in_place cannot go, e.g. server mode) and always for a "
-                "checkpoint saved in 4 bits; merged otherwise, faster there, and with --vllm_tp > 1 or loftq (the log "
-                "says why).",
+                "trainer, the adapter merged in for each rollout and taken out after, bit for bit. auto: the memory "
+                "plan's (docs/memory.md): by preference in_place for lora once the 16-bit copy would take 8 GiB (4.3B "
+                "parameters) or over 25 percent of the budget, adapter over 40 percent for qlora (and lora where "
+                "in_place cannot go) and always for a checkpoint saved in 4 bits, merged otherwise (faster there, and "
+                "with --vllm_tp > 1 or loftq); the first that fits with the step's sequences in its KV cache at once.",
         "rollout", choices=ROLLOUT_WEIGHTS)
     async_rollout: bool = _opt(
         False, "With --rollout_mode server: the rollout ranks generate the next step's rollouts while this step trains "
@@ -283,18 +284,18 @@ class GRPOConfig(DerivedOptions):
     rollout_gpus: int = _opt(0, "With --rollout_mode server: how many of the job's ranks (the last ones) run rollout "
                                 "engines; at least 1 and fewer than the job's ranks.", "rollout")
     vllm_gpu_memory_utilization: Optional[float] = _opt(
-        None, "Fraction of GPU memory vLLM may take. Default: 0.3 colocated (training needs the rest), 0.85 on the "
-              "rollout ranks of server mode (their GPUs only generate). When --vllm_kv_cache_gib sets the KV "
-              "cache's size, this fraction must still be free when the engine starts.", "rollout")
+        None, "Fraction of GPU memory vLLM may take, where its KV cache is not given in bytes: the rollout ranks of "
+              "server mode (default 0.85: their GPUs only generate) and models without a plain per-token cache (MLA, "
+              "hybrid attention; default 0.3 colocated). A colocated engine otherwise gets the memory plan's bytes.",
+        "rollout")
     vllm_kv_cache_gib: Optional[str] = _opt(
-        None, "vLLM's KV cache per GPU. auto: sized to one step's rollouts (tp x prompts per rank x k sequences of "
-              "--max_prompt_length + --rollout_max_new_tokens tokens, plus a quarter), so sleep and wake move less "
-              "memory, where that is at most half of what the share leaves after the weights (lora / qlora with "
-              "--vllm_sleep and no --gpu_memory_gib: or of what the GPU has free beside them; under --gpu_memory_gib: "
-              "and at most half of what the cap leaves after them); else the share, as for models it cannot size "
-              "(MLA, hybrid linear attention). A number: that many GiB. share: "
-              "what --vllm_gpu_memory_utilization leaves after the weights and activations. Default: auto colocated, "
-              "share in server mode.", "rollout")
+        None, "vLLM's KV cache per GPU, in bytes the memory plan gives it (docs/memory.md). auto: one step's "
+              "rollouts at once (tp x prompts per rank x k sequences of --max_prompt_length + "
+              "--rollout_max_new_tokens tokens, plus a quarter) where the budget holds them, else what it holds (never "
+              "less than one --max_seq_length sequence: the rest run in waves); under --gpu_memory_gib it leaves "
+              "training micro-batches of 4096 tokens (or one row). A number: that many GiB. share: what "
+              "--vllm_gpu_memory_utilization leaves after the weights (as for models without a plain cache: MLA, "
+              "hybrid linear attention). Default: auto colocated, share in server mode.", "rollout")
     vllm_sleep: bool = _opt(True, "Put vLLM to sleep while DeepSpeed trains, freeing what --vllm_sleep_level says. "
                                     "false: it stays awake, and a lora / qlora sync sends only the adapted layers. "
                                     "Colocated vLLM only (rollout ranks of server mode never sleep).", "rollout")

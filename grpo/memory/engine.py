@@ -14,6 +14,7 @@ r: vLLM's LoRA rank; vllm/v1/worker/gpu/model_runner.py, gpu/sample/, config/vll
          + [LoRA] 12 T r                           the LoRA kernels' fp32 buffers
          + [4-bit] 2 I h + 2 T I                   a dequantized shard and the 4-bit layers' output copies
          + VLLM_NON_TORCH_BYTES                    kernels, workspaces, fragmentation
+         + AWAKE_SLACK_BYTES                       measured beyond the rest while it decodes
     asleep, vLLM keeps its tables, its graph pool and what is outside torch (vllm_asleep_bytes): sleep frees its
     pools (weights, KV cache), not those
 
@@ -29,6 +30,9 @@ LARGE_CARD_BYTES = 70 * GIB  # vLLM's larger defaults from here (vllm/engine/arg
 # kernels, workspaces and what no formula here counts; set from the runs of 2026-11-29 (benchmarks/RESULTS.md: four
 # 7-9B shapes in 4 bits under --gpu_memory_gib 24, whose rollouts peaked 1.1-1.9 GiB above the formulas with 0.75)
 VLLM_NON_TORCH_BYTES = 5 * GIB // 4
+# awake, beside the parts above: the rollouts of those runs peaked 1.0-1.4 GiB above them (torch's blocks of the
+# decode steps, which vLLM's profile run does not reach)
+AWAKE_SLACK_BYTES = GIB
 # the CUDA context, cuBLAS workspaces and the kernels' modules of one process, which torch does not count
 CONTEXT_BYTES = GIB // 2
 
@@ -57,4 +61,4 @@ def vllm_own_bytes(shape: ModelShape, batched_tokens: int, max_seqs: int, lora_r
     largest = max(int((1.3 if eager else 1.0) * T * (6 * inter + 6 * h)), 8 * S * vocab + 2 * T * h)
     lora = 12 * T * lora_rank
     quantized = 2 * inter * h + 2 * T * inter if four_bit else 0
-    return vllm_asleep_bytes(shape, S, lora_rank, eager) + largest + lora + quantized
+    return vllm_asleep_bytes(shape, S, lora_rank, eager) + largest + lora + quantized + AWAKE_SLACK_BYTES
