@@ -139,6 +139,14 @@ def main() -> None:
             with open(os.path.join(args.out, "results.jsonl"), "a") as fh:
                 fh.write(json.dumps(cell) + "\n")
             print(json.dumps(cell), flush=True)
+    if args.plan_only:
+        print("| shape | budget GiB | new tokens | plan | planned peak GiB |")
+        print("|---|---|---|---|---|")
+        for c in cells:
+            plan = (f"{c['weights']}, KV {c['kv_gib']} ({c['at_once']} at once), mb {c['micro_batch']}" if c["fits"]
+                    else f"refused: {'; '.join(c['fixes'][:2])}")
+            print(f"| {c['shape']} | {c['budget']:g} | {c['new']} | {plan} | {max(c['planned_gib'].values())} |")
+        return
     print("| shape | budget GiB | new tokens | plan | rc | planned peak | measured peak | within |")
     print("|---|---|---|---|---|---|---|---|")
     for c in cells:

@@ -155,6 +155,8 @@ def write_from_config(folder: str, out: str, tokenizer, four_bit: bool) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
     config = AutoConfig.from_pretrained(folder)
+    if len(tokenizer) > config.vocab_size:  # its ids would index past the embeddings (a device-side assert)
+        raise SystemExit(f"the tokenizer has {len(tokenizer)} tokens, more than {folder}'s {config.vocab_size}")
     ids = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                pad_token_id=tokenizer.pad_token_id)
     for key, value in ids.items():
