@@ -172,6 +172,10 @@ def test_a_short_job_runs_from_a_folder_outside_the_repository(tiny_model, tmp_p
     assert os.path.isfile(saved["dataset_config_path"]) and os.path.isfile(saved["deepspeed"])
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
     assert [r["step"] for r in rows] == [1]
+    # the memory plan, made before loading, printed at the start and saved beside the options (a CPU run's, in RAM)
+    plan = json.loads((run / "memory_plan.json").read_text())
+    assert plan["table"].startswith("memory plan for a CPU run") and plan["table"] in proc.stderr + proc.stdout
+    assert plan["micro_batch_tokens"] == 16384 and plan["gradient_checkpointing"] is True
     assert (run / "lora_adapter" / "adapter_config.json").is_file()
     card = (run / "lora_adapter" / "README.md").read_text()  # ours, not PEFT's empty template
     assert f"base model: `{tiny_model}`" in card and "datasets: arith" in card and "steps: 1;" in card
