@@ -314,9 +314,9 @@ def _plan_with(run: RunShape, size: ModelSize, gpu: GpuBudget, trainer: dict, we
                 kv_bytes = max(floor, kv_bytes - GIB // 4)
     kv_asleep = kv_bytes if kv_bytes and (capped or not run.vllm_sleep) else 0
     # the micro-batch token budget and the log-prob chunk
-    fits, chunk_tokens, chunk = training_fit(budget - margin - fixed_train - kv_asleep)
+    fit_tokens, chunk_tokens, chunk = training_fit(budget - margin - fixed_train - kv_asleep)
     if run.micro_batch_tokens == "auto":
-        tokens = token_budget(fits, row_tokens)
+        tokens = token_budget(fit_tokens, row_tokens)
     else:
         tokens = int(run.micro_batch_tokens) or run.sequences * run.longest
     activations = int(ESTIMATE_MARGIN * micro_batch_bytes(tokens, kept, transient, chunk))
@@ -356,5 +356,6 @@ def _plan_with(run: RunShape, size: ModelSize, gpu: GpuBudget, trainer: dict, we
     if run.micro_batch_tokens == "auto" and chunk_tokens < run.chunk_tokens:
         notes.append(f"log-probs in chunks of {chunk_tokens} tokens, not {run.chunk_tokens}, to fit")
     return MemoryPlan(gpu.name, budget, capped, weights, sleep_level, kv_bytes, kv_needed, **common,
-                      engine_batched_tokens=batched_tokens, engine_max_seqs=max_seqs, micro_batch_tokens=tokens, logprob_chunk_tokens=chunk_tokens, parts=parts, phases=phases,
-                      fits=fits, why_not=why_not, notes=tuple(notes))
+                      engine_batched_tokens=batched_tokens, engine_max_seqs=max_seqs, micro_batch_tokens=tokens,
+                      logprob_chunk_tokens=chunk_tokens, parts=parts, phases=phases, fits=fits, why_not=why_not,
+                      notes=tuple(notes))
