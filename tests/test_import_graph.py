@@ -1,6 +1,7 @@
 """The package's import graph: every module of grpo/ imports on its own (a circle of top-level imports fails when
-entered from one of its modules), and the engine weight transfer (grpo/sync/) depends on model loading
-(grpo/model/), never the other way round, with no circle among them even through imports inside functions."""
+entered from one of its modules), no two modules of grpo/ import each other even through a circle of several or
+through imports inside functions (which only wait for a call to fail, or hide which module depends on which), and
+the engine weight transfer (grpo/sync/) depends on model loading (grpo/model/), never the other way round."""
 import ast
 import json
 import os
@@ -39,18 +40,39 @@ def grpo_modules() -> dict[str, str]:
     return modules
 
 
-def imported_modules(path: str, known: set[str]) -> set[str]:
-    """The modules of `known` that a file imports anywhere in it (inside functions too)."""
+def imported_modules(path: str, known: set[str], name: str = "") -> set[str]:
+    """The modules of `known` that a file (module `name`, for its relative imports) imports anywhere in it (inside
+    functions too)."""
     found = set()
+    package = name if path.endswith("__init__.py") else name.rpartition(".")[0]
     for node in ast.walk(ast.parse(open(path).read())):
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            names = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = package.split(".") if node.level else []
+            module = ".".join(base[:len(base) - node.level + 1] + ([node.module] if node.module else []))
+            names = [module] + [f"{module}.{alias.name}" for alias in node.names]
         else:
             continue
         found.update(name for name in names if name in known)
     return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the modules of grpo/ its import statements run: those it names, and the packages above them (their
+    __init__ runs first) but its own."""
+    modules = grpo_modules()
+    graph = {}
+    for name, path in modules.items():
+        named = imported_modules(path, set(modules), name)
+        graph[name] = {package for dep in named for package in _packages_of(dep) if package in modules} \
+            - set(_packages_of(name))
+    return graph
+
+
+def _packages_of(module: str) -> list[str]:
+    """The module and every package above it: grpo.a.b -> grpo.a.b, grpo.a, grpo."""
+    return [module.rsplit(".", depth)[0] for depth in range(module.count(".") + 1)]
 
 
 def cycle_from(graph: dict[str, set[str]]) -> list[str] | None:
@@ -81,6 +103,28 @@ def cycle_from(graph: dict[str, set[str]]) -> list[str] | None:
 def test_cycle_from_finds_a_circle_and_only_a_circle():
     assert cycle_from({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert cycle_from({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
+
+
+def test_imports_are_read_with_the_packages_they_run():
+    graph = import_graph()
+    assert {"grpo.config.options", "grpo.errors"} <= graph["grpo.config.cli"]
+    assert "grpo.rewards" in graph["grpo.tools.registry"]  # grpo.rewards.registry's package __init__ runs first
+    assert "grpo.config" not in graph["grpo.config.cli"]  # its own package: already being imported
+
+
+def test_relative_imports_are_resolved(tmp_path):
+    (tmp_path / "__init__.py").write_text("from . import b\nfrom .sub.c import f\n")
+    (tmp_path / "m.py").write_text("from .b import g\nfrom ..other import h\n")
+    known = {"p", "p.b", "p.sub.c", "other"}
+    assert imported_modules(str(tmp_path / "__init__.py"), known, "p") == {"p", "p.b", "p.sub.c"}
+    assert imported_modules(str(tmp_path / "m.py"), known, "p.m") == {"p.b", "other"}
+
+
+def test_no_import_circle_among_grpo_modules():
+    """A circle (a imports b, b imports a, directly or through others, at the top or inside a function) means two
+    modules each need the other: the shared name belongs in one of them, or in a module both import."""
+    circle = cycle_from(import_graph())
+    assert circle is None, "import circle: " + " -> ".join(circle)
 
 
 def test_every_module_imports_on_its_own():

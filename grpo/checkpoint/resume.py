@@ -30,7 +30,7 @@ def saved_config_path(resume: str, output_dir: str) -> str:
 def check_resume_keeps_policy(saved_path: str, config) -> None:
     """Refuse to resume with options that rebuild a different policy around the checkpoint's weights (before any
     model is loaded). Other changed options are only listed (log_resumed_options)."""
-    saved, now = _saved_options(saved_path), config.to_dict()
+    saved, now = _saved_options(saved_path, config), config.to_dict()
     keys = POLICY_OPTIONS
     if saved.get("tuning_strategy") == now["tuning_strategy"] and config.uses_lora:
         keys += LORA_POLICY_OPTIONS + (QLORA_POLICY_OPTIONS if now["tuning_strategy"] == "qlora" else ())
@@ -44,10 +44,11 @@ def check_resume_keeps_policy(saved_path: str, config) -> None:
             f"a new run with these options in another --output_dir (or --overwrite_output_dir)")
 
 
-def _saved_options(saved_path: str) -> dict:
-    """The saved options; empty when none were saved or they cannot be read (nothing to compare with)."""
+def _saved_options(saved_path: str, config) -> dict:
+    """The saved options (those `config` has); empty when none were saved or they cannot be read (nothing to compare
+    with)."""
     try:
-        return read_saved_options(saved_path)
+        return read_saved_options(saved_path, config)
     except (ConfigError, OSError):
         return {}
 
@@ -71,7 +72,7 @@ def as_compared(key: str, value):
 def changed_options(saved_path: str, config) -> list[str]:
     """The options `config` holds with other values than the saved ones (per-start options aside; qlora's only
     where a run is qlora, since they shape nothing else)."""
-    now, saved = config.to_dict(), _saved_options(saved_path)
+    now, saved = config.to_dict(), _saved_options(saved_path, config)
     ignore = set(PER_START_OPTIONS)
     if "qlora" not in (now["tuning_strategy"], saved.get("tuning_strategy")):
         ignore |= {key for key in now if key.startswith("qlora_")}
@@ -89,7 +90,7 @@ def log_resumed_options(checkpoint: str, step: int, saved_path: str, config) -> 
         logger.warning(f"{where}, which has no saved options ({saved_path} is missing): the options given are used "
                        f"as they are")
         return []
-    saved = _saved_options(saved_path)
+    saved = _saved_options(saved_path, config)
     changed = changed_options(saved_path, config)
     listed = _described(saved, config.to_dict(), changed)
     if config.resumes_saved_options is not None:

@@ -1,18 +1,16 @@
 """Options from the command line and from JSON files: train_grpo.py's flags (generated from GRPOConfig, listed by
-group in --help, each once), `--config file.json`, and the reading of every JSON file users edit (run configs, the
-dataset registry, DeepSpeed configs) with errors that point."""
+group in --help, each once) and `--config file.json` (read, like every JSON file users edit, by json_files.py)."""
 from __future__ import annotations
 
 import argparse
 import difflib
-import json
-import os
 import re
 import sys
 from dataclasses import fields
 from typing import Optional
 
 from grpo.config.guide_spellings import GUIDE_SWITCHES, check_guide_spellings_agree
+from grpo.config.json_files import read_json_object  # noqa: F401 (also imported from here)
 from grpo.config.options import FLAG_GROUPS, GRPOConfig
 from grpo.errors import ConfigError
 
@@ -84,7 +82,7 @@ def parse_args(argv: Optional[list[str]] = None) -> GRPOConfig:
         from grpo.config.saved import run_options
 
         saved_path, saved = run_options(given["resume_from_checkpoint"],
-                                        given.get("output_dir", GRPOConfig.output_dir))
+                                        given.get("output_dir", GRPOConfig.output_dir), GRPOConfig)
         parser.set_defaults(**saved)
     parser.set_defaults(**from_json)
     # the extra --config argument (already consumed above) comes back as a second, unused namespace
@@ -132,17 +130,3 @@ def _read_config_json(path: str, known: set[str]) -> dict:
         raise ConfigError(f"--config: {path} has unknown option(s) {', '.join(unknown)}; "
                           f"see `python train_grpo.py --help` for the valid names")
     return values
-
-
-def read_json_object(path: str, error: type[Exception], label: str) -> dict:
-    """The JSON object in `path`; a missing file, bad JSON (with line and column) or a non-object raises `error`."""
-    if not os.path.isfile(path):
-        raise error(f"{label}: file not found: {os.path.abspath(path)}")
-    try:
-        with open(path) as fh:
-            value = json.load(fh)
-    except json.JSONDecodeError as exc:
-        raise error(f"{label}: {path} is not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})")
-    if not isinstance(value, dict):
-        raise error(f"{label}: {path} must hold a JSON object")
-    return value

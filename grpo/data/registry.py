@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, fields
 from typing import Optional, Sequence
 
 from grpo.errors import DatasetError
-from grpo.config.cli import read_json_object
+from grpo.config.json_files import read_json_object
 
 EXTRACTORS = ("none", "gsm8k", "boxed", "regex:<pattern>")
 

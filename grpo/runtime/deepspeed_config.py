@@ -5,7 +5,7 @@ from typing import Any
 
 from grpo.config.options import GRPOConfig
 from grpo.errors import ConfigError
-from grpo.config.cli import read_json_object
+from grpo.config.json_files import read_json_object
 from grpo.config.shipped import resolve_shipped_file
 
 

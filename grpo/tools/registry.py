@@ -18,19 +18,21 @@ class Tool:
     fn: Callable
     schema: dict     # {"type": "function", "function": {"name", "description", "parameters"}}: what `tools=` takes
     timeout: float   # seconds
+    check: Optional[Callable[[], None]] = None  # raises ToolError where the tool cannot run here (register_tool)
 
 
 _TOOLS: dict[str, Tool] = {}
 
 
-def register_tool(name: str, timeout: float = DEFAULT_TOOL_TIMEOUT):
+def register_tool(name: str, timeout: float = DEFAULT_TOOL_TIMEOUT, check: Optional[Callable[[], None]] = None):
     """Decorator: make a plain Python function callable by the model as `name`, and usable by that name in
     dataset_config.json's "tools".
 
     The function needs type hints and a Google-style docstring (a summary line and an `Args:` section naming every
     parameter): they become the JSON schema the chat template shows the model. It returns text, or a value that JSON
     can write (dict, list, number, bool, None). Registering the same function again replaces it; a different function
-    under a taken name is an error.
+    under a taken name is an error. `check`, if given, is called by check_tools (before any model loads) and raises
+    ToolError where the tool cannot run here (the built-in `python` tool: no sandbox can be made).
     """
     if not isinstance(name, str) or not name.strip():
         hint = " (write @register_tool(\"name\"), with the name in parentheses)" if callable(name) else ""
@@ -47,7 +49,7 @@ def register_tool(name: str, timeout: float = DEFAULT_TOOL_TIMEOUT):
         if existing is not None and qualified_name(existing.fn) != qualified_name(fn):
             raise ToolError(f"tool name '{name}' is already registered by {qualified_name(existing.fn)}; "
                             f"pick another name for {qualified_name(fn)}")
-        _TOOLS[name] = Tool(name, fn, function_schema(fn, name), float(timeout))
+        _TOOLS[name] = Tool(name, fn, function_schema(fn, name), float(timeout), check)
         return fn
     return decorator
 
@@ -93,7 +95,8 @@ def load_tool_module(path: str) -> None:
 
 def check_tools(names: Iterable[str], module: Optional[str] = None) -> list[Tool]:
     """Load --tool_module (if given) and return the named tools, or fail with one message naming every unknown tool
-    (or, for the built-in `python` tool, saying why no sandbox can be made here).
+    (or, where a named tool's check fails, saying why it cannot run here: the built-in `python` tool without a
+    sandbox).
 
     Config and dataset validation call this before any model loads."""
     if module:
@@ -105,7 +108,7 @@ def check_tools(names: Iterable[str], module: Optional[str] = None) -> list[Tool
         raise ToolError(f"unknown tool{'s' if len(unknown) > 1 else ''} {', '.join(repr(n) for n in unknown)}{where}. "
                         f"Registered: {', '.join(registered_tools())}. Define it with @register_tool(\"name\") in a "
                         "Python file and pass that file with --tool_module")
-    if "python" in names and _TOOLS["python"].fn.__module__ == "grpo.tools.sandbox":
-        from grpo.tools.sandbox import require_sandbox
-        require_sandbox()  # the built-in python tool refuses to start without a sandbox (unless allowed explicitly)
+    for name in dict.fromkeys(names):
+        if _TOOLS[name].check is not None:
+            _TOOLS[name].check()  # the python tool refuses to start without a sandbox (unless allowed explicitly)
     return [_TOOLS[n] for n in names]

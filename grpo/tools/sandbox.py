@@ -322,7 +322,8 @@ def python_tool_output(result: SandboxResult, limits: SandboxLimits) -> str:
 DEFAULT_LIMITS = SandboxLimits()
 
 
-@register_tool("python", timeout=DEFAULT_LIMITS.timeout + 20)
+# check_tools calls require_sandbox: a run naming this tool stops before any model loads where no sandbox can be made
+@register_tool("python", timeout=DEFAULT_LIMITS.timeout + 20, check=require_sandbox)
 def python(code: str) -> str:
     """Run a Python program and return what it prints. Each call starts fresh: no variables carry over.
 
