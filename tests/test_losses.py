@@ -246,13 +246,17 @@ def test_icepop_masks_tokens_outside_the_band():
 
 
 def test_geometric_mask_by_the_sequences_geometric_mean():
-    # default band 0.999 .. 1.001: e^0.433 = 1.54 and e^-0.5 = 0.61 are both out
+    # verl's seq_mean_k1: the band holds e^-G (G the mean of d): row 0 e^-0.433 = 0.648, row 1 e^0.5 = 1.649
+    # default band 0.999 .. 1.001: both out
     w, _, masked = rollout_correction(TRAINER, ROLLOUT, RC_MASK, "geometric_mask")
     check(w, [[0.0] * 3, [0.0] * 3])
     assert masked.sum().item() == 5
-    # band 0.7 .. 1.6: row 0 kept with weight 1 (a mask, not a weight), row 1 out
-    w, _, _ = rollout_correction(TRAINER, ROLLOUT, RC_MASK, "geometric_mask", low=0.7, high=1.6)
-    check(w, [[1.0] * 3, [0.0] * 3])
+    # band 0.6 .. 1.7: both kept with weight 1 (a mask, not a weight)
+    w, _, _ = rollout_correction(TRAINER, ROLLOUT, RC_MASK, "geometric_mask", low=0.6, high=1.7)
+    check(w, [[1.0] * 3, [1.0] * 3])
+    # band 0.7 .. 1.7: row 0 (0.648) out, row 1 (1.649) kept; a band on e^G (1.542, 0.607) would give the reverse
+    w, _, _ = rollout_correction(TRAINER, ROLLOUT, RC_MASK, "geometric_mask", low=0.7, high=1.7)
+    check(w, [[0.0] * 3, [1.0] * 3])
 
 
 def test_corrections_of_extreme_gaps_are_finite():

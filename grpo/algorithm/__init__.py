@@ -14,14 +14,14 @@ from grpo.algorithm.aggregation import (AGGREGATIONS, aggregate, aggregation_nor
 from grpo.algorithm.kl import KL_CLAMP, kl_estimate, kl_k3
 from grpo.algorithm.logprobs import hidden_token_logprobs, token_entropy, token_logprobs
 from grpo.algorithm.losses import (LOG_RATIO_CLAMP, SEQ_LOG_RATIO_CAP, LossSettings, cispo_token_loss,
-                                   gmpo_sequence_loss, importance_ratio, policy_loss, ppo_clip_token_loss,
-                                   sapo_token_loss, token_log_ratio)
+                                   gmpo_sequence_loss, gmpo_sequence_weights, importance_ratio, policy_loss,
+                                   ppo_clip_token_loss, sapo_token_loss, token_log_ratio)
 from grpo.algorithm.rollout_correction import rollout_correction
 
 __all__ = [
     "ADVANTAGE_SCALES", "AGGREGATIONS", "KL_CLAMP", "LOG_RATIO_CLAMP", "SEQ_LOG_RATIO_CAP", "LossSettings", "aggregate",
-    "aggregation_normaliser", "aggregation_numerator", "cispo_token_loss", "gmpo_sequence_loss", "group_advantages",
-    "hidden_token_logprobs", "importance_ratio", "kl_estimate", "kl_k3", "kl_penalized_rewards", "masked_mean",
-    "policy_loss", "ppo_clip_token_loss", "reward_std", "rollout_correction", "sapo_token_loss", "token_entropy",
-    "token_log_ratio", "token_logprobs",
+    "aggregation_normaliser", "aggregation_numerator", "cispo_token_loss", "gmpo_sequence_loss",
+    "gmpo_sequence_weights", "group_advantages", "hidden_token_logprobs", "importance_ratio", "kl_estimate", "kl_k3",
+    "kl_penalized_rewards", "masked_mean", "policy_loss", "ppo_clip_token_loss", "reward_std", "rollout_correction",
+    "sapo_token_loss", "token_entropy", "token_log_ratio", "token_logprobs",
 ]

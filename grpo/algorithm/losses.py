@@ -139,6 +139,24 @@ def gmpo_sequence_loss(log_ratio: torch.Tensor, adv: torch.Tensor, mask: torch.T
     return (-adv * seq_ratio).expand_as(log_ratio)
 
 
+GMPO_WEIGHT_FLOOR = 1e-10  # added to a weight before its log in gmpo's geometric mean (verl's), so log 0 is finite
+
+
+def gmpo_sequence_weights(is_weights: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """GMPO's weight of a sequence from per-token correction weights w_t: their geometric mean, as verl's geo_mean
+    aggregates rollout_is_weights (a per-token weight would break the sequence's single ratio):
+
+        W_i = exp( sum_t m_t log(w_t + 1e-10) / sum_t m_t ),   0 where every w_t of the sequence is 0
+    A token weight of 0 (icepop) thus scales its sequence by (1e-10)^(1/n_i), not to 0: one such token of 100 gives
+    0.79. Sequence-wide weights (sequence_truncate, sequence_mask, geometric_mask) are their own geometric mean.
+    is_weights / mask [N, T] -> [N, T] (W_i at every token of i)."""
+    mask = mask.to(is_weights.dtype)
+    logs = torch.where(mask > 0, torch.log(is_weights + GMPO_WEIGHT_FLOOR), torch.zeros_like(is_weights))  # [N, T]
+    seq = torch.exp(logs.sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True).clamp(min=1.0))          # [N, 1]
+    rejected = ((is_weights == 0) | (mask == 0)).all(dim=1, keepdim=True) & (mask > 0).any(dim=1, keepdim=True)
+    return torch.where(rejected, torch.zeros_like(seq), seq).expand_as(is_weights)
+
+
 @dataclass(frozen=True)
 class LossSettings:
     """The loss's scalar settings (policy_loss documents each)."""
@@ -173,6 +191,7 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
                 | gmpo_sequence_loss(log ratio, A, mask, eps_low, eps_high)       loss_type gmpo (eps in log space)
         pg_t    = min(pg_t, -A * clip_ratio_c)   where A < 0                      (dual-clip, ppo_clip only)
         pg_t    = pg_t * w_t                                                      (w = is_weights, or 1)
+                  (gmpo: w_t = gmpo_sequence_weights(w, mask), the sequence's geometric mean)
         loss_t  = pg_t + beta * kl_t - entropy_coef * H_t                         (kl_t = kl_estimate(lp, ref))
         loss    = aggregate(loss_t, mask, aggregation)
     Dual-clip (Ye et al. 2020, as in verl) bounds the loss of a negative-advantage token whose ratio has grown large:
@@ -214,7 +233,10 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
         dual_capped = (adv < 0) & (pg_per_token > cap)                     # [N, T]
         pg_per_token = torch.where(adv < 0, torch.min(pg_per_token, cap), pg_per_token)
     if is_weights is not None:
-        pg_per_token = pg_per_token * is_weights.detach().to(logprobs.dtype)
+        weights = is_weights.detach().to(logprobs.dtype)                   # [N, T]
+        if loss_type == "gmpo":  # one weight per sequence: the geometric mean of its tokens' (verl's geo_mean)
+            weights = gmpo_sequence_weights(weights, mask)
+        pg_per_token = pg_per_token * weights
     per_token = pg_per_token
     kl = None
     if ref_logprobs is not None:

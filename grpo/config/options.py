@@ -232,8 +232,8 @@ class GRPOConfig(DerivedOptions):
         None, "How --rollout_is_correction corrects: token_truncate (the default: min(ratio, cap) per token), "
               "sequence_truncate (the sequence's ratio, capped), sequence_mask (the sequence's ratio, 0 outside "
               "--rollout_mask_low/high; TRL's default), icepop (the token's ratio, 0 outside the band) or "
-              "geometric_mask (weight 1, 0 where the sequence's geometric-mean ratio is outside the band; verl's "
-              "seq_mean_k1). See docs/algorithm.md.", "grpo", choices=ROLLOUT_CORRECTIONS)
+              "geometric_mask (weight 1, 0 where the sequence's geometric mean of rollout / trainer probability is "
+              "outside the band, as verl's seq_mean_k1). See docs/algorithm.md.", "grpo", choices=ROLLOUT_CORRECTIONS)
     rollout_mask_low: Optional[float] = _opt(
         None, "Lower bound of the masking band of --rollout_correction (default per mode: "
               + ", ".join(f"{m} {lo}" for m, (lo, _) in ROLLOUT_MASK_BANDS.items()) + ").", "grpo")
