@@ -4,6 +4,7 @@ Each episode's calls must come back as one sequence whose sampled ids, mask and 
 """
 import asyncio
 import json
+import threading
 import time
 
 import pytest
@@ -249,6 +250,7 @@ def test_hanging_and_failing_agents_give_error_results(model_and_tokenizer):
     episodes = run_agent_episodes(engine, tokenizer, sometimes_failing, rows, SamplingSettings(n=2, max_new_tokens=2),
                                   AgentLimits(timeout_s=3))
     assert time.monotonic() - started < 30
+    assert not [t for t in threading.enumerate() if t.name == "grpo-agents"]
     ok, hung, failed = episodes[0], episodes[2], episodes[4]
     assert ok.ok and ok.calls_kept == 1
     assert hung.timed_out and hung.error == "the agent did not finish within 3 s"
@@ -372,3 +374,17 @@ def test_agent_registry_and_module(tmp_path):
 
 async def _one_argument(client):
     return None
+
+
+class FailingEngine(RolloutEngine):
+    def generate(self, prompt_token_ids, sampling, images=None):
+        raise RuntimeError("out of memory (a stand-in)")
+
+
+def test_an_engine_failure_stops_the_run(model_and_tokenizer):
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="out of memory"):
+        run_agent_episodes(FailingEngine(), model_and_tokenizer[1], two_turns, [{"question": "What is 1 + 1 ?"}],
+                           SamplingSettings(n=4, max_new_tokens=4), AgentLimits(timeout_s=60))
+    assert time.monotonic() - started < 20
+    assert not [t for t in threading.enumerate() if t.name == "grpo-agents"]  # the agents' loop has ended

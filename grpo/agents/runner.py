@@ -215,7 +215,11 @@ async def _run_agent(agent: Callable, client, row: dict, timeout_s: float) -> tu
         task = asyncio.ensure_future(run)
     except Exception as exc:
         return None, _describe(exc), False
-    done, _ = await asyncio.wait({task}, timeout=timeout_s)
+    try:
+        done, _ = await asyncio.wait({task}, timeout=timeout_s)
+    except asyncio.CancelledError:  # the run is stopping (the engine failed): the agent with it
+        task.cancel()
+        raise
     if not done:
         task.cancel()
         await asyncio.wait({task}, timeout=1.0)  # its own cleanup (an agent that ignores the cancel is left)
