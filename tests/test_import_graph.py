@@ -146,3 +146,13 @@ def test_the_weight_transfer_depends_on_model_loading_one_way_without_circles():
             if name.startswith("grpo.model.") and any(dep.startswith("grpo.sync.") for dep in deps)}
     assert back == {}, f"model loading imports the weight transfer: {back}"
     assert graph["grpo.sync.weight_sync"] >= {"grpo.model.layer_weights", "grpo.sync.in_place_merge"}
+
+
+def test_the_math_never_imports_the_config():
+    """grpo/config/ reads the algorithm's names (grpo/algorithm/registry.py: --loss_type's choices are the registered
+    losses); the math reads nothing of the config."""
+    graph = import_graph()
+    back = {name: sorted(dep for dep in deps if dep.startswith("grpo.config"))
+            for name, deps in graph.items() if name.startswith("grpo.algorithm")}
+    assert {name: deps for name, deps in back.items() if deps} == {}
+    assert "grpo.algorithm.registry" in graph["grpo.config.choices"]

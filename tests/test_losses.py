@@ -274,3 +274,52 @@ def test_rollout_correction_bad_arguments():
         rollout_correction(TRAINER, ROLLOUT, RC_MASK, "token_mask")
     with pytest.raises(ValueError, match="0 <= low < high"):
         rollout_correction(TRAINER, ROLLOUT, RC_MASK, "icepop", low=5.0, high=2.0)
+
+
+# ------------------------------------------------------------------------------------- losses registered by name
+def test_the_built_in_losses_are_the_registry_and_the_configs_choices():
+    from grpo.algorithm.registry import POLICY_LOSSES
+    from grpo.config.choices import LOSS_TYPES as CHOICES
+
+    assert tuple(POLICY_LOSSES) == tuple(CHOICES) == LOSS_TYPES  # --help lists them in this order
+    assert [n for n, loss in POLICY_LOSSES.items() if loss.sequence_ratio] == ["ppo_clip", "sapo"]
+    assert [n for n, loss in POLICY_LOSSES.items() if loss.dual_clip] == ["ppo_clip"]
+
+
+def test_a_loss_registered_by_name_is_a_choice_of_the_config_and_computed_by_policy_loss():
+    from grpo.algorithm import register_policy_loss
+    from grpo.algorithm.registry import POLICY_LOSSES
+    from grpo.config import GRPOConfig
+    from grpo.config.cli import build_parser
+    from grpo.errors import ConfigError
+
+    seen = []
+
+    @register_policy_loss("reinforce_ratio", dual_clip=True)
+    def reinforce_ratio(terms):
+        """pg_t = -A r_t, no clip."""
+        seen.append(terms)
+        return -terms.adv * terms.ratio, None, None
+
+    try:
+        config = GRPOConfig(loss_type="reinforce_ratio", clip_ratio_c=3.0)
+        assert config.loss_type == "reinforce_ratio"
+        with pytest.raises(ConfigError, match="'sequence' goes with --loss_type ppo_clip or sapo"):
+            GRPOConfig(loss_type="reinforce_ratio", importance_sampling_level="sequence")
+        (action,) = [a for a in build_parser()._actions if a.dest == "loss_type"]
+        assert list(action.choices) == [*LOSS_TYPES, "reinforce_ratio"]
+
+        lp = ratio_inputs()
+        loss, m = policy_loss(lp, OLD, ADV, MASK, LossSettings(loss_type="reinforce_ratio"))
+        loss.backward()
+        assert len(seen) == 1 and seen[0].eps_high == 0.2  # eps_high None: eps_low
+        # pg = -A r: row 0 (A = 1): -1.5, -0.5; row 1 (A = -2): 2.2, 2.0; token mean 0.55; d/d lp = -A r / 4
+        assert loss.item() == pytest.approx(0.55)
+        torch.testing.assert_close(lp.grad, torch.tensor([[-0.375, -0.125], [0.55, 0.5]]))
+        assert m["clip_frac"] == 0.0 and m["ratio_max"] == pytest.approx(1.5)
+    finally:
+        del POLICY_LOSSES["reinforce_ratio"]
+    with pytest.raises(ConfigError, match="choose one of ppo_clip, cispo, sapo, gmpo$"):
+        GRPOConfig(loss_type="reinforce_ratio")
+    with pytest.raises(ValueError, match="unknown loss_type"):
+        policy_loss(ratio_inputs(), OLD, ADV, MASK, LossSettings(loss_type="reinforce_ratio"))

@@ -7,21 +7,48 @@ implements. Bad arguments raise ValueError with a message that says what to pass
     aggregation         masked means; token_mean / seq_mean_token_mean / seq_mean_token_sum(_norm)
     losses              PPO-clip (token or sequence ratio, dual clip), CISPO, SAPO, GMPO, with KL and entropy
     rollout_correction  truncated / masked importance weights for the engine-trainer mismatch
-"""
-from grpo.algorithm.advantages import ADVANTAGE_SCALES, group_advantages, kl_penalized_rewards, reward_std
-from grpo.algorithm.aggregation import (AGGREGATIONS, aggregate, aggregation_normaliser, aggregation_numerator,
-                                        masked_mean)
-from grpo.algorithm.kl import KL_CLAMP, kl_estimate, kl_k3
-from grpo.algorithm.logprobs import hidden_token_logprobs, token_entropy, token_logprobs
-from grpo.algorithm.losses import (LOG_RATIO_CLAMP, SEQ_LOG_RATIO_CAP, LossSettings, cispo_token_loss,
-                                   gmpo_sequence_loss, gmpo_sequence_weights, importance_ratio, policy_loss,
-                                   ppo_clip_token_loss, sapo_token_loss, token_log_ratio)
-from grpo.algorithm.rollout_correction import rollout_correction
+    registry            the variants by name (@register_policy_loss; loss_types holds the built-in losses), torch-free
 
-__all__ = [
-    "ADVANTAGE_SCALES", "AGGREGATIONS", "KL_CLAMP", "LOG_RATIO_CLAMP", "SEQ_LOG_RATIO_CAP", "LossSettings", "aggregate",
-    "aggregation_normaliser", "aggregation_numerator", "cispo_token_loss", "gmpo_sequence_loss",
-    "gmpo_sequence_weights", "group_advantages", "hidden_token_logprobs", "importance_ratio", "kl_estimate", "kl_k3",
-    "kl_penalized_rewards", "masked_mean", "policy_loss", "ppo_clip_token_loss", "reward_std", "rollout_correction",
-    "sapo_token_loss", "token_entropy", "token_log_ratio", "token_logprobs",
-]
+The names below load their module (and torch) on first use: the command line reads the registry without them.
+"""
+import sys
+import types
+
+import grpo.algorithm.loss_types  # noqa: F401 (registers the built-in policy losses)
+
+_MODULES = {
+    "advantages": ("ADVANTAGE_SCALES", "group_advantages", "kl_penalized_rewards", "reward_std"),
+    "aggregation": ("aggregate", "aggregation_normaliser", "aggregation_numerator", "masked_mean"),
+    "kl": ("KL_CLAMP", "kl_estimate", "kl_k3"),
+    "logprobs": ("hidden_token_logprobs", "token_entropy", "token_logprobs"),
+    "losses": ("LOG_RATIO_CLAMP", "SEQ_LOG_RATIO_CAP", "LossSettings", "cispo_token_loss", "gmpo_sequence_loss",
+               "gmpo_sequence_weights", "importance_ratio", "policy_loss", "ppo_clip_token_loss", "sapo_token_loss",
+               "token_log_ratio"),
+    "rollout_correction": ("rollout_correction",),
+    "registry": ("AGGREGATIONS", "LossTerms", "PolicyLoss", "get_policy_loss", "register_policy_loss"),
+}
+_LAZY = {name: f"grpo.algorithm.{module}" for module, names in _MODULES.items() for name in names}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+
+        value = globals()[name] = getattr(importlib.import_module(_LAZY[name]), name)
+        return value
+    raise AttributeError(f"module 'grpo.algorithm' has no attribute {name!r}")
+
+
+class _Package(types.ModuleType):
+    """rollout_correction names a module and its function: once the module loads (which sets the package's attribute
+    to it), grpo.algorithm.rollout_correction stays the function."""
+
+    def __setattr__(self, name, value):
+        if isinstance(value, types.ModuleType) and _LAZY.get(name) == value.__name__:
+            value = getattr(value, name)
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

@@ -8,7 +8,7 @@ from typing import Optional
 
 import torch
 
-from grpo.config.choices import AGGREGATIONS
+from grpo.algorithm.registry import AGGREGATIONS
 
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: Optional[int] = None) -> torch.Tensor:

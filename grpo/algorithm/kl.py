@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from grpo.config.choices import KL_ESTIMATORS
+from grpo.algorithm.registry import KL_ESTIMATORS
 
 
 KL_CLAMP = 10.0  # bound on the k3 log-ratio before exp and on k3 itself

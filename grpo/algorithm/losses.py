@@ -11,7 +11,8 @@ import torch
 
 from grpo.algorithm.aggregation import aggregate, masked_mean
 from grpo.algorithm.kl import kl_estimate
-from grpo.config.choices import IMPORTANCE_SAMPLING_LEVELS, KL_ESTIMATORS, LOSS_TYPES
+from grpo.algorithm.registry import (IMPORTANCE_SAMPLING_LEVELS, KL_ESTIMATORS, LossTerms, get_policy_loss,
+                                    policy_losses_taking)
 
 
 LOG_RATIO_CLAMP = 20.0  # bound on a token log-ratio before exp (as verl): exp(88.7) overflows fp32, and inf * 0 is NaN
@@ -40,18 +41,18 @@ def _check_loss_inputs(logprobs, old_logprobs, advantages, mask, ref_logprobs, i
         raise ValueError(f"clip range needs 0 <= eps_low < 1 and eps_high >= 0, got {eps_low} and {eps_high}")
     if beta < 0:
         raise ValueError(f"beta (KL coefficient) must be >= 0, got {beta}")
-    if loss_type not in LOSS_TYPES:
-        raise ValueError(f"unknown loss_type '{loss_type}' (use one of {', '.join(LOSS_TYPES)})")
+    chosen = get_policy_loss(loss_type)  # ValueError naming the registered ones
     if importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
         raise ValueError(f"unknown importance_sampling_level '{importance_sampling_level}' "
                          f"(use one of {', '.join(IMPORTANCE_SAMPLING_LEVELS)})")
-    if importance_sampling_level == "sequence" and loss_type in ("cispo", "gmpo"):
+    if importance_sampling_level == "sequence" and not chosen.sequence_ratio:
         raise ValueError(f"loss_type '{loss_type}' takes token ratios (gmpo forms its own sequence ratio): use "
                          "importance_sampling_level 'token'")
     if clip_ratio_c is not None and not clip_ratio_c > 1.0:
         raise ValueError(f"clip_ratio_c (dual-clip bound) must be > 1, got {clip_ratio_c}")
-    if clip_ratio_c is not None and loss_type != "ppo_clip":
-        raise ValueError(f"clip_ratio_c (dual-clip) applies to loss_type 'ppo_clip' only, got '{loss_type}'")
+    if clip_ratio_c is not None and not chosen.dual_clip:
+        takes = " / ".join(f"'{name}'" for name in policy_losses_taking("dual_clip"))
+        raise ValueError(f"clip_ratio_c (dual-clip) applies to loss_type {takes} only, got '{loss_type}'")
     if not (settings.sapo_tau_pos > 0 and settings.sapo_tau_neg > 0):
         raise ValueError(f"SAPO temperatures must be > 0, got tau_pos {settings.sapo_tau_pos} and "
                          f"tau_neg {settings.sapo_tau_neg}")
@@ -169,7 +170,7 @@ class LossSettings:
     importance_sampling_level: str = "token"      # token (PPO) or sequence (GSPO)
     clip_ratio_c: Optional[float] = None          # dual-clip bound (> 1), None = off
     entropy_coef: float = 0.0                     # entropy bonus
-    loss_type: str = "ppo_clip"                   # one of LOSS_TYPES
+    loss_type: str = "ppo_clip"                   # a registered policy loss (registry.py, loss_types.py)
     sapo_tau_pos: float = 1.0                     # SAPO gate temperature where A > 0
     sapo_tau_neg: float = 1.05                    # ... and where A <= 0
 
@@ -189,6 +190,7 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
                 | cispo_token_loss(lp, ratio, A, eps_low, eps_high)                loss_type cispo
                 | sapo_token_loss(ratio, A, tau_pos, tau_neg)                      loss_type sapo
                 | gmpo_sequence_loss(log ratio, A, mask, eps_low, eps_high)       loss_type gmpo (eps in log space)
+                | the loss registered as loss_type (@register_policy_loss; the ones above: loss_types.py)
         pg_t    = min(pg_t, -A * clip_ratio_c)   where A < 0                      (dual-clip, ppo_clip only)
         pg_t    = pg_t * w_t                                                      (w = is_weights, or 1)
                   (gmpo: w_t = gmpo_sequence_weights(w, mask), the sequence's geometric mean)
@@ -219,14 +221,9 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     mask = mask.to(logprobs.dtype)                                         # [N, T]
 
     ratio = importance_ratio(logprobs, old_logprobs, mask, settings.importance_sampling_level)  # [N, T]
-    if loss_type == "cispo":
-        pg_per_token = cispo_token_loss(logprobs, ratio, adv, eps_low, eps_high)
-    elif loss_type == "sapo":
-        pg_per_token = sapo_token_loss(ratio, adv, settings.sapo_tau_pos, settings.sapo_tau_neg)
-    elif loss_type == "gmpo":
-        pg_per_token = gmpo_sequence_loss(token_log_ratio(logprobs, old_logprobs), adv, mask, eps_low, eps_high)
-    else:
-        pg_per_token = ppo_clip_token_loss(ratio, adv, eps_low, eps_high)  # [N, T]
+    chosen = get_policy_loss(loss_type)
+    pg_per_token, clipped_low, clipped_high = chosen.fn(
+        LossTerms(logprobs, old_logprobs, ratio, adv, mask, eps_low, eps_high, settings))   # [N, T] each
     dual_capped = None
     if clip_ratio_c is not None:
         cap = -adv * clip_ratio_c                                          # [N, 1], > 0 where A < 0
@@ -234,7 +231,7 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
         pg_per_token = torch.where(adv < 0, torch.min(pg_per_token, cap), pg_per_token)
     if is_weights is not None:
         weights = is_weights.detach().to(logprobs.dtype)                   # [N, T]
-        if loss_type == "gmpo":  # one weight per sequence: the geometric mean of its tokens' (verl's geo_mean)
+        if chosen.sequence_weights:  # one weight per sequence: the geometric mean of its tokens' (verl's geo_mean)
             weights = gmpo_sequence_weights(weights, mask)
         pg_per_token = pg_per_token * weights
     per_token = pg_per_token
@@ -248,16 +245,9 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     loss = aggregate(per_token, mask, aggregation, max_completion_length, normaliser=normaliser)
 
     with torch.no_grad():
-        below, above = ratio < 1.0 - eps_low, ratio > 1.0 + eps_high        # [N, T]
-        if loss_type == "gmpo":  # its bounds are on the log-ratio
-            log_ratio = token_log_ratio(logprobs, old_logprobs)
-            below, above = log_ratio < -eps_low, log_ratio > eps_high
-        if loss_type == "cispo":  # the weight is clipped whatever the sign of A
-            clipped_low, clipped_high = below.to(mask.dtype), above.to(mask.dtype)
-        elif loss_type == "sapo":  # no clip: the gate is smooth
-            clipped_low = clipped_high = torch.zeros_like(mask)
-        else:
-            clipped_low, clipped_high = (below & (adv < 0)).to(mask.dtype), (above & (adv > 0)).to(mask.dtype)
+        # the tokens whose clip bound held, as the loss counts them (none for a loss without a clip: sapo)
+        clipped_low, clipped_high = (torch.zeros_like(mask) if clipped is None else clipped.to(mask.dtype)
+                                     for clipped in (clipped_low, clipped_high))
         metrics = {
             "clip_frac_low": masked_mean(clipped_low, mask).item(),
             "clip_frac_high": masked_mean(clipped_high, mask).item(),

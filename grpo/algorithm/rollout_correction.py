@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 
 from grpo.algorithm.losses import LOG_RATIO_CLAMP
-from grpo.config.choices import ROLLOUT_CORRECTIONS, ROLLOUT_MASK_BANDS
+from grpo.algorithm.registry import ROLLOUT_CORRECTIONS, ROLLOUT_MASK_BANDS
 
 
 def _log_bound(value: float) -> float:

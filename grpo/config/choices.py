@@ -1,4 +1,9 @@
-"""Every option's list of accepted values and the named defaults several modules share, defined once."""
+"""Every option's list of accepted values and the named defaults several modules share, defined once. The
+algorithm's variants (losses, corrections, KL estimators, aggregations, ratio levels) are named in
+grpo/algorithm/registry.py, where the math finds them too: --loss_type's choices are the registered policy losses."""
+import grpo.algorithm.loss_types  # noqa: F401 (registers the built-in policy losses)
+from grpo.algorithm.registry import (AGGREGATIONS, IMPORTANCE_SAMPLING_LEVELS, KL_ESTIMATORS,  # noqa: F401
+                                     POLICY_LOSSES, ROLLOUT_CORRECTIONS, ROLLOUT_MASK_BANDS)
 
 EMBEDDED_MODEL = "smollm2-135m-instruct"
 STRATEGIES = ("qlora", "lora", "full")
@@ -12,14 +17,8 @@ STOCK_4BIT_OPTIONS = f"--qlora_block_size {BITSANDBYTES_BLOCK_SIZE} --qlora_bloc
 # grpo's: the base quantized again from the checkpoint in blocks of 32 with searched scales, which keeps more of the
 # 16-bit model (docs/qlora.md, benchmarks/RESULTS.md)
 DEFAULT_BLOCK_SIZE, DEFAULT_BLOCK_SCALE = 32, "mse"
-AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 REWARD_SCALES = ("group", "batch", "none")
-KL_ESTIMATORS = ("k1", "k2", "k3")
-IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
-LOSS_TYPES = ("ppo_clip", "cispo", "sapo", "gmpo")
-ROLLOUT_CORRECTIONS = ("token_truncate", "sequence_truncate", "sequence_mask", "icepop", "geometric_mask")
-# the default band [low, high] of each masking correction (grpo.algorithm.rollout_correction)
-ROLLOUT_MASK_BANDS = {"sequence_mask": (0.0, 3.0), "icepop": (0.5, 5.0), "geometric_mask": (0.999, 1.001)}
+LOSS_TYPES = POLICY_LOSSES.keys()  # the registered policy losses, in order; one registered later is a choice too
 ROLLOUT_ENGINES = ("hf", "vllm")
 ROLLOUT_MODES = ("colocate", "server")
 ROLLOUT_WEIGHTS = ("auto", "merged", "adapter", "in_place")

@@ -10,6 +10,7 @@ from grpo.config.choices import (AGGREGATIONS, BITSANDBYTES_BLOCK_SIZE, DEFAULT_
                                  KL_ESTIMATORS, LOSS_TYPES, ROLLOUT_CORRECTIONS, ROLLOUT_MASK_BANDS, QLORA_BLOCK_SCALES, QLORA_BLOCK_SIZES, QLORA_INITS, QLORA_QUANT_TYPES,
                                  REWARD_SCALES, ROLLOUT_ENGINES, ROLLOUT_MODES, ROLLOUT_WEIGHTS, SCHEDULERS,
                                  SEQUENCE_PARALLEL_ROLLOUTS, STRATEGIES, TRACKERS)
+from grpo.algorithm.registry import POLICY_LOSSES, policy_losses_taking
 from grpo.errors import ConfigError
 from grpo.runtime.roles import job_world_size
 
@@ -202,11 +203,14 @@ def _validate_loss_and_correction(cfg, need) -> None:
     need(cfg.loss_type in LOSS_TYPES, "loss_type", f"got '{cfg.loss_type}', choose one of {', '.join(LOSS_TYPES)}")
     need(cfg.sapo_tau_pos > 0 and cfg.sapo_tau_neg > 0, "sapo_tau_pos",
          f"SAPO's temperatures must be > 0, got --sapo_tau_pos {cfg.sapo_tau_pos} --sapo_tau_neg {cfg.sapo_tau_neg}")
-    need(cfg.importance_sampling_level == "token" or cfg.loss_type in ("ppo_clip", "sapo"), "importance_sampling_level",
-         f"'sequence' goes with --loss_type ppo_clip or sapo; {cfg.loss_type} takes token ratios (gmpo forms its "
-         f"own geometric mean): drop --importance_sampling_level or choose another loss")
-    need(cfg.clip_ratio_c is None or cfg.loss_type == "ppo_clip", "clip_ratio_c",
-         f"the dual clip applies to --loss_type ppo_clip only; drop it with --loss_type {cfg.loss_type}")
+    loss = POLICY_LOSSES[cfg.loss_type]
+    need(cfg.importance_sampling_level == "token" or loss.sequence_ratio, "importance_sampling_level",
+         f"'sequence' goes with --loss_type {' or '.join(policy_losses_taking('sequence_ratio'))}; {cfg.loss_type} "
+         f"takes token ratios (gmpo forms its own geometric mean): drop --importance_sampling_level or choose "
+         f"another loss")
+    need(cfg.clip_ratio_c is None or loss.dual_clip, "clip_ratio_c",
+         f"the dual clip applies to --loss_type {' / '.join(policy_losses_taking('dual_clip'))} only; drop it with "
+         f"--loss_type {cfg.loss_type}")
     mode = cfg.rollout_correction
     need(mode is None or mode in ROLLOUT_CORRECTIONS, "rollout_correction",
          f"got '{mode}', choose one of {', '.join(ROLLOUT_CORRECTIONS)}")
