@@ -48,3 +48,6 @@ def main(model_dir: str, out: str, zero_stage: int) -> None:
 if __name__ == "__main__":
     args = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]  # the launcher adds --local_rank=N
     main(args[0], args[1], int(args[2]))
+    # the group ended on every rank together: left to the interpreter's exit, its teardown can abort a rank
+    # ("terminate called without an active exception") after its work passed
+    dist_utils.shutdown()
