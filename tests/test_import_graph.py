@@ -108,7 +108,7 @@ def test_cycle_from_finds_a_circle_and_only_a_circle():
 def test_imports_are_read_with_the_packages_they_run():
     graph = import_graph()
     assert {"grpo.config.options", "grpo.errors"} <= graph["grpo.config.cli"]
-    assert "grpo.rewards" in graph["grpo.tools.registry"]  # grpo.rewards.registry's package __init__ runs first
+    assert "grpo.checkpoint" in graph["grpo.config.saved"]  # grpo.checkpoint.layout's package __init__ runs first
     assert "grpo.config" not in graph["grpo.config.cli"]  # its own package: already being imported
 
 
@@ -156,3 +156,18 @@ def test_the_math_never_imports_the_config():
             for name, deps in graph.items() if name.startswith("grpo.algorithm")}
     assert {name: deps for name, deps in back.items() if deps} == {}
     assert "grpo.algorithm.registry" in graph["grpo.config.choices"]
+
+
+def test_user_files_are_imported_by_a_module_of_their_own():
+    """--reward_module, --tool_module and --agent_module files are imported by grpo/user_code.py: the tools and the
+    agents do not reach into the rewards for it (grpo.rewards.registry keeps the names, for code that imports them
+    from there)."""
+    graph = import_graph()
+    for name in ("grpo.rewards.registry", "grpo.tools.registry", "grpo.agents.registry"):
+        assert "grpo.user_code" in graph[name], name
+    assert not {dep for dep in graph["grpo.tools.registry"] if dep.startswith("grpo.rewards")}
+    from grpo import user_code
+    from grpo.rewards import registry
+
+    assert (registry.import_user_file, registry.qualified_name) == (user_code.import_user_file,
+                                                                    user_code.qualified_name)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import inspect
 from typing import Callable, Optional
 
-from grpo.rewards.registry import import_user_file, qualified_name
+from grpo.user_code import import_user_file, qualified_name
 
 
 class AgentError(Exception):

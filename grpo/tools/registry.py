@@ -6,7 +6,7 @@ import re
 from dataclasses import dataclass
 from typing import Callable, Iterable, Optional
 
-from grpo.rewards.registry import import_user_file, qualified_name
+from grpo.user_code import import_user_file, qualified_name
 from grpo.tools.errors import ToolError
 
 DEFAULT_TOOL_TIMEOUT = 30.0  # seconds a tool may run before its call becomes a timeout message
