@@ -34,3 +34,13 @@ def import_user_file(path: str, flag: str, prefix: str, error: type[Exception]) 
     except (Exception, SystemExit) as exc:
         sys.modules.pop(module_name, None)
         raise error(f"{flag}: importing {path} failed: {type(exc).__name__}: {exc}") from exc
+
+
+def unknown_names(kind: str, unknown: list[str], module: str | None, flag: str, registered: list[str],
+                  define: str) -> str:
+    """The error of a registry asked for names it does not hold: which, after which user file, what it holds, and
+    how to define one (`define`, e.g. '@register_tool("name")')."""
+    where = f" (after importing {module})" if module else f" (no {flag} given)"
+    return (f"unknown {kind}{'s' if len(unknown) > 1 else ''} {', '.join(repr(n) for n in unknown)}{where}. "
+            f"Registered: {', '.join(registered) or 'none'}. Define it with {define} in a Python file and pass that "
+            f"file with {flag}")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import inspect
 from typing import Callable, Optional
 
-from grpo.user_code import import_user_file, qualified_name
+from grpo.user_code import import_user_file, qualified_name, unknown_names
 
 
 class AgentError(Exception):
@@ -79,9 +79,6 @@ def check_agents(names, module: Optional[str] = None) -> list[Callable]:
     names = list(names)
     unknown = [n for n in names if n not in _AGENTS]
     if unknown:
-        where = f" (after importing {module})" if module else " (no --agent_module given)"
-        raise AgentError(f"unknown agent{'s' if len(unknown) > 1 else ''} {', '.join(repr(n) for n in unknown)}"
-                         f"{where}. Registered: {', '.join(registered_agents()) or 'none'}. Define it with "
-                         "@register_agent(\"name\") on an `async def agent(client, row)` in a Python file and pass "
-                         "that file with --agent_module")
+        raise AgentError(unknown_names("agent", unknown, module, "--agent_module", registered_agents(),
+                                       '@register_agent("name") on an `async def agent(client, row)`'))
     return [_AGENTS[n] for n in names]

@@ -6,7 +6,7 @@ import re
 from dataclasses import dataclass
 from typing import Callable, Iterable, Optional
 
-from grpo.user_code import import_user_file, qualified_name
+from grpo.user_code import import_user_file, qualified_name, unknown_names
 from grpo.tools.errors import ToolError
 
 DEFAULT_TOOL_TIMEOUT = 30.0  # seconds a tool may run before its call becomes a timeout message
@@ -104,10 +104,8 @@ def check_tools(names: Iterable[str], module: Optional[str] = None) -> list[Tool
     names = list(names)
     unknown = [n for n in names if n not in _TOOLS]
     if unknown:
-        where = f" (after importing {module})" if module else " (no --tool_module given)"
-        raise ToolError(f"unknown tool{'s' if len(unknown) > 1 else ''} {', '.join(repr(n) for n in unknown)}{where}. "
-                        f"Registered: {', '.join(registered_tools())}. Define it with @register_tool(\"name\") in a "
-                        "Python file and pass that file with --tool_module")
+        raise ToolError(unknown_names("tool", unknown, module, "--tool_module", registered_tools(),
+                                      '@register_tool("name")'))
     for name in dict.fromkeys(names):
         if _TOOLS[name].check is not None:
             _TOOLS[name].check()  # the python tool refuses to start without a sandbox (unless allowed explicitly)
