@@ -22,7 +22,8 @@ def local_gpu_budget(cap_gib: float | None) -> GpuBudget | None:
     if not torch.cuda.is_available():
         return None
     index = int(os.environ.get("LOCAL_RANK", 0) or 0) % torch.cuda.device_count()
-    free, total = torch.cuda.mem_get_info(index)
+    torch.cuda.set_device(index)  # this rank's GPU from here on: asked about another, CUDA would open a context there
+    free, total = torch.cuda.mem_get_info()
     cap = int(cap_gib * GIB) if cap_gib else None
     if cap is not None and cap > total:
         raise ConfigError(f"--gpu_memory_gib {cap_gib:g}: this GPU has {total / GIB:.1f} GiB")
