@@ -459,11 +459,13 @@ def test_a_gpu_shared_with_another_process_plans_for_what_is_free(plan_of, monke
     # this rank's GPU as the planner reads it: free now, plus this process's context, which every phase counts
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    selected = []
+    monkeypatch.setattr(torch.cuda, "set_device", selected.append)  # the rank's own GPU, asked after selecting it
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda index=None: (30 * GIB, 140 * GIB))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "NVIDIA H200")
     gpu = planner.local_gpu_budget(40)
     assert gpu == GpuBudget(140 * GIB, 30 * GIB + GIB // 2, 40 * GIB, "NVIDIA H200 (140 GiB)")
-    assert gpu.budget == 30.5 * GIB
+    assert gpu.budget == 30.5 * GIB and selected == [0]
     assert planner.local_gpu_budget(None).budget == 30.5 * GIB
     with pytest.raises(ConfigError, match="--gpu_memory_gib 141: this GPU has 140.0 GiB"):
         planner.local_gpu_budget(141)
