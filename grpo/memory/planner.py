@@ -116,26 +116,22 @@ def run_shape(config, hf_config, size: ModelSize, model_path: str, completion_to
 
 def plan_run(config, model_path: str, completion_tokens: int | None = None, gpu: GpuBudget | None = None,
              world: int | None = None, on_gpu: bool | None = None) -> MemoryPlan:
-    """The run's plan: on this rank's GPU, or (no GPU here) for the card --gpu_memory_gib names, or a CPU run's."""
-    hf_config = load_model_config(model_path, config.trust_remote_code)
-    size = model_size(hf_config, config)
-    if gpu is None:
-        gpu = local_gpu_budget(config.gpu_memory_gib) if on_gpu is not False else None
-        if gpu is None and config.gpu_memory_gib and on_gpu is not False:
-            gpu = named_card(config.gpu_memory_gib)
-    return plan_memory(run_shape(config, hf_config, size, model_path, completion_tokens, world), size, gpu,
-                       hf_config)
+    """The run's plan: on this rank's GPU, or (no GPU here) for the card --gpu_memory_gib names, or (`on_gpu`
+    False, or neither) a CPU run's."""
+    return plan_parts(config, model_path, completion_tokens, gpu, world, on_gpu)[0]
 
 
-def plan_parts(config, model_path: str, completion_tokens: int | None = None, gpu: GpuBudget | None = None):
-    """(plan, run shape, model counts, budget, model config): the plan and what advice re-plans from."""
+def plan_parts(config, model_path: str, completion_tokens: int | None = None, gpu: GpuBudget | None = None,
+               world: int | None = None, on_gpu: bool | None = None):
+    """(plan, run shape, model counts, budget, model config): the plan and what advice re-plans from. `gpu` None:
+    this rank's GPU, else the card --gpu_memory_gib names, else a CPU run (always one with `on_gpu` False)."""
     hf_config = load_model_config(model_path, config.trust_remote_code)
     size = model_size(hf_config, config)
-    if gpu is None:
+    if gpu is None and on_gpu is not False:
         gpu = local_gpu_budget(config.gpu_memory_gib)
-    if gpu is None and config.gpu_memory_gib:
-        gpu = named_card(config.gpu_memory_gib)
-    run = run_shape(config, hf_config, size, model_path, completion_tokens)
+        if gpu is None and config.gpu_memory_gib:
+            gpu = named_card(config.gpu_memory_gib)
+    run = run_shape(config, hf_config, size, model_path, completion_tokens, world)
     return plan_memory(run, size, gpu, hf_config), run, size, gpu, hf_config
 
 
