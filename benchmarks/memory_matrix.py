@@ -27,9 +27,13 @@ SHAPES = ["qwen2.5-7b", "llama-3.1-8b", "qwen3-8b", "mistral-7b", "gemma-2-9b"]
 GIB = 2**30
 
 
+VL_SHAPES = {"qwen2.5-vl-7b"}  # built by random_model.py --shape (bf16, Qwen-VL tokens and processor), image prompts
+
+
 def flags(model: str, args, budget: float, new: int, out: str) -> list[str]:
+    dataset = "shapes" if os.path.basename(model.rstrip("/")) in VL_SHAPES else "arith"
     return ["--model_name_or_path", model, "--tuning_strategy", args.strategy, "--rollout_engine", "vllm",
-            "--dataset_names", "arith", "--per_device_train_batch_size", str(args.prompts), "--k_samples",
+            "--dataset_names", dataset, "--per_device_train_batch_size", str(args.prompts), "--k_samples",
             str(args.samples), "--rollout_max_new_tokens", str(new), "--max_steps", str(args.steps),
             "--save_steps", "0", "--eval_on_start", "false", "--train_split_ratio", "1.0", "--logging_steps", "1",
             "--logprob_check_steps", "1", "--output_dir", out, "--overwrite_output_dir",
@@ -53,6 +57,11 @@ def plan_cell(model: str, args, budget: float, new: int) -> dict:
         row["why_not"] = plan.why_not
         row["fixes"] = cheapest_fixes(run, size, gpu, hf_config, config)
     return row
+
+
+def reserved(cell: dict) -> float:
+    """GiB a running cell may hold: its planned peak +10% (the plan's own tolerance), within its budget."""
+    return min(cell["budget"], 1.1 * max(cell["planned_gib"].values()))
 
 
 def free_port() -> int:
@@ -95,7 +104,9 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--samples", type=int, default=8)
     parser.add_argument("--steps", type=int, default=2)
-    parser.add_argument("--lanes", type=int, default=1)
+    parser.add_argument("--lanes", type=int, default=1, help="runs at once on the GPU, at most")
+    parser.add_argument("--gpu_gib", type=float, default=None,
+                        help="the sum of the budgets of the runs at once, at most (default: the GPU's memory - 4)")
     parser.add_argument("--gpu", type=int, default=0)
     parser.add_argument("--four_bit", action="store_true", help="build the models saved in 4 bits")
     parser.add_argument("--model_root", default=None, help="where the random models are (built if missing)")
@@ -109,11 +120,14 @@ def main() -> None:
     for shape in args.shapes:
         model = os.path.join(ROOT, "tests", "model_configs", shape)
         if not args.plan_only:
-            model = os.path.join(args.model_root, shape + ("-4bit" if args.four_bit else ""))
+            vl = shape in VL_SHAPES  # saved in bf16 (qlora quantizes it on load)
+            model = os.path.join(args.model_root, shape + ("-4bit" if args.four_bit and not vl else ""))
+            source = (["--shape", shape] if vl else
+                      ["--config", os.path.join(ROOT, "tests", "model_configs", shape)]
+                      + (["--four_bit"] if args.four_bit else []))
             if not os.path.isfile(os.path.join(model, "config.json")):
-                subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "random_model.py"), "--config",
-                                os.path.join(ROOT, "tests", "model_configs", shape), "--out", model]
-                               + (["--four_bit"] if args.four_bit else []), check=True)
+                subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "random_model.py"), "--out", model]
+                               + source, check=True)
         for budget in args.budgets:
             for new in args.new:
                 cell = {"shape": shape, "budget": budget, "new": new, "model": model}
@@ -121,9 +135,17 @@ def main() -> None:
                 cells.append(cell)
                 print(json.dumps({k: v for k, v in cell.items() if k != "model"}), flush=True)
     running = []
-    queue = [c for c in cells if c["fits"]] if not args.plan_only else []
+    # the shortest completions first: where the GPU's time runs out, the most cells have run
+    queue = sorted((c for c in cells if c["fits"]), key=lambda c: (c["new"], c["budget"])) if not args.plan_only else []
+    if queue and args.gpu_gib is None:
+        import torch
+
+        args.gpu_gib = torch.cuda.get_device_properties(0).total_memory / GIB - 4
     while queue or running:
-        while queue and len(running) < args.lanes:
+        # a run starts when its whole budget is free beside what the running ones may hold (their planned peaks
+        # +10%, the most the plan allows itself): each run then plans with its own budget, never with less
+        while (queue and len(running) < args.lanes
+               and sum(reserved(c) for c, *_ in running) + queue[0]["budget"] <= args.gpu_gib):
             cell = queue.pop(0)
             name = f"{cell['shape']}-{args.strategy}-{cell['budget']:g}gib-{cell['new']}new"
             running.append((cell, *start(cell["model"], args, cell["budget"], cell["new"], name)))

@@ -156,7 +156,7 @@ def write_from_config(folder: str, out: str, tokenizer, four_bit: bool) -> None:
 
     config = AutoConfig.from_pretrained(folder)
     if len(tokenizer) > config.vocab_size:  # its ids would index past the embeddings (a device-side assert)
-        raise SystemExit(f"the tokenizer has {len(tokenizer)} tokens, more than {folder}'s {config.vocab_size}")
+        tokenizer = trimmed_tokenizer(tokenizer, config.vocab_size)
     ids = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                pad_token_id=tokenizer.pad_token_id)
     for key, value in ids.items():
@@ -175,6 +175,31 @@ def write_from_config(folder: str, out: str, tokenizer, four_bit: bool) -> None:
     tokenizer.save_pretrained(tmp)
     os.replace(tmp, out)
     print(f"{out}: random {name} ({sum(p.numel() for p in model.parameters()) / 1e9:.2f}B parameters, bf16)")
+
+
+def trimmed_tokenizer(tokenizer, vocab_size: int):
+    """SmolLM2's byte-level BPE kept to its first `vocab_size` ids, for a model whose vocabulary is smaller (Mistral's
+    32,768, Phi-3's 32,064): the merges that make a larger id are dropped, so text still encodes (into more, shorter
+    tokens) and every id indexes the model's embeddings; the chat template and special tokens (ids 0-16) stay."""
+    import json
+    import tempfile
+
+    from transformers import AutoTokenizer
+
+    state = json.loads(tokenizer.backend_tokenizer.to_str())
+    if state["model"]["type"] != "BPE" or any(t["id"] >= vocab_size for t in state["added_tokens"]):
+        raise SystemExit(f"the tokenizer has {len(tokenizer)} tokens, more than the model's {vocab_size}")
+    vocab = {token: i for token, i in state["model"]["vocab"].items() if i < vocab_size}
+    state["model"]["vocab"] = vocab
+    state["model"]["merges"] = [m for m in state["model"]["merges"]
+                                if m[0] in vocab and m[1] in vocab and m[0] + m[1] in vocab]
+    with tempfile.TemporaryDirectory() as folder:
+        tokenizer.save_pretrained(folder)
+        with open(os.path.join(folder, "tokenizer.json"), "w") as fh:
+            json.dump(state, fh)
+        trimmed = AutoTokenizer.from_pretrained(folder)
+    print(f"tokenizer: SmolLM2's first {vocab_size} ids of {len(tokenizer)} (the model's vocabulary)")
+    return trimmed
 
 
 def write_random_4bit(shape: str, out: str, tokenizer, ids: dict, max_positions: int | None = None,
