@@ -14,6 +14,7 @@ import torch
 from grpo.config.options import GRPOConfig
 from grpo.errors import ConfigError
 from grpo.model.base_weights import saved_4bit
+from grpo.model.expert_targets import expert_lora_targets
 from grpo.model.qlora_base_record import warn_if_another_base
 from grpo.model.qlora_rounding import requantize_4bit_base
 
@@ -212,49 +213,52 @@ def _attach_lora(model, config: GRPOConfig, language_linears: Optional[list[str]
     if exclude is not None:
         _check_module_names_exist(model, exclude, f"--lora_exclude_modules {config.lora_exclude_modules}",
                                   "a regex must match a whole name")
-    lora = LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
-                      target_modules=targets, exclude_modules=exclude, task_type="CAUSAL_LM")
     flags = f"--lora_target_modules {config.lora_target_modules}" + \
         (f" with --lora_exclude_modules {config.lora_exclude_modules}" if exclude is not None else "")
+    targets, expert_parameters = expert_lora_targets(model, targets, _linear_names(model, "all-linear"))
+    dropout = config.lora_dropout
+    if expert_parameters and dropout > 0:
+        # LoRA on a fused parameter adds B A to the weight itself, so no dropout can sit before A (peft refuses it)
+        logger.warning(f"--lora_dropout {dropout}: LoRA on the fused experts ({', '.join(expert_parameters)}) "
+                       "takes no dropout; this run trains without it")
+        dropout = 0.0
+    if expert_parameters:
+        logger.info(f"LoRA on the experts: {', '.join(expert_parameters)} (rank {config.lora_rank} per expert), "
+                    f"beside {', '.join(targets) if targets else 'no linear layer'}")
+    lora = LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha, lora_dropout=dropout,
+                      target_modules=targets, target_parameters=expert_parameters, exclude_modules=exclude,
+                      task_type="CAUSAL_LM")
     try:
         with peft_asks_old_checkpointing_name():
             policy = get_peft_model(model, lora)
     except ValueError as exc:  # e.g. target modules not found, or every one of them excluded
-        if "ParamWrapper" in str(exc):  # peft's layer for fused expert tensors, which refuses lora_dropout first
-            linear = _linear_names(model, targets)
-            raise ConfigError(_fused_experts_message(flags, _fused_expert_tensors(model), linear,
-                                                     "adapt the linear layers alone:")) from exc
         raise ConfigError(f"{flags}: {exc}") from exc
-    _refuse_fused_expert_adapters(policy, flags, "adapt the linear layers alone:")
+    _refuse_fused_expert_adapters(policy, flags, "train with")
     return policy
 
 
 def _refuse_fused_expert_adapters(policy, flags: str, way_out: str) -> None:
-    """A mixture-of-experts model whose experts transformers holds as fused tensors: peft adapts those tensors
-    (ParamWrapper layers, `target_parameters`) for gate_proj / up_proj / down_proj, and a dense layer's MLP of those
-    names then goes unadapted; weight sync and the merges take LoRA layers of linear modules only. Said here, before
-    any training, with the targets that do work."""
+    """LoRA on fused 3-D expert tensors trains, syncs and merges (grpo.sync.expert_adapters); LoRA on another
+    parameter (peft's ParamWrapper on a 2-D one: a mixture of experts' router, which peft adapts for an adapter that
+    names `gate`) has no sync to vLLM's names: said here, before any training, with the targets that do work."""
     from peft.tuners.lora.layer import ParamWrapper
 
-    if not any(isinstance(module, ParamWrapper) for module in policy.modules()):
+    others = sorted({name.rsplit(".", 1)[-1] for name, module in policy.named_modules()
+                     if isinstance(module, ParamWrapper) and module.get_param().dim() != 3})
+    if not others:
         return
     lora = policy.peft_config["default"]
-    fused = sorted(getattr(lora, "target_parameters", None) or [])
     targets = lora.target_modules or []
     linear = sorted({name.rsplit(".", 1)[-1] for name in ([targets] if isinstance(targets, str) else targets)})
-    raise ConfigError(_fused_experts_message(flags, fused, linear, way_out))
+    raise ConfigError(_fused_experts_message(flags, sorted(getattr(lora, "target_parameters", None) or []), linear,
+                                             way_out))
 
 
 def _fused_experts_message(flags: str, fused: list[str], linear: list[str], way_out: str) -> str:
-    fix = f"--lora_target_modules {','.join(linear)}" if linear else "--lora_target_modules <attention layers>"
-    return (f"{flags}: on this mixture-of-experts model peft adapts the experts' fused tensors ({', '.join(fused)}), "
-            f"which grpo cannot sync to the rollout engine or merge; {way_out} {fix}")
-
-
-def _fused_expert_tensors(model) -> list[str]:
-    """The names of a model's 3-D weights outside convolutions: experts that transformers holds fused."""
-    return sorted({name for module in model.modules() if not isinstance(module, torch.nn.modules.conv._ConvNd)
-                   for name, p in module.named_parameters(recurse=False) if p.dim() == 3})
+    fix = f"--lora_target_modules {','.join(linear + ['experts'])}" if linear else \
+        "--lora_target_modules <attention layers>,experts"
+    return (f"{flags}: on this mixture-of-experts model peft adapts parameters ({', '.join(fused)}) of which grpo "
+            f"syncs and merges the fused experts only (not the router); {way_out} {fix}")
 
 
 def _linear_names(model, targets) -> list[str]:

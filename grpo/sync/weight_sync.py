@@ -32,6 +32,8 @@ from grpo.model.layer_weights import (PEFT_PREFIX, active_adapters, checkpoint_n
                                      lora_adapters, plain_lora, write_weight)
 from grpo.model.vision import checkpoint_prefixes, rename
 from grpo.sync.checkpoint_layout import converted_names, to_checkpoint
+from grpo.sync.expert_adapters import (adapted_parameters, expert_lora_parameters, expert_wrappers,
+                                      merged_expert_weights, vllm_expert_adapter)
 from grpo.sync.in_place_merge import in_place_layers
 
 logger = logging.getLogger("grpo")
@@ -112,12 +114,22 @@ def iter_adapter_tensors(model, *, dtype: torch.dtype = torch.bfloat16,
 
     so the engine computes W x + B' A x with the layer's own scale (rank and alpha patterns, rsLoRA included).
     <module> is the checkpoint's name (a vision-language model's model.layers.*, as the merged sync sends), which
-    vLLM's model renames as it renames its checkpoint (Qwen2.5-VL: language_model.model.layers.*)."""
+    vLLM's model renames as it renames its checkpoint (Qwen2.5-VL: language_model.model.layers.*). LoRA on a mixture
+    of experts' fused expert tensors goes as one such pair per expert and checkpoint tensor
+    (grpo.sync.expert_adapters: ...experts.<e>.w1 / w2 / w3 for Mixtral)."""
     from peft.tuners.lora import LoraLayer
 
     prefixes = checkpoint_prefixes(model)
+    experts_done: set[int] = set()  # nested ParamWrappers of one experts module, sent with the outermost
     for module_name, module in model.named_modules():
-        if not isinstance(module, LoraLayer):
+        if not isinstance(module, LoraLayer) or id(module) in experts_done:
+            continue
+        wrappers = expert_wrappers(module)
+        if wrappers:  # LoRA on fused experts: one plain LoRA per expert and checkpoint tensor (expert_adapters)
+            experts_done.update(id(w) for w in wrappers)
+            with _gathered(expert_lora_parameters(module), zero3):
+                yield from vllm_expert_adapter(_base_model(model), checkpoint_name(module_name), module,
+                                               dtype).items()
             continue
         adapters = lora_adapters(module)
         if len(adapters) > 1:
@@ -300,6 +312,14 @@ def _iter_adapter(model, dtype, zero3, dequantize_frozen: bool, everything: bool
         elif isinstance(module, AuxiliaryTrainingWrapper):
             raise ConfigError(f"weight sync cannot send {type(module).__name__} ({name}); "
                               "train without trainable_token_indices")
+        elif isinstance(module, LoraLayer) and expert_wrappers(module):  # fused experts: W_e + s * B_e @ A_e
+            wrapper_prefix = module_name + "."
+            if not everything and not adapted_parameters(expert_wrappers(module)):
+                continue
+            with _gathered(expert_lora_parameters(module), zero3):
+                merged = merged_expert_weights(module, everything)
+            for pname, weight in merged:  # (live names: to_checkpoint splits them into the checkpoint's experts)
+                yield f"{name}.{pname}", weight.to(dtype)
         elif isinstance(module, LoraLayer):
             wrapper_prefix = module_name + "."
             adapters = lora_adapters(module)
