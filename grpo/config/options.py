@@ -311,6 +311,12 @@ class GRPOConfig(DerivedOptions):
             "(always with --rollout_is_correction); vLLM generates faster without them.", "experimental")
     vllm_enforce_eager: bool = _opt(False, "Run vLLM without CUDA graphs / torch.compile (starts faster).",
                                     "rollout")
+    routing_replay: Optional[bool] = _opt(
+        None, "Mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE): the rollout engine records the experts it "
+              "routed each token to, and the trainer's MoE layers use that choice while their gate weights come from "
+              "the trainer's own router (docs/moe.md#routing-replay); rollout/router_agreement is logged. Default: on "
+              "for those models (it costs a few bytes per token and layer), off for dense ones, which it refuses.",
+        "rollout", nargs="?", const=True)  # a bare flag means true
 
     # --- tools and multi-turn episodes ------------------------------------------------------------
     tool_module: Optional[str] = _opt(

@@ -132,6 +132,11 @@ def validate(cfg) -> None:
     need(not (cfg.async_rollout and cfg.filter_zero_std_groups), "async_rollout",
          "and --filter_zero_std_groups do not combine yet (dynamic sampling decides on more rounds after seeing "
          "the rewards); drop one of them")
+    if cfg.routing_replay:
+        from grpo.model.routing_options import routing_replay_conflict
+
+        conflict = routing_replay_conflict(cfg)
+        need(conflict is None, "routing_replay", f"{conflict}; drop --routing_replay (or that option)")
     need(cfg.vllm_gpu_memory_utilization is None or 0.0 < cfg.vllm_gpu_memory_utilization < 1.0,
          "vllm_gpu_memory_utilization", "must be in (0, 1)")
     kv_cache = cfg.vllm_kv_cache  # raises on a value that is neither auto, share nor a number of GiB

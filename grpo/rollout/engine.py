@@ -33,6 +33,9 @@ class Completion:
     # a multi-turn episode's (grpo.rollout.episodes): 1 on the model's tokens, 0 on the environment's (out of the
     # loss); None: every token is the model's
     mask: Optional[list[int]] = None
+    # the experts each MoE layer routed each token to (engines asked to record them): [prompt + completion tokens - 1,
+    # layers, top_k] int, -1 where a layer routes nothing (the last token is never routed: no forward reads it)
+    routed_experts: Optional[torch.Tensor] = None
 
 
 @dataclass

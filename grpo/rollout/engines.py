@@ -88,7 +88,8 @@ def build_rollout_engine(config, model_path: str, policy, tokenizer, vision, ran
         if in_place:
             release_base_before_forward(engine, policy)
         return engine
-    return HFRolloutEngine(policy, tokenizer, suppress_token_ids=vision.placeholder_token_ids if vision else None)
+    return HFRolloutEngine(policy, tokenizer, suppress_token_ids=vision.placeholder_token_ids if vision else None,
+                           record_routing=bool(config.routing_replay))
 
 
 def _share_base(engine, policy, parked: dict) -> None:
@@ -337,7 +338,8 @@ def _vllm_engine(config, model_path: str, rank: int, vision, stops, plan, lora_r
                              image_token_id=vision.image_token_id if vision else None,
                              lora_rank=lora_rank, quantized=quantized, merge_in_place=merge_in_place,
                              # a cap on torch counts its cached blocks: hand them back at every sleep and wake
-                             keep_torch_cache=config.gpu_memory_gib is None, **limits)
+                             keep_torch_cache=config.gpu_memory_gib is None, record_routing=bool(config.routing_replay),
+                             **limits)
 
 
 def check_tensor_parallel(model_path: str, config) -> None:

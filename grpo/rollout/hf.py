@@ -1,11 +1,14 @@
 """Rollouts with Hugging Face `generate` on the policy being trained (CPU, or any GPU without vLLM)."""
 from __future__ import annotations
 
+import contextlib
+from dataclasses import replace
 from typing import Iterable, Optional
 
 import torch
 
 from grpo.rollout.engine import Completion, RolloutEngine, SamplingSettings
+from grpo.rollout.routing_record import sequence_routing
 from grpo.runtime import distributed as dist_utils
 from grpo.runtime.deepspeed_config import zero3_partitioned
 from grpo.runtime.sequence_parallel import unsharded_attention
@@ -30,16 +33,19 @@ class HFRolloutEngine(RolloutEngine):
     `max_batch_size` bounds the prompts per `generate` call (each call decodes n sequences per prompt).
     `suppress_token_ids` are never sampled; their probability mass stays in the reported log-probs (as in the
     trainer's), which is negligible for the placeholder tokens this is meant for.
+    `record_routing` (a mixture of experts): each completion carries the experts its tokens were routed to
+    (grpo.rollout.routing_record), for the trainer to replay.
     """
 
     def __init__(self, model, tokenizer, max_batch_size: int = 64, suppress_token_ids: Optional[list[int]] = None,
-                 owns_model: bool = False):
+                 owns_model: bool = False, record_routing: bool = False):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be at least 1, got {max_batch_size}")
         self.model = model
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
         self.owns_model = owns_model
+        self.record_routing = record_routing
         # ZeRO-3: each forward gathers the partitioned weights in collectives (generate runs with synced_gpus), so a
         # rank whose rollouts come from another (sequence parallelism) still generates
         self.gathers_weights = zero3_partitioned(model)
@@ -79,7 +85,7 @@ class HFRolloutEngine(RolloutEngine):
                 for start in starts:
                     chunk = prompt_token_ids[start:start + self.max_batch_size]
                     chunk_images = images[start:start + self.max_batch_size] if images else None
-                    out += [Completion(c.prompt_index + start, c.token_ids, c.logprobs, c.finish_reason)
+                    out += [replace(c, prompt_index=c.prompt_index + start)
                             for c in self._generate_chunk(chunk, sampling, chunk_images)]
                 for _ in range(stand_ins):
                     self._generate_chunk([[self.pad_id]], SamplingSettings(n=1, max_new_tokens=1, greedy=True))
@@ -127,7 +133,11 @@ class HFRolloutEngine(RolloutEngine):
             token_id = next(p.image_token_id for p in images if p is not None)
             kwargs.update(model_image_inputs(images, range(len(prompts)), device),
                           **image_token_types(self.model, input_ids.to(device), token_id))
-        result = self.model.generate(input_ids=input_ids.to(device), attention_mask=attention.to(device), **kwargs)
+        routing = self._routing_record(len(prompts) * per_prompt)
+        with routing as record:
+            result = self.model.generate(input_ids=input_ids.to(device), attention_mask=attention.to(device),
+                                         **kwargs)
+        columns = record.columns() if record is not None else None  # [P*n, width + steps - 1, layers, k]
         new_tokens = result.sequences[:, width:].cpu()                          # [P*n, T]
         temperature = 1.0 if sampling.greedy else sampling.temperature
         # one step at a time: the whole [P*n, T, V] logits tensor in fp32 would be large
@@ -143,9 +153,22 @@ class HFRolloutEngine(RolloutEngine):
             finish = "stop" if end is not None else "length"
             end = end if end is not None else len(tokens)
             row_logprobs = logprobs[row, :end].tolist() if logprobs is not None else []
-            completions += [Completion(row // per_prompt, tokens[:end], row_logprobs, finish)
+            routed = None
+            if columns is not None:
+                prompt = len(prompts[row // per_prompt])
+                routed = sequence_routing(columns, row, width - prompt, width, end)
+            completions += [Completion(row // per_prompt, tokens[:end], row_logprobs, finish, routed_experts=routed)
                             for _ in range(sampling.n // per_prompt)]
         return completions
+
+    def _routing_record(self, rows: int):
+        """A context recording the routers' choices over `rows` sequences (record_routing), else a null context."""
+        if not self.record_routing:
+            return contextlib.nullcontext()
+        from grpo.model.routing_replay import routing_shape
+        from grpo.rollout.routing_record import recorded_routing
+
+        return recorded_routing(self.model, rows, *routing_shape(self.model.config))
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], complete: bool = True) -> None:
         """A model of its own: copy these (checkpoint names) into it. Otherwise nothing to do: generation uses the
@@ -174,4 +197,3 @@ class HFRolloutEngine(RolloutEngine):
 
             self._by_checkpoint_name = checkpoint_views(self.model)
         return self._by_checkpoint_name
-

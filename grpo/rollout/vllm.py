@@ -75,7 +75,7 @@ class VLLMRolloutEngine(RolloutEngine):
                  max_images_per_prompt: int = 0, image_token_id: int | None = None,
                  kv_cache_bytes: int | None = None, lora_rank: int | None = None, quantized: bool = False,
                  keep_torch_cache: bool = True, merge_in_place: bool = False, max_num_seqs: int | None = None,
-                 max_num_batched_tokens: int | None = None):
+                 max_num_batched_tokens: int | None = None, record_routing: bool = False):
         """`max_images_per_prompt` > 0 (with the model's `image_token_id`) serves a vision-language model: prompts
         then come with their images, passed as multi_modal_data (vLLM runs the model's own image processor).
         `sleep_level` 2 drops the weights in sleep(), so every sync must send all of them; 0 keeps them and frees
@@ -88,7 +88,10 @@ class VLLMRolloutEngine(RolloutEngine):
         whose cap on torch counts them).
         `merge_in_place`: in-place mode (module docstring), once share_base has made the trainer's base this
         engine's. `max_num_seqs`, `max_num_batched_tokens`: vLLM's batch limits (the memory plan's: what a card of
-        the budget's size gets by default), else vLLM's defaults for this GPU."""
+        the budget's size gets by default), else vLLM's defaults for this GPU.
+        `record_routing` (a mixture of experts): vLLM returns the experts it routed each token to
+        (`enable_return_routed_experts`; each CompletionOutput's `routed_experts`, [prompt + completion tokens - 1,
+        layers, top_k], vLLM 0.26), which each completion carries for the trainer to replay."""
         if sleep_level not in (0, 1, 2):
             raise ConfigError(f"sleep_level={sleep_level}: vLLM sleeps at level 0 (weights kept on the GPU), 1 (kept "
                               "in CPU memory) or 2 (dropped)")
@@ -129,6 +132,7 @@ class VLLMRolloutEngine(RolloutEngine):
             adapter["quantization"] = "bitsandbytes"
         limits = {name: value for name, value in (("max_num_seqs", max_num_seqs),
                                                   ("max_num_batched_tokens", max_num_batched_tokens)) if value}
+        routing = {"enable_return_routed_experts": True} if record_routing else {}
         self.llm = vllm.LLM(
             model=model_path, tensor_parallel_size=tensor_parallel_size, dtype=dtype,
             gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len, seed=seed,
@@ -139,7 +143,7 @@ class VLLMRolloutEngine(RolloutEngine):
             distributed_executor_backend="external_launcher",
             # log-probs after temperature, like the trainer's log_softmax(logits / T) (vllm/v1/sample/sampler.py)
             logprobs_mode="processed_logprobs", kv_cache_memory_bytes=kv_cache_bytes, **multimodal, **adapter,
-            **limits)
+            **limits, **routing)
         self._asleep: set[str] = set()  # vLLM allocation tags now released: "weights", "kv_cache"
         self._views: tuple | None = None  # (policy, its writable blocks): found once, as neither changes shape
         self.shares_base = False  # the trainer's base tensors view this engine's: it never releases its weights
@@ -180,7 +184,8 @@ class VLLMRolloutEngine(RolloutEngine):
                 # logprobs=0: each step holds just the sampled token's entry
                 logprobs = [step[token].logprob for step, token in zip(sample.logprobs or [], ids)]
                 finish = "stop" if sample.finish_reason == "stop" else "length"
-                completions.append(Completion(index, ids, logprobs, finish))
+                completions.append(Completion(index, ids, logprobs, finish,
+                                              routed_experts=_routed_experts(getattr(sample, "routed_experts", None))))
         return completions
 
     def prompt_logprobs(self, token_ids: list[int], images: list | None = None) -> list[float]:
@@ -403,6 +408,15 @@ class VLLMRolloutEngine(RolloutEngine):
 # free memory a wake leaves beside torch's cached blocks, beyond what it maps: vLLM's own temporaries outside torch's
 # cache, and the driver's granularity
 WAKE_MARGIN_BYTES = 2**30
+
+
+def _routed_experts(routed) -> torch.Tensor | None:
+    """vLLM's routing of one sample (numpy uint8 / uint16 [tokens, layers, k], or None) as the trainer replays it."""
+    if routed is None:
+        return None
+    from grpo.model.routing_replay import ROUTING_DTYPE
+
+    return torch.from_numpy(routed.astype("int32", copy=False)).to(ROUTING_DTYPE)
 
 
 def room_beside_cache(free_bytes: int, mapped_bytes: int) -> bool:

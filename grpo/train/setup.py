@@ -228,6 +228,7 @@ def load_run_data(config: GRPOConfig, rewards, rank: int, world: int) -> RunData
         check_tensor_parallel(model_path, config)
     check_checkpoint_weights(config, model_path)  # qlora's re-quantization and loftq read its 16-bit weights
     check_positions(model_path, config)  # vLLM would refuse a longer --max_seq_length after loading the model
+    resolve_model_routing_replay(config, model_path, episode_datasets)  # --routing_replay: on for MoE by default
     memory_plan = plan_for_run(config, model_path, episode_datasets)  # refused here if it does not fit
     prompts_per_step = config.per_device_train_batch_size * config.gradient_accumulation_steps
     order = prompt_order(len(train_set), prompts_per_step, config, rank, world)
@@ -239,6 +240,16 @@ def load_run_data(config: GRPOConfig, rewards, rank: int, world: int) -> RunData
     total_steps = config.max_steps if config.max_steps > 0 else config.epochs * order.steps_per_epoch
     return RunData(model_path, tokenizer, vision, rewards, train_set, eval_set, order, total_steps, ds_config,
                    episode_datasets, demonstrations, memory_plan)
+
+
+def resolve_model_routing_replay(config: GRPOConfig, model_path: str, episode_datasets: dict) -> bool:
+    """--routing_replay for this model (grpo.model.routing_options), from its config.json."""
+    from transformers import AutoConfig
+
+    from grpo.model.routing_options import resolve_routing_replay
+
+    model_config = AutoConfig.from_pretrained(model_path, trust_remote_code=config.trust_remote_code)
+    return resolve_routing_replay(config, model_config, episode_datasets)
 
 
 def longest_completion(config: GRPOConfig, episode_datasets: dict) -> int:

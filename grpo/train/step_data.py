@@ -5,6 +5,8 @@
     completion_mask  # [N, T]    1 on completion tokens that enter the loss (a multi-turn episode's environment
                                  tokens are 0: they are not the policy's actions)
     prompt_index     # [N]      which prompt of the step each row completes
+    routed_experts   # [N, P+T, layers, k]  int, the experts the engine routed each token to (a mixture of experts
+                                 under --routing_replay), -1 where nothing was routed (padding, each row's last token)
     images           # per prompt: its processed images (vision-language models) or None; shared by its k rows
 Every completion starts at column P, so one forward with `logits_to_keep=T+1` yields exactly the logits
 that predict the completion tokens, and the prompt never enters the (large) logits tensor.
@@ -33,6 +35,8 @@ class RolloutBatch:
     prompt_index: Optional[torch.Tensor] = field(default=None, metadata={"columns": "row"})  # [N] long
     # [prompts] of grpo.model.vision.PromptImages or None, not sliced with the rows
     images: Optional[list] = field(default=None, metadata={"columns": "shared"})
+    # [N, P+T, layers, k] int, the engine's routing of each token (--routing_replay); None without
+    routed_experts: Optional[torch.Tensor] = field(default=None, metadata={"columns": "sequence"})
 
     @property
     def completion_id_lists(self) -> list[list[int]]:
@@ -97,8 +101,33 @@ def build_rollout_batch(prompt_ids: list[list[int]], completions: list[Completio
             comp_mask[i, :t] = 1.0 if c.mask is None else _episode_mask(c)
     prompt_index = torch.tensor([c.prompt_index for c in completions], dtype=torch.long)
     has_images = images is not None and any(p is not None for p in images)
+    routed = routing_columns(completions, [len(prompt_ids[c.prompt_index]) for c in completions], prompt_width,
+                             comp_width)
     return RolloutBatch(input_ids, attention, comp_ids, comp_mask, rollout_lp, truncated, prompt_index,
-                        images if has_images else None)
+                        images if has_images else None, routed)
+
+
+def routing_columns(completions: list[Completion], prompt_lengths: list[int], prompt_width: int,
+                    completion_width: int) -> Optional[torch.Tensor]:
+    """The completions' routing (each [prompt + completion - 1, layers, k]) in the batch's columns: a row's prompt
+    ends at column P, its completion starts there  # [N, P+T, layers, k], -1 elsewhere; None when no completion
+    carries routing."""
+    carried = [c.routed_experts is not None for c in completions]
+    if not any(carried):
+        return None
+    if not all(carried):
+        raise ValueError(f"{carried.count(False)} of {len(completions)} completions came without the routing of "
+                         "their tokens: routing replay needs every one's")
+    from grpo.model.routing_replay import NOT_RECORDED, ROUTING_DTYPE
+
+    layers, top_k = completions[0].routed_experts.shape[1:]
+    routed = torch.full((len(completions), prompt_width + completion_width, layers, top_k), NOT_RECORDED,
+                        dtype=ROUTING_DTYPE)
+    for i, (c, prompt) in enumerate(zip(completions, prompt_lengths)):
+        tokens = c.routed_experts[:prompt + len(c.token_ids)]
+        start = prompt_width - prompt
+        routed[i, start:start + len(tokens)] = tokens.to(ROUTING_DTYPE)
+    return routed
 
 
 def _episode_mask(completion: Completion) -> torch.Tensor:

@@ -25,6 +25,7 @@ from grpo.algorithm import LossSettings, aggregation_normaliser, masked_mean, po
 from grpo.train.step_data import RolloutBatch, StepData
 from grpo.config.choices import MICRO_BATCH_TOKENS
 from grpo.config.options import GRPOConfig
+from grpo.model.routing_replay import RouterAgreement, replayed_routing
 from grpo.train.micro_batches import MicroBatch, form_micro_batches, micro_batch_groups
 from grpo.train.logprobs import completion_logprobs
 
@@ -53,7 +54,17 @@ def step_normaliser(batch: RolloutBatch, cfg: GRPOConfig, max_completion_length:
     return dist_utils.all_sum([local])[0] / cfg.sequence_parallel_size
 
 
-def score(model, mb: MicroBatch, cfg: GRPOConfig, with_entropy: bool = False, entropy_grad: bool = False):
+def score(model, mb: MicroBatch, cfg: GRPOConfig, with_entropy: bool = False, entropy_grad: bool = False,
+          agreement: Optional[RouterAgreement] = None, replay_routing: bool = True):
+    """`_score`, with the engine's routing replayed in every MoE layer where the rows carry it (--routing_replay,
+    grpo.model.routing_replay; `replay_routing` False: the trainer's router chooses). `agreement` counts the picks
+    the trainer's own router makes alike."""
+    routed = mb.batch.routed_experts if replay_routing else None
+    with replayed_routing(model, routed, mb.batch.attention_mask, agreement):
+        return _score(model, mb, cfg, with_entropy, entropy_grad)
+
+
+def _score(model, mb: MicroBatch, cfg: GRPOConfig, with_entropy: bool = False, entropy_grad: bool = False):
     """Log-probs (and entropy) of a micro-batch's completions under `model`, the way the config asks for.
 
     Under ZeRO-3 the model's own forward (full logits) is used: every call of the output layer gathers its
@@ -76,13 +87,13 @@ def has_dropout(model) -> bool:
     return model.training and any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules())
 
 
-def without_dropout(engine, mb: MicroBatch, cfg: GRPOConfig) -> torch.Tensor:
+def without_dropout(engine, mb: MicroBatch, cfg: GRPOConfig, replay_routing: bool = True) -> torch.Tensor:
     """The micro-batch's log-probs with dropout off (no graph): the sampled policy, for the engine's mismatch."""
     was_training = engine.module.training
     engine.module.eval()
     try:
         with torch.no_grad():
-            logprobs, _ = score(engine, mb, cfg)
+            logprobs, _ = score(engine, mb, cfg, replay_routing=replay_routing)
     finally:
         engine.module.train(was_training)
     return logprobs.float()
@@ -114,6 +125,7 @@ def update(engine, step: StepData, cfg: GRPOConfig, first_pass: bool = True) -> 
     filling_old, filling_sampled = first_pass and step.fill_old, first_pass and step.fill_sampled
     read_old = step.old_logprobs is not None and not filling_old
     read_sampled = step.sampled_logprobs is not None and not filling_sampled
+    agreement = RouterAgreement()  # --routing_replay: the trainer's own top-k against the engine's, first pass
     for index, mb in enumerate(step.micro_batches):
         last = index == len(step.micro_batches) - 1
         engine.set_gradient_accumulation_boundary(last)
@@ -121,7 +133,11 @@ def update(engine, step: StepData, cfg: GRPOConfig, first_pass: bool = True) -> 
         # the dropout-free pass first: no graph is held while it runs (alike on every rank: ZeRO-3 collectives)
         clean = without_dropout(engine, mb, cfg) \
             if first_pass and dropout and b.rollout_logprobs is not None and not read_sampled else None
-        logprobs, entropy = score(engine, mb, cfg, with_entropy=True, entropy_grad=cfg.entropy_coef != 0)
+        # the engine's gap had the trainer routed each token itself (--routing_replay's effect on it)
+        unreplayed = without_dropout(engine, mb, cfg, replay_routing=False) \
+            if first_pass and b.routed_experts is not None and b.rollout_logprobs is not None else None
+        logprobs, entropy = score(engine, mb, cfg, with_entropy=True, entropy_grad=cfg.entropy_coef != 0,
+                                  agreement=agreement if first_pass and not mb.empty else None)
         logprobs = logprobs.float()                                                   # [n, t]
         old = mb.gather(step.old_logprobs).to(device) if read_old else logprobs.detach()
         if filling_old:
@@ -139,6 +155,9 @@ def update(engine, step: StepData, cfg: GRPOConfig, first_pass: bool = True) -> 
             diff = (sampled_policy - b.rollout_logprobs).abs() * b.completion_mask
             rollout_metrics[f"{step.mismatch_key}_mean"] = diff.sum().item() / tokens
             rollout_metrics[f"{step.mismatch_key}_max"] = diff.max().item()
+            if unreplayed is not None:
+                own_routing = (unreplayed - b.rollout_logprobs).abs() * b.completion_mask
+                rollout_metrics[f"{step.mismatch_key}_unreplayed_mean"] = own_routing.sum().item() / tokens
         is_weights = None
         if cfg.is_correction:  # (the rollout always asks for log-probs then)
             # the rollout engine sampled from a slightly different policy: weight (truncated IS) or mask its tokens
@@ -180,6 +199,8 @@ def update(engine, step: StepData, cfg: GRPOConfig, first_pass: bool = True) -> 
         metrics["loss"], metrics["pg_loss"] = (value / cfg.sequence_parallel_size  # each group's N ranks alike
                                                for value in dist_utils.all_sum([loss_total, pg_total]))
     metrics.update(combine_micro_batch_metrics(rollout_per_micro_batch))
+    if agreement.share is not None:
+        metrics["rollout/router_agreement"] = agreement.share
     return UpdateResult(metrics, bad)
 
 

@@ -1,0 +1,49 @@
+"""--routing_replay resolved for the model: on by default for a mixture of experts whose routers can be replayed
+(grpo.model.routing_replay), off for a dense model; refused with the reason where it was asked for and cannot be
+done."""
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+from grpo.errors import ConfigError
+from grpo.model.routing_replay import REPLAYABLE_FAMILIES, is_mixture_of_experts, replay_family
+
+logger = logging.getLogger("grpo")
+
+
+def routing_replay_conflict(config, episode_datasets=()) -> Optional[str]:
+    """Why the step cannot carry the engine's routing to the trainer's forward with these options, or None."""
+    if config.sequence_parallel_size > 1:
+        return (f"--sequence_parallel_size {config.sequence_parallel_size} shards every row over the group's ranks, "
+                "and the sharded forward does not take the routing of its share")
+    if config.rollout_mode == "server":
+        return "--rollout_mode server: the rollout ranks do not send the routing back with the completions"
+    episodes = sorted(set(config.dataset_names) & set(episode_datasets))
+    if episodes:
+        return (f"dataset(s) {', '.join(episodes)} run as multi-turn episodes, whose environment tokens no engine "
+                "routed")
+    return None
+
+
+def resolve_routing_replay(config, model_config, episode_datasets=()) -> bool:
+    """Set config.routing_replay to whether this run replays routing (None: on where the model and options allow it)
+    and return it; a ConfigError where it was asked for and cannot be done."""
+    moe, family = is_mixture_of_experts(model_config), replay_family(model_config)
+    conflict = routing_replay_conflict(config, episode_datasets)
+    if config.routing_replay:
+        if not moe:
+            raise ConfigError("--routing_replay: this model is dense (it routes no token to experts), so there is no "
+                              "routing to replay; drop --routing_replay")
+        if family is None:
+            raise ConfigError(f"--routing_replay: the routers of model type "
+                              f"{getattr(model_config, 'model_type', '?')!r} cannot be replayed yet (families: "
+                              f"{', '.join(REPLAYABLE_FAMILIES)}); drop --routing_replay")
+        if conflict:
+            raise ConfigError(f"--routing_replay: {conflict}; drop --routing_replay (or that option)")
+    elif config.routing_replay is None:
+        config.routing_replay = family is not None and conflict is None
+        if moe and not config.routing_replay:
+            logger.info("routing replay is off for this mixture of experts: %s",
+                        conflict or "its routers cannot be replayed yet")
+    return bool(config.routing_replay)
