@@ -249,7 +249,8 @@ class RolloutCollector:
         for index, group in enumerate(by_prompt):
             for completion, episode in group:
                 completions.append(Completion(index, completion.token_ids, completion.logprobs,
-                                              completion.finish_reason, completion.mask))
+                                              completion.finish_reason, completion.mask,
+                                              routed_experts=completion.routed_experts))
                 episodes.append(episode)
         return completions, episodes
 
