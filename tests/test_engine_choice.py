@@ -229,8 +229,9 @@ def test_in_place_refuses_what_its_merge_cannot_take(model_dir, monkeypatch):
 @pytest.mark.parametrize("strategy", ["lora", "qlora"])
 def test_a_mixture_of_experts_model_takes_merged_weights(tmp_path, monkeypatch, strategy):
     """transformers fuses a mixture-of-experts checkpoint's experts on load; vLLM holds them per the checkpoint, so
-    they cannot be shared and in_place / adapter would hold the base twice: the planner offers merged alone, auto
-    falls back to merged whatever was planned, and an explicit choice is an error that says why."""
+    they cannot be shared and in_place / adapter would hold the base twice: the planner offers merged alone. The
+    loaded policy refuses in_place, and for qlora adapter too (its experts stay 16-bit, so vLLM cannot load the
+    trainer's 4-bit base); lora may take the adapter when asked (the engine loads its own 16-bit base)."""
     from grpo.memory import planner
     from grpo.rollout import engines
 
@@ -244,8 +245,12 @@ def test_a_mixture_of_experts_model_takes_merged_weights(tmp_path, monkeypatch, 
     plan, run, size = planner.plan_parts(auto, folder, gpu=planner.named_card(24))[:3]
     assert size.fused_experts and run.capable == ("merged",) and plan.rollout_weights == "merged"
     for planned in ("in_place", "adapter", "merged"):
-        assert engines.engine_weights(auto, policy, vision=None, planned=planned) == "merged"
-    for explicit in (["adapter", "in_place"] if strategy == "lora" else ["adapter"]):
+        assert engines.engine_weights(auto, policy, vision=None, planned=planned) == \
+            ("adapter" if strategy == "lora" and planned != "merged" else "merged")
+    if strategy == "lora":
+        adapter = GRPOConfig(**{**auto.__dict__, "rollout_weights": "adapter"})
+        assert engines.engine_weights(adapter, policy, vision=None) == "adapter"
+    for explicit in (["in_place"] if strategy == "lora" else ["adapter"]):
         config = GRPOConfig(**{**auto.__dict__, "rollout_weights": explicit})
         with pytest.raises(ConfigError, match=rf"--rollout_weights {explicit}.*cannot take tensors that transformers "
                                               r"fused or moved on load \(6, e\.g\. model\.layers\.0\.mlp\.experts\.down_proj\)"):

@@ -3,6 +3,7 @@ request), each with the tokenizer and a vision-language model's processor files,
 vLLM."""
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 from typing import Optional
@@ -10,9 +11,12 @@ from typing import Optional
 import torch
 
 from grpo.checkpoint.model_card import write_model_card
+from grpo.checkpoint.vllm_adapter import has_expert_adapters, write_vllm_adapter
 from grpo.config.options import GRPOConfig
 from grpo.model.loading import load_base_model, peft_asks_old_checkpointing_name
 from grpo.model.qlora_base_record import write_base_options
+
+logger = logging.getLogger("grpo")
 
 
 def save_final_model(model, tokenizer, output_dir: str, config: GRPOConfig, model_path: str, dtype: torch.dtype,
@@ -38,6 +42,12 @@ def save_final_model(model, tokenizer, output_dir: str, config: GRPOConfig, mode
         save_combined_adapter(model, path, state_dict)
     else:
         model.save_pretrained(path, state_dict=state_dict, safe_serialization=True)
+        if has_expert_adapters(model):  # LoRA on fused experts: also the per-expert form vLLM loads
+            if state_dict is None:
+                write_vllm_adapter(model, path, model_path)
+            else:  # (its partitioned factors are gathered into state_dict alone)
+                logger.warning("with ZeRO-3 the adapter is saved as peft writes it only: the per-expert form vLLM "
+                               "loads (lora_adapter/vllm) is written from unpartitioned weights")
     tokenizer.save_pretrained(path)
     _copy_processor_files(model_path, path)
     if config.tuning_strategy == "qlora":

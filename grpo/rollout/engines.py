@@ -212,8 +212,10 @@ def _adapter_refusal(config, policy, vision, stored_4bit: bool) -> str | None:
         # measured on a DeepSeek-V2 shape (H200, 2026-11-27): vLLM's LoRA scored 0.38-0.76 nats off the policy
         return "MLA attention (DeepSeek-V2/V3)"
     fused = _fused_on_load(policy)
-    if fused:
-        return fused
+    if fused and config.tuning_strategy == "qlora":
+        # lora: the engine loads the 16-bit checkpoint and takes LoRA on the experts per expert (expert_adapters)
+        return (f"{fused}: a mixture of experts under qlora, whose fused experts transformers 5 and bitsandbytes "
+                "keep in 16 bits, so the trainer's 4-bit base is not one vLLM loads")
     for option, why in (("modules_to_save", "modules_to_save (vLLM's LoRA takes LoRA layers only)"),
                         ("use_dora", "DoRA"), ("lora_bias", "lora_bias")):
         if getattr(peft_config, option, None):
