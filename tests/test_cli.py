@@ -237,9 +237,14 @@ def test_server_mode_needs_rollout_and_training_ranks():
     assert_clean_failure(proc, "--rollout_mode", "invalid choice")
     proc, _ = run_cli("--async_rollout", "true")
     assert_clean_failure(proc, "--async_rollout", "needs --rollout_mode server")
-    proc, _ = run_cli("--rollout_mode", "server", "--rollout_gpus", "1", "--async_rollout", "true",
-                      "--filter_zero_std_groups", "true", env={"WORLD_SIZE": "2"})
-    assert_clean_failure(proc, "--async_rollout", "--filter_zero_std_groups do not combine")
+    proc, _ = run_cli("--max_staleness", "2")
+    assert_clean_failure(proc, "--max_staleness", "needs --rollout_mode server")
+    proc, _ = run_cli("--rollout_mode", "server", "--rollout_gpus", "1", "--max_staleness", "0",
+                      env={"WORLD_SIZE": "2"})
+    assert_clean_failure(proc, "--max_staleness", "must be at least 1")
+    proc, _ = run_cli("--rollout_mode", "server", "--rollout_gpus", "1", "--rollout_segment_tokens", "64",
+                      env={"WORLD_SIZE": "2"})
+    assert_clean_failure(proc, "--rollout_segment_tokens", "needs --max_staleness")
 
 
 def test_micro_batch_token_budget_parses_auto_or_a_number(tmp_path):

@@ -88,9 +88,17 @@ class DerivedOptions:
         return gib
 
     @property
+    def rollout_staleness(self) -> int:
+        """How many steps' rollouts stream ahead of training (server mode): --max_staleness, or 1 for --async_rollout,
+        0 when every step generates its own rollouts."""
+        if self.max_staleness is not None:
+            return self.max_staleness
+        return 1 if self.async_rollout else 0
+
+    @property
     def is_correction(self) -> bool:
-        """--rollout_is_correction as given, or on by default exactly when the rollouts are a step behind."""
-        return self.async_rollout if self.rollout_is_correction is None else self.rollout_is_correction
+        """--rollout_is_correction as given, or on by default exactly when the rollouts are steps behind."""
+        return self.rollout_staleness >= 1 if self.rollout_is_correction is None else self.rollout_is_correction
 
     @property
     def episode_token_budget(self) -> int:

@@ -281,6 +281,21 @@ class GRPOConfig(DerivedOptions):
         False, "With --rollout_mode server: the rollout ranks generate the next step's rollouts while this step trains "
                "(one step off policy, corrected by the truncated IS weights; rollout/staleness is logged).",
         "rollout")
+    max_staleness: Optional[int] = _opt(
+        None, "With --rollout_mode server: rollouts stream (docs/server_mode.md#streaming-rollouts---max_staleness). The "
+              "rollout ranks generate without stopping, up to K steps' prompts ahead of training, and take each weight "
+              "update as it comes; every token carries the policy version that sampled it, and no step trains on a "
+              "group more than K versions behind (such a group is generated again). 1 is --async_rollout. Default: 1 "
+              "with --async_rollout, else off.", "rollout")
+    rollout_segment_tokens: int = _opt(
+        0, "With --max_staleness (or --async_rollout): the rollout ranks generate in pieces of N tokens of every "
+           "sequence in flight, taking new weights and new prompts between two pieces, so a weight update lands in the "
+           "middle of sequences (partial rollouts: a sequence goes on under the new weights, its earlier tokens keep "
+           "their version and log-probs). 0: whole completions per request, updates land between requests.", "rollout")
+    partial_rollouts: str = _opt(
+        "continue", "With --rollout_segment_tokens: what a sequence in flight does when new weights arrive. continue: "
+                    "it goes on under them (each token weighted by the policy that sampled it); restart: it starts "
+                    "again from its prompt under the new weights.", "rollout", choices=("continue", "restart"))
     rollout_gpus: int = _opt(0, "With --rollout_mode server: how many of the job's ranks (the last ones) run rollout "
                                 "engines; at least 1 and fewer than the job's ranks.", "rollout")
     vllm_gpu_memory_utilization: Optional[float] = _opt(

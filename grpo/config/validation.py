@@ -105,6 +105,8 @@ def validate(cfg) -> None:
         need(cfg.rollout_gpus == 0, "rollout_gpus", "is for --rollout_mode server (colocate: every rank generates)")
         need(not cfg.async_rollout, "async_rollout",
              "needs --rollout_mode server (colocated engines share the GPU with training, so nothing overlaps)")
+        need(cfg.max_staleness is None, "max_staleness",
+             "needs --rollout_mode server (colocated engines share the GPU with training, so nothing overlaps)")
         need(world % cfg.vllm_tp == 0, "vllm_tp",
              f"must divide the number of ranks (WORLD_SIZE={world}); got {cfg.vllm_tp}")
     _validate_sequence_parallel(cfg, need, world)
@@ -129,9 +131,17 @@ def validate(cfg) -> None:
         need(cfg.rollout_engine == "vllm" and cfg.rollout_mode == "colocate" and cfg.vllm_tp == 1, "rollout_weights",
              "in_place shares the base between the trainer and a colocated vLLM engine on the same GPU: it needs "
              "--rollout_engine vllm, --rollout_mode colocate and --vllm_tp 1 (else use adapter or merged)")
-    need(not (cfg.async_rollout and cfg.filter_zero_std_groups), "async_rollout",
-         "and --filter_zero_std_groups do not combine yet (dynamic sampling decides on more rounds after seeing "
-         "the rewards); drop one of them")
+    need(cfg.max_staleness is None or cfg.max_staleness >= 1, "max_staleness",
+         f"must be at least 1 (1 is --async_rollout; leave it unset to generate every step's rollouts on the step's "
+         f"policy); got {cfg.max_staleness}")
+    need(cfg.rollout_segment_tokens >= 0, "rollout_segment_tokens", "must be >= 0 (0: whole completions)")
+    need(cfg.partial_rollouts in ("continue", "restart"), "partial_rollouts",
+         f"got '{cfg.partial_rollouts}', choose continue or restart")
+    need(cfg.rollout_segment_tokens == 0 or cfg.rollout_staleness >= 1, "rollout_segment_tokens",
+         "streams rollouts: it needs --max_staleness (or --async_rollout)")
+    need(cfg.rollout_segment_tokens == 0 or cfg.vllm_tp == 1, "rollout_segment_tokens",
+         "needs --vllm_tp 1 (the ranks of a tensor-parallel engine must generate the same pieces in step, and each "
+         "rank takes new prompts as they come)")
     if cfg.routing_replay:
         from grpo.model.routing_options import routing_replay_conflict
 

@@ -79,6 +79,27 @@ class RolloutBridge:
         self._sequence[rollout_rank + 1] += 1
         return self._take(f"to/{rollout_rank}/{number}", None), number
 
+    def poll(self, rollout_rank: int):
+        """Rollout rank: the next message and its number if one is waiting, else None (never waits: a rank with work
+        looks between two units of generation)."""
+        number = self._sequence[rollout_rank + 1]
+        key = f"to/{rollout_rank}/{number}"
+        try:
+            waiting = self.store.check([key])
+        except Exception as exc:  # the store's server (training rank 0) is gone
+            raise BridgeClosed(f"the link closed ({type(exc).__name__}: {exc})") from exc
+        if not waiting:
+            return None
+        self._sequence[rollout_rank + 1] += 1
+        return self._take(key, None), number
+
+    def has_reply(self, rollout_rank: int, number: int) -> bool:
+        """Training rank 0: whether the rollout rank has answered message `number` (without taking the answer)."""
+        try:
+            return self.store.check([f"from/{rollout_rank}/{number}"])
+        except Exception as exc:
+            raise BridgeClosed(f"the link closed ({type(exc).__name__}: {exc})") from exc
+
     def reply(self, rollout_rank: int, number: int, message) -> None:
         self._set(f"from/{rollout_rank}/{number}", message)
 

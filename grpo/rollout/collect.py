@@ -2,7 +2,8 @@
 their rewards, with the engine woken before and put to sleep after; and the same path for evaluation.
 
 `RolloutCollector` holds what the rollout needs (engine, tokenizer, rewards, prompts and their order) and the one piece
-of state it owns: with --async_rollout, the next step's request in flight. The trainer passes its `TrainerState` in
+of state it owns: with streamed rollouts (--max_staleness, --async_rollout), the requests in flight ahead of
+training (ahead.py). The trainer passes its `TrainerState` in
 (the step and the resumable data position, which drawing prompts advances) and gives a `sync_weights` callable, the
 one way back into training: an engine whose weights were dropped gets the policy again before it generates.
 
@@ -14,16 +15,21 @@ where it generates; for the others the collector runs them turn by turn through 
 """
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
+from grpo.rollout.ahead import RequestsAhead, steps_to_post
 from grpo.rollout.dynamic_sampling import PendingRollouts, RolloutRound, dynamic_rollouts
-from grpo.rollout.engine import Completion, RolloutEngine, SamplingSettings
+from grpo.rollout.engine import RolloutEngine, SamplingSettings
 from grpo.rollout.episodes import Episode, EpisodeLimits, EpisodePrompt, episode_metrics, run_episodes
 from grpo.runtime import distributed as dist_utils
 from grpo.runtime.failures import phase
 from grpo.runtime.sequence_parallel import rollout_groups
+from grpo.rollout.staleness import group_staleness, groups_over_bound, staleness_metrics
+
+logger = logging.getLogger("grpo")
 
 
 @dataclass
@@ -48,8 +54,8 @@ class RolloutCollector:
         self.order = order                # grpo.data.sampler.PromptOrder
         self.total_steps = total_steps
         self.sync_weights = sync_weights
-        self.pending: Optional[PendingRollouts] = None  # --async_rollout: the next step's, in flight
-        self.position_before_pending = (0, 0)          # the data position before `pending` was drawn
+        self.ahead = RequestsAhead()  # streamed rollouts: the next steps' requests, in flight
+        self.stream_counts = {"groups_regenerated": 0, "idle_seen": 0.0, "resume_noted": False}
         self.sizes: dict = {}                          # the step's sizes, for an out-of-memory message
         self.episode_datasets = episode_datasets or {}  # {dataset: grpo.train.tool_setup.EpisodeDataset}
         # every dataset of the run plays episodes: no rank ever has a one-turn prompt, so a collective engine is
@@ -79,6 +85,8 @@ class RolloutCollector:
         rounds as it takes to fill the step with groups whose rewards differ (see dynamic_sampling.py).
         Returns (kept, drawn): what the step trains on, and every completion sampled (for reward metrics)."""
         cfg = self.config
+        if not self.stream_counts["resume_noted"]:
+            self._note_resumed_stream(state)
         wake = self._switch_engine(awake=True)  # once for all rounds: each sleep drops the KV cache and weights
         self.episodes_drawn = []
         prompts_per_step = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps
@@ -90,13 +98,29 @@ class RolloutCollector:
         sleep = self._switch_engine(awake=False)
         if self.episodes_drawn:
             kept.stats.update(episode_metrics(self.episodes_drawn))
+        if cfg.rollout_staleness:
+            kept.stats.update(self._stream_metrics(kept, state))
         kept.times.update(rollout=kept.times["rollout"] + wake + sleep, rollout_wake=wake, rollout_sleep=sleep)
         return kept, drawn
 
     def trained_position(self, state) -> tuple[int, int]:
         """The data position a checkpoint saves: prompts drawn for a request still in flight are not trained yet,
         so a resume draws them again."""
-        return self.position_before_pending if self.pending is not None else (state.epoch, state.position)
+        return self.ahead.position_before_oldest() or (state.epoch, state.position)
+
+    def stream_record(self) -> dict:
+        """What a checkpoint records of the stream (in its trainer state): the requests in flight and how many of
+        their groups were already generated. A resume draws their prompts again (see trained_position), so those
+        groups are generated again, by the restored policy; none is trained on twice."""
+        if not self.config.rollout_staleness:
+            return {}
+        in_flight = self.ahead.pending()
+        finished = getattr(self.engine, "finished", None)
+        groups = [len(p.prompts) for p in in_flight]
+        done = [n for p, n in zip(in_flight, groups)
+                if finished is not None and p.ticket.completions is not None and finished(p.ticket.completions)]
+        return {"stream": {"requests_in_flight": len(in_flight), "groups_in_flight": sum(groups),
+                           "groups_finished_not_trained": sum(done)}}
 
     def close(self) -> None:
         self.engine.close()
@@ -123,12 +147,15 @@ class RolloutCollector:
     def _round(self, state) -> RolloutRound:
         # --async_rollout: this step's request went out during the previous step; the next step's goes out now, so
         # the rollout ranks generate it while this step trains (one step off policy)
-        pending = self.pending or self._request(self._next_prompts(state), state.step)
-        self.pending = None
-        if self.config.async_rollout and state.step + 1 < self.total_steps:
-            self.position_before_pending = (state.epoch, state.position)
-            self.pending = self._request(self._next_prompts(state), state.step, steps_ahead=1)
+        # (--max_staleness K: the next K steps' requests are in flight; K = 1 is --async_rollout)
+        pending = self.ahead.pop() or self._request(self._next_prompts(state), state.step)
+        for _ in range(steps_to_post(len(self.ahead), self.config.rollout_staleness, state.step, self.total_steps)):
+            position = (state.epoch, state.position)
+            self.ahead.push(self._request(self._next_prompts(state), state.step, steps_ahead=len(self.ahead) + 1),
+                            position)
         completions, texts, messages, times = self._receive(pending)
+        if self.config.rollout_staleness:
+            self._regenerate_stale(pending, state.step, completions, texts, messages, times)
         # in-place mode: the adapter leaves the shared base while the CPU scores (with more rounds to come it stays,
         # and the sleep takes it out); its launches count as rollout time
         if self.engine.merges_in_place and not self.config.filter_zero_std_groups:
@@ -137,8 +164,54 @@ class RolloutCollector:
             times["rollout_release"] = time.perf_counter() - start
             times["rollout"] += times["rollout_release"]
         result, times["reward"] = self._score(pending.prompts, texts, completions, self.config.k_samples, messages)
-        stats = {"rollout/staleness": float(state.step - pending.policy_step)} if self.config.async_rollout else {}
+        stats = {"rollout/staleness": float(state.step - pending.policy_step)} if self.config.rollout_staleness else {}
         return RolloutRound(pending.prompts, completions, texts, result, pending.images, times, stats)
+
+    def _regenerate_stale(self, pending: PendingRollouts, step: int, completions: list, texts: list, messages: list,
+                          times: dict) -> None:
+        """Groups whose oldest token is more than --max_staleness versions behind the policy that trains on them are
+        generated again now, in place (every rank takes part: the request is collective). Regenerated, not dropped: the
+        step keeps its k completions of every prompt drawn, and no prompt goes untrained. The requests ahead are
+        bounded so that this cannot happen (see docs/server_mode.md); it guards the bound all the same."""
+        k = pending.sampling.n
+        stale = groups_over_bound(group_staleness([c.versions for c in completions], k, step),
+                                  self.config.rollout_staleness)
+        if not dist_utils.any_rank(bool(stale)):
+            return
+        self.stream_counts["groups_regenerated"] += len(stale)
+        again = self._request([pending.prompts[g] for g in stale], step)
+        fresh, fresh_texts, fresh_messages, fresh_times = self._receive(again)
+        for j, g in enumerate(stale):
+            rows = slice(g * k, (g + 1) * k)
+            completions[rows] = [replace(c, prompt_index=g) for c in fresh[j * k:(j + 1) * k]]
+            texts[rows], messages[rows] = fresh_texts[j * k:(j + 1) * k], fresh_messages[j * k:(j + 1) * k]
+        for key in ("rollout", "rollout_generate"):
+            times[key] += fresh_times[key]
+
+    def _stream_metrics(self, kept: RolloutRound, state) -> dict:
+        """The step's view of the stream: its tokens' staleness (staleness.py), groups regenerated, the seconds the
+        rollout ranks waited with nothing to generate (mean over them, since the last step) and the seconds this
+        rank waited for its rollouts."""
+        metrics = staleness_metrics([c.versions for c in kept.completions], state.step)
+        idle = getattr(self.engine, "idle_seconds", None)
+        if idle:
+            total = sum(idle) / len(idle)
+            metrics["stream/rollout_idle_s"] = total - self.stream_counts["idle_seen"]
+            self.stream_counts["idle_seen"] = total
+        metrics["stream/groups_regenerated"] = float(self.stream_counts["groups_regenerated"])
+        self.stream_counts["groups_regenerated"] = 0
+        metrics["stream/trainer_wait_s"] = kept.times.get("rollout_generate", 0.0)
+        return metrics
+
+    def _note_resumed_stream(self, state) -> None:
+        """Once, on the first step of a resumed run: what became of the stream the checkpoint recorded."""
+        self.stream_counts["resume_noted"] = True
+        record = state.extra.get("stream") if state.step else None
+        if record and record.get("requests_in_flight") and dist_utils.is_main():
+            logger.info(f"resuming a stream at step {state.step}: the checkpoint had {record['requests_in_flight']} "
+                        f"request(s) in flight ({record['groups_in_flight']} group(s) per rank, "
+                        f"{record['groups_finished_not_trained']} of them generated but not trained on); their prompts "
+                        f"are drawn again and generated by the restored policy, so none is skipped or trained on twice")
 
     @phase("data")
     def _next_prompts(self, state) -> list[dict]:
@@ -248,9 +321,7 @@ class RolloutCollector:
         completions, episodes = [], []
         for index, group in enumerate(by_prompt):
             for completion, episode in group:
-                completions.append(Completion(index, completion.token_ids, completion.logprobs,
-                                              completion.finish_reason, completion.mask,
-                                              routed_experts=completion.routed_experts))
+                completions.append(replace(completion, prompt_index=index))  # (its versions and mask kept)
                 episodes.append(episode)
         return completions, episodes
 

@@ -36,6 +36,9 @@ class Completion:
     # the experts each MoE layer routed each token to (engines asked to record them): [prompt + completion tokens - 1,
     # layers, top_k] int, -1 where a layer routes nothing (the last token is never routed: no forward reads it)
     routed_experts: Optional[torch.Tensor] = None
+    # per token, the policy version (optimizer steps) whose weights sampled it; None where the engine keeps no count
+    # (colocated engines always sample the policy being trained); server mode's stream fills it (stream.py)
+    versions: Optional[list[int]] = None
 
 
 @dataclass
@@ -126,6 +129,10 @@ class RolloutEngine(ABC):
 
     def wake(self) -> None:
         """Take memory back before the next rollout."""
+
+    def mark_policy_version(self, version: int) -> None:
+        """The weights just loaded (every load_weights / load_adapter call of one sync) are the policy after `version`
+        optimizer steps: tokens sampled from here on carry it. An engine that keeps no count ignores it."""
 
     def close(self) -> None:
         """Release the engine for good (server mode: stop the rollout ranks)."""

@@ -43,6 +43,7 @@ class RemoteRolloutEngine(RolloutEngine):
         self.takes_adapter = spec.get("lora_rank") is not None  # the rollout ranks hold the base and take adapters
         self.images_as_decoded = images_as_decoded
         self.bridge: Optional[RolloutBridge] = None
+        self.idle_seconds = [0.0] * rollout_ranks  # per rollout rank: seconds it waited with nothing to generate
         if dist_utils.is_main():
             timeout = timedelta(minutes=timeout_minutes)
             self.bridge = RolloutBridge(connect_store(timeout), 0, rollout_ranks + 1, dist_utils.device(), timeout)
@@ -69,10 +70,25 @@ class RemoteRolloutEngine(RolloutEngine):
         if self.bridge is not None:
             per_rank = [[] for _ in range(ticket.ranks)]
             for r, ((a, _), number) in enumerate(zip(ticket.bounds, ticket.numbers)):
-                for c in self._answer(r, number):  # prompt_index is within the share; back to the owner's numbering
+                reply = self._answer(r, number, whole=True)
+                for c in reply["ok"]:  # prompt_index is within the share; back to the owner's numbering
                     rank, local = ticket.owners[a + c.prompt_index]
                     per_rank[rank].append(replace(c, prompt_index=local))
-        return dist_utils.scatter_objects(per_rank)
+                self.idle_seconds[r] = max(self.idle_seconds[r], reply.get("idle_s", 0.0))
+            per_rank = [(mine, list(self.idle_seconds)) for mine in per_rank]
+        mine, idle = dist_utils.scatter_objects(per_rank)
+        self.idle_seconds = idle  # every training rank holds the same figures (for the step's metrics)
+        return mine
+
+    def finished(self, ticket: "Ticket") -> bool:
+        """Rank 0: whether every rollout rank has answered the request (without taking the answers)."""
+        return self.bridge is not None and all(self.bridge.has_reply(r, number)
+                                               for r, number in enumerate(ticket.numbers))
+
+    def mark_policy_version(self, version: int) -> None:
+        """Close a sync: every rollout rank now samples with `version`'s weights, and tags its tokens so."""
+        if self.bridge is not None:
+            self._answers(self._post_all(("version", version)))
 
     def submit_episodes(self, prompts: list, sampling: SamplingSettings, limits) -> "Ticket":
         """Post every training rank's episode prompts to the rollout ranks, which run the episodes next to their
@@ -143,14 +159,15 @@ class RemoteRolloutEngine(RolloutEngine):
     def _answers(self, numbers: list[int]) -> list:
         return [self._answer(r, n) for r, n in enumerate(numbers)]
 
-    def _answer(self, rollout_rank: int, number: int):
+    def _answer(self, rollout_rank: int, number: int, whole: bool = False):
+        """The rollout rank's answer to message `number` (`whole`: the reply with what comes beside the answer)."""
         try:
             reply = self.bridge.reply_of(rollout_rank, number)
         except BridgeClosed as exc:
             raise TrainingError(f"rollout rank {rollout_rank} stopped answering: {exc}") from exc
         if "error" in reply:
             raise TrainingError(reply["error"])
-        return reply["ok"]
+        return reply if whole else reply["ok"]
 
 
 def _even_bounds(total: int, parts: int) -> list[tuple[int, int]]:

@@ -2,17 +2,20 @@
 
 Messages (see bridge.py): ("start", spec) once, then ("generate", (prompt ids, sampling, images)),
 ("episodes", (episode prompts, sampling, limits)), ("weights", layout) or ("adapter", layout) followed by the
-tensors over the weight group, and ("stop", None). Every message gets a reply: {"ok": ...} or {"error": text};
-after an error the rank only waits for the stop, so that training rank 0 can print the error before the launcher
-ends the job.
+tensors over the weight group, ("version", n) once a sync's weights are all in (the policy after n optimizer steps),
+and ("stop", None). Every message gets a reply: {"ok": ...} or {"error": text}; a request's comes once it is generated
+(with "idle_s": the seconds this rank has waited with nothing to generate), the others' at once. After an error the
+rank only waits for the stop, so that training rank 0 can print the error before the launcher ends the job.
 """
 from __future__ import annotations
 
 import logging
 import os
 import socket
+import time
 import traceback
 from datetime import timedelta
+from typing import Optional
 
 import torch
 
@@ -25,6 +28,7 @@ from grpo.runtime.failures import FAILURES_DIR
 from grpo.runtime.roles import job_rank, rollout_index, rollout_ranks_of
 from grpo.runtime.distributed import seed_everything
 from grpo.rollout.bridge import BridgeClosed, RolloutBridge, connect_store
+from grpo.rollout.stream import RolloutStream
 
 logger = logging.getLogger("grpo")
 
@@ -52,12 +56,41 @@ def serve_rollouts(config) -> int:
 
 
 def _serve(bridge: RolloutBridge, config, index: int, count: int, device: torch.device, rank: int) -> int:
-    """Answer messages until the stop; the exit code."""
+    """Answer messages until the stop; the exit code.
+
+    Generation runs as a stream (stream.py): `generate` and `episodes` requests queue up and are answered once
+    generated; every other message is answered at once, also while requests are in flight, since the rank looks for
+    messages between two units of generation. Weights apply between two units; no token is sampled between a sync's
+    first tensors and its `version`, which closes it."""
     engine, failure = None, None  # failure: the first error's text, repeated to every later message
     episodes = None               # what running episodes here needs (EpisodeHost)
     heartbeat = None              # the training ranks' failure watch sees this rank die (failure_watch.py)
+    stream: Optional[RolloutStream] = None
+    syncing = False               # a sync's weights came in, its version not yet
+    finished: list = []           # (number, answer): generated, sent once the messages that came meanwhile are taken
+    idle = 0.0                    # seconds waited with nothing to generate, sent with every answer
     while True:
-        (kind, payload), number = bridge.receive(index)
+        busy = stream is not None and stream.has_work and not failure
+        wait = syncing or not (finished or busy)
+        waited_from = time.perf_counter()
+        message = bridge.receive(index) if wait else bridge.poll(index)
+        if wait and not syncing:
+            idle += time.perf_counter() - waited_from
+        if message is None:
+            # a weight update the trainer sends after reading these answers cannot overtake the requests already here
+            for number, answer in finished:
+                bridge.reply(index, number, {"ok": answer, "idle_s": idle})
+            finished = []
+            if busy:
+                try:
+                    finished = stream.step()
+                except Exception as exc:  # every request in flight gets the error
+                    failure = _failure_text(exc, "generate", index, rank)
+                    for request in stream.requests():
+                        bridge.reply(index, request.number, {"error": failure})
+                    stream.clear()
+            continue
+        (kind, payload), number = message
         note_phase(kind, None)
         if heartbeat is None and kind == "start":  # training rank 0 has made the failures folder by now
             try:
@@ -81,14 +114,18 @@ def _serve(bridge: RolloutBridge, config, index: int, count: int, device: torch.
             if kind == "start":
                 episodes = EpisodeHost.for_run(config, payload.get("episode_datasets") or [])
                 engine = _build_engine(config, payload, index, count, device, rank)
+                stream = RolloutStream(engine, segment_tokens=config.rollout_segment_tokens,
+                                       partial=config.partial_rollouts)
                 answer = True
-            elif kind == "generate":
+            elif kind == "generate":  # answered once generated
                 prompts, sampling, images = payload
-                answer = engine.generate(prompts, sampling, images or None) \
-                    if prompts or engine.collective_generate else []
+                stream.add(number, prompts, sampling, images or None)
+                continue
             elif kind == "episodes":
-                answer = episodes.run(engine, *payload)
+                stream.add_episodes(number, lambda engine, asked=payload: episodes.run(engine, *asked))
+                continue
             elif kind == "weights":
+                syncing = True
                 tensors = bridge.receive_weights(payload)
                 try:
                     engine.load_weights(tensors)
@@ -97,7 +134,12 @@ def _serve(bridge: RolloutBridge, config, index: int, count: int, device: torch.
                         pass
                 answer = True
             elif kind == "adapter":  # a dict: every tensor arrives before the engine swaps its adapter
+                syncing = True
                 engine.load_adapter(dict(bridge.receive_weights(payload)))
+                answer = True
+            elif kind == "version":  # the sync is whole: tokens from here on are this version's
+                stream.mark_version(payload)
+                syncing = False
                 answer = True
             else:
                 raise RuntimeError(f"unknown message {kind!r}")
@@ -105,10 +147,19 @@ def _serve(bridge: RolloutBridge, config, index: int, count: int, device: torch.
         except BridgeClosed:
             raise
         except Exception as exc:  # reported to training rank 0, which stops the job with it
-            text = str(exc) if isinstance(exc, GRPOError) else f"{type(exc).__name__}: {exc}"
-            failure = f"rollout rank {index} (job rank {rank}) failed in {kind}: {text}"
-            logger.error(f"rollout rank {index} failed in {kind}:\n{traceback.format_exc()}")
+            failure = _failure_text(exc, kind, index, rank)
             bridge.reply(index, number, {"error": failure})
+            if stream is not None:
+                for request in stream.requests():
+                    bridge.reply(index, request.number, {"error": failure})
+                stream.clear()
+
+
+def _failure_text(exc: Exception, kind: str, index: int, rank: int) -> str:
+    """What training rank 0 prints for a failure here; the traceback goes to this rank's log."""
+    text = str(exc) if isinstance(exc, GRPOError) else f"{type(exc).__name__}: {exc}"
+    logger.error(f"rollout rank {index} failed in {kind}:\n{traceback.format_exc()}")
+    return f"rollout rank {index} (job rank {rank}) failed in {kind}: {text}"
 
 
 class EpisodeHost:

@@ -217,7 +217,8 @@ class GRPOTrainer:
                 with self.memory.phase("train"):
                     train_metrics, times["train"] = self._optimize(step)  # loss + DeepSpeed step(s)
                 with self.memory.phase("sync"):
-                    times["sync"] = self._sync_rollout_weights()       # the new policy into the rollout engine
+                    # the new policy into the rollout engine (the policy after this step: its version)
+                    times["sync"] = self._sync_rollout_weights(version=self.state.step + 1)
                 self.state.step += 1
                 times["step"] = time.perf_counter() - step_start
 
@@ -364,9 +365,10 @@ class GRPOTrainer:
         self._sync_rollout_weights()
 
     @phase("weight sync")
-    def _sync_rollout_weights(self, first: bool = False) -> float:
+    def _sync_rollout_weights(self, first: bool = False, version: int | None = None) -> float:
         """Push the updated policy into the rollout engine (vLLM, or the rollout ranks in server mode); the
-        colocated HF engine samples the live model."""
+        colocated HF engine samples the live model. `version`: the policy's, in optimizer steps (default: the steps
+        done), which streamed rollouts tag their tokens with."""
         if not engine_holds_weights(self.config):
             return 0.0
         from grpo.sync.weight_sync import sync_weights
@@ -374,6 +376,7 @@ class GRPOTrainer:
         self._last_sync = sync_weights(self.rollout_engine, self.engine.module, self.config.tuning_strategy,
                                        zero3=self.zero3, first_sync=first,
                                        dtype=engine_dtype(self.config, self.dtype))
+        self.rollout_engine.mark_policy_version(self.state.step if version is None else version)
         return self._last_sync.seconds
 
     # ------------------------------------------------------------------------------------------- eval
@@ -482,6 +485,7 @@ class GRPOTrainer:
         trained = (self.state.epoch, self.state.position)
         # the prompts of a request in flight are not trained yet: a resume draws them again
         self.state.epoch, self.state.position = self.rollouts.trained_position(self.state)
+        self.state.extra.update(self.rollouts.stream_record())  # what was in flight (a resume says what it redoes)
         try:
             path = save_checkpoint(self.engine, self.state, self.config.output_dir, self.config.save_total_limit,
                                    frozen_excluded=self.config.uses_lora, config=self.config,

@@ -1,0 +1,194 @@
+"""Streamed rollouts, piece by piece: the staleness math, the requests kept ahead of training, and a rollout rank's
+stream (grpo/rollout/stream.py) on an engine whose tokens say which weights sampled them."""
+import pytest
+
+from grpo.rollout.ahead import RequestsAhead, steps_to_post
+from grpo.rollout.engine import Completion, RolloutEngine, SamplingSettings
+from grpo.rollout.staleness import group_staleness, groups_over_bound, staleness_metrics
+from grpo.rollout.stream import RolloutStream
+
+STOP = 0
+
+
+class VersionedEngine(RolloutEngine):
+    """Samples token 100 + its weights' number (log-prob minus that number); a prompt [length, ...] stops once its
+    sequence (prompt included) holds `length` tokens, with the stop token. Records every call."""
+
+    def __init__(self):
+        self.weights = 0
+        self.calls = []
+
+    def generate(self, prompt_token_ids, sampling, images=None):
+        self.calls.append(([list(p) for p in prompt_token_ids], sampling.max_new_tokens))
+        out = []
+        for i, prompt in enumerate(prompt_token_ids):
+            for _ in range(sampling.n):
+                room = prompt[0] - len(prompt)  # tokens until it stops (the stop token being the last)
+                if room <= sampling.max_new_tokens:
+                    tokens, finish = [100 + self.weights] * (room - 1) + [STOP], "stop"
+                else:
+                    tokens, finish = [100 + self.weights] * sampling.max_new_tokens, "length"
+                out.append(Completion(i, tokens, [-float(self.weights)] * len(tokens), finish))
+        return out
+
+
+def sampling(n=2, max_new_tokens=8):
+    return SamplingSettings(n=n, max_new_tokens=max_new_tokens)
+
+
+# ---------------------------------------------------------------------------------------------- staleness math
+def test_a_group_is_as_stale_as_its_oldest_token():
+    versions = [[3, 3, 4], [4], [4, 5], [5], None, []]  # three groups of two
+    assert group_staleness(versions, 2, current=5) == [2, 1, 0]  # a group without versions counts as fresh
+    assert groups_over_bound([2, 1, 0], bound=1) == [0]
+    with pytest.raises(ValueError):
+        group_staleness(versions, 4, current=5)
+
+
+def test_staleness_metrics_count_tokens_partial_completions_and_the_histogram():
+    metrics = staleness_metrics([[3, 3, 4], [4], [5, 5]], current=5)
+    assert metrics["stream/staleness_mean"] == pytest.approx((2 + 2 + 1 + 1 + 0 + 0) / 6)
+    assert metrics["stream/staleness_max"] == 2.0
+    assert metrics["stream/partial_share"] == pytest.approx(1 / 3)  # the first completion spans two versions
+    assert [metrics[f"stream/tokens_version_{d}"] for d in range(3)] == [2.0, 2.0, 2.0]
+    assert staleness_metrics([None, None], current=5) == {}
+
+
+def test_the_trainer_keeps_k_requests_ahead_and_none_past_the_last_step():
+    assert steps_to_post(0, 1, step=0, total_steps=4) == 1  # --async_rollout: the next step's
+    assert steps_to_post(0, 3, step=0, total_steps=10) == 3
+    assert steps_to_post(2, 3, step=1, total_steps=10) == 1  # topped up
+    assert steps_to_post(1, 3, step=7, total_steps=10) == 1  # steps 8 and 9 are the last
+    assert steps_to_post(0, 2, step=9, total_steps=10) == 0
+    ahead = RequestsAhead()
+    ahead.push("step 1", (0, 4))
+    ahead.push("step 2", (0, 8))
+    assert ahead.position_before_oldest() == (0, 4)  # a checkpoint resumes from before the untrained prompts
+    assert ahead.pop() == "step 1" and ahead.position_before_oldest() == (0, 8)
+
+
+# ----------------------------------------------------------------------------------------- a rollout rank's stream
+def test_whole_requests_generate_in_one_call_each_in_order_at_the_current_version():
+    engine = VersionedEngine()
+    stream = RolloutStream(engine)
+    stream.add(7, [[5, 1], [6, 1]], sampling())
+    stream.add(8, [[4, 1]], sampling())
+    number, completions = stream.step()[0]
+    assert number == 7 and len(engine.calls) == 1 and len(completions) == 4
+    engine.weights = 1
+    stream.mark_version(1)
+    number, completions = stream.step()[0]
+    assert number == 8 and [c.versions for c in completions] == [[1, 1], [1, 1]]
+    assert not stream.has_work
+
+
+def test_a_sequence_in_flight_goes_on_under_new_weights_and_each_token_keeps_its_version():
+    engine = VersionedEngine()
+    stream = RolloutStream(engine, segment_tokens=3)
+    stream.add(1, [[10, 7]], sampling(n=2, max_new_tokens=20))  # 8 tokens to its stop token
+    assert stream.step() == []  # 3 tokens each
+    engine.weights = 1
+    stream.mark_version(1)
+    stream.add(2, [[4, 9]], sampling(n=1))  # joins the next piece
+    finished = dict(stream.step())
+    assert list(finished) == [2] and finished[2][0].versions == [1, 1]
+    engine.weights = 2
+    stream.mark_version(2)
+    finished = dict(stream.step())
+    (first, second) = finished[1]
+    assert first.token_ids == [100] * 3 + [101] * 3 + [102, STOP] and first.finish_reason == "stop"
+    assert first.versions == [0, 0, 0, 1, 1, 1, 2, 2]
+    assert first.logprobs == [0.0] * 3 + [-1.0] * 3 + [-2.0] * 2  # the log-probs of the weights that sampled them
+    assert second.versions == first.versions
+    # each piece resubmitted prompt + the tokens so far
+    assert engine.calls[1][0][0] == [10, 7, 100, 100, 100]
+    assert engine.calls[2][0][0] == [10, 7, 100, 100, 100, 101, 101, 101]
+
+
+def test_restart_begins_sequences_of_older_weights_again():
+    engine = VersionedEngine()
+    stream = RolloutStream(engine, segment_tokens=3, partial="restart")
+    stream.add(1, [[7, 1]], sampling(n=1, max_new_tokens=20))  # 5 tokens to its stop token
+    assert stream.step() == []
+    engine.weights = 1
+    stream.mark_version(1)
+    assert stream.step() == []
+    (number, (completion,)), = stream.step()
+    assert completion.versions == [1] * 5 and completion.token_ids == [101] * 4 + [STOP]
+    assert stream.running == [] and engine.calls[1][0][0] == [7, 1]  # back to the prompt
+
+
+def test_a_sequence_stops_at_its_own_length_limit_inside_a_longer_piece():
+    engine = VersionedEngine()
+    stream = RolloutStream(engine, segment_tokens=4)
+    stream.add(1, [[50, 1]], sampling(n=1, max_new_tokens=3))
+    stream.add(2, [[50, 1]], sampling(n=1, max_new_tokens=6))
+    finished = dict(stream.step())
+    assert finished[1][0].token_ids == [100] * 3 and finished[1][0].finish_reason == "length"
+    finished = dict(stream.step())
+    assert len(finished[2][0].token_ids) == 6 and finished[2][0].finish_reason == "length"
+
+
+def test_episodes_run_whole_when_they_come_up():
+    engine = VersionedEngine()
+    stream = RolloutStream(engine, segment_tokens=2)
+    stream.add(1, [[4, 1]], sampling(n=1))
+    stream.add_episodes(2, lambda e: ["episode", e.weights])
+    stream.add(3, [[4, 1]], sampling(n=1))
+    assert [n for n, _ in stream.step()] == [1]  # the sequences ahead of the episodes first
+    assert stream.step() == [(2, ["episode", 0])]
+    assert [n for n, _ in stream.step()] == [3]
+
+
+# ------------------------------------------------------------------------------------------- with the HF engine
+def teacher_forced_logprobs(model, prompt: list[int], tokens: list[int]) -> list[float]:
+    """log p(token | everything before it) under `model`, for each of `tokens` after `prompt`."""
+    import torch
+
+    ids = torch.tensor([prompt + tokens])
+    with torch.no_grad():
+        logprobs = torch.log_softmax(model(ids).logits[0, len(prompt) - 1:-1].float(), -1)
+    return logprobs.gather(-1, torch.tensor(tokens)[:, None]).squeeze(-1).tolist()
+
+
+def test_an_update_mid_sequence_with_the_hf_engine_keeps_each_tokens_version_and_log_prob(tmp_path):
+    """Pieces of 3 tokens; new weights land after the first piece: the first 3 tokens of every sequence are version
+    0's, sampled and scored by the old weights, the rest version 1's, under the new ones."""
+    import copy
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from grpo.model.loading import load_tokenizer
+    from grpo.rollout.hf import HFRolloutEngine
+
+    from .tiny_models import make_tiny_model_dir
+
+    path = make_tiny_model_dir(str(tmp_path / "tiny"))
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    old = copy.deepcopy(model)
+    engine = HFRolloutEngine(model, load_tokenizer(path), owns_model=True)
+    stream = RolloutStream(engine, segment_tokens=3)
+    prompt = load_tokenizer(path)("What is 2 + 3 ?", add_special_tokens=False)["input_ids"]
+    torch.manual_seed(0)
+    stream.add(1, [prompt], SamplingSettings(n=3, max_new_tokens=9, temperature=1.0))
+    assert stream.step() == []
+    with torch.no_grad():  # the update: every weight moves
+        engine.load_weights((name, tensor + 0.05 * torch.randn_like(tensor))
+                            for name, tensor in model.state_dict().items())
+    stream.mark_version(1)
+    finished = []
+    while stream.has_work:
+        finished += stream.step()
+    (_, completions), = finished
+    spanning = [c for c in completions if len(c.token_ids) > 3]
+    assert spanning, "every sequence stopped in the first piece"
+    for c in completions:
+        assert c.versions == [0] * min(3, len(c.token_ids)) + [1] * (len(c.token_ids) - 3)
+        under_old = teacher_forced_logprobs(old, prompt, c.token_ids)
+        under_new = teacher_forced_logprobs(model, prompt, c.token_ids)
+        sampled_by = [under_old[t] if v == 0 else under_new[t] for t, v in enumerate(c.versions)]
+        assert c.logprobs == pytest.approx(sampled_by, abs=1e-4)
+    # ... which differ: the rollout correction weighs each token by the weights that really sampled it
+    c = spanning[0]
+    assert c.logprobs[3:] != pytest.approx(teacher_forced_logprobs(old, prompt, c.token_ids)[3:], abs=1e-3)
