@@ -249,3 +249,21 @@ def test_a_grpo_step_with_the_hf_engine_replays_its_routing_and_trains(tmp_path,
     moved = {n: (p.detach() - routers[n]).abs().max().item()
              for n, p in trainer.engine.module.named_parameters() if n in routers}
     assert len(moved) == 2 and all(v > 0 for v in moved.values())
+
+
+def test_the_memory_plan_counts_a_micro_batchs_routing_array():
+    """4 bytes per token, layer and pick, kept through the backward beside the activations; none for a dense model."""
+    from dataclasses import replace
+
+    from transformers import LlamaConfig, Qwen3MoeConfig
+
+    from grpo.memory.activations import activation_bytes_per_token, model_shape
+
+    moe = model_shape(Qwen3MoeConfig(hidden_size=2048, num_hidden_layers=48, num_experts_per_tok=8,
+                                     moe_intermediate_size=768, num_attention_heads=32, head_dim=128))
+    assert moe.routed_picks == 48 * 8
+    kept, transient = activation_bytes_per_token(moe, True, 2, 2, False, False)
+    kept_without, transient_without = activation_bytes_per_token(replace(moe, routed_picks=0), True, 2, 2, False,
+                                                                 False)
+    assert (kept - kept_without, transient - transient_without) == (4 * 48 * 8, 0)
+    assert model_shape(LlamaConfig()).routed_picks == 0

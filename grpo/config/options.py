@@ -330,7 +330,8 @@ class GRPOConfig(DerivedOptions):
         None, "Mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE): the rollout engine records the experts it "
               "routed each token to, and the trainer's MoE layers use that choice while their gate weights come from "
               "the trainer's own router (docs/moe.md#routing-replay); rollout/router_agreement is logged. Default: on "
-              "for those models (it costs a few bytes per token and layer), off for dense ones, which it refuses.",
+              "for those models (it costs 4 bytes per token, layer and routed expert); a dense model has nothing to "
+              "replay, and refuses it.",
         "rollout", nargs="?", const=True)  # a bare flag means true
 
     # --- tools and multi-turn episodes ------------------------------------------------------------

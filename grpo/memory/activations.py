@@ -4,9 +4,11 @@ function). The memory plan (grpo.memory.plan) sizes the micro-batch token budget
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from grpo.config.choices import MICRO_BATCH_TOKENS
+from grpo.model.routing_replay import replay_family, routing_shape
 
 GIB, MIB = 2**30, 2**20
 BUDGET_STEP = 1024
@@ -47,6 +49,7 @@ class ModelShape:
     layers: int          # L
     q_dim: int           # attention heads x head_dim
     vocab: int           # V
+    routed_picks: int = 0  # R: a replayed mixture of experts' picks per token (layers x top_k), else 0
 
 
 def model_shape(model_config) -> ModelShape:
@@ -56,7 +59,11 @@ def model_shape(model_config) -> ModelShape:
     head_dim = getattr(cfg, "head_dim", None) or hidden // heads
     routed = (getattr(cfg, "num_experts_per_tok", None) or 0) * (getattr(cfg, "moe_intermediate_size", None) or 0)
     intermediate = max(getattr(cfg, "intermediate_size", None) or 4 * hidden, routed)
-    return ModelShape(hidden, intermediate, cfg.num_hidden_layers, heads * head_dim, cfg.vocab_size)
+    from grpo.model.routing_replay import replay_family, routing_shape
+
+    # --routing_replay's default for these models: the micro-batch's routing array rides along
+    picks = math.prod(routing_shape(cfg)) if replay_family(cfg) else 0
+    return ModelShape(hidden, intermediate, cfg.num_hidden_layers, heads * head_dim, cfg.vocab_size, picks)
 
 
 def activation_bytes_per_token(s: ModelShape, checkpointing: bool, act_bytes: int, adapter_bytes: int,
@@ -75,6 +82,7 @@ def activation_bytes_per_token(s: ModelShape, checkpointing: bool, act_bytes: in
         backward = 4 I a                        one layer's MLP gradients in flight
         ends     = H (2 a + 4)                  the embedding output, the final norm's fp32 input, the hidden states
                                                 kept for the log-prob chunks
+                 + 4 R           [replay]       a mixture of experts' replayed routing: R = layers x top_k int32 picks
         logits   = 14 V  [full logits only]     bf16 logits, an fp32 copy, log-softmax, its gradient (all kept)
 
         with checkpointing:  kept = L H a + ends (+ logits),   transient = layer + backward
@@ -84,7 +92,7 @@ def activation_bytes_per_token(s: ModelShape, checkpointing: bool, act_bytes: in
     H, I, q, a, b = s.hidden, s.intermediate, s.q_dim, act_bytes, adapter_bytes
     layer = 8 * H + 4 * q * a + 3 * I * a
     layer += (b + int(dropout)) * (5 * H + q + I) if b else a * (2 * H + q + I)
-    backward, ends = 4 * I * a, H * (2 * a + 4) + (14 * s.vocab if full_logits else 0)
+    backward, ends = 4 * I * a, H * (2 * a + 4) + (14 * s.vocab if full_logits else 0) + 4 * s.routed_picks
     if checkpointing:
         return s.layers * H * a + ends, layer + backward
     return s.layers * layer + ends, backward
