@@ -182,7 +182,8 @@ def vllm_expert_adapter(model, experts_name: str, outer, dtype: torch.dtype) -> 
             experts_a, experts_b = expert_factors(wrapper.lora_A[adapter].weight.detach(),
                                                   wrapper.lora_B[adapter].weight.detach(), wrapper.num_experts)
             lora = per_expert_lora(blocks, experts_a.float(), experts_b.float(), wrapper.scaling[adapter])
-        tensors.update({name: t.to(dtype).contiguous() for name, t in lora.items()})
+        # (own copies: gate and up share A_e, and a view would hold the trained factor's storage)
+        tensors.update({name: t.to(dtype, copy=True).contiguous() for name, t in lora.items()})
     return tensors
 
 

@@ -1,0 +1,296 @@
+"""LoRA on a mixture of experts' fused expert tensors (Mixtral, Qwen3-MoE, the upcycled SmolLM2 form): peft's fused
+factors, what they compute per expert (by hand), the merged weights the sync sends, the per-expert adapter vLLM
+loads (grpo.sync.expert_adapters), gradients, and a short GRPO run with lora and qlora."""
+import json
+import os
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from grpo.errors import ConfigError
+from grpo.sync.expert_adapters import (RowBlock, expert_delta, expert_factors, expert_wrappers, merged_experts,
+                                       per_expert_lora, row_blocks_from_numbers)
+from grpo.sync.weight_sync import iter_adapter_tensors, iter_policy_weights
+
+from .sync_setup import IDS, trained_policy
+from .tiny_models import make_tiny_moe_model_dir, make_tiny_tokenizer
+from .trainer_setup import even_tokens, tiny_config, train_rows
+
+PREFIX = "base_model.model."
+
+
+# ------------------------------------------------------------------------------------------------ the models
+def tiny_qwen3_moe_dir(path: str) -> str:
+    """A tiny random Qwen3-MoE (4 experts of width 32, 2 per token) with the tiny tokenizer."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    tokenizer = make_tiny_tokenizer()
+    torch.manual_seed(0)
+    config = Qwen3MoeConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                            num_experts=4, num_experts_per_tok=2, tie_word_embeddings=False,
+                            pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    Qwen3MoeForCausalLM(config).save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def upcycled_dir(tiny_model: str, path: str) -> str:
+    from grpo.model.upcycle import upcycle
+
+    return upcycle(tiny_model, path, experts=4, top_k=2, seed=1)
+
+
+@pytest.fixture(params=["mixtral", "qwen3_moe", "upcycled"])
+def moe(request, tmp_path, tiny_model):
+    folder = str(tmp_path / request.param)
+    if request.param == "mixtral":
+        return make_tiny_moe_model_dir(folder)
+    if request.param == "qwen3_moe":
+        return tiny_qwen3_moe_dir(folder)
+    return upcycled_dir(tiny_model, folder)
+
+
+# per family: the checkpoint's names of an expert's gate, up and down projections
+CHECKPOINT_PARTS = {"mixtral": ("block_sparse_moe.experts.{e}.w1", "block_sparse_moe.experts.{e}.w3",
+                                "block_sparse_moe.experts.{e}.w2"),
+                    "qwen3_moe": ("mlp.experts.{e}.gate_proj", "mlp.experts.{e}.up_proj", "mlp.experts.{e}.down_proj")}
+
+
+def experts_of(policy, layer: int = 0):
+    """(the outermost ParamWrapper of a layer's experts, its wrappers by parameter name)."""
+    outer = policy.base_model.model.model.layers[layer].mlp.experts
+    return outer, {w.parameter_name: w for w in expert_wrappers(outer)}
+
+
+# ----------------------------------------------------------------------------------------- the layout, by hand
+def test_peft_fused_factors_are_read_per_expert_as_worked_by_hand():
+    """Two experts, rank 1, in 2, out 3. peft keeps A expert-major ([E*r, in]) and B rank-major ([out, E*r],
+    column j*E + e is column j of expert e), so expert e's update is s * B[:, e] A[e]."""
+    lora_a = torch.tensor([[1., 2.],     # A_0
+                           [3., 4.]])    # A_1
+    lora_b = torch.tensor([[1., 10.],    # column 0: B_0, column 1: B_1 (r = 1: j*E + e = e)
+                           [2., 20.],
+                           [3., 30.]])
+    experts_a, experts_b = expert_factors(lora_a, lora_b, num_experts=2)
+    assert experts_a.tolist() == [[[1., 2.]], [[3., 4.]]]
+    assert experts_b.tolist() == [[[1.], [2.], [3.]], [[10.], [20.], [30.]]]
+    delta = expert_delta(experts_a, experts_b, scale=0.5)
+    assert delta.tolist() == [[[0.5, 1.], [1., 2.], [1.5, 3.]],             # 0.5 * [1, 2, 3]^T [1, 2]
+                              [[15., 20.], [30., 40.], [45., 60.]]]         # 0.5 * [10, 20, 30]^T [3, 4]
+    weight = torch.ones(2, 3, 2)
+    assert torch.equal(merged_experts(weight, experts_a, experts_b, 0.5), 1 + delta)
+    assert torch.equal(merged_experts(weight.transpose(1, 2), experts_a, experts_b, 0.5, transposed=True),
+                       (1 + delta).transpose(1, 2))
+    # the rank-2 case: B's columns interleave the experts (j*E + e)
+    lora_b2 = torch.arange(12.).view(3, 4)  # columns: (j=0,e=0) (j=0,e=1) (j=1,e=0) (j=1,e=1)
+    _, experts_b2 = expert_factors(torch.zeros(4, 2), lora_b2, num_experts=2)
+    assert torch.equal(experts_b2[1], lora_b2[:, [1, 3]])
+    # the per-expert adapter vLLM loads: rows start..stop of expert e's B, scaled, beside A_e
+    blocks = [RowBlock("m.experts.0.w1.weight", 0, 0, 2), RowBlock("m.experts.1.w3.weight", 1, 2, 3)]
+    lora = per_expert_lora(blocks, experts_a, experts_b, scale=0.5)
+    assert lora[PREFIX + "m.experts.0.w1.lora_A.weight"].tolist() == [[1., 2.]]
+    assert lora[PREFIX + "m.experts.0.w1.lora_B.weight"].tolist() == [[0.5], [1.]]
+    assert lora[PREFIX + "m.experts.1.w3.lora_B.weight"].tolist() == [[15.]]
+
+
+def test_peft_computes_what_the_hand_layout_says(tmp_path):
+    """The reading above is peft's own: its ParamWrapper's delta equals expert_delta of the same factors."""
+    policy = trained_policy(make_tiny_moe_model_dir(str(tmp_path / "moe")), "lora")
+    _, wrappers = experts_of(policy)
+    for name, wrapper in wrappers.items():
+        experts_a, experts_b = expert_factors(wrapper.lora_A["default"].weight, wrapper.lora_B["default"].weight,
+                                              wrapper.num_experts)
+        assert experts_a.shape == (4, 4, wrapper.in_features) and experts_b.shape == (4, wrapper.out_features, 4)
+        with torch.no_grad():
+            torch.testing.assert_close(expert_delta(experts_a, experts_b, wrapper.scaling["default"]),
+                                       wrapper.get_delta_weight("default"))
+
+
+def test_row_blocks_refuse_a_layout_that_is_not_rows_of_one_expert():
+    rows = 4  # experts of 4 rows: numbers e * 4 + row
+    good = {"a.weight": torch.tensor([[4], [5]]), "b.weight": torch.tensor([[0], [1], [2], [3]])}
+    assert row_blocks_from_numbers(good, rows) == [RowBlock("b.weight", 0, 0, 4), RowBlock("a.weight", 1, 0, 2)]
+    with pytest.raises(ConfigError, match="interleaved"):
+        row_blocks_from_numbers({"c.weight": torch.tensor([[0], [2]])}, rows)
+
+
+# ------------------------------------------------------------------------------------------- on the three models
+def test_lora_adapts_the_experts_of_every_family(moe):
+    """all-linear adapts attention and both fused expert parameters at rank r; the router stays frozen; at the start
+    (B = 0) the policy is the base model."""
+    policy = trained_policy(moe, "lora")
+    lora = policy.peft_config["default"]
+    assert sorted(lora.target_parameters) == ["experts.down_proj", "experts.gate_up_proj"]
+    outer, wrappers = experts_of(policy, layer=1)
+    assert sorted(wrappers) == ["down_proj", "gate_up_proj"] and all(w.r["default"] == 4 for w in wrappers.values())
+    assert not any(p.requires_grad for n, p in policy.named_parameters() if ".gate." in n or n.endswith("gate.weight"))
+
+
+@pytest.mark.parametrize("strategy", ["lora", "qlora"])
+def test_gradients_reach_the_expert_adapters(tmp_path, strategy):
+    policy = trained_policy(make_tiny_moe_model_dir(str(tmp_path / "moe")), strategy)
+    policy.train()
+    policy(IDS, labels=IDS).loss.backward()
+    for layer in (0, 1):
+        _, wrappers = experts_of(policy, layer)
+        for name, wrapper in wrappers.items():
+            for factor in (wrapper.lora_A["default"].weight, wrapper.lora_B["default"].weight):
+                assert factor.grad is not None and factor.grad.abs().sum() > 0, f"layer {layer} {name}"
+    if strategy == "qlora":  # transformers 5 + bitsandbytes quantize linear layers only: the experts stay 16-bit
+        layer = policy.base_model.model.model.layers[0]
+        assert layer.self_attn.q_proj.base_layer.weight.__class__.__name__ == "Params4bit"
+        assert experts_of(policy)[1]["gate_up_proj"].get_param().dtype == torch.float32
+
+
+def family(folder: str) -> str:
+    return json.load(open(os.path.join(folder, "config.json")))["model_type"]
+
+
+@pytest.mark.parametrize("strategy", ["lora", "qlora"])
+def test_merged_weights_are_the_base_plus_each_experts_update(moe, strategy):
+    """The merged sync sends each expert's checkpoint tensors: W_e + s * B_e @ A_e, split as the checkpoint holds
+    them (gate rows, then up rows), computed here expert by expert from peft's factors; loaded into an engine of
+    the checkpoint's model they give the policy's logits."""
+    from grpo.rollout.hf import HFRolloutEngine
+
+    policy = trained_policy(moe, strategy)
+    sent = dict(iter_policy_weights(policy, strategy, dtype=torch.float32))
+    gate_name, up_name, down_name = CHECKPOINT_PARTS[family(moe)]
+    with safe_open(os.path.join(moe, "model.safetensors"), "pt") as saved:
+        for layer in (0, 1):
+            _, wrappers = experts_of(policy, layer)
+            gate_up, down = wrappers["gate_up_proj"], wrappers["down_proj"]
+            width = gate_up.out_features // 2
+            for e in range(4):
+                expected = {}
+                for wrapper, parts in ((gate_up, (gate_name, up_name)), (down, (down_name,))):
+                    a = wrapper.lora_A["default"].weight.detach()                   # [E*r, in]
+                    b = wrapper.lora_B["default"].weight.detach()                   # [out, E*r]
+                    a_e = a[e * 4:(e + 1) * 4]                                      # rows of expert e
+                    b_e = b[:, [j * 4 + e for j in range(4)]]                       # columns j*E + e
+                    update = wrapper.scaling["default"] * b_e @ a_e                 # [out, in]
+                    for i, part in enumerate(parts):
+                        rows = slice(i * width, (i + 1) * width) if len(parts) == 2 else slice(None)
+                        name = f"model.layers.{layer}.{part.format(e=e)}.weight"
+                        expected[name] = saved.get_tensor(name).float() + update[rows]
+                for name, tensor in expected.items():
+                    torch.testing.assert_close(sent[name], tensor, atol=1e-6, rtol=1e-6)
+    engine = HFRolloutEngine(AutoModelForCausalLM.from_pretrained(moe), make_tiny_tokenizer(), owns_model=True)
+    engine.load_weights(list(sent.items()))
+    policy.eval()
+    with torch.no_grad():
+        atol = 1e-4 if strategy == "qlora" else 1e-5
+        torch.testing.assert_close(engine.model.eval()(IDS).logits, policy(IDS).logits, atol=atol, rtol=atol)
+
+
+def test_the_adapter_for_vllm_is_the_fused_adapters_slices_per_expert(moe):
+    """iter_adapter_tensors sends, per expert and checkpoint tensor, A_e and s * B_e's rows of it, under the
+    checkpoint's names (vLLM's FusedMoEWithLoRA packs experts.<e>.w1 / w2 / w3, or gate_proj / down_proj /
+    up_proj); applied to the checkpoint's per-expert weights (what vLLM's fused-MoE LoRA computes) it gives the
+    policy."""
+    from grpo.rollout.hf import HFRolloutEngine
+
+    policy = trained_policy(moe, "lora")
+    tensors = dict(iter_adapter_tensors(policy, dtype=torch.float32))
+    gate_name, up_name, down_name = CHECKPOINT_PARTS[family(moe)]
+    for layer in (0, 1):
+        _, wrappers = experts_of(policy, layer)
+        gate_up, down = wrappers["gate_up_proj"], wrappers["down_proj"]
+        width = gate_up.out_features // 2
+        for e in range(4):
+            for wrapper, part, rows in ((gate_up, gate_name, slice(0, width)), (gate_up, up_name, slice(width, None)),
+                                        (down, down_name, slice(None))):
+                module = f"{PREFIX}model.layers.{layer}.{part.format(e=e)}"
+                a = wrapper.lora_A["default"].weight.detach()
+                b = wrapper.lora_B["default"].weight.detach()
+                torch.testing.assert_close(tensors[f"{module}.lora_A.weight"], a[e * 4:(e + 1) * 4])
+                torch.testing.assert_close(tensors[f"{module}.lora_B.weight"],
+                                           wrapper.scaling["default"] * b[:, e::4][rows])
+    experts = [n for n in tensors if ".experts." in n]
+    assert len(experts) == 2 * 4 * 3 * 2  # layers x experts x (gate, up, down) x (A, B)
+    # what an engine holding the checkpoint computes with it: W + B @ A per tensor (B scaled: vLLM's scale is 1)
+    checkpoint = load_file(os.path.join(moe, "model.safetensors"))
+    merged = []
+    for name in tensors:
+        if name.endswith(".lora_A.weight"):
+            module = name[len(PREFIX):].removesuffix(".lora_A.weight")
+            update = tensors[f"{PREFIX}{module}.lora_B.weight"] @ tensors[name]
+            merged.append((f"{module}.weight", checkpoint[f"{module}.weight"].float() + update))
+    engine = HFRolloutEngine(AutoModelForCausalLM.from_pretrained(moe), make_tiny_tokenizer(), owns_model=True)
+    engine.load_weights(merged)
+    policy.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(engine.model.eval()(IDS).logits, policy(IDS).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_an_expert_projection_left_unadapted_gets_a_zero_adapter(tmp_path):
+    """vLLM packs w1, w2 and w3 of every expert together and needs all three: adapting gate_up_proj alone (named by
+    its checkpoint part, gate_proj / w1) sends w2 as a zero LoRA of rank 1."""
+    folder = make_tiny_moe_model_dir(str(tmp_path / "moe"))
+    policy = trained_policy(folder, "lora", targets="q_proj,w1")
+    assert sorted(policy.peft_config["default"].target_parameters) == ["experts.gate_up_proj"]
+    tensors = dict(iter_adapter_tensors(policy, dtype=torch.float32))
+    down = f"{PREFIX}model.layers.1.block_sparse_moe.experts.3.w2"
+    assert tensors[f"{down}.lora_A.weight"].shape == (1, 128) and tensors[f"{down}.lora_B.weight"].shape == (64, 1)
+    assert not tensors[f"{down}.lora_A.weight"].any() and not tensors[f"{down}.lora_B.weight"].any()
+    assert tensors[f"{PREFIX}model.layers.1.block_sparse_moe.experts.3.w3.lora_B.weight"].any()
+
+
+def test_the_upcycled_model_with_expert_lora_starts_as_the_dense_model(tiny_model, tmp_path):
+    """LoRA starts at B = 0: the upcycled SmolLM2 form with adapters on its experts still computes the dense
+    model's outputs."""
+    from grpo import GRPOConfig
+    from grpo.model.loading import load_policy
+
+    folder = upcycled_dir(tiny_model, str(tmp_path / "moe"))
+    policy = load_policy(GRPOConfig(model_name_or_path=folder, tuning_strategy="lora", lora_rank=4), folder,
+                         torch.float32, torch.device("cpu")).eval()
+    assert experts_of(policy)[1]
+    dense = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(policy(IDS).logits, dense(IDS).logits, atol=1e-5, rtol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------------- a GRPO run
+@pytest.mark.parametrize("strategy", ["lora", "qlora"])
+def test_a_grpo_run_trains_the_experts_and_saves_both_adapter_forms(tmp_path, registry, strategy):
+    """Two GRPO steps with the HF engine on a tiny Mixtral: the experts' adapters move, the engine's log-probs match
+    the trainer's (the merged sync is exact), and the final adapter is saved as peft writes it (a run continues it)
+    and as vLLM loads it (lora_adapter/vllm: the in-memory sync's tensors)."""
+    from peft import PeftModel
+
+    from grpo.train.trainer import GRPOTrainer
+
+    folder = make_tiny_moe_model_dir(str(tmp_path / "moe"))
+    config = tiny_config(folder, registry, str(tmp_path / "out"), tuning_strategy=strategy, rollout_engine="hf",
+                         lora_dropout=0.05)
+    trainer = GRPOTrainer(config, reward_funcs=[even_tokens])
+    before = {n: p.detach().clone() for n, p in trainer.engine.module.named_parameters() if ".experts." in n
+              and p.requires_grad}
+    assert len(before) == 2 * 2 * 2  # layers x (gate_up, down) x (A, B)
+    saved = trainer.train()
+    moved = [n for n, p in trainer.engine.module.named_parameters() if n in before and not torch.equal(p, before[n])]
+    assert moved, "no expert adapter moved"
+    rows = train_rows(tmp_path / "out")
+    assert len(rows) == 2
+    gap = [r[k] for r in rows for k in r if "logprob" in k and ("gap" in k or "mismatch" in k or "diff" in k)]
+    assert gap and max(abs(g) for g in gap) < 1e-3, rows[-1]
+    adapter = saved["lora_adapter"] if isinstance(saved, dict) and "lora_adapter" in saved else \
+        str(tmp_path / "out" / "lora_adapter")
+    vllm_form = load_file(os.path.join(adapter, "vllm", "adapter_model.safetensors"))
+    expected = dict(iter_adapter_tensors(trainer.engine.module, dtype=torch.float32))
+    assert vllm_form.keys() == expected.keys()
+    for name, tensor in expected.items():
+        torch.testing.assert_close(vllm_form[name].float(), tensor)
+    vllm_config = json.load(open(os.path.join(adapter, "vllm", "adapter_config.json")))
+    assert vllm_config["r"] == vllm_config["lora_alpha"] == 4 and {"w1", "w2", "w3", "q_proj"} <= \
+        set(vllm_config["target_modules"])
+    if strategy == "lora":  # peft's own form reloads onto the base as the policy
+        reloaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(folder), adapter).eval()
+        policy = trainer.engine.module.eval()
+        with torch.no_grad():
+            torch.testing.assert_close(reloaded(IDS).logits, policy(IDS).logits, atol=1e-5, rtol=1e-5)
