@@ -312,3 +312,82 @@ def test_async_rollouts_run_the_next_steps_episodes_while_this_step_trains(tmp_p
     assert all(0.0 < r["rollout/is_weight_mean"] <= 2.0 for r in rows)
     assert rows[2]["rollout/offpolicy_logprob_diff_mean"] > 1e-4  # later ones from the policy a step behind
     assert environment_ranks(tmp_path) == {"1"}  # on the rollout rank
+
+
+STREAM = ("--tuning_strategy", "full", "--max_staleness", "2", "--rollout_segment_tokens", "3",
+          "--rollout_max_new_tokens", "12", "--max_seq_length", "48")
+
+
+@needs_launcher
+def test_a_stream_two_steps_deep_trains_no_group_over_the_bound_and_resumes_on_the_same_prompts(setup):  # noqa: F811
+    """--max_staleness 2 with partial rollouts in pieces of 3 tokens: every token carries its version, no step trains
+    on a token more than 2 versions behind, the bound is reached, and no prompt is trained twice or skipped. A
+    checkpoint saved with two requests in flight records them; the resumed run draws their prompts again."""
+    flags = (*STREAM, "--max_steps", "5", "--save_steps", "2", "--eval_on_start", "false")
+    out, proc = run_server(setup, "out_server_stream", 29563, *flags)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    rows = train_rows(out)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    assert all(r["stream/staleness_max"] <= 2 for r in rows), rows
+    assert rows[0]["stream/staleness_max"] == 0 and max(r["stream/staleness_max"] for r in rows) == 2
+    assert all(r["stream/groups_regenerated"] == 0 for r in rows)  # the requests ahead keep the bound
+    assert all(0.0 < r["rollout/is_weight_mean"] <= 2.0 for r in rows)  # each token weighed by its own policy
+    for key in ("stream/partial_share", "stream/rollout_idle_s", "stream/trainer_wait_s", "stream/staleness_mean"):
+        assert all(key in r for r in rows), key
+    first = prompts_by_step(out)
+    drawn = [i for s in sorted(first) for i in first[s]]
+    assert len(drawn) == len(set(drawn)) == 5 * 2  # nothing trained twice
+
+    state = json.loads((out / "checkpoint-2" / "trainer_state.json").read_text())
+    assert (state["step"], state["position"]) == (2, 2 * 2)  # before the prompts in flight
+    assert state["extra"]["stream"]["requests_in_flight"] == 2 and state["extra"]["stream"]["groups_in_flight"] == 4
+    shutil.copytree(out / "checkpoint-2", setup[0] / "out_server_stream_resumed" / "checkpoint-2")
+    resumed, proc = run_server(setup, "out_server_stream_resumed", 29565, *flags, "--resume_from_checkpoint", "latest")
+    both = proc.stdout + proc.stderr
+    assert proc.returncode == 0, both[-4000:]
+    assert "resuming a stream at step 2: the checkpoint had 2 request(s) in flight" in both, both[-4000:]
+    again = prompts_by_step(resumed)
+    assert sorted(again) == [3, 4, 5] and all(again[s] == first[s] for s in (3, 4, 5)), (first, again)
+    assert all(r["stream/staleness_max"] <= 2 for r in train_rows(resumed))
+
+
+ODD_LENGTH_REWARD = '''
+from grpo import register_reward
+
+@register_reward("says_seven")  # (the registry's name) rewards that differ within most groups
+def says_seven(completions, answers, **row):
+    return [float(len(c) % 2) for c in completions]
+'''
+
+
+@needs_launcher
+def test_dynamic_sampling_fills_its_steps_from_the_stream(setup):  # noqa: F811
+    """--filter_zero_std_groups with --max_staleness 2: the extra rounds a step needs come from the requests already
+    in flight, and the stream still keeps every group within the bound and every prompt trained at most once."""
+    (setup[0] / "odd_rewards.py").write_text(ODD_LENGTH_REWARD)
+    out, proc = run_server(setup, "out_server_stream_dynamic", 29567, *STREAM, "--max_steps", "3",
+                           "--filter_zero_std_groups", "true", "--max_generation_rounds", "3",
+                           "--eval_on_start", "false", "--save_steps", "0", reward="odd_rewards.py")
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    rows = train_rows(out)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(r["dynamic_sampling/rounds"] >= 1 and r["stream/staleness_max"] <= 2 for r in rows), rows
+    assert all(r["dynamic_sampling/groups_kept"] > 0 for r in rows), rows
+    seen = prompts_by_step(out)
+    trained = [i for s in sorted(seen) for i in seen[s]]
+    assert len(trained) == len(set(trained)) == 3 * 2
+
+
+@needs_launcher
+def test_max_staleness_one_is_async_rollout(setup):  # noqa: F811
+    """K = 1 is today's --async_rollout to the last digit: the same flags through either spelling train the same."""
+    flags = ("--tuning_strategy", "full", "--max_steps", "3", "--save_steps", "0", "--eval_on_start", "false")
+    a, proc = run_server(setup, "out_server_k1_async", 29569, *flags, "--async_rollout", "true")
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    b, proc = run_server(setup, "out_server_k1_stream", 29571, *flags, "--max_staleness", "1")
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    measured = ("time/", "stream/rollout_idle_s", "stream/trainer_wait_s", "memory/", "throughput/")
+    for x, y in zip(train_rows(a), train_rows(b), strict=True):
+        assert {k: v for k, v in x.items() if not k.startswith(measured)} == \
+               {k: v for k, v in y.items() if not k.startswith(measured)}
+    assert [r["rollout/staleness"] for r in train_rows(b)] == [0.0, 1.0, 1.0]

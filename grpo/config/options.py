@@ -225,7 +225,8 @@ class GRPOConfig(DerivedOptions):
         False, "Exclude completions that hit --rollout_max_new_tokens from the loss.", "grpo")
     rollout_is_correction: Optional[bool] = _opt(
         None, "Weight the loss by min(exp(trainer_old - rollout logprob), cap) (truncated IS). Default: on with "
-              "--async_rollout (its rollouts come from the policy one step behind), off otherwise.", "grpo",
+              "--async_rollout or --max_staleness (their rollouts come from policies steps behind), off otherwise.",
+        "grpo",
         nargs="?", const=True)  # a bare flag still means true
     rollout_is_cap: float = _opt(2.0, "Cap of the truncated importance-sampling weight.", "grpo")
     rollout_correction: Optional[str] = _opt(
@@ -361,6 +362,19 @@ class GRPOConfig(DerivedOptions):
         False, "Where no sandbox can be made (bubblewrap missing or namespaces refused), run the python tool's code "
                "as a plain process anyway: no isolation from the trainer, its files or the network (docs/tools.md).",
         "tools")
+    agent_module: Optional[str] = _opt(
+        None, "Python file whose @register_agent functions (`async def agent(client, row)` on the OpenAI API) become "
+              "usable in the dataset config's \"agent\" (docs/agents.md).", "tools")
+    agent_timeout_s: float = _opt(
+        300.0, "Datasets with an agent: seconds one episode may run; past them it is cancelled and scores 0 (counted "
+               "in agents/timeouts).", "tools")
+    agent_max_concurrency: int = _opt(
+        64, "Datasets with an agent: episodes running at once on a rank (their calls are generated in batches).",
+        "tools")
+    agent_on_mismatch: str = _opt(
+        "truncate", "Datasets with an agent: an agent's call that does not continue its earlier calls' tokens is "
+                    "never trained on; truncate keeps the episode up to it, drop trains on none of the episode.",
+        "tools", choices=("truncate", "drop"))
 
     # --- eval, checkpoints, logging -------------------------------------------------------------
     eval_steps: int = _opt(0, "Evaluate on the held-out split every N steps (0: only at the end).", "logging")

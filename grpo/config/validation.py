@@ -230,7 +230,7 @@ def _validate_loss_and_correction(cfg, need) -> None:
     need(mode is None or mode in ROLLOUT_CORRECTIONS, "rollout_correction",
          f"got '{mode}', choose one of {', '.join(ROLLOUT_CORRECTIONS)}")
     need(mode is None or cfg.rollout_is_correction is not None or cfg.is_correction, "rollout_correction",
-         f"'{mode}' corrects only with --rollout_is_correction (on by default with --async_rollout only): add "
+         f"'{mode}' corrects only with --rollout_is_correction (on by default with --async_rollout / --max_staleness only): add "
          f"--rollout_is_correction true")
     given = [name for name in ("rollout_mask_low", "rollout_mask_high") if getattr(cfg, name) is not None]
     for name in given:
@@ -259,6 +259,12 @@ def _validate_episodes(cfg, need) -> None:
          f"--max_episode_tokens {cfg.episode_token_budget} > {cfg.max_seq_length}; lower it or raise "
          "--max_seq_length")
     need(cfg.tool_module is None or bool(cfg.tool_module.strip()), "tool_module", "give a Python file's path")
+    need(cfg.agent_module is None or bool(cfg.agent_module.strip()), "agent_module", "give a Python file's path")
+    need(math.isfinite(cfg.agent_timeout_s) and cfg.agent_timeout_s > 0, "agent_timeout_s",
+         f"must be a number of seconds > 0, got {cfg.agent_timeout_s}")
+    need(cfg.agent_max_concurrency >= 1, "agent_max_concurrency", f"must be >= 1, got {cfg.agent_max_concurrency}")
+    need(cfg.agent_on_mismatch in ("truncate", "drop"), "agent_on_mismatch",
+         f"got '{cfg.agent_on_mismatch}', choose truncate or drop")
 
 
 def _validate_lora_exclude(cfg, need) -> None:
