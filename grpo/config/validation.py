@@ -230,8 +230,8 @@ def _validate_loss_and_correction(cfg, need) -> None:
     need(mode is None or mode in ROLLOUT_CORRECTIONS, "rollout_correction",
          f"got '{mode}', choose one of {', '.join(ROLLOUT_CORRECTIONS)}")
     need(mode is None or cfg.rollout_is_correction is not None or cfg.is_correction, "rollout_correction",
-         f"'{mode}' corrects only with --rollout_is_correction (on by default with --async_rollout / --max_staleness only): add "
-         f"--rollout_is_correction true")
+         f"'{mode}' corrects only with --rollout_is_correction (on by default with --async_rollout / --max_staleness "
+         f"only): add --rollout_is_correction true")
     given = [name for name in ("rollout_mask_low", "rollout_mask_high") if getattr(cfg, name) is not None]
     for name in given:
         need(mode in ROLLOUT_MASK_BANDS, name,
