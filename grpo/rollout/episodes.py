@@ -54,6 +54,8 @@ class Episode:
     tool_errors: int = 0
     tool_timeouts: int = 0
     finish_reason: str = ""                             # "stop" | "length" | "budget" | "max_turns"
+    # per token, the policy version that sampled it (server mode's stream: an episode runs under one version)
+    versions: Optional[list[int]] = None
 
     @property
     def cut_by_budget(self) -> bool:
@@ -67,7 +69,8 @@ class Episode:
     def as_completion(self) -> Completion:
         """The episode in the engine protocol's shape (a cut episode counts as truncated), its mask with it."""
         finish = "length" if self.finish_reason in ("length", "budget") else "stop"
-        return Completion(self.prompt_index, self.completion_ids, self.logprobs, finish, mask=list(self.mask))
+        return Completion(self.prompt_index, self.completion_ids, self.logprobs, finish, mask=list(self.mask),
+                          versions=self.versions)
 
 
 def run_episodes(engine: RolloutEngine, tokenizer, prompts: list[EpisodePrompt], sampling: SamplingSettings,

@@ -103,7 +103,7 @@ class RolloutStream:
         head = self.waiting[0] if self.waiting else None
         if head is not None and head.episodes is not None and not self.running:
             self.waiting.popleft()
-            return [(head.number, head.episodes[0](self.engine))]
+            return [(head.number, self._episodes(head))]
         if self.segment_tokens <= 0:
             return [self._whole(self.waiting.popleft())]
         return self._segment()
@@ -112,10 +112,18 @@ class RolloutStream:
     def _whole(self, request: Request) -> tuple[int, list]:
         """One request in one generate call, every token at the current version."""
         if request.episodes is not None:
-            return request.number, request.episodes[0](self.engine)
+            return request.number, self._episodes(request)
         completions = self.engine.generate(request.prompts, request.sampling, request.images) \
             if request.prompts or self.engine.collective_generate else []
         return request.number, [replace(c, versions=[self.version] * len(c.token_ids)) for c in completions]
+
+    def _episodes(self, request: Request) -> list:
+        """An episodes request, run whole: no weights land meanwhile, so every token of it is this version's."""
+        episodes = request.episodes[0](self.engine)
+        for episode in episodes:
+            if hasattr(episode, "versions"):
+                episode.versions = [self.version] * len(episode.completion_ids)
+        return episodes
 
     def _segment(self) -> list[tuple[int, list]]:
         """`segment_tokens` more tokens of every sequence in flight (requests waiting join first, up to an episodes
