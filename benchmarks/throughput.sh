@@ -9,7 +9,9 @@
 #      with the same prompts per step in every mode (strong scaling): grpo colocate on 1 GPU and on 2 GPUs (half the
 #      prompts per rank), server mode (1 training + 1 rollout GPU), server mode with --async_rollout; samples/s per
 #      mode, 2-GPU colocate / 1-GPU colocate and server / colocate ratios. MULTI_MODES picks the modes
-#      (default "colocate1 colocate2 server async")
+#      (default "colocate1 colocate2 server async"; stream2 and stream4 add streamed rollouts, --max_staleness 2 / 4
+#      with pieces of STREAM_SEGMENT tokens: the cases of docs/server_mode.md#streaming-rollouts---max_staleness-k as
+#      MULTI_CASES="16:1024 8:4096" MULTI_MODES="colocate2 async stream2 stream4")
 # The table (benchmarks/throughput_table.py) goes to $OUT/table.md; logs and metrics to $OUT/ and $OUT/runs/
 # (a previous run's results there are removed first; the model folder is kept and reused).
 # Every run has a wall-clock limit; on one H100 sections 1-2 take about 8 minutes (more on the first run, which
@@ -41,6 +43,7 @@ MULTI_STEPS=${MULTI_STEPS:-$STEPS}
 MAX_NEW=${MAX_NEW:-256}
 MULTI_CASES=${MULTI_CASES:-16:256 64:256 16:1024}   # section 3: prompts per step:new tokens
 MULTI_MODES=${MULTI_MODES:-colocate1 colocate2 server async}
+STREAM_SEGMENT=${STREAM_SEGMENT:-256}  # stream2 / stream4 modes: --rollout_segment_tokens
 PROMPT_LEN=128                   # the random prompts' length, and --max_prompt_length of the runs
 REPEATS=${REPEATS:-10}            # timed calls per case: a busy host moves single calls by 30% and more
 VLLM_MEM=${VLLM_MEM:-0.3}        # grpo's and TRL's default share for colocated vLLM
@@ -145,7 +148,9 @@ if [ "${SKIP_MULTI:-0}" != 1 ] && [ "$GPUS" -ge 2 ]; then
         server) train "p$p-n$new-server" "server" 2 1 "$p" "$new" "$MULTI_STEPS" "$T_MULTI" "${server[@]}" ;;
         async) train "p$p-n$new-async" "server, async" 2 1 "$p" "$new" "$MULTI_STEPS" "$T_MULTI" "${server[@]}" \
                  --async_rollout true ;;
-        *) echo "MULTI_MODES: unknown mode $m (colocate1 colocate2 server async)"; exit 1 ;;
+        stream2|stream4) train "p$p-n$new-$m" "server, async stream K=${m#stream}" 2 1 "$p" "$new" "$MULTI_STEPS" \
+                 "$T_MULTI" "${server[@]}" --max_staleness "${m#stream}" --rollout_segment_tokens "$STREAM_SEGMENT" ;;
+        *) echo "MULTI_MODES: unknown mode $m (colocate1 colocate2 server async stream2 stream4)"; exit 1 ;;
       esac
     done
   done

@@ -182,7 +182,9 @@ def scaling_lines(runs: list[dict]) -> None:
         print(f"- {prompts[1:]} prompts x 8 per step, {new[1:]} new tokens: 2-GPU colocate / 1-GPU colocate "
               f"{ratio(rate('colocate2'), rate('colocate1'))}; server / 2-GPU colocate "
               f"{ratio(rate('server'), rate('colocate2'))}; server + async / 2-GPU colocate "
-              f"{ratio(rate('async'), rate('colocate2'))}")
+              f"{ratio(rate('async'), rate('colocate2'))}"
+              + "".join(f"; stream K={k} / 2-GPU colocate {ratio(rate(f'stream{k}'), rate('colocate2'))}"
+                        for k in (2, 4) if rate(f"stream{k}") is not None))
 
 
 def main() -> None:
