@@ -283,8 +283,8 @@ class GRPOConfig(DerivedOptions):
                "(one step off policy, corrected by the truncated IS weights; rollout/staleness is logged).",
         "rollout")
     max_staleness: Optional[int] = _opt(
-        None, "With --rollout_mode server: rollouts stream (docs/server_mode.md#streaming-rollouts---max_staleness-k). The "
-              "rollout ranks generate without stopping, up to K steps' prompts ahead of training, and take each weight "
+        None, "With --rollout_mode server: rollouts stream "
+              "(docs/server_mode.md#streaming-rollouts---max_staleness-k). The rollout ranks generate without stopping, up to K steps' prompts ahead of training, and take each weight "
               "update as it comes; every token carries the policy version that sampled it, and no step trains on a "
               "group more than K versions behind (such a group is generated again). 1 is --async_rollout. Default: 1 "
               "with --async_rollout, else off.", "rollout")
