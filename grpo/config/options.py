@@ -284,10 +284,11 @@ class GRPOConfig(DerivedOptions):
         "rollout")
     max_staleness: Optional[int] = _opt(
         None, "With --rollout_mode server: rollouts stream "
-              "(docs/server_mode.md#streaming-rollouts---max_staleness-k). The rollout ranks generate without stopping, up to K steps' prompts ahead of training, and take each weight "
-              "update as it comes; every token carries the policy version that sampled it, and no step trains on a "
-              "group more than K versions behind (such a group is generated again). 1 is --async_rollout. Default: 1 "
-              "with --async_rollout, else off.", "rollout")
+              "(docs/server_mode.md#streaming-rollouts---max_staleness-k). The rollout ranks generate without "
+              "stopping, up to K steps' prompts ahead of training, and take each weight update as it comes; every "
+              "token carries the policy version that sampled it, and no step trains on a group more than K versions "
+              "behind (such a group is generated again). 1 is --async_rollout. Default: 1 with --async_rollout, else "
+              "off.", "rollout")
     rollout_segment_tokens: int = _opt(
         0, "With --max_staleness (or --async_rollout): the rollout ranks generate in pieces of N tokens of every "
            "sequence in flight, taking new weights and new prompts between two pieces, so a weight update lands in the "
