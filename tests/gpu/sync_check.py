@@ -39,7 +39,7 @@ LEARNING_RATES = {"full": 1e-4, "lora": 5e-3, "qlora": 5e-3}  # large enough tha
 
 
 MOE_ARCHS = ("mixtral", "qwen3_moe")
-MOE_TARGETS = "q_proj,k_proj,v_proj,o_proj"  # (peft's adapters on fused experts cannot be synced: refused at load)
+MOE_TARGETS = "all-linear"  # attention and every expert (grpo.sync.expert_adapters: per-expert LoRA for vLLM)
 
 
 def build_model(path: str, arch: str = "llama") -> str:
