@@ -115,10 +115,9 @@ class RolloutCollector:
         if not self.config.rollout_staleness:
             return {}
         in_flight = self.ahead.pending()
-        finished = getattr(self.engine, "finished", None)
         groups = [len(p.prompts) for p in in_flight]
         done = [n for p, n in zip(in_flight, groups)
-                if finished is not None and p.ticket.completions is not None and finished(p.ticket.completions)]
+                if p.ticket.completions is not None and self.engine.request_done(p.ticket.completions)]
         return {"stream": {"requests_in_flight": len(in_flight), "groups_in_flight": sum(groups),
                            "groups_finished_not_trained": sum(done)}}
 
@@ -193,7 +192,7 @@ class RolloutCollector:
         rollout ranks waited with nothing to generate (mean over them, since the last step) and the seconds this
         rank waited for its rollouts."""
         metrics = staleness_metrics([c.versions for c in kept.completions], state.step)
-        idle = getattr(self.engine, "idle_seconds", None)
+        idle = self.engine.idle_seconds
         if idle:
             total = sum(idle) / len(idle)
             metrics["stream/rollout_idle_s"] = total - self.stream_counts["idle_seen"]

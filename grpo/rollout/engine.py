@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Iterable, Optional
+from typing import Iterable, Optional, Sequence
 
 import torch
 
@@ -64,6 +64,7 @@ class RolloutEngine(ABC):
                                        # rollout and takes it out before the trainer runs (release_base)
     runs_episodes: bool = False        # runs whole multi-turn episodes where it generates (server mode: on the
                                        # rollout ranks); otherwise the collector runs them turn by turn through generate
+    idle_seconds: Sequence[float] = ()  # per rollout rank (server mode): seconds it waited with nothing to generate
 
     @property
     def generates_in_step(self) -> bool:
@@ -129,6 +130,11 @@ class RolloutEngine(ABC):
 
     def wake(self) -> None:
         """Take memory back before the next rollout."""
+
+    def request_done(self, ticket) -> bool:
+        """Whether a submitted request is generated already (server mode asks its rollout ranks; a colocated engine
+        generates on collection: never)."""
+        return False
 
     def mark_policy_version(self, version: int) -> None:
         """The weights just loaded (every load_weights / load_adapter call of one sync) are the policy after `version`

@@ -80,7 +80,7 @@ class RemoteRolloutEngine(RolloutEngine):
         self.idle_seconds = idle  # every training rank holds the same figures (for the step's metrics)
         return mine
 
-    def finished(self, ticket: "Ticket") -> bool:
+    def request_done(self, ticket: "Ticket") -> bool:
         """Rank 0: whether every rollout rank has answered the request (without taking the answers)."""
         return self.bridge is not None and all(self.bridge.has_reply(r, number)
                                                for r, number in enumerate(ticket.numbers))
