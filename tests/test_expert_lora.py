@@ -289,8 +289,31 @@ def test_a_grpo_run_trains_the_experts_and_saves_both_adapter_forms(tmp_path, re
     vllm_config = json.load(open(os.path.join(adapter, "vllm", "adapter_config.json")))
     assert vllm_config["r"] == vllm_config["lora_alpha"] == 4 and {"w1", "w2", "w3", "q_proj"} <= \
         set(vllm_config["target_modules"])
-    if strategy == "lora":  # peft's own form reloads onto the base as the policy
+    if strategy == "lora":  # peft's own form reloads onto the base as the policy, and a run continues it
         reloaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(folder), adapter).eval()
         policy = trainer.engine.module.eval()
         with torch.no_grad():
             torch.testing.assert_close(reloaded(IDS).logits, policy(IDS).logits, atol=1e-5, rtol=1e-5)
+        continued = trained_policy(folder, "lora", lora_adapter_path=adapter)
+        assert sorted(experts_of(continued)[1]) == ["down_proj", "gate_up_proj"]
+
+
+def test_targets_name_the_experts_by_their_checkpoint_names(tmp_path):
+    """A list names the experts as the checkpoints do (or `experts`); the linear layers keep their names."""
+    from grpo.model.expert_targets import expert_lora_targets
+
+    with torch.device("meta"):
+        from transformers import MixtralConfig, MixtralForCausalLM
+
+        model = MixtralForCausalLM(MixtralConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
+                                                 num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                                                 num_local_experts=2))
+    linear = ["k_proj", "o_proj", "q_proj", "v_proj"]
+    both = ["experts.down_proj", "experts.gate_up_proj"]
+    assert expert_lora_targets(model, "all-linear", linear) == (linear, both)
+    assert expert_lora_targets(model, ["q_proj", "experts"], linear) == (["q_proj"], both)
+    assert expert_lora_targets(model, ["q_proj", "w2"], linear) == (["q_proj"], ["experts.down_proj"])
+    assert expert_lora_targets(model, ["gate_proj", "up_proj"], linear) == (None, ["experts.gate_up_proj"])
+    assert expert_lora_targets(model, ["q_proj", "v_proj"], linear) == (["q_proj", "v_proj"], None)
+    with pytest.raises(ConfigError, match="router"):
+        expert_lora_targets(model, ["q_proj", "gate"], linear)
