@@ -267,3 +267,17 @@ def test_the_memory_plan_counts_a_micro_batchs_routing_array():
                                                                  False)
     assert (kept - kept_without, transient - transient_without) == (4 * 48 * 8, 0)
     assert model_shape(LlamaConfig()).routed_picks == 0
+
+
+def test_vllms_routing_becomes_the_trainers_int32_array():
+    """vLLM 0.26 hands each CompletionOutput's routed_experts as numpy uint8 (uint16 past 256 experts) [tokens,
+    layers, k]; the completion carries it as int32."""
+    import numpy as np
+
+    from grpo.rollout.vllm import _routed_experts
+
+    for dtype in (np.uint8, np.uint16):
+        routed = np.arange(24, dtype=dtype).reshape(4, 3, 2)
+        got = _routed_experts(routed)
+        assert got.dtype == torch.int32 and got.tolist() == routed.astype(np.int64).tolist()
+    assert _routed_experts(None) is None
