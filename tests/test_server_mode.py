@@ -391,3 +391,19 @@ def test_max_staleness_one_is_async_rollout(setup):  # noqa: F811
         assert {k: v for k, v in x.items() if not k.startswith(measured)} == \
                {k: v for k, v in y.items() if not k.startswith(measured)}
     assert [r["rollout/staleness"] for r in train_rows(b)] == [0.0, 1.0, 1.0]
+
+
+@needs_launcher
+def test_episodes_stream_two_steps_ahead_beside_pieces_of_one_turn_prompts(tmp_path):
+    """--max_staleness 2 in pieces with episodes: each request of episodes runs whole on the rollout rank under one
+    version, which its tokens carry (updates land between them), and no step trains on one more than 2 behind."""
+    out, proc = launch_episodes(tmp_path, 29573, "--max_steps", "4", "--max_staleness", "2",
+                                "--rollout_segment_tokens", "4", ranks=2)
+    both = proc.stdout + proc.stderr
+    assert proc.returncode == 0, both[-4000:]
+    rows = train_rows(out)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert all(r["episodes/turns"] > 1.5 for r in rows), rows
+    assert rows[0]["stream/staleness_max"] == 0.0 and max(r["stream/staleness_max"] for r in rows) >= 1
+    assert all(r["stream/staleness_max"] <= 2 and r["stream/partial_share"] == 0.0 for r in rows), rows
+    assert environment_ranks(tmp_path) == {"1"}
