@@ -317,3 +317,54 @@ def test_targets_name_the_experts_by_their_checkpoint_names(tmp_path):
     assert expert_lora_targets(model, ["q_proj", "v_proj"], linear) == (["q_proj", "v_proj"], None)
     with pytest.raises(ConfigError, match="router"):
         expert_lora_targets(model, ["q_proj", "gate"], linear)
+
+
+def engine_like(tensors: dict) -> torch.nn.Module:
+    """A module whose parameters are `tensors` under their dotted names: an engine's model, as far as sharing sees."""
+    root = torch.nn.Module()
+    for name, tensor in tensors.items():
+        *path, leaf = name.split(".")
+        module = root
+        for part in path:
+            if not hasattr(module, part):
+                module.add_module(part, torch.nn.Module())
+            module = getattr(module, part)
+        module.register_parameter(leaf, torch.nn.Parameter(tensor, requires_grad=False))
+    return root
+
+
+def test_the_frozen_experts_become_views_of_the_engines_fused_experts(moe):
+    """Adapter mode: vLLM's FusedMoE holds experts.w13_weight [E, 2I, H] (each expert's gate rows, then its up rows)
+    and experts.w2_weight [E, H, I], the layout of transformers' fused tensors; the trainer's frozen experts become
+    views of them where every element is equal, and keep their own copy where not (here: gate and up swapped)."""
+    from grpo.sync.shared_base import share_base_weights
+
+    policy = trained_policy(moe, "lora")
+    gate_name, up_name, down_name = CHECKPOINT_PARTS[family(moe)]
+    moe_path = gate_name.split(".experts.")[0]
+    checkpoint = load_file(os.path.join(moe, "model.safetensors"))
+    engine = {}
+    for layer in (0, 1):
+        def part(name, e):
+            return checkpoint[f"model.layers.{layer}.{name.format(e=e)}.weight"].float()
+
+        gate_up = [torch.cat([part(gate_name, e), part(up_name, e)]) for e in range(4)]
+        if layer == 1:  # a layout the trainer does not hold: up rows first
+            gate_up = [torch.cat([part(up_name, e), part(gate_name, e)]) for e in range(4)]
+        engine[f"model.layers.{layer}.{moe_path}.experts.w13_weight"] = torch.stack(gate_up)
+        engine[f"model.layers.{layer}.{moe_path}.experts.w2_weight"] = torch.stack([part(down_name, e)
+                                                                                   for e in range(4)])
+    engine_model = engine_like(engine)
+    policy.eval()
+    with torch.no_grad():
+        before = policy(IDS).logits
+    result = share_base_weights(policy, engine_model)
+    views = {name: p.data_ptr() for name, p in engine_model.named_parameters()}
+    outer, wrappers = experts_of(policy, 0)
+    assert wrappers["gate_up_proj"].get_param().data_ptr() == views[f"model.layers.0.{moe_path}.experts.w13_weight"]
+    assert wrappers["down_proj"].get_param().data_ptr() == views[f"model.layers.0.{moe_path}.experts.w2_weight"]
+    _, swapped = experts_of(policy, 1)
+    assert swapped["gate_up_proj"].get_param().data_ptr() != views[f"model.layers.1.{moe_path}.experts.w13_weight"]
+    assert result.shared == 3 and "model.layers.1.mlp.experts.gate_up_proj" in result.kept_names
+    with torch.no_grad():
+        torch.testing.assert_close(policy(IDS).logits, before, atol=0, rtol=0)

@@ -17,6 +17,7 @@ from typing import Optional
 import torch
 
 from grpo.model.layer_weights import checkpoint_name
+from grpo.sync.engine_experts import engine_expert_blocks
 from grpo.sync.engine_layout import engine_blocks
 
 logger = logging.getLogger("grpo")
@@ -71,7 +72,10 @@ def share_base_weights(policy: torch.nn.Module, engine_model: torch.nn.Module,
     `parked`: tensors park_frozen_base moved to CPU memory; those with no equal block go back to their device.
     `required`: names that must all be shared, or nothing is (every tensor then stays the trainer's own)."""
     frozen = frozen_base(policy)
-    blocks = engine_blocks(engine_model, packed or {}, {name: p.shape for name, p in frozen.items()})
+    shapes = {name: p.shape for name, p in frozen.items()}
+    blocks = engine_blocks(engine_model, packed or {}, shapes)
+    base = policy.get_base_model() if hasattr(policy, "get_base_model") else policy
+    blocks.update(engine_expert_blocks(engine_model, base, shapes))  # a mixture of experts' fused experts
     parked = dict(parked or {})
     result = SharedBase()
     views = {name: _equal_block(param, *blocks[name]) if name in blocks else None for name, param in frozen.items()}
