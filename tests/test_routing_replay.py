@@ -285,3 +285,20 @@ def test_vllms_routing_becomes_the_trainers_int32_array():
         got = _routed_experts(routed)
         assert got.dtype == torch.int32 and got.tolist() == routed.astype(np.int64).tolist()
     assert _routed_experts(None) is None
+
+
+def test_a_forward_without_replay_recomputes_its_checkpointed_layers_with_its_own_routing():
+    """After a replayed forward, a forward with gradient outside any replay (a warm start's, say) is not given the
+    earlier routing when its checkpointed layers run again in the backward."""
+    grads = []
+    for checkpointing in (False, True):
+        model = tiny_mixtral().train()
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        with routing_replay_of(model).replaying((own_routing(model) + 1) % 4, MASK):
+            model(IDS).logits.sum().backward()
+        model.zero_grad()
+        model(IDS).logits.logsumexp(-1).mean().backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], msg=name)

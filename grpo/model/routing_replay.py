@@ -175,8 +175,11 @@ class RoutingReplay:
     def _current(self) -> Optional[_Replay]:
         if self._active:
             return self._active[-1]
-        in_backward = torch._C._current_graph_task_id() != -1  # a checkpointed layer's forward, run again
-        return self._for_backward if in_backward else None
+        if torch._C._current_graph_task_id() != -1:  # in a backward: a checkpointed layer's forward, run again
+            return self._for_backward
+        if torch.is_grad_enabled():  # a forward with gradient and no replay: its backward routes on its own too
+            self._for_backward = None
+        return None
 
     def _hook(self, router: Router):
         def replace_choice(module, inputs, output):

@@ -23,19 +23,20 @@ class RoutingRecord:
             experts = output[2]                                                      # [rows x tokens, k]
             if not self._forwards or layer in self._forwards[-1]:
                 self._forwards.append({})  # the first router of a new forward
-            self._forwards[-1][layer] = experts.detach().to(ROUTING_DTYPE).view(self.rows, -1, self.top_k).cpu()
+            # kept where it was computed: one copy per layer at the end, not one per layer and decoding step
+            self._forwards[-1][layer] = experts.detach().to(ROUTING_DTYPE).view(self.rows, -1, self.top_k)
         return record
 
     def columns(self) -> torch.Tensor:
-        """[rows, tokens fed, layers, k]: every forward's tokens in order, NOT_RECORDED in layers without a router."""
-        parts = []
-        for forward in self._forwards:
-            tokens = next(iter(forward.values())).shape[1]
-            part = torch.full((self.rows, tokens, self.layers, self.top_k), NOT_RECORDED, dtype=ROUTING_DTYPE)
-            for layer, experts in forward.items():
-                part[:, :, layer] = experts
-            parts.append(part)
-        return torch.cat(parts, dim=1)
+        """[rows, tokens fed, layers, k] on the CPU: every forward's tokens in order, NOT_RECORDED in layers without a
+        router."""
+        if not self._forwards:
+            return torch.full((self.rows, 0, self.layers, self.top_k), NOT_RECORDED, dtype=ROUTING_DTYPE)
+        tokens = sum(next(iter(forward.values())).shape[1] for forward in self._forwards)
+        out = torch.full((self.rows, tokens, self.layers, self.top_k), NOT_RECORDED, dtype=ROUTING_DTYPE)
+        for layer in self._forwards[0]:  # every forward runs every router
+            out[:, :, layer] = torch.cat([forward[layer] for forward in self._forwards], dim=1).cpu()
+        return out
 
 
 @contextmanager
