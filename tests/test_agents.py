@@ -186,7 +186,7 @@ async def editing_agent(client, row):
 
 
 @pytest.mark.parametrize("on_mismatch", ["truncate", "drop"])
-def test_an_agent_that_edits_the_history_is_a_mismatch(model_and_tokenizer, on_mismatch, caplog):
+def test_an_agent_that_edits_the_history_is_a_mismatch(model_and_tokenizer, on_mismatch, grpo_log):
     engine, tokenizer = spy(model_and_tokenizer)
     episodes = run_agent_episodes(engine, tokenizer, editing_agent, [{"question": "What is 2 + 3 ?"}],
                                   SamplingSettings(n=2, max_new_tokens=4),
@@ -202,7 +202,7 @@ def test_an_agent_that_edits_the_history_is_a_mismatch(model_and_tokenizer, on_m
             assert episode.dropped and episode.completion_ids == [] and episode.mask == []
     metrics = agent_metrics(episodes)
     assert metrics["agents/mismatches"] == 1.0 and metrics["agents/dropped"] == float(on_mismatch == "drop")
-    assert any("does not continue their earlier calls" in r.getMessage() for r in caplog.records)
+    assert any("does not continue their earlier calls" in line for line in grpo_log)
 
 
 # ------------------------------------------------------------------------------------------- many at once

@@ -81,7 +81,10 @@ class GenerationRequest:
                     self.future.set_exception(error)
                 else:
                     self.future.set_result(completion)
-        self.loop.call_soon_threadsafe(settle)
+        try:
+            self.loop.call_soon_threadsafe(settle)
+        except RuntimeError:  # the agents' loop has closed: every episode ended (timed out) while this generated
+            pass
 
 
 class AgentEndpoint:

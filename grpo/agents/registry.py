@@ -7,12 +7,14 @@ often as it likes and returns its result: the final answer as text, or a dict (s
 from __future__ import annotations
 
 import inspect
+import os
 from typing import Callable, Optional
 
+from grpo.errors import GRPOError
 from grpo.user_code import import_user_file, qualified_name, unknown_names
 
 
-class AgentError(Exception):
+class AgentError(GRPOError):
     """An agent that cannot be registered or found, or a --agent_module that does not import."""
 
 
@@ -69,6 +71,16 @@ def get_agent(name: str) -> Callable:
 def load_agent_module(path: str) -> None:
     """--agent_module: import a user's Python file by path so that its @register_agent decorators run."""
     import_user_file(path, "--agent_module", "grpo_user_agents", AgentError)
+
+
+def agents_defined_in(path: str) -> list[str]:
+    """The registered agents whose function is written in the Python file at `path`."""
+    target = os.path.realpath(path)
+
+    def source(fn) -> str:
+        code = getattr(inspect.unwrap(fn), "__code__", None) or getattr(getattr(fn, "__call__", None), "__code__", None)
+        return os.path.realpath(code.co_filename) if code is not None else ""
+    return [name for name, fn in sorted(_AGENTS.items()) if source(fn) == target]
 
 
 def check_agents(names, module: Optional[str] = None) -> list[Callable]:

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from grpo.agents.endpoint import AgentEndpoint, EndpointLimits
+from grpo.agents.openai_format import RequestError, normalise_message
 from grpo.agents.records import ON_MISMATCH, CallRecord, assemble_calls
 from grpo.agents.registry import check_agent_function
 from grpo.rollout.engine import Completion, RolloutEngine, SamplingSettings
@@ -94,6 +95,25 @@ class AgentEpisode:
             if text is not None:
                 return text
         return ""
+
+    @property
+    def messages(self) -> list[dict]:
+        """The conversation as the agent last had it (what rewards read as `messages`): its last chat call's messages
+        and the answer to them; a completions call as one user and one assistant message; the row's messages when
+        it made no call."""
+        for call in reversed(self.calls):
+            choice = (call.response.get("choices") or [{}])[0]
+            if call.kind == "chat" and isinstance(call.request.get("messages"), list):
+                try:
+                    sent = [normalise_message(m, i) for i, m in enumerate(call.request["messages"])]
+                    return sent + [normalise_message(choice.get("message") or {"role": "assistant"})]
+                except RequestError:
+                    continue
+            if call.kind == "completion":
+                prompt = call.request.get("prompt")
+                return [{"role": "user", "content": prompt if isinstance(prompt, str) else ""},
+                        {"role": "assistant", "content": choice.get("text") or ""}]
+        return [dict(m) for m in self.row.get("messages") or []]
 
     def as_completion(self) -> Completion:
         """The episode in the engine protocol's shape, its mask with it."""
@@ -261,9 +281,11 @@ def _log_failures(episodes: list[AgentEpisode]) -> None:
 
 
 def agent_metrics(episodes: list[AgentEpisode]) -> dict:
-    """Per-episode means for logging: failures, timeouts, mismatches, calls, and the calls' counts."""
+    """The episodes' count, and per-episode means for logging: failures, timeouts, mismatches, calls, and the calls'
+    counts."""
     n = max(1, len(episodes))
-    return {"agents/errors": sum(e.error is not None for e in episodes) / n,
+    return {"agents/episodes": float(len(episodes)),
+            "agents/errors": sum(e.error is not None for e in episodes) / n,
             "agents/timeouts": sum(e.timed_out for e in episodes) / n,
             "agents/mismatches": sum(e.mismatch is not None for e in episodes) / n,
             "agents/dropped": sum(e.dropped for e in episodes) / n,

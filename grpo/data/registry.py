@@ -35,6 +35,7 @@ class DatasetSpec:
     image_root: Optional[str] = None    # folder relative image paths are read from (default: the registry's)
     tools: list[str] = field(default_factory=list)  # tool names the model may call (multi-turn episodes)
     environment: Optional[str] = None   # a registered environment that answers the model's turns (docs/tools.md)
+    agent: Optional[str] = None         # a registered agent on the OpenAI API that plays each episode (docs/agents.md)
     demonstrations: Optional[str] = None  # rows with the model's turns written out, for --warm_start_steps
     registry_folder: Optional[str] = field(default=None, compare=False, repr=False)  # set by the parser
 
@@ -46,7 +47,7 @@ class DatasetSpec:
 
 ENTRY_KEYS = [f.name for f in fields(DatasetSpec) if f.name != "name" and f.compare]
 _TEXT_KEYS = ("path", "hub_id", "split", "prompt_field", "messages_field", "answer_field", "system_prompt",
-              "prompt_template", "answer_extractor", "image_field", "image_root", "demonstrations")
+              "prompt_template", "answer_extractor", "image_field", "image_root", "demonstrations", "agent")
 
 
 # ------------------------------------------------------------------------------------------------ registry
@@ -113,8 +114,8 @@ def _parse_entry(name: str, entry, folder: str, registry_path: str) -> DatasetSp
 
 
 def _check_episode_keys(where: str, values: dict) -> None:
-    """"tools": a list of tool names; "environment": a name. Whether they are registered is checked once
-    --tool_module is imported (grpo.train.tool_setup)."""
+    """"tools": a list of tool names; "environment", "agent": a name. Whether they are registered is checked once
+    --tool_module / --agent_module is imported (grpo.train.tool_setup, grpo.train.agent_setup)."""
     tools = values.get("tools", [])
     if not isinstance(tools, list) or not all(isinstance(t, str) and t for t in tools):
         raise DatasetError(f"{where}: \"tools\" must be a list of tool names, e.g. [\"calculator\"]; got "
@@ -125,6 +126,13 @@ def _check_episode_keys(where: str, values: dict) -> None:
     if environment is not None and (not isinstance(environment, str) or not environment.strip()):
         raise DatasetError(f"{where}: \"environment\" must be the name of a registered environment; got "
                            f"{json.dumps(environment)}")
+    agent = values.get("agent")
+    if agent is not None and not agent.strip():
+        raise DatasetError(f"{where}: \"agent\" must be the name of a registered agent (@register_agent in the file "
+                           "given with --agent_module)")
+    if agent and (tools or environment):
+        raise DatasetError(f"{where}: an \"agent\" plays the whole episode (its own tools, in the OpenAI format), so "
+                           "it does not combine with \"tools\" or \"environment\"; keep one of them")
 
 
 def _check_extractor(where: str, extractor: str) -> None:

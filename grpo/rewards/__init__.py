@@ -6,6 +6,7 @@ passes per row (the trainer adds `completion_ids`), and the extra keyword argume
 in the dataset registry. Built-ins accept **kwargs and ignore what they do not use.
 """
 
+from grpo.rewards.agent import agent_reward
 from grpo.rewards.format import (DEFAULT_FORMAT_PATTERN, format_reward, length_penalty, overlong_penalty,
                                  overlong_penalty_value)
 from grpo.rewards.math import (boxed_accuracy, extract_gsm8k_prediction, gsm8k_accuracy, last_boxed, last_number,
@@ -23,5 +24,5 @@ __all__ = [
     "normalize_math", "math_equal", "gsm8k_accuracy", "boxed_accuracy", "number_accuracy", "format_reward",
     "length_penalty", "DEFAULT_FORMAT_PATTERN", "vqa_accuracy", "choice_accuracy", "iou_reward", "normalize_text",
     "parse_choice", "parse_box", "box_iou", "overlong_penalty", "overlong_penalty_value", "math_verify_accuracy",
-    "tool_call_reward", "ran_a_tool",
+    "tool_call_reward", "ran_a_tool", "agent_reward",
 ]

@@ -42,7 +42,7 @@ class _Route(NamedTuple):
 
 _ROW_ARGS = ("completions", "answers", "prompts", "data_source")  # passed by the router, never configurable
 # passed only to functions that name them (or take **kwargs): rewards written before they existed keep working
-OPTIONAL_ROW_ARGS = ("messages",)
+OPTIONAL_ROW_ARGS = ("messages", "agent_results")
 
 
 def _accepted_optional_args(fn) -> set[str]:

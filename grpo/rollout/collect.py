@@ -11,13 +11,15 @@ Rows of a dataset with tools or an environment (`episode_datasets`) run as multi
 (grpo.rollout.episodes): their completion is the whole episode, model and environment tokens with a mask that keeps
 the environment's out of the loss; their rewards read the model's last message (and get the conversation as
 `messages`). Other rows of the same step generate as usual. An engine that `runs_episodes` (server mode) runs them
-where it generates; for the others the collector runs them turn by turn through `generate`.
+where it generates; for the others the collector runs them turn by turn through `generate`. Rows of a dataset that
+names an agent are played by that agent against an OpenAI-compatible endpoint over this engine (grpo.agents.rollouts):
+each episode's calls become its completion, and an episode whose agent failed scores 0.
 """
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Callable, Optional
 
 from grpo.rollout.ahead import RequestsAhead, steps_to_post
@@ -40,11 +42,14 @@ class RolloutTickets:
     multi: list[int]                       # indices of the episode prompts
     completions: object = None             # the engine's ticket for the one-turn prompts
     episodes: object = None                # ... for the episodes (or, run here when collected: prompts, sampling)
+    agents: list[int] = field(default_factory=list)  # indices of the prompts agents play (run here when collected)
+    agent_sampling: object = None          # ... and their sampling settings
 
 
 class RolloutCollector:
     def __init__(self, config, engine: RolloutEngine, tokenizer, rewards, vision, train_set, order,
-                 total_steps: int, sync_weights: Callable[[], float], episode_datasets: Optional[dict] = None):
+                 total_steps: int, sync_weights: Callable[[], float], episode_datasets: Optional[dict] = None,
+                 agent_datasets: Optional[dict] = None):
         self.config = config
         self.engine = engine
         self.tokenizer = tokenizer
@@ -64,6 +69,12 @@ class RolloutCollector:
             set(config.dataset_names + config.eval_dataset_names) <= set(self.episode_datasets)
         self.episodes_drawn: list[Episode] = []         # this step's episodes, every round (for their metrics)
         self.eval_episodes: list[Episode] = []          # the last evaluation's, on this rank
+        # rows of datasets that name an agent (grpo.agents.rollouts): played against the OpenAI-compatible endpoint
+        self.agents = None
+        if agent_datasets:
+            from grpo.agents.rollouts import agent_rollouts
+
+            self.agents = agent_rollouts(config, agent_datasets, engine)
         # --sequence_parallel_size N > 1: the N ranks of a group train on the same rollouts (None without)
         self.rollout_group = rollout_groups(getattr(config, "sequence_parallel_size", 1))
         # ... which their engines generate in shares (--sequence_parallel_rollout share), unless the engine generates
@@ -89,6 +100,8 @@ class RolloutCollector:
             self._note_resumed_stream(state)
         wake = self._switch_engine(awake=True)  # once for all rounds: each sleep drops the KV cache and weights
         self.episodes_drawn = []
+        if self.agents:
+            self.agents.start_step(state.step)
         prompts_per_step = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps
         if not cfg.filter_zero_std_groups:
             kept = drawn = self._round(state)
@@ -98,6 +111,8 @@ class RolloutCollector:
         sleep = self._switch_engine(awake=False)
         if self.episodes_drawn:
             kept.stats.update(episode_metrics(self.episodes_drawn))
+        if self.agents:
+            kept.stats.update(self.agents.metrics())
         if cfg.rollout_staleness:
             kept.stats.update(self._stream_metrics(kept, state))
         kept.times.update(rollout=kept.times["rollout"] + wake + sleep, rollout_wake=wake, rollout_sleep=sleep)
@@ -253,7 +268,7 @@ class RolloutCollector:
         start = time.perf_counter()
         # server mode: waits; engine_tokens: what this rank's own engine generated (its share, under shares)
         completions, episodes, engine_tokens = self._collect_in_group(pending.prompts, pending.ticket)
-        self.episodes_drawn += [e for e in episodes if e is not None]
+        self.episodes_drawn += [e for e in episodes if isinstance(e, Episode)]  # (agents' have metrics of their own)
         generated = time.perf_counter()
         texts, messages = self._texts_and_messages(pending.prompts, completions, episodes, pending.sampling.n)
         # time/rollout_images, _submit, _generate (the wait, in server mode), _decode (+ _wake, _sleep)
@@ -270,10 +285,12 @@ class RolloutCollector:
         """Ask the engine for the prompts' completions: rows of episode datasets as episodes, the others in one
         request. An engine that runs episodes itself (server mode) gets them now; for the others they run turn by
         turn when collected. With an engine that generates in step every rank takes part in both, rows of its own or
-        not."""
+        not. Rows that agents play run when collected."""
         runs_episode = [p.get("data_source") in self.episode_datasets for p in prompts]
-        tickets = RolloutTickets(single=[i for i, e in enumerate(runs_episode) if not e],
-                                 multi=[i for i, e in enumerate(runs_episode) if e])
+        played = [bool(self.agents) and self.agents.plays(p) for p in prompts]
+        tickets = RolloutTickets(single=[i for i, (e, a) in enumerate(zip(runs_episode, played)) if not (e or a)],
+                                 multi=[i for i, e in enumerate(runs_episode) if e],
+                                 agents=[i for i, a in enumerate(played) if a], agent_sampling=sampling)
         in_step = self.engine.generates_in_step
         if tickets.single or (in_step and not self.only_episodes):
             pick = [images[i] for i in tickets.single] if images else None
@@ -317,6 +334,11 @@ class RolloutCollector:
                                      any_rank=dist_utils.any_rank)
             for e in found:
                 by_prompt[tickets.multi[e.prompt_index]].append((e.as_completion(), e))
+        if tickets.agents:  # (their rows' prompt_ids become the ids their episodes' first prompts share)
+            played = self.agents.run(self.engine, self.tokenizer, [prompts[i] for i in tickets.agents],
+                                     tickets.agent_sampling)
+            for index, completion, episode in played:
+                by_prompt[tickets.agents[index]].append((completion, episode))
         completions, episodes = [], []
         for index, group in enumerate(by_prompt):
             for completion, episode in group:
@@ -357,7 +379,10 @@ class RolloutCollector:
         result = self.rewards(texts, [p["answer"] for p in rows], [p["data_source"] for p in rows],
                               prompts=[p["prompt_text"] for p in rows],
                               completion_ids=[c.token_ids for c in completions],
-                              prompt_messages=[p.get("messages") for p in rows], messages=messages)
+                              prompt_messages=[p.get("messages") for p in rows], messages=messages,
+                              **({"agent_results": self.agents.results(prompts, per_prompt)} if self.agents else {}))
+        if self.agents:  # an episode whose agent failed scores 0
+            result = self.agents.zero_failed(result, prompts, per_prompt)
         return result, time.perf_counter() - start
 
     def _decode(self, completions: list) -> list[str]:
@@ -381,9 +406,9 @@ class RolloutCollector:
             self.engine.wake()
             sampling = SamplingSettings(n=1, max_new_tokens=cfg.rollout_max_new_tokens, temperature=cfg.temperature,
                                         top_p=cfg.top_p, greedy=cfg.eval_greedy, logprobs=False)
-            if self.episode_datasets:
+            if self.episode_datasets or self.agents:
                 completions, episodes = self._generate(rows, sampling, self.prompt_images(rows))
-                self.eval_episodes = [e for e in episodes if e is not None]
+                self.eval_episodes = [e for e in episodes if isinstance(e, Episode)]
             else:
                 completions = self.engine.generate([r["prompt_ids"] for r in rows], sampling, self.prompt_images(rows))
                 episodes = [None] * len(completions)

@@ -129,6 +129,7 @@ class RunData:
     episode_datasets: dict = field(default_factory=dict)  # {name: EpisodeDataset}: rows that run as episodes
     demonstrations: Optional[object] = None  # rendered rows with the model's turns (--warm_start_steps)
     memory_plan: Optional[object] = None  # grpo.memory.plan.MemoryPlan: every automatic memory choice of the run
+    agent_datasets: dict = field(default_factory=dict)  # {name: AgentDataset}: rows that agents play
 
 
 def prepare_run(config: GRPOConfig, reward_funcs: Sequence[Callable] = ()) -> RunData:
@@ -159,10 +160,12 @@ def load_run_data(config: GRPOConfig, rewards, rank: int, world: int) -> RunData
     """Data, the DeepSpeed config and the tokenizer, each checked; also the base checkpoint's readability when
     qlora's re-quantization or loftq will need its 16-bit weights. No model is loaded here."""
     from grpo.data import load_dataset_registry, load_prompt_datasets
+    from grpo.train.agent_setup import run_agent_datasets
     from grpo.train.tool_setup import prompts_with_tools, run_episode_datasets
 
     registry = load_dataset_registry(config.dataset_config_path)
     episode_datasets = run_episode_datasets(config, registry)
+    agent_datasets = run_agent_datasets(config, registry)  # --agent_module imported, every agent found
     train_rows, eval_rows = load_prompt_datasets(config.dataset_config_path, config.dataset_names,
                                                  config.effective_train_split_ratio, config.seed,
                                                  eval_names=config.eval_dataset_names,
@@ -197,9 +200,10 @@ def load_run_data(config: GRPOConfig, rewards, rank: int, world: int) -> RunData
         raise ConfigError(f"--model_name_or_path: cannot load '{config.model_name_or_path}' ({exc}); give a "
                           f"local model folder, a reachable hub id, or '{EMBEDDED_MODEL}'") from exc
     vision = load_vision_processor(model_path, tokenizer, config, train_rows)
-    if vision and episode_datasets:
-        raise ConfigError(f"dataset(s) {', '.join(sorted(episode_datasets))}: multi-turn episodes (tools, "
-                          "environments) are for text models; this model is a vision-language model")
+    if vision and (episode_datasets or agent_datasets):
+        raise ConfigError(f"dataset(s) {', '.join(sorted({**episode_datasets, **agent_datasets}))}: multi-turn "
+                          "episodes (tools, environments, agents) are for text models; this model is a "
+                          "vision-language model")
 
     def render(rows, split):
         if vision:
@@ -229,7 +233,8 @@ def load_run_data(config: GRPOConfig, rewards, rank: int, world: int) -> RunData
     check_checkpoint_weights(config, model_path)  # qlora's re-quantization and loftq read its 16-bit weights
     check_positions(model_path, config)  # vLLM would refuse a longer --max_seq_length after loading the model
     resolve_model_routing_replay(config, model_path, episode_datasets)  # --routing_replay: on for MoE by default
-    memory_plan = plan_for_run(config, model_path, episode_datasets)  # refused here if it does not fit
+    multi_turn = {**episode_datasets, **agent_datasets}  # rows whose completions hold turns the engine did not sample
+    memory_plan = plan_for_run(config, model_path, multi_turn)  # refused here if it does not fit
     prompts_per_step = config.per_device_train_batch_size * config.gradient_accumulation_steps
     order = prompt_order(len(train_set), prompts_per_step, config, rank, world)
     if order.steps_per_epoch == 0:
@@ -239,7 +244,7 @@ def load_run_data(config: GRPOConfig, rewards, rank: int, world: int) -> RunData
             f"--gradient_accumulation_steps, or raise --train_split_ratio")
     total_steps = config.max_steps if config.max_steps > 0 else config.epochs * order.steps_per_epoch
     return RunData(model_path, tokenizer, vision, rewards, train_set, eval_set, order, total_steps, ds_config,
-                   episode_datasets, demonstrations, memory_plan)
+                   episode_datasets, demonstrations, memory_plan, agent_datasets=agent_datasets)
 
 
 def resolve_model_routing_replay(config: GRPOConfig, model_path: str, episode_datasets: dict) -> bool:

@@ -100,7 +100,7 @@ class GRPOTrainer:
         self.rewards, self.train_set, self.eval_set = data.rewards, data.train_set, data.eval_set
         self.total_steps = data.total_steps
         # the longest a training completion may be: seq_mean_token_sum_norm's constant
-        self.max_completion_tokens = longest_completion(config, data.episode_datasets)
+        self.max_completion_tokens = longest_completion(config, {**data.episode_datasets, **data.agent_datasets})
         # every automatic memory choice, made once before loading; the ranks agree on the least budget
         self.plan = agreed_plan(data.memory_plan, config, data.model_path, self.max_completion_tokens)
         self.prompts_per_step = config.per_device_train_batch_size * config.gradient_accumulation_steps
@@ -129,7 +129,7 @@ class GRPOTrainer:
                                       episode_datasets=sorted(data.episode_datasets), plan=self.plan)
         self.rollouts = RolloutCollector(config, engine, self.tokenizer, self.rewards, self.vision, self.train_set,
                                          data.order, self.total_steps, sync_weights=self._sync_rollout_weights,
-                                         episode_datasets=data.episode_datasets)
+                                         episode_datasets=data.episode_datasets, agent_datasets=data.agent_datasets)
         try:
             self._restore_and_sync()
             self.micro_batch_tokens, chunk_tokens = micro_batch_token_budget(config, self.engine, engine, self.device,
