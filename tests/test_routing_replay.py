@@ -211,14 +211,8 @@ def test_routing_replay_defaults_on_for_replayable_mixtures_and_is_refused_where
     with pytest.raises(ConfigError, match="--routing_replay: this model is dense"):
         resolve_routing_replay(tiny_config(tiny_model, registry, str(tmp_path / "out"), routing_replay=True),
                                LlamaConfig())
-    # multi-turn episodes: off by default, refused when asked for
-    episodes = tiny_config(tiny_model, registry, str(tmp_path / "out"))
-    assert resolve_routing_replay(episodes, moe, {"toy": None}) is False
-    with pytest.raises(ConfigError, match="--routing_replay: dataset.s. toy run as multi-turn episodes"):
-        resolve_routing_replay(tiny_config(tiny_model, registry, str(tmp_path / "out"), routing_replay=True), moe,
-                               {"toy": None})
     # what the options alone rule out (validation refuses them at construction)
-    options = dict(sequence_parallel_size=1, rollout_mode="colocate", dataset_names=["toy"])
+    options = dict(sequence_parallel_size=1, rollout_mode="colocate")
     assert routing_replay_conflict(SimpleNamespace(**options)) is None
     assert "shards every row" in routing_replay_conflict(SimpleNamespace(**{**options, "sequence_parallel_size": 2}))
     assert "server" in routing_replay_conflict(SimpleNamespace(**{**options, "rollout_mode": "server"}))
@@ -302,3 +296,63 @@ def test_a_forward_without_replay_recomputes_its_checkpointed_layers_with_its_ow
         grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
     for name in grads[0]:
         torch.testing.assert_close(grads[1][name], grads[0][name], msg=name)
+
+
+def test_a_multi_turn_episode_carries_its_last_turns_routing_which_covers_it_all():
+    """Each model turn's context is the prompt and every token before it, so the last turn's routing covers the
+    episode (model and environment tokens) but its last token; replayed, it reproduces the trainer's log-probs."""
+    from grpo.rollout.engine import SamplingSettings
+    from grpo.rollout.episodes import EpisodeLimits, EpisodePrompt, run_episodes
+    from grpo.rollout.hf import HFRolloutEngine
+    from grpo.tools import EnvironmentStep, get_environment, register_environment
+    from grpo.train.logprobs import completion_logprobs
+
+    @register_environment("test_routing_wrong_again")
+    def wrong_again(messages, answer, **fields):
+        return EnvironmentStep([{"role": "user", "content": "2 + 3 ?"}], done=False)
+
+    class AnswersFirst(HFRolloutEngine):
+        """The first turn is given (ended, so that the environment answers), the second sampled with its routing."""
+        def generate(self, prompt_token_ids, sampling, images=None):
+            if getattr(self, "answered", False):
+                return super().generate(prompt_token_ids, sampling, images)
+            self.answered = True
+            turn = tokenizer.encode("7", add_special_tokens=False) + [tokenizer.eos_token_id]
+            return [Completion(i, list(turn), [0.0] * len(turn), "stop") for i in range(len(prompt_token_ids))
+                    for _ in range(sampling.n)]
+
+    tokenizer = make_tiny_tokenizer()
+    model = tiny_mixtral_for(tokenizer).eval()
+    engine = AnswersFirst(model, tokenizer, record_routing=True)
+    messages = [{"role": "user", "content": "What is 2 + 3 ?"}]
+    prompt_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    prompt_ids = list(prompt_ids["input_ids"] if hasattr(prompt_ids, "keys") else prompt_ids)
+    episode_prompt = EpisodePrompt(prompt_ids, messages, {"answer": "5"},
+                                   environment=get_environment("test_routing_wrong_again"))
+    torch.manual_seed(0)
+    episodes = run_episodes(engine, tokenizer, [episode_prompt], SamplingSettings(n=2, max_new_tokens=4),
+                            EpisodeLimits(max_turns=2, max_episode_tokens=60))
+    completions = [e.as_completion() for e in episodes]
+    assert all(0 in c.mask and c.mask[-1] == 1 for c in completions)  # environment tokens inside the episode
+    for c in completions:
+        assert c.routed_experts.shape[0] == len(prompt_ids) + len(c.token_ids) - 1
+    batch = build_rollout_batch([prompt_ids], completions, pad_id=tokenizer.pad_token_id)
+    agreement = RouterAgreement()
+    with torch.no_grad():
+        want, _ = completion_logprobs(model, batch, 1.0)
+        with routing_replay_of(model).replaying(batch.routed_experts, batch.attention_mask, agreement):
+            got, _ = completion_logprobs(model, batch, 1.0)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert agreement.share == 1.0
+
+
+def tiny_mixtral_for(tokenizer):
+    from transformers import GenerationConfig, MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(0)
+    model = MixtralForCausalLM(MixtralConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, initializer_range=0.2,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None))
+    model.generation_config = GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    return model

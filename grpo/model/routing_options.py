@@ -12,25 +12,21 @@ from grpo.model.routing_replay import REPLAYABLE_FAMILIES, is_mixture_of_experts
 logger = logging.getLogger("grpo")
 
 
-def routing_replay_conflict(config, episode_datasets=()) -> Optional[str]:
+def routing_replay_conflict(config) -> Optional[str]:
     """Why the step cannot carry the engine's routing to the trainer's forward with these options, or None."""
     if config.sequence_parallel_size > 1:
         return (f"--sequence_parallel_size {config.sequence_parallel_size} shards every row over the group's ranks, "
                 "and the sharded forward does not take the routing of its share")
     if config.rollout_mode == "server":
         return "--rollout_mode server: the rollout ranks do not send the routing back with the completions"
-    episodes = sorted(set(config.dataset_names) & set(episode_datasets))
-    if episodes:
-        return (f"dataset(s) {', '.join(episodes)} run as multi-turn episodes, whose environment tokens no engine "
-                "routed")
     return None
 
 
-def resolve_routing_replay(config, model_config, episode_datasets=()) -> bool:
+def resolve_routing_replay(config, model_config) -> bool:
     """Set config.routing_replay to whether this run replays routing (None: on where the model and options allow it)
     and return it; a ConfigError where it was asked for and cannot be done."""
     moe, family = is_mixture_of_experts(model_config), replay_family(model_config)
-    conflict = routing_replay_conflict(config, episode_datasets)
+    conflict = routing_replay_conflict(config)
     if config.routing_replay:
         if not moe:
             raise ConfigError("--routing_replay: this model is dense (it routes no token to experts), so there is no "
