@@ -4,7 +4,7 @@ import pytest
 
 from grpo.rollout.ahead import RequestsAhead, steps_to_post
 from grpo.rollout.engine import Completion, RolloutEngine, SamplingSettings
-from grpo.rollout.staleness import group_staleness, groups_over_bound, staleness_metrics
+from grpo.rollout.staleness import group_staleness, groups_over_bound, sampled_versions, staleness_metrics
 from grpo.rollout.stream import RolloutStream
 
 STOP = 0
@@ -133,7 +133,7 @@ def test_episodes_run_whole_when_they_come_up():
     engine = VersionedEngine()
     stream = RolloutStream(engine, segment_tokens=2)
     stream.add(1, [[4, 1]], sampling(n=1))
-    stream.add_episodes(2, lambda e: ["episode", e.weights])
+    stream.add_episodes(2, lambda engine: ["episode", stream.version])
     stream.add(3, [[4, 1]], sampling(n=1))
     assert [n for n, _ in stream.step()] == [1]  # the sequences ahead of the episodes first
     assert stream.step() == [(2, ["episode", 0])]
@@ -192,3 +192,141 @@ def test_an_update_mid_sequence_with_the_hf_engine_keeps_each_tokens_version_and
     # ... which differ: the rollout correction weighs each token by the weights that really sampled it
     c = spanning[0]
     assert c.logprobs[3:] != pytest.approx(teacher_forced_logprobs(old, prompt, c.token_ids)[3:], abs=1e-3)
+
+
+def test_an_episode_spanning_an_update_keeps_each_turns_version():
+    """New weights land between the two turns of a tool episode: its first turn is version 0's, its second version
+    1's; the environment's tokens between them (out of the loss) carry the version of the turn they answer."""
+    from grpo.rollout.episodes import EpisodeLimits, run_episodes
+
+    from .test_episodes import AFTER_CALL, CALL, ScriptedEngine, calls_then_answers, encode, make_tool_tokenizer, \
+        prompt
+
+    tokenizer = make_tool_tokenizer()
+    turns_begun = []
+
+    def between_turns():  # the rank takes its messages: before the second turn, a whole sync
+        turns_begun.append(stream.version)
+        if len(turns_begun) == 2:
+            stream.mark_version(1)
+
+    stream = RolloutStream(ScriptedEngine(tokenizer, calls_then_answers), between_turns=between_turns)
+    limits = EpisodeLimits(max_turns=4, max_episode_tokens=200)
+    stream.add_episodes(5, lambda engine: run_episodes(engine, tokenizer, [prompt(tokenizer)],
+                                                       SamplingSettings(n=2, max_new_tokens=64), limits))
+    (number, episodes), = stream.step()
+    im_end = [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    turn1, env, turn2 = encode(tokenizer, CALL) + im_end, encode(tokenizer, AFTER_CALL), \
+        encode(tokenizer, "The answer is 42.") + im_end
+    assert number == 5 and turns_begun == [0, 0]
+    for episode in episodes:
+        assert episode.completion_ids == turn1 + env + turn2
+        assert episode.versions == [0] * len(turn1) + [0] * len(env) + [1] * len(turn2)
+        assert episode.as_completion().versions == episode.versions
+    assert staleness_metrics([sampled_versions(e.versions, e.mask) for e in episodes], current=1)[
+        "stream/partial_share"] == 1.0
+
+
+# ----------------------------------------------------------------------------------------- a rollout rank's loop
+GAP = object()  # in a script: nothing more has come for now (a poll finds nothing)
+
+
+class ScriptedBridge:
+    """Training rank 0's side of the link, played from a script of messages and gaps; records every reply."""
+
+    def __init__(self, script):
+        self.script, self.replies, self.number = list(script), {}, 0
+
+    def _next(self, skip_gaps: bool):
+        while skip_gaps and self.script and self.script[0] is GAP:
+            self.script.pop(0)
+        assert self.script, "the rank waited for a message past the script's end"
+        item = self.script.pop(0)
+        if item is GAP:
+            return None
+        self.number += 1
+        return item, self.number - 1
+
+    def receive(self, index):
+        return self._next(skip_gaps=True)
+
+    def poll(self, index):
+        return self._next(skip_gaps=False)
+
+    def reply(self, index, number, message):
+        self.replies.setdefault(number, []).append(message)
+
+    def receive_weights(self, layout):
+        return iter([])
+
+    def close(self):
+        pass
+
+
+class LoadingEngine(VersionedEngine):
+    def load_weights(self, named, complete=True):
+        list(named)
+        self.weights += 1
+
+
+def serve_script(monkeypatch, tmp_path, script, engine, segment_tokens=0, episodes=None):
+    from types import SimpleNamespace
+
+    from grpo.rollout import serve
+
+    monkeypatch.setattr(serve, "_build_engine", lambda *args: engine)
+    monkeypatch.setattr(serve.EpisodeHost, "for_run", classmethod(lambda cls, config, names: episodes))
+    config = SimpleNamespace(rollout_segment_tokens=segment_tokens, partial_rollouts="continue",
+                             output_dir=str(tmp_path))
+    bridge = ScriptedBridge(script)
+    code = serve.RolloutServer(bridge, config, 0, 1, None, 1).run()
+    return code, bridge.replies
+
+
+def message(kind, payload=None):
+    return (kind, payload)
+
+
+def test_the_rank_takes_weights_between_two_requests_and_answers_each_once_generated(monkeypatch, tmp_path):
+    """Two requests queued; new weights come while the first generates: the second is the new version's."""
+    script = [message("start", {}), message("version", 0), message("generate", ([[5, 1]], sampling(n=1), None)),
+              message("generate", ([[5, 1]], sampling(n=1), None)), GAP,
+              message("weights", []), message("version", 1), GAP, GAP, message("stop")]
+    code, replies = serve_script(monkeypatch, tmp_path, script, LoadingEngine())
+    assert code == 0
+    assert [c.versions for c in replies[2][0]["ok"]] == [[0, 0, 0]]
+    assert [c.token_ids for c in replies[3][0]["ok"]] == [[101, 101, STOP]]  # the new weights sampled it
+    assert [c.versions for c in replies[3][0]["ok"]] == [[1, 1, 1]]
+    assert all(len(r) == 1 for r in replies.values()) and "idle_s" in replies[2][0]
+
+
+def test_a_failing_request_is_answered_with_its_error_and_so_is_everything_after(monkeypatch, tmp_path):
+    class FailingSecond(LoadingEngine):
+        def generate(self, prompt_token_ids, sampling, images=None):
+            if self.calls:
+                raise ValueError("out of memory")
+            return super().generate(prompt_token_ids, sampling, images)
+
+    script = [message("start", {}), message("version", 0), message("generate", ([[5, 1]], sampling(n=1), None)),
+              message("generate", ([[5, 1]], sampling(n=1), None)),
+              message("generate", ([[5, 1]], sampling(n=1), None)), GAP, GAP, GAP,
+              message("weights", []), message("stop")]
+    code, replies = serve_script(monkeypatch, tmp_path, script, FailingSecond())
+    assert code == 1
+    assert "ok" in replies[2][0]
+    for number in (3, 4, 5):  # the failing request, the one queued behind it, the weights sent after
+        assert "ValueError: out of memory" in replies[number][0]["error"], replies
+
+
+def test_episodes_take_weights_between_two_turns(monkeypatch, tmp_path):
+    class TwoTurns:
+        def run(self, engine, prompts, sampling_settings, limits):
+            first = engine.generate(prompts, sampling_settings)
+            second = engine.generate(prompts, sampling_settings)
+            return [c.versions for c in first + second]
+
+    script = [message("start", {}), message("version", 0), message("episodes", ([[9, 1]], sampling(n=1), None)),
+              GAP, GAP, message("weights", []), message("version", 1), GAP, GAP, message("stop")]
+    code, replies = serve_script(monkeypatch, tmp_path, script, LoadingEngine(), episodes=TwoTurns())
+    assert code == 0
+    assert replies[2][0]["ok"] == [[0] * 7, [1] * 7]  # the second turn sampled by the new weights

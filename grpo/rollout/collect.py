@@ -29,7 +29,7 @@ from grpo.rollout.episodes import Episode, EpisodeLimits, EpisodePrompt, episode
 from grpo.runtime import distributed as dist_utils
 from grpo.runtime.failures import phase
 from grpo.runtime.sequence_parallel import rollout_groups
-from grpo.rollout.staleness import group_staleness, groups_over_bound, staleness_metrics
+from grpo.rollout.staleness import group_staleness, groups_over_bound, sampled_versions, staleness_metrics
 
 logger = logging.getLogger("grpo")
 
@@ -188,8 +188,8 @@ class RolloutCollector:
         step keeps its k completions of every prompt drawn, and no prompt goes untrained. The requests ahead are
         bounded so that this cannot happen (see docs/server_mode.md); it guards the bound all the same."""
         k = pending.sampling.n
-        stale = groups_over_bound(group_staleness([c.versions for c in completions], k, step),
-                                  self.config.rollout_staleness)
+        stale = groups_over_bound(group_staleness([sampled_versions(c.versions, c.mask) for c in completions], k,
+                                                  step), self.config.rollout_staleness)
         if not dist_utils.any_rank(bool(stale)):
             return
         self.stream_counts["groups_regenerated"] += len(stale)
@@ -206,7 +206,7 @@ class RolloutCollector:
         """The step's view of the stream: its tokens' staleness (staleness.py), groups regenerated, the seconds the
         rollout ranks waited with nothing to generate (mean over them, since the last step) and the seconds this
         rank waited for its rollouts."""
-        metrics = staleness_metrics([c.versions for c in kept.completions], state.step)
+        metrics = staleness_metrics([sampled_versions(c.versions, c.mask) for c in kept.completions], state.step)
         idle = self.engine.idle_seconds
         if idle:
             total = sum(idle) / len(idle)

@@ -54,11 +54,9 @@ class Episode:
     tool_errors: int = 0
     tool_timeouts: int = 0
     finish_reason: str = ""                             # "stop" | "length" | "budget" | "max_turns"
-    # per token, the policy version that sampled it (server mode's stream: an episode runs under one version)
+    # per token, the policy version that sampled it (server mode's stream: each model turn's own; an environment
+    # turn's tokens carry the version of the turn they answer); None where the engine keeps no count
     versions: Optional[list[int]] = None
-    # the engine's routing of the latest model turn (a mixture of experts under --routing_replay): that turn's context
-    # was the prompt and every token before it, so it covers the whole episode but its last token
-    routed_experts: Optional[object] = None
 
     @property
     def cut_by_budget(self) -> bool:
@@ -73,7 +71,7 @@ class Episode:
         """The episode in the engine protocol's shape (a cut episode counts as truncated), its mask with it."""
         finish = "length" if self.finish_reason in ("length", "budget") else "stop"
         return Completion(self.prompt_index, self.completion_ids, self.logprobs, finish, mask=list(self.mask),
-                          versions=self.versions, routed_experts=self.routed_experts)
+                          versions=self.versions)
 
 
 def run_episodes(engine: RolloutEngine, tokenizer, prompts: list[EpisodePrompt], sampling: SamplingSettings,
@@ -181,7 +179,10 @@ def _add_model_turn(episode: Episode, completion: Completion, room: int, tokeniz
     episode.completion_ids += tokens
     episode.mask += [1] * len(tokens)
     episode.logprobs += logprobs
-    episode.routed_experts = completion.routed_experts
+    if completion.versions is not None and (episode.versions is not None or episode.turns == 0):
+        episode.versions = (episode.versions or []) + list(completion.versions[:len(tokens)])
+    else:  # a turn without versions: the episode has none
+        episode.versions = None
     episode.turns += 1
     # decoded for the messages only (rewards, environments); the ids above stay as sampled
     episode.messages.append({"role": "assistant", "content": tokenizer.decode(tokens, skip_special_tokens=True)})
@@ -209,6 +210,10 @@ def _add_environment_turn(episode: Episode, step: EnvironmentStep, turns: Enviro
     episode.completion_ids += ids
     episode.mask += [0] * len(ids)
     episode.logprobs += [0.0] * len(ids)
+    if episode.versions:  # (out of the loss) the version of the turn they answer
+        episode.versions += [episode.versions[-1]] * len(ids)
+    elif episode.versions is not None:
+        episode.versions = None
     return True
 
 

@@ -56,103 +56,168 @@ def serve_rollouts(config) -> int:
 
 
 def _serve(bridge: RolloutBridge, config, index: int, count: int, device: torch.device, rank: int) -> int:
-    """Answer messages until the stop; the exit code.
+    """Answer messages until the stop; the exit code."""
+    return RolloutServer(bridge, config, index, count, device, rank).run()
 
-    Generation runs as a stream (stream.py): `generate` and `episodes` requests queue up and are answered once
-    generated; every other message is answered at once, also while requests are in flight, since the rank looks for
-    messages between two units of generation. Weights apply between two units; no token is sampled between a sync's
-    first tensors and its `version`, which closes it."""
-    engine, failure = None, None  # failure: the first error's text, repeated to every later message
-    episodes = None               # what running episodes here needs (EpisodeHost)
-    heartbeat = None              # the training ranks' failure watch sees this rank die (failure_watch.py)
-    stream: Optional[RolloutStream] = None
-    syncing = False               # a sync's weights came in, its version not yet
-    finished: list = []           # (number, answer): generated, sent once the messages that came meanwhile are taken
-    idle = 0.0                    # seconds waited with nothing to generate, sent with every answer
-    while True:
-        busy = stream is not None and stream.has_work and not failure
-        wait = syncing or not (finished or busy)
-        waited_from = time.perf_counter()
-        message = bridge.receive(index) if wait else bridge.poll(index)
-        if wait and not syncing:
-            idle += time.perf_counter() - waited_from
-        if message is None:
+
+class StopAsked(Exception):
+    """The stop came while episodes were running: they end here."""
+
+
+class Reported(Exception):
+    """A message taken while episodes were running failed, and training rank 0 was told: the episodes end here."""
+
+
+class RolloutServer:
+    """One rollout rank's loop. Generation runs as a stream (stream.py): `generate` and `episodes` requests queue up
+    and are answered once generated; every other message is answered at once, also while requests are in flight,
+    since the rank looks for messages between two units of generation (and between two turns of episodes). Weights
+    apply there; no token is sampled between a sync's first tensors and its `version`, which closes it."""
+
+    def __init__(self, bridge: RolloutBridge, config, index: int, count: int, device: torch.device, rank: int):
+        self.bridge, self.config, self.index, self.count, self.device, self.rank = \
+            bridge, config, index, count, device, rank
+        self.engine = None
+        self.failure: Optional[str] = None  # the first error's text, repeated to every later message
+        self.episodes = None                # what running episodes here needs (EpisodeHost)
+        self.heartbeat = None               # the training ranks' failure watch sees this rank die (failure_watch.py)
+        self.stream: Optional[RolloutStream] = None
+        self.syncing = False                # a sync's weights came in, its version not yet
+        self.idle = 0.0                     # seconds waited with nothing to generate, sent with every answer
+        self.stopped = False
+
+    def run(self) -> int:
+        finished: list = []  # (number, answer): generated, sent once the messages that came meanwhile are taken
+        while True:
+            busy = self.stream is not None and self.stream.has_work and not self.failure
+            message = self._next_message(wait=self.syncing or not (finished or busy))
+            if message is not None:
+                try:
+                    self._take(*message)
+                except StopAsked:
+                    pass
+                if self.stopped:
+                    return 1 if self.failure else 0
+                continue
             # a weight update the trainer sends after reading these answers cannot overtake the requests already here
             for number, answer in finished:
-                bridge.reply(index, number, {"ok": answer, "idle_s": idle})
+                self._answer(number, answer)
             finished = []
             if busy:
                 try:
-                    finished = stream.step()
+                    finished = self.stream.step()
+                except StopAsked:  # (between two turns of episodes)
+                    return 1 if self.failure else 0
+                except Reported:
+                    pass
+                except BridgeClosed:
+                    raise
                 except Exception as exc:  # every request in flight gets the error
-                    failure = _failure_text(exc, "generate", index, rank)
-                    for request in stream.requests():
-                        bridge.reply(index, request.number, {"error": failure})
-                    stream.clear()
-            continue
-        (kind, payload), number = message
+                    self._fail(exc, "generate", None)
+
+    def between_turns(self) -> None:
+        """Between two turns of episodes: take what came (new requests queue, new weights apply)."""
+        while True:
+            message = self._next_message(wait=self.syncing)
+            if message is None:
+                return
+            self._take(*message)
+            if self.stopped:
+                raise StopAsked()
+            if self.failure:
+                raise Reported()
+
+    def _next_message(self, wait: bool):
+        waited_from = time.perf_counter()
+        message = self.bridge.receive(self.index) if wait else self.bridge.poll(self.index)
+        if wait and not self.syncing:
+            self.idle += time.perf_counter() - waited_from
+        return message
+
+    def _answer(self, number: int, answer) -> None:
+        self.bridge.reply(self.index, number, {"ok": answer, "idle_s": self.idle})
+
+    def _fail(self, exc: Exception, kind: str, number: Optional[int]) -> None:
+        """Report the failure to training rank 0 (which stops the job with it), for this message and every request
+        in flight."""
+        self.failure = _failure_text(exc, kind, self.index, self.rank)
+        if number is not None:
+            self.bridge.reply(self.index, number, {"error": self.failure})
+        if self.stream is not None:
+            for request in self.stream.requests():
+                self.bridge.reply(self.index, request.number, {"error": self.failure})
+            self.stream.clear()
+
+    def _take(self, payload_message, number: int) -> None:
+        """One message."""
+        kind, payload = payload_message
+        bridge, index = self.bridge, self.index
         note_phase(kind, None)
-        if heartbeat is None and kind == "start":  # training rank 0 has made the failures folder by now
+        if self.heartbeat is None and kind == "start":  # training rank 0 has made the failures folder by now
             try:
-                heartbeat = RankHeartbeat(os.path.join(config.output_dir, FAILURES_DIR), rank,
-                                          dist_utils.node_rank(), socket.gethostname())
+                self.heartbeat = RankHeartbeat(os.path.join(self.config.output_dir, FAILURES_DIR), self.rank,
+                                               dist_utils.node_rank(), socket.gethostname())
             except OSError as exc:  # only the watch over this rank is lost
-                logger.warning(f"rollout rank {index}: no heartbeat in {config.output_dir} ({exc}); if this rank "
-                               "dies, training rank 0 notices only at --ddp_timeout_minutes")
+                logger.warning(f"rollout rank {index}: no heartbeat in {self.config.output_dir} ({exc}); if this "
+                               "rank dies, training rank 0 notices only at --ddp_timeout_minutes")
         if kind == "stop":
-            if heartbeat is not None:
-                heartbeat.stop()
+            if self.heartbeat is not None:
+                self.heartbeat.stop()
             bridge.reply(index, number, {"ok": True})
             bridge.close()
-            return 1 if failure else 0
-        if failure:  # only the stop is awaited now
+            self.stopped = True
+            return
+        if self.failure:  # only the stop is awaited now
             for _ in bridge.receive_weights(payload) if kind in ("weights", "adapter") else ():
                 pass  # (the sender's broadcast must not be left waiting)
-            bridge.reply(index, number, {"error": failure})
-            continue
+            bridge.reply(index, number, {"error": self.failure})
+            return
         try:
             if kind == "start":
-                episodes = EpisodeHost.for_run(config, payload.get("episode_datasets") or [])
-                engine = _build_engine(config, payload, index, count, device, rank)
-                stream = RolloutStream(engine, segment_tokens=config.rollout_segment_tokens,
-                                       partial=config.partial_rollouts)
+                self.episodes = EpisodeHost.for_run(self.config, payload.get("episode_datasets") or [])
+                self.engine = _build_engine(self.config, payload, index, self.count, self.device, self.rank)
+                self.stream = RolloutStream(self.engine, segment_tokens=self.config.rollout_segment_tokens,
+                                            partial=self.config.partial_rollouts,
+                                            # the ranks of a tensor-parallel engine must meet in every turn
+                                            between_turns=None if self.engine.collective_generate
+                                            else self.between_turns)
                 answer = True
-            elif kind == "generate":  # answered once generated
-                prompts, sampling, images = payload
-                stream.add(number, prompts, sampling, images or None)
-                continue
-            elif kind == "episodes":
-                stream.add_episodes(number, lambda engine, asked=payload: episodes.run(engine, *asked))
-                continue
+            elif kind in ("generate", "episodes"):  # answered once generated
+                if kind == "generate":
+                    prompts, sampling, images = payload
+                    self.stream.add(number, prompts, sampling, images or None)
+                else:
+                    self.stream.add_episodes(number, lambda engine, asked=payload: self.episodes.run(engine, *asked))
+                if self.engine.collective_generate:
+                    # the ranks of a tensor-parallel engine meet in every generate and every weight transfer: they
+                    # keep one order, the messages', by generating each request as it comes
+                    for done, answer in self.stream.step():
+                        self._answer(done, answer)
+                return
             elif kind == "weights":
-                syncing = True
+                self.syncing = True
                 tensors = bridge.receive_weights(payload)
                 try:
-                    engine.load_weights(tensors)
+                    self.engine.load_weights(tensors)
                 finally:  # take every tensor the sender broadcasts, even after a failure: it must not wait
                     for _ in tensors:
                         pass
                 answer = True
             elif kind == "adapter":  # a dict: every tensor arrives before the engine swaps its adapter
-                syncing = True
-                engine.load_adapter(dict(bridge.receive_weights(payload)))
+                self.syncing = True
+                self.engine.load_adapter(dict(bridge.receive_weights(payload)))
                 answer = True
             elif kind == "version":  # the sync is whole: tokens from here on are this version's
-                stream.mark_version(payload)
-                syncing = False
+                self.stream.mark_version(payload)
+                self.syncing = False
                 answer = True
             else:
                 raise RuntimeError(f"unknown message {kind!r}")
             bridge.reply(index, number, {"ok": answer})
-        except BridgeClosed:
+        except (BridgeClosed, StopAsked):
             raise
-        except Exception as exc:  # reported to training rank 0, which stops the job with it
-            failure = _failure_text(exc, kind, index, rank)
-            bridge.reply(index, number, {"error": failure})
-            if stream is not None:
-                for request in stream.requests():
-                    bridge.reply(index, request.number, {"error": failure})
-                stream.clear()
+        except Exception as exc:
+            self._fail(exc, kind, number)
 
 
 def _failure_text(exc: Exception, kind: str, index: int, rank: int) -> str:

@@ -44,3 +44,10 @@ def staleness_metrics(versions: Sequence[Optional[Sequence[int]]], current: int)
             metrics[f"stream/tokens_version_{d}"] = float(sum(b == d for b in behind))
     return metrics
 
+
+
+def sampled_versions(versions: Optional[Sequence[int]], mask: Optional[Sequence[int]]) -> Optional[list[int]]:
+    """The versions of the tokens the policy sampled: an episode's environment tokens (mask 0) are left out."""
+    if versions is None or mask is None:
+        return None if versions is None else list(versions)
+    return [v for v, m in zip(versions, mask) if m]

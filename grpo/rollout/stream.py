@@ -17,9 +17,9 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field, replace
-from typing import Optional
+from typing import Callable, Optional
 
-from grpo.rollout.engine import Completion, SamplingSettings
+from grpo.rollout.engine import Completion, RolloutEngine, SamplingSettings
 
 PARTIAL_ROLLOUTS = ("continue", "restart")
 
@@ -59,12 +59,16 @@ class Request:
 class RolloutStream:
     """The requests of one rollout rank, generated unit by unit (see the module's docstring)."""
 
-    def __init__(self, engine, segment_tokens: int = 0, partial: str = "continue"):
+    def __init__(self, engine, segment_tokens: int = 0, partial: str = "continue",
+                 between_turns: Optional[Callable[[], None]] = None):
+        """`between_turns`: called before each turn of episodes (the rank takes its messages: new weights land
+        between two turns); None: episodes run under one version."""
         if partial not in PARTIAL_ROLLOUTS:
             raise ValueError(f"partial must be one of {PARTIAL_ROLLOUTS}, got {partial!r}")
         self.engine = engine
         self.segment_tokens = segment_tokens
         self.partial = partial
+        self.between_turns = between_turns
         self.version = 0                   # the policy version of the engine's weights (mark_version)
         self.waiting: deque[Request] = deque()  # not started, in the order they came
         self.running: list[Request] = []   # segment mode: requests with sequences in flight
@@ -80,7 +84,7 @@ class RolloutStream:
         self.waiting.append(Request(number, sampling, prompts, images))
 
     def add_episodes(self, number: int, run) -> None:
-        """An episodes message: `run(engine)` plays them whole when they come up (each one's turns at one version)."""
+        """An episodes message: `run(engine)` plays them when they come up, turn by turn (see _episodes)."""
         self.waiting.append(Request(number, None, [], episodes=(run,)))
 
     def clear(self) -> None:
@@ -100,13 +104,15 @@ class RolloutStream:
 
     def step(self) -> list[tuple[int, list]]:
         """Generate one unit; returns the requests it finished: (number, completions or episodes)."""
-        head = self.waiting[0] if self.waiting else None
+        head = self.waiting[0] if self.waiting else None  # (left in the queue until done: a failure reports it too)
         if head is not None and head.episodes is not None and not self.running:
-            self.waiting.popleft()
-            return [(head.number, self._episodes(head))]
-        if self.segment_tokens <= 0:
-            return [self._whole(self.waiting.popleft())]
-        return self._segment()
+            done = (head.number, self._episodes(head))
+        elif self.segment_tokens <= 0:
+            done = self._whole(head)
+        else:
+            return self._segment()
+        self.waiting.popleft()
+        return [done]
 
     # -------------------------------------------------------------------------------------------- units
     def _whole(self, request: Request) -> tuple[int, list]:
@@ -118,12 +124,9 @@ class RolloutStream:
         return request.number, [replace(c, versions=[self.version] * len(c.token_ids)) for c in completions]
 
     def _episodes(self, request: Request) -> list:
-        """An episodes request, run whole: no weights land meanwhile, so every token of it is this version's."""
-        episodes = request.episodes[0](self.engine)
-        for episode in episodes:
-            if hasattr(episode, "versions"):
-                episode.versions = [self.version] * len(episode.completion_ids)
-        return episodes
+        """An episodes request, run whole, turn by turn; new weights may land between two turns, and each turn's
+        tokens keep the version that sampled them."""
+        return request.episodes[0](TurnByTurn(self))
 
     def _segment(self) -> list[tuple[int, list]]:
         """`segment_tokens` more tokens of every sequence in flight (requests waiting join first, up to an episodes
@@ -164,3 +167,19 @@ class RolloutStream:
                 s.finish_reason = "length"
             elif not completion.token_ids:  # an engine that returns nothing would loop for ever
                 s.finish_reason = "length"
+
+
+class TurnByTurn(RolloutEngine):
+    """The engine as the turns of episodes see it: before each turn the rank takes what came (the stream's
+    between_turns), and each turn's tokens carry the version that sampled them."""
+
+    def __init__(self, stream: RolloutStream):
+        self.stream = stream
+        self.collective_generate = stream.engine.collective_generate
+        self.gathers_weights = stream.engine.gathers_weights
+
+    def generate(self, prompt_token_ids, sampling, images=None) -> list[Completion]:
+        if self.stream.between_turns is not None:
+            self.stream.between_turns()
+        completions = self.stream.engine.generate(prompt_token_ids, sampling, images)
+        return [replace(c, versions=[self.stream.version] * len(c.token_ids)) for c in completions]
