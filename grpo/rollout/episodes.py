@@ -57,6 +57,9 @@ class Episode:
     # per token, the policy version that sampled it (server mode's stream: each model turn's own; an environment
     # turn's tokens carry the version of the turn they answer); None where the engine keeps no count
     versions: Optional[list[int]] = None
+    # the engine's routing of the latest model turn (a mixture of experts under --routing_replay): that turn's context
+    # was the prompt and every token before it, so it covers the whole episode but its last token
+    routed_experts: Optional[object] = None
 
     @property
     def cut_by_budget(self) -> bool:
@@ -71,7 +74,7 @@ class Episode:
         """The episode in the engine protocol's shape (a cut episode counts as truncated), its mask with it."""
         finish = "length" if self.finish_reason in ("length", "budget") else "stop"
         return Completion(self.prompt_index, self.completion_ids, self.logprobs, finish, mask=list(self.mask),
-                          versions=self.versions)
+                          versions=self.versions, routed_experts=self.routed_experts)
 
 
 def run_episodes(engine: RolloutEngine, tokenizer, prompts: list[EpisodePrompt], sampling: SamplingSettings,
@@ -183,6 +186,7 @@ def _add_model_turn(episode: Episode, completion: Completion, room: int, tokeniz
         episode.versions = (episode.versions or []) + list(completion.versions[:len(tokens)])
     else:  # a turn without versions: the episode has none
         episode.versions = None
+    episode.routed_experts = completion.routed_experts
     episode.turns += 1
     # decoded for the messages only (rewards, environments); the ids above stay as sampled
     episode.messages.append({"role": "assistant", "content": tokenizer.decode(tokens, skip_special_tokens=True)})
