@@ -212,10 +212,15 @@ def test_routing_replay_defaults_on_for_replayable_mixtures_and_is_refused_where
         resolve_routing_replay(tiny_config(tiny_model, registry, str(tmp_path / "out"), routing_replay=True),
                                LlamaConfig())
     # what the options alone rule out (validation refuses them at construction)
-    options = dict(sequence_parallel_size=1, rollout_mode="colocate")
+    options = dict(sequence_parallel_size=1, rollout_mode="colocate", dataset_names=["toy"])
     assert routing_replay_conflict(SimpleNamespace(**options)) is None
     assert "shards every row" in routing_replay_conflict(SimpleNamespace(**{**options, "sequence_parallel_size": 2}))
     assert "server" in routing_replay_conflict(SimpleNamespace(**{**options, "rollout_mode": "server"}))
+    # datasets that agents play: off by default, refused when asked for
+    assert resolve_routing_replay(tiny_config(tiny_model, registry, str(tmp_path / "out")), moe, {"toy": None}) is False
+    with pytest.raises(ConfigError, match="--routing_replay: dataset.s. toy are played by agents"):
+        resolve_routing_replay(tiny_config(tiny_model, registry, str(tmp_path / "out"), routing_replay=True), moe,
+                               {"toy": None})
 
 
 @pytest.mark.parametrize("strategy, options", [("full", {"gradient_checkpointing": True}),

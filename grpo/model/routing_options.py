@@ -12,21 +12,26 @@ from grpo.model.routing_replay import REPLAYABLE_FAMILIES, is_mixture_of_experts
 logger = logging.getLogger("grpo")
 
 
-def routing_replay_conflict(config) -> Optional[str]:
-    """Why the step cannot carry the engine's routing to the trainer's forward with these options, or None."""
+def routing_replay_conflict(config, agent_datasets=()) -> Optional[str]:
+    """Why the step cannot carry the engine's routing to the trainer's forward with these options (and these datasets
+    played by agents), or None."""
     if config.sequence_parallel_size > 1:
         return (f"--sequence_parallel_size {config.sequence_parallel_size} shards every row over the group's ranks, "
                 "and the sharded forward does not take the routing of its share")
     if config.rollout_mode == "server":
         return "--rollout_mode server: the rollout ranks do not send the routing back with the completions"
+    played = sorted(set(config.dataset_names) & set(agent_datasets))
+    if played:
+        return (f"dataset(s) {', '.join(played)} are played by agents, whose calls do not bring back the routing of "
+                "their tokens")
     return None
 
 
-def resolve_routing_replay(config, model_config) -> bool:
+def resolve_routing_replay(config, model_config, agent_datasets=()) -> bool:
     """Set config.routing_replay to whether this run replays routing (None: on where the model and options allow it)
     and return it; a ConfigError where it was asked for and cannot be done."""
     moe, family = is_mixture_of_experts(model_config), replay_family(model_config)
-    conflict = routing_replay_conflict(config)
+    conflict = routing_replay_conflict(config, agent_datasets)
     if config.routing_replay:
         if not moe:
             raise ConfigError("--routing_replay: this model is dense (it routes no token to experts), so there is no "

@@ -232,7 +232,8 @@ def load_run_data(config: GRPOConfig, rewards, rank: int, world: int) -> RunData
         check_tensor_parallel(model_path, config)
     check_checkpoint_weights(config, model_path)  # qlora's re-quantization and loftq read its 16-bit weights
     check_positions(model_path, config)  # vLLM would refuse a longer --max_seq_length after loading the model
-    resolve_model_routing_replay(config, model_path)  # --routing_replay: on for a mixture of experts by default
+    # --routing_replay: on for a mixture of experts by default
+    resolve_model_routing_replay(config, model_path, agent_datasets)
     multi_turn = {**episode_datasets, **agent_datasets}  # rows whose completions hold turns the engine did not sample
     memory_plan = plan_for_run(config, model_path, multi_turn)  # refused here if it does not fit
     prompts_per_step = config.per_device_train_batch_size * config.gradient_accumulation_steps
@@ -247,14 +248,15 @@ def load_run_data(config: GRPOConfig, rewards, rank: int, world: int) -> RunData
                    episode_datasets, demonstrations, memory_plan, agent_datasets=agent_datasets)
 
 
-def resolve_model_routing_replay(config: GRPOConfig, model_path: str) -> bool:
-    """--routing_replay for this model (grpo.model.routing_options), from its config.json."""
+def resolve_model_routing_replay(config: GRPOConfig, model_path: str, agent_datasets: dict) -> bool:
+    """--routing_replay for this model (grpo.model.routing_options), from its config.json; datasets that agents
+    play do not carry the routing yet."""
     from transformers import AutoConfig
 
     from grpo.model.routing_options import resolve_routing_replay
 
     model_config = AutoConfig.from_pretrained(model_path, trust_remote_code=config.trust_remote_code)
-    return resolve_routing_replay(config, model_config)
+    return resolve_routing_replay(config, model_config, agent_datasets)
 
 
 def longest_completion(config: GRPOConfig, episode_datasets: dict) -> int:
