@@ -330,3 +330,36 @@ def test_episodes_take_weights_between_two_turns(monkeypatch, tmp_path):
     code, replies = serve_script(monkeypatch, tmp_path, script, LoadingEngine(), episodes=TwoTurns())
     assert code == 0
     assert replies[2][0]["ok"] == [[0] * 7, [1] * 7]  # the second turn sampled by the new weights
+
+
+# ------------------------------------------------------------------------------------- the trainer's guard of K
+def test_a_group_over_the_bound_is_generated_again_in_place(monkeypatch):
+    """Step 5 with K = 2: the second of three groups holds a token of version 2 (3 behind): it alone is asked for
+    again, on the current policy, and takes its place; the others stay as they were."""
+    from grpo import GRPOConfig
+    from grpo.rollout.collect import RolloutCollector
+    from grpo.rollout.dynamic_sampling import PendingRollouts
+
+    config = GRPOConfig(k_samples=2)
+    config.max_staleness = 2  # (server mode's option; the guard does not depend on the engine)
+    rollouts = RolloutCollector(config, VersionedEngine(), None, None, None, None, None, 10, lambda: 0.0)
+    asked = []
+    fresh = [Completion(0, [9], [-0.5], "stop", versions=[5]), Completion(0, [9, 9], [-0.5, -0.5], "stop",
+                                                                           versions=[5, 5])]
+    monkeypatch.setattr(rollouts, "_request", lambda prompts, step: asked.append((prompts, step)) or "again")
+    monkeypatch.setattr(rollouts, "_receive", lambda pending: (list(fresh), ["new", "new"], [["m"], ["m"]],
+                                                               {"rollout": 1.0, "rollout_generate": 1.0}))
+    prompts = [{"index": i} for i in range(3)]
+    completions = [Completion(g, [1], [-1.0], "stop", versions=[v]) for g, v in
+                   ((0, 4), (0, 5), (1, 2), (1, 5), (2, 3), (2, 3))]
+    texts, messages, times = ["old"] * 6, [["o"]] * 6, {"rollout": 2.0, "rollout_generate": 2.0}
+    pending = PendingRollouts(prompts, None, SamplingSettings(n=2, max_new_tokens=4), policy_step=2)
+    rollouts._regenerate_stale(pending, 5, completions, texts, messages, times)
+    assert asked == [([{"index": 1}], 5)]
+    assert [c.versions for c in completions] == [[4], [5], [5], [5, 5], [3], [3]]
+    assert [c.prompt_index for c in completions] == [0, 0, 1, 1, 2, 2]
+    assert texts == ["old", "old", "new", "new", "old", "old"] and times == {"rollout": 3.0, "rollout_generate": 3.0}
+    assert rollouts.stream_counts["groups_regenerated"] == 1
+    asked.clear()
+    rollouts._regenerate_stale(pending, 5, completions, texts, messages, times)  # now within the bound
+    assert asked == []
