@@ -113,15 +113,15 @@ class Recorder:
 
 @pytest.fixture(scope="module")
 def flaky_run(tiny_model, agent_files, tmp_path_factory):
-    """Two GRPO steps on `flaky_toy` (2 prompts x 4 episodes per step), the engine's log-probs asked for every step,
-    an evaluation at the end; returns the recorder and the output folder."""
+    """Two GRPO steps on `flaky_toy` (2 prompts x 4 episodes per step), the engine's log-probs asked for every step;
+    returns the recorder and the output folder."""
     from grpo.train.trainer import GRPOTrainer
 
     registry, module = agent_files
     out = str(tmp_path_factory.mktemp("flaky_out"))
     config = tiny_config(tiny_model, registry, out, dataset_names=["flaky_toy"], agent_module=module,
-                         agent_timeout_s=8.0, rollout_max_new_tokens=8, max_prompt_length=64, max_seq_length=160,
-                         logprob_check_steps=1, eval_max_prompts=2, eval_on_start=False)
+                         agent_timeout_s=15.0, rollout_max_new_tokens=8, max_prompt_length=64, max_seq_length=160,
+                         logprob_check_steps=1, train_split_ratio=1.0)  # (time enough on a busy machine)
     trainer = GRPOTrainer(config, reward_funcs=[final_words])
     recorder = Recorder(trainer)
     try:
@@ -169,7 +169,7 @@ def test_failing_and_hanging_agents_score_zero_and_are_counted(flaky_run):
     for rollout, _ in recorder.steps:
         episodes = [e for p in rollout.prompts for e in p[EPISODES_KEY]]
         failed = [e for e in episodes if not e.ok]
-        assert len(failed) == 4 and sum(e.timed_out for e in failed) == 2
+        assert len(failed) == 4 and sum(e.timed_out for e in failed) == 2, [(e.error, e.seconds) for e in episodes]
         assert any("this agent fails on purpose" in e.error and "my_agents.py" in e.error for e in failed)
         for i, episode in enumerate(episodes):
             if episode.ok:
@@ -308,3 +308,23 @@ def test_an_answer_after_the_agents_loop_closed_is_dropped():
     loop.close()
     GenerationRequest([1, 2], 4, future, loop).answer(Completion(0, [3], [-0.5], "stop"))
     assert not future.done()
+
+
+def test_train_grpo_trains_the_example_agent(tiny_model, tmp_path):
+    """train_grpo.py as the docs write it: the shipped arith_agent, examples/calculator_agent.py brought with
+    --agent_module, one step and an evaluation on the tiny model."""
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "train_grpo.py"), "--model_name_or_path", tiny_model,
+         "--dataset_names", "arith_agent", "--agent_module", os.path.join(ROOT, "examples", "calculator_agent.py"),
+         "--rollout_engine", "hf", "--output_dir", str(out), "--max_steps", "1", "--per_device_train_batch_size", "2",
+         "--k_samples", "2", "--rollout_max_new_tokens", "8", "--max_prompt_length", "160", "--max_seq_length", "256",
+         "--eval_max_prompts", "2", "--eval_on_start", "false", "--save_steps", "0", "--lora_rank", "4",
+         "--lora_alpha", "8", "--lora_dropout", "0", "--seed", "0"],
+        capture_output=True, text=True, cwd=ROOT, env=child_env(), timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = train_rows(out)
+    assert len(rows) == 1 and rows[0]["agents/episodes"] == 4 and rows[0]["agents/errors"] == 0
+    assert 1 <= rows[0]["agents/calls"] <= 3
+    evals = [r for r in json.loads("[" + ",".join(open(out / "metrics.jsonl")) + "]") if "eval/reward/mean" in r]
+    assert evals and "eval/arith_agent/rewards/boxed_accuracy" in evals[-1]
