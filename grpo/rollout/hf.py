@@ -8,7 +8,8 @@ from typing import Iterable, Optional
 import torch
 
 from grpo.rollout.engine import Completion, RolloutEngine, SamplingSettings
-from grpo.rollout.routing_record import sequence_routing
+from grpo.model.routing_replay import routing_shape
+from grpo.rollout.routing_record import recorded_routing, sequence_routing
 from grpo.runtime import distributed as dist_utils
 from grpo.runtime.deepspeed_config import zero3_partitioned
 from grpo.runtime.sequence_parallel import unsharded_attention
@@ -133,8 +134,7 @@ class HFRolloutEngine(RolloutEngine):
             token_id = next(p.image_token_id for p in images if p is not None)
             kwargs.update(model_image_inputs(images, range(len(prompts)), device),
                           **image_token_types(self.model, input_ids.to(device), token_id))
-        routing = self._routing_record(len(prompts) * per_prompt)
-        with routing as record:
+        with self._routing_record(len(prompts) * per_prompt) as record:
             result = self.model.generate(input_ids=input_ids.to(device), attention_mask=attention.to(device),
                                          **kwargs)
         columns = record.columns() if record is not None else None  # [P*n, width + steps - 1, layers, k]
@@ -165,9 +165,6 @@ class HFRolloutEngine(RolloutEngine):
         """A context recording the routers' choices over `rows` sequences (record_routing), else a null context."""
         if not self.record_routing:
             return contextlib.nullcontext()
-        from grpo.model.routing_replay import routing_shape
-        from grpo.rollout.routing_record import recorded_routing
-
         return recorded_routing(self.model, rows, *routing_shape(self.model.config))
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], complete: bool = True) -> None:
