@@ -328,3 +328,45 @@ def test_train_grpo_trains_the_example_agent(tiny_model, tmp_path):
     assert 1 <= rows[0]["agents/calls"] <= 3
     evals = [r for r in json.loads("[" + ",".join(open(out / "metrics.jsonl")) + "]") if "eval/reward/mean" in r]
     assert evals and "eval/arith_agent/rewards/boxed_accuracy" in evals[-1]
+
+
+def test_agent_rows_and_plain_rows_train_in_one_step(tiny_model, agent_files, tmp_path):
+    """A step of plain prompts and agent episodes together: the plain rows generate in one turn (no mask), the agent
+    rows are their episodes, and both train."""
+    from grpo.train.trainer import GRPOTrainer
+
+    registry, module = agent_files
+    config = tiny_config(tiny_model, registry, str(tmp_path / "out"), dataset_names=["toy", "agent_toy"],
+                         agent_module=module, per_device_train_batch_size=4, max_steps=1, rollout_max_new_tokens=8,
+                         max_prompt_length=64, max_seq_length=160, train_split_ratio=1.0, seed=3)
+    trainer = GRPOTrainer(config, reward_funcs=[final_words])
+    recorder = Recorder(trainer)
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    (rollout, batch), = recorder.steps
+    sources = [p["data_source"] for p in rollout.prompts]
+    assert set(sources) == {"toy", "agent_toy"}, sources  # (seed 3 draws both)
+    for g, prompt in enumerate(rollout.prompts):
+        group = rollout.completions[g * 4:(g + 1) * 4]
+        if prompt["data_source"] == "toy":
+            assert EPISODES_KEY not in prompt and all(c.mask is None for c in group)
+        else:
+            assert [c.mask for c in group] == [episode_completion(e, prompt["prompt_ids"]).mask
+                                               for e in prompt[EPISODES_KEY]]
+            assert all(e.ok and len(e.calls) == 2 for e in prompt[EPISODES_KEY])
+    row = train_rows(tmp_path / "out")[0]
+    assert row["agents/episodes"] == 4 * sources.count("agent_toy") and row["agents/errors"] == 0
+    assert row["grad_norm"] > 0
+
+
+def test_engines_the_endpoint_cannot_drive_alone_are_refused(tmp_path):
+    from grpo.agents.rollouts import AgentDataset, agent_rollouts
+
+    class ServerEngine:
+        runs_episodes, generates_in_step = True, True
+
+    datasets = {"agent_toy": AgentDataset("agent_toy", "two_calls", lambda client, row: None)}
+    with pytest.raises(ConfigError, match="generates with every rank together"):
+        agent_rollouts(GRPOConfig(output_dir=str(tmp_path)), datasets, ServerEngine())
