@@ -14,7 +14,7 @@ import torch
 from grpo.config.options import GRPOConfig
 from grpo.errors import ConfigError
 from grpo.model.base_weights import saved_4bit
-from grpo.model.expert_targets import expert_lora_targets
+from grpo.model.expert_targets import expert_lora_targets, warn_experts_stay_16bit
 from grpo.model.qlora_base_record import warn_if_another_base
 from grpo.model.qlora_rounding import requantize_4bit_base
 
@@ -97,6 +97,8 @@ def load_policy(config: GRPOConfig, model_path: str, dtype: torch.dtype, device:
                                           llm_int8_skip_modules=skip)
     model = load_base_model(model_path, dtype, device, config.trust_remote_code, quantization,
                             device_map={"": device} if stored_4bit else None)
+    if quantization is not None:
+        warn_experts_stay_16bit(model)
     if quantization is not None and config.qlora_requantizing_options:
         requantize_4bit_base(model, model_path, config.qlora_block_size, config.qlora_block_scale,
                              " and ".join(config.qlora_requantizing_options))
