@@ -1,9 +1,12 @@
-"""Routing replay against vLLM on a GPU: vLLM generates with `enable_return_routed_experts`, the trainer's forward
-(transformers, bf16) scores the completions with the engine's routing replayed and with its own, and the table gives
-the router agreement and the engine-vs-trainer log-prob gap both ways (docs/moe.md#routing-replay).
+"""Routing replay against the rollout engine: the engine generates and returns the experts it routed each token to
+(vLLM: `enable_return_routed_experts`), the trainer's forward (transformers; bf16 on a GPU) scores the completions
+with that routing replayed and with its own, and the table gives the router agreement and the engine-vs-trainer
+log-prob gap both ways (docs/moe.md#routing-replay).
 
     python scripts/upcycle_moe.py --out /tmp/smollm2-moe --experts 4 --top_k 2
     python benchmarks/routing_replay.py --model /tmp/smollm2-moe --expert_noise 0.02
+    python benchmarks/routing_replay.py --model /tmp/smollm2-moe --engine hf --prompts 2 --k 2 --max_new_tokens 16
+                                       # the HF engine (CPU too): the engine is the trainer's model, agreement 1
 
 An upcycled model's experts are copies of one MLP, so which expert runs changes nothing until they differ:
 --expert_noise moves each expert's weights apart (relative noise) in both the engine's and the trainer's copy.
@@ -36,9 +39,24 @@ def moved_experts(model_path: str, noise: float, out: str) -> str:
     return out
 
 
+def rollout_engine(kind: str, model_path: str, model):
+    """The engine that generates, recording its routing: vLLM from the folder, or HF generate on `model` itself."""
+    if kind == "vllm":
+        from grpo.rollout.vllm import VLLMRolloutEngine
+
+        return VLLMRolloutEngine(model_path, gpu_memory_utilization=0.3, max_model_len=2048, enable_sleep=False,
+                                 enforce_eager=True, record_routing=True)
+    from transformers import AutoTokenizer
+
+    from grpo.rollout.hf import HFRolloutEngine
+
+    return HFRolloutEngine(model, AutoTokenizer.from_pretrained(model_path), record_routing=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True, help="a mixture-of-experts folder (Mixtral, Qwen2/3-MoE, OLMoE)")
+    parser.add_argument("--engine", choices=("vllm", "hf"), default="vllm")
     parser.add_argument("--expert_noise", type=float, default=0.0)
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--k", type=int, default=8)
@@ -49,29 +67,29 @@ def main() -> None:
 
     from grpo.model.routing_replay import RouterAgreement, routing_replay_of
     from grpo.rollout.engine import SamplingSettings
-    from grpo.rollout.vllm import VLLMRolloutEngine
     from grpo.train.logprobs import completion_logprobs
     from grpo.train.micro_batches import cut_rows
     from grpo.train.step_data import build_rollout_batch
 
     model_path = moved_experts(args.model, args.expert_noise, "/tmp/routing_replay_model") \
         if args.expert_noise else args.model
-    engine = VLLMRolloutEngine(model_path, gpu_memory_utilization=0.3, max_model_len=2048, enable_sleep=False,
-                               enforce_eager=True, record_routing=True)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device).eval()
+    engine = rollout_engine(args.engine, model_path, model)
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(100, 5000, (32,), generator=generator).tolist() for _ in range(args.prompts)]
     completions = engine.generate(prompts, SamplingSettings(n=args.k, max_new_tokens=args.max_new_tokens))
-    shapes = {tuple(c.routed_experts.shape[1:]) for c in completions}
+    shapes = sorted({tuple(c.routed_experts.shape[1:]) for c in completions})
     lengths_ok = all(len(c.routed_experts) == len(prompts[c.prompt_index]) + len(c.token_ids) - 1 for c in completions)
 
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16).cuda().eval()
     batch = build_rollout_batch(prompts, completions, pad_id=0)
     agreement = RouterAgreement()
     gap = {"replayed": 0.0, "own routing": 0.0}
     tokens = 0.0
     with torch.no_grad():
         for start in range(0, len(completions), args.rows_per_forward):
-            part = cut_rows(batch, list(range(start, min(start + args.rows_per_forward, len(completions))))).to("cuda")
+            part = cut_rows(batch, list(range(start, min(start + args.rows_per_forward, len(completions))))).to(device)
             with routing_replay_of(model).replaying(part.routed_experts, part.attention_mask, agreement):
                 replayed, _ = completion_logprobs(model, part, 1.0)
             own, _ = completion_logprobs(model, part, 1.0)
@@ -79,10 +97,11 @@ def main() -> None:
             gap["replayed"] += ((replayed.float() - part.rollout_logprobs).abs() * mask).sum().item()
             gap["own routing"] += ((own.float() - part.rollout_logprobs).abs() * mask).sum().item()
             tokens += mask.sum().item()
-    print(f"| model | sequences | routing [layers, k] | lengths P + C - 1 | router agreement | gap replayed | "
-          f"gap own routing |\n|---|---|---|---|---|---|---|\n| {os.path.basename(args.model.rstrip('/'))} "
-          f"(expert noise {args.expert_noise}) | {len(completions)} | {sorted(shapes)} | {lengths_ok} | "
-          f"{agreement.share:.4f} | {gap['replayed'] / tokens:.4f} | {gap['own routing'] / tokens:.4f} |")
+    name = f"{os.path.basename(args.model.rstrip('/'))} (expert noise {args.expert_noise})"
+    print("| model | engine | sequences | routing [layers, k] | lengths P + C - 1 | router agreement | gap replayed | "
+          "gap own routing |\n|---|---|---|---|---|---|---|---|")
+    print(f"| {name} | {args.engine} | {len(completions)} | {shapes} | {lengths_ok} | {agreement.share:.4f} | "
+          f"{gap['replayed'] / tokens:.5f} | {gap['own routing'] / tokens:.5f} |")
 
 
 if __name__ == "__main__":
