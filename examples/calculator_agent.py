@@ -14,7 +14,7 @@ The same function runs against any OpenAI-compatible server:
 """
 import json
 
-from openai import AsyncOpenAI
+from openai import AsyncOpenAI, BadRequestError
 
 from grpo.agents import register_agent
 from grpo.tools.calculator import calculator
@@ -50,10 +50,16 @@ def run_tool(call) -> str:
 @register_agent("calculator_agent")
 async def calculator_agent(client: AsyncOpenAI, row: dict):
     """The dataset row's messages (its system prompt and template applied), then up to MAX_CALLS model calls with
-    the calculator offered; returns the model's answer (None when it was still calling tools at the end)."""
+    the calculator offered; returns the model's answer (None when it was still calling tools at the end, or the
+    episode had no room left for another call)."""
     messages = list(row["messages"])
     for _ in range(MAX_CALLS):
-        response = await client.chat.completions.create(model="policy", messages=messages, tools=TOOLS)
+        try:
+            response = await client.chat.completions.create(model="policy", messages=messages, tools=TOOLS)
+        except BadRequestError as exc:
+            if exc.code == "context_length_exceeded":  # the episode's tokens are used up: it ends here
+                return None
+            raise
         message = response.choices[0].message
         messages.append(message)  # passed back as it came: the next call continues from its recorded tokens
         if not message.tool_calls:

@@ -310,15 +310,31 @@ def test_an_answer_after_the_agents_loop_closed_is_dropped():
     assert not future.done()
 
 
+def long_context_copy(model_dir: str, folder) -> str:
+    """The tiny model with room for 1024 positions (rotary: nothing else changes): the calculator's instructions
+    take ~170 of its word-level tokens."""
+    import shutil
+
+    shutil.copytree(model_dir, folder)
+    with open(os.path.join(folder, "config.json")) as fh:
+        config = json.load(fh)
+    config["max_position_embeddings"] = 1024
+    with open(os.path.join(folder, "config.json"), "w") as fh:
+        json.dump(config, fh)
+    return str(folder)
+
+
 def test_train_grpo_trains_the_example_agent(tiny_model, tmp_path):
     """train_grpo.py as the docs write it: the shipped arith_agent, examples/calculator_agent.py brought with
-    --agent_module, one step and an evaluation on the tiny model."""
+    --agent_module, one step and an evaluation on the tiny model; the calculator's schema reaches the model through
+    the system message (the tiny ChatML template ignores `tools=`)."""
     out = tmp_path / "out"
+    model = long_context_copy(tiny_model, tmp_path / "model")
     proc = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "train_grpo.py"), "--model_name_or_path", tiny_model,
+        [sys.executable, os.path.join(ROOT, "train_grpo.py"), "--model_name_or_path", model,
          "--dataset_names", "arith_agent", "--agent_module", os.path.join(ROOT, "examples", "calculator_agent.py"),
          "--rollout_engine", "hf", "--output_dir", str(out), "--max_steps", "1", "--per_device_train_batch_size", "2",
-         "--k_samples", "2", "--rollout_max_new_tokens", "8", "--max_prompt_length", "160", "--max_seq_length", "256",
+         "--k_samples", "2", "--rollout_max_new_tokens", "8", "--max_prompt_length", "320", "--max_seq_length", "400",
          "--eval_max_prompts", "2", "--eval_on_start", "false", "--save_steps", "0", "--lora_rank", "4",
          "--lora_alpha", "8", "--lora_dropout", "0", "--seed", "0"],
         capture_output=True, text=True, cwd=ROOT, env=child_env(), timeout=600)

@@ -388,3 +388,26 @@ def test_an_engine_failure_stops_the_run(model_and_tokenizer):
                            SamplingSettings(n=4, max_new_tokens=4), AgentLimits(timeout_s=60))
     assert time.monotonic() - started < 20
     assert not [t for t in threading.enumerate() if t.name == "grpo-agents"]  # the agents' loop has ended
+
+
+def test_tools_reach_the_model_whether_or_not_the_template_renders_them():
+    """A template that ignores `tools=` (the tiny ChatML one) gets the tools' instructions in the system message, as
+    the trainer's own tool prompts do; one that renders them gets them through `tools=`, untouched."""
+    from grpo.agents.endpoint import AgentEndpoint, EndpointLimits
+    from grpo.tools import tools_system_prompt
+
+    from .test_episodes import make_tool_tokenizer
+
+    messages = [{"role": "system", "content": "Solve it ."}, {"role": "user", "content": "What is 2 + 3 ?"}]
+    limits, sampling = EndpointLimits(8, 512, 512), SamplingSettings(n=1, max_new_tokens=8)
+    plain = make_tiny_tokenizer()
+    ids = AgentEndpoint(plain, sampling, limits)._render(messages, TOOLS)
+    told = [{"role": "system", "content": "Solve it .\n\n" + tools_system_prompt(TOOLS)}, messages[1]]
+    assert ids == plain.apply_chat_template(told, add_generation_prompt=True, tokenize=True, return_dict=False)
+    alone = [{"role": "system", "content": tools_system_prompt(TOOLS)}, messages[1]]  # no system message of its own
+    assert AgentEndpoint(plain, sampling, limits)._render(messages[1:], TOOLS) == plain.apply_chat_template(
+        alone, add_generation_prompt=True, tokenize=True, return_dict=False)
+    shows = make_tool_tokenizer()
+    ids = AgentEndpoint(shows, sampling, limits)._render(messages, TOOLS)
+    assert ids == shows.apply_chat_template(messages, tools=TOOLS, add_generation_prompt=True, tokenize=True,
+                                            return_dict=False)

@@ -13,6 +13,10 @@ owns it (the trainer's): that thread takes the waiting requests in batches (`nex
 `engine.generate` call and answers them (`generate_batch`). Every answer is recorded as a CallRecord (records.py) with
 the prompt ids the engine was given, the sampled ids, their log-probs, the policy version and the finish reason.
 
+Tools offered in a chat request reach the model through the chat template's `tools=`; a template that ignores them
+gets them in the system message instead (the Hermes-style instructions the trainer's own tool prompts use), so that
+the model is told how to call them either way.
+
 Sampling follows the run's settings (temperature, top-p): the trainer's log-probs are at that temperature, so a
 request's own `temperature` / `top_p` are not applied (the count of such requests is kept, `sampling_ignored`).
 Limits: `max_new_tokens` per call (a request may ask fewer), `max_prompt_tokens` for an episode's first prompt, and
@@ -35,7 +39,7 @@ from grpo.agents.openai_format import (RequestError, answer_message, chat_respon
 from grpo.agents.records import CallRecord
 from grpo.rollout.engine import Completion, RolloutEngine, SamplingSettings
 from grpo.tools.errors import ToolError
-from grpo.tools.template import EnvironmentTurns
+from grpo.tools.template import EnvironmentTurns, template_shows_tools, tools_system_prompt
 
 
 @dataclass
@@ -100,6 +104,7 @@ class AgentEndpoint:
         self.requests: "queue.Queue[GenerationRequest]" = queue.Queue()  # waiting for the engine's thread
         self.episodes: dict[str, _Episode] = {}
         self._turns: dict[str, EnvironmentTurns] = {}
+        self._shown: dict[str, bool] = {}  # per tools offered: whether the chat template renders `tools=`
 
     # ------------------------------------------------------------------------------------------- lifecycle
     async def start(self) -> int:
@@ -227,6 +232,10 @@ class AgentEndpoint:
         return list(self.tokenizer.encode(request.prompt_text)), None
 
     def _render(self, messages: list[dict], tools: Optional[list]) -> list[int]:
+        if tools and not self._template_shows(tools):
+            # as the trainer's own tool prompts: a template that ignores `tools=` (plain ChatML, SmolLM2's) gets the
+            # tools and the <tool_call> format in the system message, so that the model can call them
+            messages, tools = with_tools_in_system(messages, tools), None
         try:
             ids = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
                                                      tokenize=True, return_dict=False)
@@ -234,6 +243,12 @@ class AgentEndpoint:
             raise RequestError(f"the chat template cannot render these messages: {type(exc).__name__}: {exc}",
                                param="messages") from exc
         return list(ids)
+
+    def _template_shows(self, tools: list) -> bool:
+        key = _tools_key(tools)
+        if key not in self._shown:
+            self._shown[key] = template_shows_tools(self.tokenizer, tools)
+        return self._shown[key]
 
     def _environment_turns(self, tools: Optional[list]) -> EnvironmentTurns:
         key = _tools_key(tools)
@@ -300,6 +315,18 @@ class AgentEndpoint:
                 completion = Completion(completion.prompt_index, completion.token_ids[:cut], completion.logprobs[:cut],
                                         "length")
             request.answer(completion)
+
+
+def with_tools_in_system(messages: list[dict], tools: list) -> list[dict]:
+    """The messages with the tools' instructions (grpo.tools.tools_system_prompt) after the system message's text,
+    or as a system message of their own before the others (as grpo.train.tool_setup.prompts_with_tools does)."""
+    instructions = tools_system_prompt(tools)  # (the schemas as offered: the trainer's tool prompts list them so too)
+    messages = [dict(m) for m in messages]
+    if messages and messages[0]["role"] == "system":
+        messages[0]["content"] = f"{messages[0]['content']}\n\n{instructions}"
+    else:
+        messages.insert(0, {"role": "system", "content": instructions})
+    return messages
 
 
 def _tools_key(tools: Optional[list]) -> str:
