@@ -24,7 +24,8 @@ from grpo.memory.advice import cheapest_fixes
 from grpo.memory.engine import engine_batch_limits, vllm_asleep_bytes, vllm_own_bytes
 from grpo.memory.kv_cache import kv_bytes_per_token
 from grpo.memory.model_size import four_bit_bytes_per_value, model_size, weight_bytes
-from grpo.memory.plan import LEAST_TRAIN_TOKENS, GpuBudget, plan_memory, preferred_weights
+from grpo.memory.plan import (LEAST_TRAIN_TOKENS, GpuBudget, equation_room, measured_activation_bytes,
+                              plan_memory, preferred_weights)
 from grpo.memory.report import PLAN_FILE, plan_table, save_plan
 from grpo.train.token_budget import GpuFigures
 
@@ -191,14 +192,16 @@ def test_activations_per_token_with_and_without_checkpointing(counted, plan_of):
     chunk = logprob_chunk_bytes(1024, size.shape.vocab, False)
     assert chunk == 16 * 1024 * 128_256 == 2_101_346_304
     # the plan: checkpointing on by itself at 8B (from 1B parameters), off where asked; its activations are
-    # 1.5 x (t kept + max(chunk, t transient)) for its budget of t tokens. Without checkpointing 8.2 MiB a token
+    # 0.9 x (t kept + max(chunk, t transient)) + 1.5 GiB for its budget of t tokens, as measured on GPUs (the budget
+    # keeps 1.5 x the equation within the room too). Without checkpointing 8.2 MiB a token
     # leave little beside the chunk, which is halved (down to 128 tokens) while it is what limits the budget
     cases = (({}, with_ckpt, True, 1024), ({"gradient_checkpointing": False}, without, False, 128))
     for flags, (kept, transient), on, chunk_tokens in cases:
         plan = plan_of(options("llama-3.1-8b", **flags), planner.named_card(80))[0]
         assert (plan.gradient_checkpointing, plan.logprob_chunk_tokens) == (on, chunk_tokens)
         tokens, chunk = plan.micro_batch_tokens, 16 * chunk_tokens * 128_256
-        assert plan.parts["activations"] == int(1.5 * (tokens * kept + max(chunk, tokens * transient)))
+        equation = tokens * kept + max(chunk, tokens * transient)
+        assert plan.parts["activations"] == int(0.9 * equation) + int(1.5 * 2**30)
     assert "log-probs in chunks of 128 tokens, not 1024, to fit" in plan.notes
 
 
@@ -238,10 +241,28 @@ def test_the_micro_batch_budget_worked_by_hand(plan_of):
     # 1.25 GiB KV cache:
     #   room = 25,769,803,776 - 1,288,490,188 - (536,870,912 + 6,400,253,952 + 251,658,240 + 92,356,608)
     #          - 1,966,772,224 - 1,342,177,280 = 13,891,224,372;  / 1.5 = 9,260,816,248
+    #   (the measured form binds only below 3.75 GiB of room: 1.5 (room - 1.5 GiB) / 0.9 >= room above it)
     #   t = min(room / (kept + transient), (room - chunk) / kept) = min(13,661, 24,277) -> 13,312 (steps of 1024)
+    # its activations as measured: 0.9 x (13,312 x 294,912 + 13,312 x 382,976) + 1.5 GiB
+    #   = 0.9 x 9,024,045,056 + 1,610,612,736 = 8,121,640,550 + 1,610,612,736 = 9,732,253,286
     assert plan.micro_batch_tokens == 13_312 and plan.logprob_chunk_tokens == 1024
-    assert plan.parts["activations"] == int(1.5 * micro_batch_bytes(13_312, 294_912, 382_976, 2_101_346_304))
+    assert micro_batch_bytes(13_312, 294_912, 382_976, 2_101_346_304) == 9_024_045_056
+    assert plan.parts["activations"] == 9_732_253_286
     assert plan.fits and not plan.why_not
+
+
+def test_activations_as_measured_and_the_room_the_equation_gets():
+    # 0.9 x the equation + 1.5 GiB:  0.9 x 2 GiB + 1.5 GiB = 3.3 GiB
+    assert measured_activation_bytes(2 * 2**30) == int(0.9 * 2 * 2**30) + int(1.5 * 2**30)
+    # the budget keeps both 1.5 x equation <= room and the measured form <= room:
+    #   room 3 GiB:  1.5 (3 - 1.5) / 0.9 = 2.5 GiB < 3 GiB  -> the equation gets 2.5 GiB, i.e. at most 2.5 / 1.5 =
+    #   1.667 GiB of equation bytes, whose measured form is 0.9 x 1.667 + 1.5 = 3.0 GiB: exactly the room
+    assert equation_room(3 * 2**30) == int(2.5 * 2**30)
+    assert measured_activation_bytes(int(equation_room(3 * 2**30) / 1.5)) <= 3 * 2**30
+    #   room 8 GiB:  1.5 (8 - 1.5) / 0.9 = 10.83 GiB > 8 GiB  -> 1.5 x the equation binds: the room as it is
+    assert equation_room(8 * 2**30) == 8 * 2**30
+    #   less than the overhead: nothing
+    assert equation_room(2**30) == 0
 
 
 @pytest.mark.parametrize("name, weights, sleep", [
@@ -337,12 +358,13 @@ def test_plan_only_prints_the_plan_without_a_gpu_or_any_weight(tmp_path):
                         "512 tokens at once); vLLM batches of 8192 tokens / 256 sequences; micro-batches of 13312 "
                         "tokens, log-prob chunks of 1024, checkpointing on")
     assert lines[2].startswith("  parts (GiB): context 0.50, base 5.41, adapters 0.08, optimizer 0.47, gradients 0.23,"
-                               " engine weights 0.09, kv cache 1.25, vllm 4.01, activations 12.61")
+                               " engine weights 0.09, kv cache 1.25, vllm 4.01, activations 9.06")
     assert lines[3].split() == ["phase", "planned", "peak", "GiB"]
     phases = {line[:32].strip(): float(line[32:]) for line in lines[4:8]}
-    # (the sync follows the update, whose blocks torch still holds: the training peak)
-    assert phases == {"rollout (engine awake)": 11.80, "old / reference log-probs": 12.68,
-                      "training (one micro-batch)": 21.22, "weight sync": 21.22}
+    # (no --kl_beta: no log-prob pass before the update, the step's tensors only (1.5 GiB); the sync follows the
+    # update, whose blocks torch still holds: the training peak)
+    assert phases == {"rollout (engine awake)": 11.80, "old / reference log-probs": 9.88,
+                      "training (one micro-batch)": 17.68, "weight sync": 17.68}
     assert "DOES NOT FIT" not in proc.stdout and "Loading" not in proc.stderr
 
 
@@ -491,3 +513,15 @@ def test_the_plan_is_saved_with_its_table(plan_of, tmp_path):
     assert (saved["micro_batch_tokens"], saved["kv_cache_bytes"], saved["rollout_weights"]) == (
         plan.micro_batch_tokens, plan.kv_cache_bytes, "adapter")
     assert saved["kv_per_token"] == 2 * 42 * 8 * 256 * 2
+
+
+def test_the_log_prob_pass_and_the_reference_copy_follow_kl_beta(plan_of):
+    """No --kl_beta: no pass before the update (the step's tensors only); --kl_beta: the reference's pass; full
+    fine-tuning keeps a frozen copy for it, with the penalty in the loss or (--kl_in_reward) in the reward."""
+    card = planner.named_card(80)
+    plain = plan_of(options("llama-3.2-3b", tuning_strategy="full"), card)[0]
+    for flags in ({"kl_beta": 0.04}, {"kl_beta": 0.04, "kl_in_reward": True}):
+        kl = plan_of(options("llama-3.2-3b", tuning_strategy="full", **flags), card)[0]
+        # a 16-bit copy of all 3.21B parameters
+        assert "reference" not in plain.parts and kl.parts["reference"] == 2 * 3_212_749_824
+        assert kl.phases["logprobs"] > plain.phases["logprobs"] + kl.parts["reference"]

@@ -20,6 +20,7 @@ from grpo.rollout.engine import SamplingSettings
 from grpo.rollout.hf import HFRolloutEngine
 from grpo.rollout.vllm import collapse_image_tokens
 from grpo.train.logprobs import completion_logprobs
+from grpo.train.micro_batches import form_micro_batches, micro_batch_groups
 from grpo.sync.weight_sync import iter_policy_weights
 from grpo.train.trainer import GRPOTrainer
 from grpo.model.vision import VisionProcessor, language_linear_names, vision_tower_names
@@ -192,6 +193,15 @@ def test_sampler_and_loss_see_the_same_pixels(arch, tmp_path):
         # micro-batch rows carry their prompts' pixels
         part = batch.rows(3, 9)
         torch.testing.assert_close(completion_logprobs(model, part, 1.0)[0], scored[3:9], atol=1e-5, rtol=1e-5)
+        # token-budget micro-batches regroup rows (longest first, image tokens counted) and keep their pixels
+        budget = 2 * int(batch.attention_mask.sum(1).max())
+        groups = micro_batch_groups(batch, budget, rows_per_micro_batch=9)
+        assert len(groups) > 1 and sorted(sum(groups, [])) == list(range(9))
+        assert any(g != list(range(g[0], g[0] + len(g))) for g in groups)  # not consecutive rows
+        regrouped = torch.zeros_like(scored)
+        for mb in form_micro_batches(batch, groups):
+            mb.scatter(completion_logprobs(model, mb.batch, 1.0)[0], into=regrouped)
+        torch.testing.assert_close(regrouped[mask], scored[mask], atol=1e-5, rtol=1e-5)
         # other pixels change the log-probs: the image reaches the scoring forward
         other = build_rollout_batch(ids, out, tokenizer.pad_token_id,
                                     images=[processor.prompt_images([{"bytes": png((0, 255, 0)), "path": None}]),

@@ -15,8 +15,10 @@ partitions; model_size.py, kv_cache.py, activations.py, engine.py):
     context     the CUDA context and library workspaces
 
     rollout   = context + base + adapters + optimizer + engine + kv + vllm
-    logprobs  = context + base + adapters + optimizer + asleep + forward(t)  (+ reference, full with beta > 0)
-    train     = context + base + adapters + optimizer + gradients + asleep + ESTIMATE_MARGIN x micro_batch(t)
+    logprobs  = context + base + adapters + optimizer + asleep + step tensors
+                + forward(t)  [a pass before the update: --kl_beta > 0]  (+ reference, full with beta > 0)
+    train     = context + base + adapters + optimizer + gradients + asleep + 0.9 micro_batch(t) + 1.5 GiB
+                (micro_batch(t): activations.py's equation; the share and the overhead as measured, see below)
     sync      = max(train, context + base + adapters + optimizer + engine + 2 b (largest layer))
                 (it follows the update, whose blocks torch still holds)
     asleep    = what the sleeping engine still holds: its sampler tables, graph pool and memory outside torch
@@ -29,7 +31,8 @@ next to the budget, the first that fits with the step's sequences in its cache a
 the most), the KV cache (the step's sequences at once where they fit; under a cap at
 most what leaves training micro-batches of LEAST_TRAIN_TOKENS, never below one --max_seq_length sequence: rollouts
 then run in waves), the token
-budget (the most tokens that fit beside the rest, at least one row), the log-prob chunk (halved while it is what
+budget (the most tokens whose activations fit beside the rest both as measured and as ESTIMATE_MARGIN x the
+equation, at least one row), the log-prob chunk (halved while it is what
 limits the budget). A plan whose smallest settings do not fit is refused (advice.py says what fits).
 """
 from __future__ import annotations
@@ -45,6 +48,16 @@ from grpo.memory.engine import CONTEXT_BYTES, engine_batch_limits, vllm_asleep_b
 from grpo.memory.kv_cache import FLOOR_SLACK_TOKENS, auto_kv_cache_bytes, kv_bytes_per_token
 from grpo.memory.model_size import ModelSize, weight_bytes
 
+# A micro-batch's training memory on a GPU against activations.py's equation: 17 runs of five 7-9B shapes (Qwen2.5,
+# Llama 3.1, Qwen3, Mistral, Gemma 2), qlora, micro-batches of 4,096-16,384 tokens (benchmarks/RESULTS.md,
+# 2026-11-29 05:30-06:00) took 0.9 of the equation's bytes plus 1.5 GiB (torch's blocks of the step's tensors and of
+# the last log-prob chunk), each run within 0.8 GiB of that. The plan's train phase is this; the micro-batch budget
+# is the most tokens for which both this and ESTIMATE_MARGIN x the equation fit (room for shapes not measured).
+MEASURED_ACTIVATION_SHARE = 0.9
+ACTIVATION_OVERHEAD_BYTES = int(1.5 * GIB)
+# Between the rollout and the update with no log-prob pass (no --kl_beta): the step's tensors and the blocks torch
+# keeps from the rollout's bookkeeping, 1.0-2.6 GiB in the same runs (Qwen2.5-7B the most)
+STEP_TENSORS_BYTES = int(1.5 * GIB)
 # --rollout_weights auto, qlora: the engine holds the 4-bit base plus the adapter once the merged 16-bit copy would
 # take more than this share of the budget. Below it both fit and merged is faster: on one H100 at Qwen2.5-7B's shape
 # (a 15 GiB copy, 19% of the GPU) merged took 8.1 s/step with eager vLLM (26.4 GiB peak), adapter 8.5 s/step with
@@ -113,6 +126,7 @@ class RunShape:
     vllm_sleep: bool
     eager: bool
     capable: tuple[str, ...]  # engine weight modes this model and these options can take, by preference
+    logprob_pass: bool = True  # a no-grad pass before the update (--kl_beta > 0: the reference's, or the policy's)
 
 
 @dataclass(frozen=True)
@@ -150,6 +164,18 @@ class MemoryPlan:
 
     def to_json(self) -> dict:
         return asdict(self)
+
+
+def measured_activation_bytes(equation_bytes: int) -> int:
+    """A micro-batch's training memory as measured:  0.9 x the equation + 1.5 GiB  (constants above)."""
+    return int(MEASURED_ACTIVATION_SHARE * equation_bytes) + ACTIVATION_OVERHEAD_BYTES
+
+
+def equation_room(room: int) -> int:
+    """The room, as activations.py's tokens_that_fit reads it (ESTIMATE_MARGIN x the equation <= room), that also
+    keeps the measured form within `room`:  min(room, ESTIMATE_MARGIN (room - overhead) / share)."""
+    measured = ESTIMATE_MARGIN * (room - ACTIVATION_OVERHEAD_BYTES) / MEASURED_ACTIVATION_SHARE
+    return int(max(min(room, measured), 0))
 
 
 def auto_checkpointing(parameters: int, on_gpu: bool, option: bool | None) -> bool:
@@ -290,6 +316,7 @@ def _plan_with(run: RunShape, size: ModelSize, gpu: GpuBudget, trainer: dict, we
 
     def training_fit(room: int) -> tuple[int, int, int]:
         """(tokens that fit, chunk tokens, chunk bytes) for training room `room`, the chunk halved where it binds."""
+        room = equation_room(room)
         tokens_chunk, chunk_bytes = run.chunk_tokens, chunk
         if chunk_bytes and run.micro_batch_tokens == "auto":
             tokens_chunk, chunk_bytes = fitted_chunk_tokens(max(room, 0) / ESTIMATE_MARGIN, tokens_chunk,
@@ -319,9 +346,10 @@ def _plan_with(run: RunShape, size: ModelSize, gpu: GpuBudget, trainer: dict, we
         tokens = token_budget(fit_tokens, row_tokens)
     else:
         tokens = int(run.micro_batch_tokens) or run.sequences * run.longest
-    activations = int(ESTIMATE_MARGIN * micro_batch_bytes(tokens, kept, transient, chunk))
+    activations = measured_activation_bytes(micro_batch_bytes(tokens, kept, transient, chunk))
     # a no-grad forward: one layer's activations at a time (its backward's gradients never come) and the chunk
     forward = tokens * max(transient - 4 * size.shape.intermediate * 2, 0) + chunk // 2  # (bf16 on a GPU)
+    forward = STEP_TENSORS_BYTES + (forward if run.logprob_pass else 0)
     # physical peaks (what the driver reports for this process); under a cap torch's count of a phase adds what the
     # sleeping engine gave back to the driver but its pool still holds: that count is what must fit
     kv_kept = (kv_bytes or 0) if not run.vllm_sleep else 0

@@ -104,14 +104,14 @@ def run_shape(config, hf_config, size: ModelSize, model_path: str, completion_to
         sequences=config.vllm_tp * config.per_device_train_batch_size * config.gradient_accumulation_steps
         * completions_per_prompt(config),
         longest=min(config.max_seq_length, config.max_prompt_length + completion), max_seq_length=config.max_seq_length,
-        sp=sp, kl_reference=config.tuning_strategy == "full" and config.kl_loss_coef > 0,
+        sp=sp, kl_reference=config.tuning_strategy == "full" and config.kl_beta > 0,
         lora_rank=config.lora_rank, lora_dropout=config.uses_lora and config.lora_dropout > 0,
         block_size=config.qlora_block_size, chunk_tokens=config.logprob_chunk_tokens,
         full_logits=zero3 or config.logprob_chunk_tokens == 0 or logits_transformed(text),
         checkpointing=config.gradient_checkpointing, micro_batch_tokens=config.max_tokens_per_micro_batch,
         kv_cache=config.vllm_kv_cache, rollout_weights=config.rollout_weights, sleep_level=config.vllm_sleep_level,
         vllm_sleep=config.vllm_sleep, eager=config.vllm_enforce_eager,
-        capable=capable_weights(config, hf_config, size, model_path))
+        capable=capable_weights(config, hf_config, size, model_path), logprob_pass=config.kl_beta > 0)
 
 
 def plan_run(config, model_path: str, completion_tokens: int | None = None, gpu: GpuBudget | None = None,

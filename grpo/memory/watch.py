@@ -99,6 +99,10 @@ class MemoryWatch:
         if not self.active:
             yield
             return
+        if name == "rollout" and self.plan.capped and self.plan.rollout_weights is not None:
+            # under a cap vLLM's wake hands torch's cached blocks (the last update's) back to the driver anyway;
+            # doing it first keeps them out of the rollout's peak
+            self._torch.cuda.empty_cache()
         if self._driver is None:
             self._torch.cuda.reset_peak_memory_stats(self._device)
         self.peaks[name] = 0

@@ -95,9 +95,10 @@ def cut_rows(batch: RolloutBatch, rows: list[int]) -> RolloutBatch:
 
 
 def micro_batch_groups(batch: RolloutBatch, max_tokens: Optional[int], rows_per_micro_batch: int) -> list[list[int]]:
-    """Row indices of the step's micro-batches: by token budget when `max_tokens` is set (vision batches keep
-    consecutive groups of rows), else `rows_per_micro_batch` consecutive rows each."""
-    if max_tokens and batch.images is None:
+    """Row indices of the step's micro-batches: by token budget when `max_tokens` is set (a vision row's image
+    tokens count, and its images go with it: image inputs are built per micro-batch from its rows' prompts), else
+    `rows_per_micro_batch` consecutive rows each."""
+    if max_tokens:
         return pack_by_token_budget(*row_lengths(batch), max_tokens)
     return fixed_row_groups(len(batch.input_ids), rows_per_micro_batch)
 
