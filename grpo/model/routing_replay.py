@@ -21,7 +21,6 @@ a dense layer). A token without a record keeps the trainer's own choice.
 from __future__ import annotations
 
 import re
-import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Optional
@@ -108,18 +107,27 @@ def find_routers(model: torch.nn.Module) -> list[Router]:
 
 # ---------------------------------------------------------------------------------------------------- replay
 class RouterAgreement:
-    """Token-layer picks where the trainer's own top-k set equals the engine's, over the forwards it was given to."""
+    """Token-layer picks where the trainer's own top-k set equals the engine's, over the forwards it was given to.
+    Counted on the device, read once (`share`): no host sync per layer."""
 
     def __init__(self):
-        self.same = self.picks = 0
+        self._counts: list[torch.Tensor] = []  # per router call: [same, recorded]
 
-    def add(self, same: torch.Tensor) -> None:
-        self.same += int(same.sum())
-        self.picks += same.numel()
+    def add(self, same: torch.Tensor, recorded: torch.Tensor) -> None:
+        """`same`, `recorded`: [tokens] bool, the agreeing picks among the recorded tokens, and the recorded ones."""
+        self._counts.append(torch.stack([(same & recorded).sum(), recorded.sum()]))
+
+    def totals(self) -> tuple[int, int]:
+        """(agreeing picks, recorded picks)."""
+        if not self._counts:
+            return 0, 0
+        same, picks = torch.stack([c.cpu() for c in self._counts]).sum(0).tolist()
+        return same, picks
 
     @property
     def share(self) -> Optional[float]:
-        return self.same / self.picks if self.picks else None
+        same, picks = self.totals()
+        return same / picks if picks else None
 
 
 @dataclass
@@ -127,18 +135,20 @@ class _Replay:
     routed: torch.Tensor                       # [rows, S, layers, k]
     attention_mask: torch.Tensor               # [rows, S]
     agreement: Optional[RouterAgreement]
+    _real: Optional[torch.Tensor] = None       # the real tokens' routing [M, layers, k], found at the first need
 
     def for_layer(self, layer: int, tokens: int) -> torch.Tensor:
         """The routing of `layer` in the forward's token order  # [tokens, k]: rows one after the other (padded), or
         their real tokens alone (packed, padding-free); the two are the same order when nothing is padded."""
-        per_layer = self.routed[:, :, layer]                                       # [rows, S, k]
-        if tokens == per_layer.shape[0] * per_layer.shape[1]:
-            return per_layer.reshape(tokens, -1)
-        real = self.attention_mask.bool()
-        if tokens == int(real.sum()):
-            return per_layer[real]
-        raise RuntimeError(f"routing replay: a router saw {tokens} tokens; the replayed routing holds "
-                           f"{tuple(self.attention_mask.shape)} rows x columns ({int(real.sum())} real tokens)")
+        rows, columns = self.routed.shape[:2]
+        if tokens == rows * columns:
+            return self.routed[:, :, layer].reshape(tokens, -1)
+        if self._real is None:
+            self._real = self.routed[self.attention_mask.bool()]
+        if tokens == self._real.shape[0]:
+            return self._real[:, layer]
+        raise RuntimeError(f"routing replay: a router saw {tokens} tokens; the replayed routing holds {rows} rows x "
+                           f"{columns} columns ({self._real.shape[0]} real tokens)")
 
 
 class RoutingReplay:
@@ -152,7 +162,6 @@ class RoutingReplay:
         self.routers = find_routers(model)
         self._active: list[_Replay] = []
         self._for_backward: Optional[_Replay] = None
-        self._lock = threading.Lock()
         for router in self.routers:
             router.module.register_forward_hook(self._hook(router))
 
@@ -162,15 +171,13 @@ class RoutingReplay:
         """Forwards inside route each token as `routed` [rows, S, layers, k] says (the rows' attention_mask [rows, S]:
         which tokens a padding-free forward keeps); `agreement` counts the picks the trainer would have made alike."""
         replay = _Replay(routed, attention_mask, agreement)
-        with self._lock:
-            self._active.append(replay)
+        self._active.append(replay)
         try:
             yield replay
         finally:
-            with self._lock:
-                self._active.remove(replay)
-                if torch.is_grad_enabled():
-                    self._for_backward = replay
+            self._active.remove(replay)
+            if torch.is_grad_enabled():
+                self._for_backward = replay
 
     def _current(self) -> Optional[_Replay]:
         if self._active:
@@ -190,7 +197,7 @@ class RoutingReplay:
             replayed = replay.for_layer(router.layer, own.shape[0]).to(own.device)
             experts, recorded = replayed_choice(own, replayed)
             if replay.agreement is not None and self._active:  # not again in a backward's recompute
-                replay.agreement.add(same_expert_sets(own[recorded], replayed[recorded]))
+                replay.agreement.add(same_expert_sets(own, replayed), recorded)
             weights = replayed_gate_weights(logits, experts, router.renormalise).to(scores.dtype)
             return logits, weights, experts
         return replace_choice
