@@ -57,6 +57,11 @@ async def sometimes_fails(client, row):
             raise ValueError("this agent fails on purpose")
         await asyncio.sleep(3600)
     return await answer_then_check(client, row)
+
+
+@register_agent("raises_at_once")
+async def raises_at_once(client, row):
+    raise RuntimeError("nothing to call")
 '''
 
 
@@ -69,6 +74,7 @@ def agent_files(tmp_path_factory):
     add_dataset(registry, "agent_toy", CALC_ROWS, agent="two_calls", rewards={"agent_reward": 1.0})
     add_dataset(registry, "flaky_toy", CALC_ROWS, agent="sometimes_fails", rewards={"agent_reward": 1.0})
     add_dataset(registry, "unknown_agent_toy", CALC_ROWS, agent="nobody", rewards={"agent_reward": 1.0})
+    add_dataset(registry, "broken_toy", CALC_ROWS, agent="raises_at_once", rewards={"agent_reward": 1.0})
     module = folder / "my_agents.py"
     module.write_text(AGENT_MODULE)
     return registry, str(module)
@@ -386,3 +392,21 @@ def test_engines_the_endpoint_cannot_drive_alone_are_refused(tmp_path):
     datasets = {"agent_toy": AgentDataset("agent_toy", "two_calls", lambda client, row: None)}
     with pytest.raises(ConfigError, match="generates with every rank together"):
         agent_rollouts(GRPOConfig(output_dir=str(tmp_path)), datasets, ServerEngine())
+
+
+def test_a_step_whose_agents_all_fail_before_calling_goes_on(tiny_model, agent_files, tmp_path):
+    """Every episode of the step fails before its first call: nothing to train on (empty completions, reward 0), and
+    the run takes its step and ends as usual."""
+    from grpo.train.trainer import GRPOTrainer
+
+    registry, module = agent_files
+    config = tiny_config(tiny_model, registry, str(tmp_path / "out"), dataset_names=["broken_toy"],
+                         agent_module=module, max_steps=1, train_split_ratio=1.0)
+    trainer = GRPOTrainer(config, reward_funcs=[final_words])
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    row = train_rows(tmp_path / "out")[0]
+    assert row["agents/errors"] == 1 and row["agents/calls"] == 0 and row["reward/mean"] == 0
+    assert os.path.isdir(tmp_path / "out" / "lora_adapter")
