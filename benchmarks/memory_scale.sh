@@ -7,7 +7,9 @@
 #   peak   GPU memory of the whole job as the driver reports it (nvidia-smi, polled every 0.2 s: vLLM included)
 #   s/step by phase (rollout, train, sync; the first step left out when there are more), sync MiB per step,
 #   and the engine-vs-trainer log-prob gap (rollout/logprob_diff_mean, every step)
-# GPU_MEMORY_GIB caps what a run may use (a smaller card's budget): torch's per-process fraction and vLLM's share.
+# GPU_MEMORY_GIB caps what a run may use (a smaller card's budget; a list, "16 24 40 80", runs each): the memory
+# plan's budget. SHAPES, STRATEGIES, MODES, MAX_NEW and GPU_MEMORY_GIB are lists: the matrix is one command (runs one
+# at a time; benchmarks/memory_matrix.py runs published configs' shapes side by side and sets plans beside peaks).
 # MAX_POSITIONS=65536 builds the models with a longer context than their checkpoints' 32768 (Qwen2.5 shapes).
 # FOUR_BIT=1 builds the models saved in 4 bits (random_model.py --four_bit: a 32B model without its 65 GB bf16 form).
 # GPU_ID=<n> builds, runs and measures on GPU n alone (DeepSpeed's launcher ignores CUDA_VISIBLE_DEVICES), so other
@@ -37,8 +39,6 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" TOKENIZERS_PARALLELISM=false
 source scripts/launch.sh  # launcher, where (GPU_ID), free_port
 [ -n "${GPUS:-}" ] && where=(--include "localhost:$GPUS") && GPU_ID=${GPUS%%,*}
 gpus=${GPUS:-${GPU_ID:-0}}
-cap=()
-[ -n "${GPU_MEMORY_GIB:-}" ] && cap=(--gpu_memory_gib "$GPU_MEMORY_GIB")
 nvidia-smi -i "$gpus" --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 for shape in $SHAPES; do
   model="${MODEL_ROOT:-$OUT}/$shape${FOUR_BIT:+-4bit}${MAX_POSITIONS:+-$MAX_POSITIONS}"
@@ -48,7 +48,10 @@ for shape in $SHAPES; do
   for strategy in $STRATEGIES; do
     for mode in $MODES; do
      for new in $MAX_NEW; do
-      name="$shape-$strategy-$mode-${new}new${GPU_MEMORY_GIB:+-${GPU_MEMORY_GIB}gib}"
+      for budget in ${GPU_MEMORY_GIB:-none}; do
+      cap=()
+      [ "$budget" != none ] && cap=(--gpu_memory_gib "$budget")
+      name="$shape-$strategy-$mode-${new}new${cap:+-${budget}gib}"
       dir="$OUT/runs/$name"
       rm -rf "$dir"; mkdir -p "$dir"
       nvidia-smi -i "$gpus" --query-gpu=memory.used --format=csv,noheader,nounits -lms 200 > "$dir/gpu_memory.txt" &
@@ -82,6 +85,7 @@ with open(os.path.join(os.path.dirname(folder), "results.jsonl"), "a") as f:
 PY
       grep -E "KV cache|micro-batch" "$dir.log" | head -3
       [ "$rc" = 0 ] || grep -E "Error|error|out of memory" "$dir.log" | tail -5
+      done
      done
     done
   done
