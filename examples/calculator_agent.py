@@ -5,7 +5,9 @@ final answer; grpo points its `client` at an endpoint in front of the model bein
 tokens. The shipped dataset `arith_agent` names it:
 
     python train_grpo.py --dataset_names arith_agent --agent_module examples/calculator_agent.py \
-        --rollout_engine hf --max_steps 20
+        --max_prompt_length 320 --max_seq_length 576 --max_episode_tokens 256 --rollout_max_new_tokens 64
+
+(the calculator's instructions take ~200 of SmolLM2's tokens of the first prompt, as for `arith_calc`).
 
 The same function runs against any OpenAI-compatible server:
 
@@ -57,7 +59,9 @@ async def calculator_agent(client: AsyncOpenAI, row: dict):
         try:
             response = await client.chat.completions.create(model="policy", messages=messages, tools=TOOLS)
         except BadRequestError as exc:
-            if exc.code == "context_length_exceeded":  # the episode's tokens are used up: it ends here
+            # the episode's tokens are used up after a call or two: it ends here (a first prompt that does not fit
+            # --max_prompt_length is the run's to fix, and stays an error)
+            if exc.code == "context_length_exceeded" and len(messages) > len(row["messages"]):
                 return None
             raise
         message = response.choices[0].message
