@@ -59,8 +59,6 @@ def model_shape(model_config) -> ModelShape:
     head_dim = getattr(cfg, "head_dim", None) or hidden // heads
     routed = (getattr(cfg, "num_experts_per_tok", None) or 0) * (getattr(cfg, "moe_intermediate_size", None) or 0)
     intermediate = max(getattr(cfg, "intermediate_size", None) or 4 * hidden, routed)
-    from grpo.model.routing_replay import replay_family, routing_shape
-
     # --routing_replay's default for these models: the micro-batch's routing array rides along
     picks = math.prod(routing_shape(cfg)) if replay_family(cfg) else 0
     return ModelShape(hidden, intermediate, cfg.num_hidden_layers, heads * head_dim, cfg.vocab_size, picks)
