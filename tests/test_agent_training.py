@@ -277,6 +277,9 @@ def test_registry_key_agent_is_checked(tmp_path):
     add_dataset(registry, "bad", CALC_ROWS, agent="two_calls", tools=["calculator"])
     with pytest.raises(DatasetError, match='an "agent" plays the whole episode .* does not combine with "tools"'):
         load_dataset_registry(registry)
+    add_dataset(registry, "bad", CALC_ROWS, agent="two_calls", demonstrations="demos.jsonl")
+    with pytest.raises(DatasetError, match='"demonstrations" are laid out as the trainer\'s own tool episodes'):
+        load_dataset_registry(registry)
 
 
 def test_shipped_example_agent_and_its_dataset(tmp_path):

@@ -133,6 +133,9 @@ def _check_episode_keys(where: str, values: dict) -> None:
     if agent and (tools or environment):
         raise DatasetError(f"{where}: an \"agent\" plays the whole episode (its own tools, in the OpenAI format), so "
                            "it does not combine with \"tools\" or \"environment\"; keep one of them")
+    if agent and values.get("demonstrations"):
+        raise DatasetError(f"{where}: \"demonstrations\" are laid out as the trainer's own tool episodes, while an "
+                           "agent builds its episodes itself; drop \"demonstrations\" from this entry")
 
 
 def _check_extractor(where: str, extractor: str) -> None:
