@@ -525,3 +525,21 @@ def test_the_log_prob_pass_and_the_reference_copy_follow_kl_beta(plan_of):
         # a 16-bit copy of all 3.21B parameters
         assert "reference" not in plain.parts and kl.parts["reference"] == 2 * 3_212_749_824
         assert kl.phases["logprobs"] > plain.phases["logprobs"] + kl.parts["reference"]
+
+
+def test_lora_on_fused_experts_is_counted():
+    """A mixture of experts whose experts transformers fuses: LoRA on each expert of an [E, a, b] tensor is
+    E r (a + b) values (grpo.model.expert_targets picks the tensors), counted with the adapters and their optimizer."""
+    from transformers import MixtralConfig
+
+    from grpo.memory.model_size import build_on_meta, count_model
+
+    config = MixtralConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)
+    model = build_on_meta(config, False)
+    # per layer: gate_up_proj [4, 64, 16] -> 4 x 2 x (64 + 16) = 640; down_proj [4, 16, 32] -> 4 x 2 x 48 = 384
+    everything = count_model(model, 2, "all-linear")
+    attention = count_model(model, 2, ["q_proj", "k_proj", "v_proj", "o_proj"])
+    assert everything.adapter - attention.adapter == 2 * (640 + 384)
+    assert count_model(model, 2, ["w2"]).adapter == 2 * 384  # the checkpoint's name for down_proj
+    assert everything.fused_experts

@@ -88,12 +88,35 @@ def count_model(model, lora_rank: int, lora_targets, lora_exclude=None, qlora_sk
         wanted = lora_targets == "all-linear" or _matches(name, lora_targets)
         if wanted and not _matches(name, lora_exclude):
             adapter += per_lora
+    experts = _expert_adapter_values(model, lora_rank, lora_targets, towers)
+    adapter, adapter_all = adapter + experts, adapter_all + experts
     layers = _decoder_layers(model, towers)
     largest_layer = max((sum(p.numel() for p in layer.parameters()) for layer in layers), default=0)
     fused = any(p.dim() == 3 for name, p in model.named_parameters()
                 if not name.startswith(towers) and "conv" not in name and "patch_embed" not in name)
     return ModelSize(parameters, quantized, adapter, adapter_all, vision,
                      max(p.numel() for p in model.parameters()), largest_layer, fused, model_shape(model.config))
+
+
+def _expert_adapter_values(model, lora_rank: int, lora_targets, towers: tuple[str, ...]) -> int:
+    """LoRA on a mixture of experts' fused expert tensors (grpo.model.expert_targets picks them): one rank-r LoRA
+    per expert, r (a + b) values for each of the E experts of an [E, a, b] tensor."""
+    import torch
+
+    from grpo.model.expert_targets import expert_lora_targets
+
+    if not lora_rank or not (lora_targets == "all-linear" or isinstance(lora_targets, list)):
+        return 0
+    linear = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+    _, targets = expert_lora_targets(model, lora_targets, linear)
+    if not targets:
+        return 0
+    total = 0
+    for name, param in model.named_parameters():
+        if param.dim() == 3 and not name.startswith(towers) and any(name.endswith("." + t) for t in targets):
+            experts, a, b = param.shape
+            total += experts * lora_rank * (a + b)
+    return total
 
 
 def _decoder_layers(model, towers: tuple[str, ...] = ()) -> list:
