@@ -353,6 +353,7 @@ def test_train_grpo_trains_the_example_agent(tiny_model, tmp_path):
     assert 1 <= rows[0]["agents/calls"] <= 3
     evals = [r for r in json.loads("[" + ",".join(open(out / "metrics.jsonl")) + "]") if "eval/reward/mean" in r]
     assert evals and "eval/arith_agent/rewards/boxed_accuracy" in evals[-1]
+    assert evals[-1]["eval/agents/episodes"] == 2 and evals[-1]["eval/agents/errors"] == 0  # one per eval prompt
 
 
 def test_agent_rows_and_plain_rows_train_in_one_step(tiny_model, agent_files, tmp_path):

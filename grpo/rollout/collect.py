@@ -69,6 +69,7 @@ class RolloutCollector:
             set(config.dataset_names + config.eval_dataset_names) <= set(self.episode_datasets)
         self.episodes_drawn: list[Episode] = []         # this step's episodes, every round (for their metrics)
         self.eval_episodes: list[Episode] = []          # the last evaluation's, on this rank
+        self.eval_agent_episodes: list = []            # ... its agents' (grpo.agents.runner.AgentEpisode)
         # rows of datasets that name an agent (grpo.agents.rollouts): played against the OpenAI-compatible endpoint
         self.agents = None
         if agent_datasets:
@@ -401,7 +402,7 @@ class RolloutCollector:
         cfg = self.config
         self.restore_engine_weights()  # on every rank, with or without eval rows
         completions: list = []
-        self.eval_episodes = []
+        self.eval_episodes, self.eval_agent_episodes = [], []
         if rows or self.engine.generates_in_step:  # all ranks generate together
             self.engine.wake()
             sampling = SamplingSettings(n=1, max_new_tokens=cfg.rollout_max_new_tokens, temperature=cfg.temperature,
@@ -409,6 +410,7 @@ class RolloutCollector:
             if self.episode_datasets or self.agents:
                 completions, episodes = self._generate(rows, sampling, self.prompt_images(rows))
                 self.eval_episodes = [e for e in episodes if isinstance(e, Episode)]
+                self.eval_agent_episodes = [e for e in episodes if e is not None and not isinstance(e, Episode)]
             else:
                 completions = self.engine.generate([r["prompt_ids"] for r in rows], sampling, self.prompt_images(rows))
                 episodes = [None] * len(completions)

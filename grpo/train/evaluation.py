@@ -19,6 +19,8 @@ def evaluate_prompts(eval_set, rollouts, rank: int, world: int) -> tuple[dict[st
     metrics = eval_metrics(all_samples)
     if rollouts.episode_datasets:
         metrics.update(eval_episode_metrics(rollouts.eval_episodes))
+    if getattr(rollouts, "agents", None):
+        metrics.update(eval_agent_metrics(rollouts.eval_agent_episodes))
     return metrics, all_samples
 
 
@@ -28,6 +30,20 @@ def eval_episode_metrics(episodes: list) -> dict[str, float]:
     totals = dist_utils.all_sum([value * len(episodes) for value in local.values()] + [float(len(episodes))])
     count = totals[-1]
     return {f"eval/{key}": total / count for key, total in zip(local, totals)} if count else {}
+
+
+def eval_agent_metrics(episodes: list) -> dict[str, float]:
+    """eval/agents/...: grpo.agents.runner.agent_metrics over every rank's eval episodes (collective), the count of
+    episodes summed."""
+    from grpo.agents.runner import agent_metrics
+
+    local = agent_metrics(episodes)
+    means = [key for key in local if key != "agents/episodes"]
+    totals = dist_utils.all_sum([local[key] * len(episodes) for key in means] + [float(len(episodes))])
+    count = totals[-1]
+    if not count:
+        return {}
+    return {"eval/agents/episodes": count, **{f"eval/{key}": total / count for key, total in zip(means, totals)}}
 
 
 def eval_sample_rows(rows: list[dict], texts: list[str], completions: list, result) -> list[dict]:
