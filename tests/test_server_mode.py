@@ -395,8 +395,8 @@ def test_max_staleness_one_is_async_rollout(setup):  # noqa: F811
 
 @needs_launcher
 def test_episodes_stream_two_steps_ahead_beside_pieces_of_one_turn_prompts(tmp_path):
-    """--max_staleness 2 in pieces with episodes: each request of episodes runs whole on the rollout rank under one
-    version, which its tokens carry (updates land between them), and no step trains on one more than 2 behind."""
+    """--max_staleness 2 in pieces with episodes: the rollout rank runs them turn by turn, taking updates between two
+    turns (each turn's tokens carry their version), and no step trains on a token more than 2 versions behind."""
     out, proc = launch_episodes(tmp_path, 29573, "--max_steps", "4", "--max_staleness", "2",
                                 "--rollout_segment_tokens", "4", ranks=2)
     both = proc.stdout + proc.stderr
@@ -405,5 +405,5 @@ def test_episodes_stream_two_steps_ahead_beside_pieces_of_one_turn_prompts(tmp_p
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert all(r["episodes/turns"] > 1.5 for r in rows), rows
     assert rows[0]["stream/staleness_max"] == 0.0 and max(r["stream/staleness_max"] for r in rows) >= 1
-    assert all(r["stream/staleness_max"] <= 2 and r["stream/partial_share"] == 0.0 for r in rows), rows
+    assert all(r["stream/staleness_max"] <= 2 and 0.0 <= r["stream/partial_share"] <= 1.0 for r in rows), rows
     assert environment_ranks(tmp_path) == {"1"}

@@ -318,7 +318,7 @@ def test_a_failing_request_is_answered_with_its_error_and_so_is_everything_after
         assert "ValueError: out of memory" in replies[number][0]["error"], replies
 
 
-def test_episodes_take_weights_between_two_turns(monkeypatch, tmp_path):
+def test_episodes_take_weights_between_two_turns_with_pieces(monkeypatch, tmp_path):
     class TwoTurns:
         def run(self, engine, prompts, sampling_settings, limits):
             first = engine.generate(prompts, sampling_settings)
@@ -327,9 +327,13 @@ def test_episodes_take_weights_between_two_turns(monkeypatch, tmp_path):
 
     script = [message("start", {}), message("version", 0), message("episodes", ([[9, 1]], sampling(n=1), None)),
               GAP, GAP, message("weights", []), message("version", 1), GAP, GAP, message("stop")]
-    code, replies = serve_script(monkeypatch, tmp_path, script, LoadingEngine(), episodes=TwoTurns())
+    code, replies = serve_script(monkeypatch, tmp_path, list(script), LoadingEngine(), segment_tokens=4,
+                                 episodes=TwoTurns())
     assert code == 0
     assert replies[2][0]["ok"] == [[0] * 7, [1] * 7]  # the second turn sampled by the new weights
+    # without pieces the episodes run under one version, as --async_rollout's always did; the update waits
+    code, replies = serve_script(monkeypatch, tmp_path, script, LoadingEngine(), episodes=TwoTurns())
+    assert code == 0 and replies[2][0]["ok"] == [[0] * 7, [0] * 7]
 
 
 # ------------------------------------------------------------------------------------- the trainer's guard of K

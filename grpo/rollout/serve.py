@@ -176,11 +176,13 @@ class RolloutServer:
             if kind == "start":
                 self.episodes = EpisodeHost.for_run(self.config, payload.get("episode_datasets") or [])
                 self.engine = _build_engine(self.config, payload, index, self.count, self.device, self.rank)
+                # with pieces (partial rollouts), episodes take updates between two turns too; without, a request
+                # of episodes runs under one version, as --async_rollout always did (and the ranks of a
+                # tensor-parallel engine must meet in every turn)
+                turn_updates = self.config.rollout_segment_tokens > 0 and not self.engine.collective_generate
                 self.stream = RolloutStream(self.engine, segment_tokens=self.config.rollout_segment_tokens,
                                             partial=self.config.partial_rollouts,
-                                            # the ranks of a tensor-parallel engine must meet in every turn
-                                            between_turns=None if self.engine.collective_generate
-                                            else self.between_turns)
+                                            between_turns=self.between_turns if turn_updates else None)
                 answer = True
             elif kind in ("generate", "episodes"):  # answered once generated
                 if kind == "generate":
