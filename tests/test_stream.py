@@ -118,7 +118,9 @@ def test_restart_begins_sequences_of_older_weights_again():
     assert stream.running == [] and engine.calls[1][0][0] == [7, 1]  # back to the prompt
 
 
-def test_a_sequence_stops_at_its_own_length_limit_inside_a_longer_piece():
+def test_a_sequences_last_piece_is_what_its_budget_leaves():
+    """No generate call asks for more than a sequence may still take (vLLM refuses prompt + max_tokens past its
+    max_model_len): the last piece of each is its own length."""
     engine = VersionedEngine()
     stream = RolloutStream(engine, segment_tokens=4)
     stream.add(1, [[50, 1]], sampling(n=1, max_new_tokens=3))
@@ -127,6 +129,7 @@ def test_a_sequence_stops_at_its_own_length_limit_inside_a_longer_piece():
     assert finished[1][0].token_ids == [100] * 3 and finished[1][0].finish_reason == "length"
     finished = dict(stream.step())
     assert len(finished[2][0].token_ids) == 6 and finished[2][0].finish_reason == "length"
+    assert [asked for _, asked in engine.calls] == [3, 4, 2]
 
 
 def test_episodes_run_whole_when_they_come_up():

@@ -136,24 +136,27 @@ class RolloutStream:
             request.sequences = [Sequence(i, list(ids), request.images[i] if request.images else None)
                                  for i, ids in enumerate(request.prompts) for _ in range(request.sampling.n)]
             self.running.append(request)
+        # one generate call per sampling setting and piece length: a sequence's last piece is what its budget leaves,
+        # so no call asks for more than prompt + --rollout_max_new_tokens (vLLM's max_model_len)
         by_settings: dict[tuple, list[tuple[Request, Sequence]]] = {}
         for request in self.running:
             s = request.sampling
             for sequence in request.sequences:
                 if sequence.finish_reason is None:
-                    key = (s.temperature, s.top_p, s.greedy, s.logprobs)
+                    piece = min(self.segment_tokens, s.max_new_tokens - len(sequence.tokens))
+                    key = (s.temperature, s.top_p, s.greedy, s.logprobs, piece)
                     by_settings.setdefault(key, []).append((request, sequence))
-        for (temperature, top_p, greedy, logprobs), rows in by_settings.items():
-            self._advance(rows, SamplingSettings(n=1, max_new_tokens=0, temperature=temperature, top_p=top_p,
+        for (temperature, top_p, greedy, logprobs, piece), rows in by_settings.items():
+            self._advance(rows, SamplingSettings(n=1, max_new_tokens=piece, temperature=temperature, top_p=top_p,
                                                  greedy=greedy, logprobs=logprobs))
         done = [r for r in self.running if r.finished]
         self.running = [r for r in self.running if not r.finished]
         return [(r.number, [s.as_completion() for s in r.sequences]) for r in done]
 
     def _advance(self, rows: list[tuple[Request, Sequence]], sampling: SamplingSettings) -> None:
-        """One generate call for these sequences (one sampling setting): each resubmitted as prompt + its tokens."""
+        """One generate call for these sequences (one sampling setting, one piece length): each resubmitted as prompt +
+        its tokens."""
         budgets = [r.sampling.max_new_tokens - len(s.tokens) for r, s in rows]
-        sampling = replace(sampling, max_new_tokens=min(self.segment_tokens, max(budgets)))
         images = [s.image for _, s in rows] if any(s.image is not None for _, s in rows) else None
         new = self.engine.generate([s.prompt_ids + s.tokens for _, s in rows], sampling, images)
         for (request, s), budget, completion in zip(rows, budgets, new):
