@@ -50,7 +50,7 @@ def save_final_model(model, tokenizer, output_dir: str, config: GRPOConfig, mode
                                "loads (lora_adapter/vllm) is written from unpartitioned weights")
     tokenizer.save_pretrained(path)
     _copy_processor_files(model_path, path)
-    if config.tuning_strategy == "qlora":
+    if config.strategy.four_bit_base:
         write_base_options(path, config)
     write_model_card(path, config, model_path, steps, "lora_adapter")
     saved["lora_adapter"] = path

@@ -47,7 +47,7 @@ def write_model_card(folder: str, config, model_path: str, steps: int, kind: str
         f"KL beta {config.kl_beta:g}",
         "- every option of the run: `grpo_config.json` in the run's folder; per-step metrics: `metrics.jsonl`", "",
     ]
-    if kind == "lora_adapter" and config.tuning_strategy == "qlora":
+    if kind == "lora_adapter" and config.strategy.four_bit_base:
         lines += ["The adapter was trained on the base quantized to 4 bits (`qlora_base.json` says how); on the "
                   "16-bit base it differs from the trained policy by that rounding.", ""]
     lines += ["## Load", "", (LOAD_ADAPTER if kind == "lora_adapter" else LOAD_MODEL).format(path=folder), ""]

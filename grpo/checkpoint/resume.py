@@ -9,6 +9,7 @@ import os
 from grpo.checkpoint.base_model import base_model_problem
 from grpo.config.saved import (PER_START_OPTIONS, VALUES_BEFORE_THE_OPTION, read_saved_options,  # noqa: F401
                                saved_options_path)
+from grpo.config.strategy import Strategy
 from grpo.errors import CheckpointError, ConfigError
 
 logger = logging.getLogger("grpo")
@@ -33,7 +34,7 @@ def check_resume_keeps_policy(saved_path: str, config) -> None:
     saved, now = _saved_options(saved_path, config), config.to_dict()
     keys = POLICY_OPTIONS
     if saved.get("tuning_strategy") == now["tuning_strategy"] and config.uses_lora:
-        keys += LORA_POLICY_OPTIONS + (QLORA_POLICY_OPTIONS if now["tuning_strategy"] == "qlora" else ())
+        keys += LORA_POLICY_OPTIONS + (QLORA_POLICY_OPTIONS if config.strategy.four_bit_base else ())
     changed = _changed_keys(saved, now, keys)
     if changed:
         flags = " ".join(f"--{key} {saved[key]}" for key in changed)
@@ -74,7 +75,7 @@ def changed_options(saved_path: str, config) -> list[str]:
     where a run is qlora, since they shape nothing else)."""
     now, saved = config.to_dict(), _saved_options(saved_path, config)
     ignore = set(PER_START_OPTIONS)
-    if "qlora" not in (now["tuning_strategy"], saved.get("tuning_strategy")):
+    if Strategy.QLORA not in (config.strategy, Strategy.read(saved.get("tuning_strategy"))):
         ignore |= {key for key in now if key.startswith("qlora_")}
     return _changed_keys(saved, now, [k for k in now if k not in ignore])
 

@@ -4,9 +4,9 @@ grpo/algorithm/registry.py, where the math finds them too: --loss_type's choices
 import grpo.algorithm.loss_types  # noqa: F401 (registers the built-in policy losses)
 from grpo.algorithm.registry import (AGGREGATIONS, IMPORTANCE_SAMPLING_LEVELS, KL_ESTIMATORS,  # noqa: F401
                                      POLICY_LOSSES, ROLLOUT_CORRECTIONS, ROLLOUT_MASK_BANDS)
+from grpo.config.strategy import STRATEGIES  # noqa: F401 (--tuning_strategy's names, with their type)
 
 EMBEDDED_MODEL = "smollm2-135m-instruct"
-STRATEGIES = ("qlora", "lora", "full")
 QLORA_INITS = ("zero", "loftq")
 QLORA_QUANT_TYPES = ("nf4", "fp4")
 QLORA_BLOCK_SIZES = (32, 64, 128, 256, 512, 1024, 2048, 4096)  # the ones bitsandbytes' 4-bit kernels take

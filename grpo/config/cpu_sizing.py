@@ -12,6 +12,8 @@ from __future__ import annotations
 import logging
 from typing import Optional
 
+from grpo.config.strategy import Strategy
+
 logger = logging.getLogger("grpo")
 
 # about ten minutes on two cores for the embedded SmolLM2-135M on `arith`: 14 steps of 4 prompts x 8 samples of up
@@ -28,14 +30,14 @@ _COSTLY = ("max_steps", "rollout_max_new_tokens", "eval_max_prompts")
 _GIVEN_AS = {"learning_rate_lora": "learning_rate"}
 
 
-def cpu_values_for(given: set, tuning_strategy: str) -> dict:
+def cpu_values_for(given: set, strategy: Strategy) -> dict:
     """The CPU values of the options not given: --max_steps only when --epochs is not given either; the learning
     rate only for lora / qlora (full fine-tuning keeps its own default)."""
     given = set(given) | {_GIVEN_AS[name] for name in given if name in _GIVEN_AS}
     values = {key: value for key, value in CPU_VALUES.items() if key not in given}
     if "epochs" in given:
         values.pop("max_steps", None)
-    if tuning_strategy not in ("lora", "qlora"):
+    if not Strategy(strategy).has_adapter:
         values.pop("learning_rate", None)
     return values
 
@@ -55,7 +57,7 @@ def size_for_cpu(config, on_cpu: bool) -> dict:
     if given is None:  # built in Python: which values were chosen is not known, only which are a GPU's
         _note_gpu_sized(config)
         return {}
-    values = cpu_values_for(given, config.tuning_strategy)
+    values = cpu_values_for(given, config.strategy)
     config.cpu_sized = values
     if not values:
         return values
@@ -78,7 +80,7 @@ def _note_gpu_sized(config) -> None:
     held = [key for key in _COSTLY if getattr(config, key) == defaults[key].default]
     if held:
         shown = ", ".join(f"{key}={getattr(config, key)}" for key in held)
-        values = ", ".join(f"{key}={value!r}" for key, value in cpu_values_for(set(), config.tuning_strategy).items())
+        values = ", ".join(f"{key}={value!r}" for key, value in cpu_values_for(set(), config.strategy).items())
         logger.info(f"on a CPU with a GPU's defaults ({shown}): a step and an evaluation may take minutes each; for "
                     f"a short CPU run give {values} (what train_grpo.py takes on a CPU)")
 

@@ -3,11 +3,17 @@ options): read-only properties, kept apart from the schema in options.py."""
 from __future__ import annotations
 
 from grpo.config.choices import BITSANDBYTES_BLOCK_SCALE, BITSANDBYTES_BLOCK_SIZE, DEFAULT_SPLIT_RATIO, REGEX_CHARS
+from grpo.config.strategy import Strategy
 from grpo.errors import ConfigError
 
 
 class DerivedOptions:
     """GRPOConfig's derived values; every attribute read here is one of its options."""
+
+    @property
+    def strategy(self) -> Strategy:
+        """--tuning_strategy as its type (grpo/config/strategy.py): what is trained, and what that implies."""
+        return Strategy.of(self.tuning_strategy)
 
     @property
     def qlora_skip_list(self) -> list[str]:
@@ -18,9 +24,9 @@ class DerivedOptions:
         """The options (given or default) for which the 4-bit base is quantized again from the checkpoint after
         loading: those that differ from bitsandbytes' stock base."""
         options = []
-        if self.tuning_strategy == "qlora" and self.qlora_block_size != BITSANDBYTES_BLOCK_SIZE:
+        if self.strategy.four_bit_base and self.qlora_block_size != BITSANDBYTES_BLOCK_SIZE:
             options.append(f"--qlora_block_size {self.qlora_block_size}")
-        if self.tuning_strategy == "qlora" and self.qlora_block_scale != BITSANDBYTES_BLOCK_SCALE:
+        if self.strategy.four_bit_base and self.qlora_block_scale != BITSANDBYTES_BLOCK_SCALE:
             options.append(f"--qlora_block_scale {self.qlora_block_scale}")
         return options
 
@@ -49,7 +55,7 @@ class DerivedOptions:
 
     @property
     def uses_lora(self) -> bool:
-        return self.tuning_strategy in ("lora", "qlora")
+        return self.strategy.has_adapter
 
     @property
     def engine_weights(self) -> str:
@@ -57,10 +63,11 @@ class DerivedOptions:
         engine's builder may still fall back for a model the choice cannot take (grpo.rollout.engines)."""
         if self.rollout_weights != "auto":
             return self.rollout_weights
-        if self.tuning_strategy == "lora" and self.uses_vllm and self.vllm_tp == 1 and self.rollout_mode == "colocate":
+        if (self.strategy.sixteen_bit_adapter and self.uses_vllm and self.vllm_tp == 1
+                and self.rollout_mode == "colocate"):
             return "in_place"
         adapter = (self.uses_lora and self.uses_vllm and self.vllm_tp == 1
-                   and not (self.tuning_strategy == "qlora" and self.qlora_init == "loftq"))
+                   and not (self.strategy.four_bit_base and self.qlora_init == "loftq"))
         return "adapter" if adapter else "merged"
 
     @property

@@ -7,6 +7,7 @@ then cleared, so a config holds each setting once (and `dataclasses.replace` on 
 """
 from __future__ import annotations
 
+from grpo.config.strategy import Strategy
 from grpo.errors import ConfigError
 
 # the KL coefficient of the guide's `--use_kl_penalty` when no --kl_beta is given (GRPO's original value)
@@ -46,7 +47,7 @@ def fold_guide_spellings(cfg) -> None:
     --learning_rate_lora applies to lora / qlora, as in the guide, where --learning_rate was full fine-tuning's rate.
     --use_kl_penalty with no --kl_beta takes GUIDE_KL_BETA; --use_kl_penalty false turns the KL term off.
     """
-    if cfg.learning_rate_lora is not None and cfg.tuning_strategy in ("lora", "qlora"):
+    if cfg.learning_rate_lora is not None and cfg.strategy.has_adapter:
         cfg.learning_rate = cfg.learning_rate_lora
     if cfg.use_kl_penalty is not None:
         if not cfg.use_kl_penalty:
@@ -69,7 +70,8 @@ def upgrade_saved_options(values: dict) -> dict:
         if not values["use_kl_penalty"]:
             values["kl_beta"] = 0.0
     if values.get("learning_rate_lora") is not None:
-        if values.get("tuning_strategy", "lora") in ("lora", "qlora"):
+        strategy = Strategy.read(values.get("tuning_strategy", Strategy.LORA))
+        if strategy is not None and strategy.has_adapter:
             values["learning_rate"] = values["learning_rate_lora"]
     if values.get("use_vllm_rollout") is not None:
         values["rollout_engine"] = "vllm" if values["use_vllm_rollout"] else "hf"

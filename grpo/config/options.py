@@ -20,9 +20,10 @@ from grpo.config.derived import DerivedOptions
 from grpo.config.validation import validate
 from grpo.config.guide_spellings import GUIDE_SPELLINGS, fold_guide_spellings, upgrade_saved_options  # noqa: F401
 from grpo.config.shipped import resolve_shipped_file
+from grpo.config.strategy import Strategy
 from grpo.config.choices import LOSS_TYPES, ROLLOUT_CORRECTIONS, ROLLOUT_MASK_BANDS, SEQUENCE_PARALLEL_ROLLOUTS
 
-DEFAULT_LEARNING_RATE = {"lora": 2e-5, "qlora": 2e-5, "full": 1e-6}
+DEFAULT_LEARNING_RATE = {Strategy.LORA: 2e-5, Strategy.QLORA: 2e-5, Strategy.FULL: 1e-6}
 MIN_DEFAULT_SEQ_LENGTH = 768  # the default --max_seq_length's floor: tool episodes take a few turns past one completion
 
 
@@ -45,8 +46,8 @@ class GRPOConfig(DerivedOptions):
     # --- model and tuning strategy ---------------------------------------------------------------
     model_name_or_path: str = _opt(
         EMBEDDED_MODEL, f"HF model folder or hub id; '{EMBEDDED_MODEL}' is the embedded offline model.", "model")
-    tuning_strategy: str = _opt("lora", "What is trained: qlora (4-bit base + LoRA), lora, or full.", "model",
-                                choices=STRATEGIES)
+    tuning_strategy: str = _opt(Strategy.LORA.value, "What is trained: qlora (4-bit base + LoRA), lora, or full.",
+                                "model", choices=STRATEGIES)
     lora_rank: int = _opt(16, "LoRA rank r (lora/qlora).", "model")
     lora_alpha: int = _opt(32, "LoRA alpha; the update is scaled by alpha / r.", "model")
     lora_dropout: float = _opt(0.05, "Dropout on the LoRA input.", "model")
@@ -455,7 +456,7 @@ class GRPOConfig(DerivedOptions):
         if self.clip_epsilon_high is None:
             self.clip_epsilon_high = self.clip_epsilon_low
         if self.learning_rate is None:
-            self.learning_rate = DEFAULT_LEARNING_RATE.get(self.tuning_strategy, DEFAULT_LEARNING_RATE["lora"])
+            self.learning_rate = DEFAULT_LEARNING_RATE.get(self.tuning_strategy, DEFAULT_LEARNING_RATE[Strategy.LORA])
         self.validate()
 
     def validate(self) -> None:

@@ -10,6 +10,7 @@ from grpo.config.choices import (AGGREGATIONS, BITSANDBYTES_BLOCK_SIZE, DEFAULT_
                                  KL_ESTIMATORS, LOSS_TYPES, ROLLOUT_CORRECTIONS, ROLLOUT_MASK_BANDS, QLORA_BLOCK_SCALES, QLORA_BLOCK_SIZES, QLORA_INITS, QLORA_QUANT_TYPES,
                                  REWARD_SCALES, ROLLOUT_ENGINES, ROLLOUT_MODES, ROLLOUT_WEIGHTS, SCHEDULERS,
                                  SEQUENCE_PARALLEL_ROLLOUTS, STRATEGIES, TRACKERS)
+from grpo.config.strategy import Strategy
 from grpo.algorithm.registry import POLICY_LOSSES, policy_losses_taking
 from grpo.errors import ConfigError
 from grpo.runtime.roles import job_world_size
@@ -32,11 +33,11 @@ def validate(cfg) -> None:
          f"got '{cfg.lr_scheduler_type}', choose one of {', '.join(SCHEDULERS)}")
     need(cfg.k_samples >= 2, "k_samples",
          f"must be at least 2 (got {cfg.k_samples}): group-relative advantages need a group to compare with")
-    if cfg.tuning_strategy in ("lora", "qlora") and not cfg.lora_adapter_path:
+    if cfg.strategy.has_adapter and not cfg.lora_adapter_path:
         need(cfg.lora_rank > 0, "lora_rank", f"must be > 0 with --tuning_strategy {cfg.tuning_strategy}")
         need(cfg.lora_alpha > 0, "lora_alpha", "must be > 0")
     need(0.0 <= cfg.lora_dropout < 1.0, "lora_dropout", "must be in [0, 1)")
-    need(cfg.lora_adapter_path is None or cfg.tuning_strategy != "full", "lora_adapter_path",
+    need(cfg.lora_adapter_path is None or cfg.strategy.has_adapter, "lora_adapter_path",
          "needs --tuning_strategy lora or qlora (an adapter cannot be continued with full fine-tuning)")
     need(bool(cfg.dataset_names), "dataset_names", "give at least one registered dataset name")
     need(cfg.train_split_ratio is None or 0.0 < cfg.train_split_ratio <= 1.0, "train_split_ratio",
@@ -114,18 +115,18 @@ def validate(cfg) -> None:
     need(cfg.rollout_weights in ROLLOUT_WEIGHTS, "rollout_weights",
          f"got '{cfg.rollout_weights}', choose one of {', '.join(ROLLOUT_WEIGHTS)}")
     if cfg.rollout_weights == "adapter":
-        need(cfg.tuning_strategy in ("lora", "qlora"), "rollout_weights",
+        need(cfg.strategy.has_adapter, "rollout_weights",
              "adapter is for --tuning_strategy lora / qlora (a full run has no adapter): use merged")
         need(cfg.rollout_engine == "vllm", "rollout_weights",
              "adapter needs --rollout_engine vllm (the HF engine samples the live policy, or on a rollout rank "
              "takes merged weights): use merged")
-        need(not (cfg.tuning_strategy == "qlora" and cfg.vllm_tp > 1), "rollout_weights",
+        need(not (cfg.strategy.four_bit_base and cfg.vllm_tp > 1), "rollout_weights",
              f"adapter with qlora runs the 4-bit base on one GPU per engine (vLLM 0.26 cannot split a pre-quantized "
              f"model): use --vllm_tp 1 or --rollout_weights merged (got --vllm_tp {cfg.vllm_tp})")
-        need(cfg.qlora_init != "loftq" or cfg.tuning_strategy != "qlora", "rollout_weights",
+        need(cfg.qlora_init != "loftq" or not cfg.strategy.four_bit_base, "rollout_weights",
              "adapter cannot carry --qlora_init loftq's rounding correction: use merged")
     if cfg.rollout_weights == "in_place":
-        need(cfg.tuning_strategy == "lora", "rollout_weights",
+        need(cfg.strategy.sixteen_bit_adapter, "rollout_weights",
              "in_place merges a LoRA adapter into a 16-bit base the trainer shares with vLLM: it is for --tuning_strategy "
              "lora (qlora: adapter or merged)")
         need(cfg.rollout_engine == "vllm" and cfg.rollout_mode == "colocate" and cfg.vllm_tp == 1, "rollout_weights",
@@ -165,7 +166,7 @@ def validate(cfg) -> None:
          f"a large checkpoint save) can keep some ranks waiting longer than that")
     need(cfg.eval_max_prompts == -1 or cfg.eval_max_prompts >= 1, "eval_max_prompts",
          f"must be >= 1, or -1 for all prompts; got {cfg.eval_max_prompts}")
-    need(cfg.qlora_skip_modules is None or cfg.tuning_strategy == "qlora", "qlora_skip_modules",
+    need(cfg.qlora_skip_modules is None or cfg.strategy is Strategy.QLORA, "qlora_skip_modules",
          "needs --tuning_strategy qlora")
     need(cfg.qlora_skip_modules is None or bool(cfg.qlora_skip_list), "qlora_skip_modules",
          "give comma-separated module names, e.g. v_proj,down_proj")
@@ -175,19 +176,19 @@ def validate(cfg) -> None:
     need(cfg.vllm_sleep_level in (None, 0, 1, 2), "vllm_sleep_level", f"got {cfg.vllm_sleep_level}, choose 0, 1 or 2")
     need(cfg.qlora_quant_type in QLORA_QUANT_TYPES, "qlora_quant_type",
          f"got '{cfg.qlora_quant_type}', choose one of {', '.join(QLORA_QUANT_TYPES)}")
-    need(cfg.qlora_quant_type == "nf4" or cfg.tuning_strategy == "qlora", "qlora_quant_type",
+    need(cfg.qlora_quant_type == "nf4" or cfg.strategy is Strategy.QLORA, "qlora_quant_type",
          "needs --tuning_strategy qlora")
     need(cfg.qlora_block_size in QLORA_BLOCK_SIZES, "qlora_block_size",
          f"got {cfg.qlora_block_size}, choose one of {', '.join(map(str, QLORA_BLOCK_SIZES))}")
     # the stock values pass too: a lora or full run's config saved before the defaults changed holds them
-    need(cfg.qlora_block_size in (DEFAULT_BLOCK_SIZE, BITSANDBYTES_BLOCK_SIZE) or cfg.tuning_strategy == "qlora",
+    need(cfg.qlora_block_size in (DEFAULT_BLOCK_SIZE, BITSANDBYTES_BLOCK_SIZE) or cfg.strategy is Strategy.QLORA,
          "qlora_block_size", "needs --tuning_strategy qlora")
     need(cfg.qlora_block_scale in QLORA_BLOCK_SCALES, "qlora_block_scale",
          f"got '{cfg.qlora_block_scale}', choose one of {', '.join(QLORA_BLOCK_SCALES)}")
     need(cfg.qlora_init in QLORA_INITS, "qlora_init",
          f"got '{cfg.qlora_init}', choose one of {', '.join(QLORA_INITS)}")
     if cfg.qlora_init == "loftq":
-        need(cfg.tuning_strategy == "qlora", "qlora_init", "loftq needs --tuning_strategy qlora")
+        need(cfg.strategy is Strategy.QLORA, "qlora_init", "loftq needs --tuning_strategy qlora")
         need(not cfg.lora_adapter_path, "qlora_init",
              "loftq sets a new adapter; a continued one (--lora_adapter_path) keeps its own weights: drop one")
 
@@ -268,7 +269,7 @@ def _validate_episodes(cfg, need) -> None:
 
 
 def _validate_lora_exclude(cfg, need) -> None:
-    need(cfg.tuning_strategy in ("lora", "qlora"), "lora_exclude_modules",
+    need(cfg.strategy.has_adapter, "lora_exclude_modules",
          "needs --tuning_strategy lora or qlora")
     need(not cfg.lora_adapter_path, "lora_exclude_modules",
          "does not apply with --lora_adapter_path (the continued adapter's own config decides what it adapts)")

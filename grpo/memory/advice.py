@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from grpo.config.strategy import Strategy
 from grpo.memory.model_size import ModelSize
 from grpo.memory.plan import GpuBudget, RunShape, plan_memory
 
@@ -59,10 +60,10 @@ def cheapest_fixes(run: RunShape, size: ModelSize, gpu: GpuBudget, hf_config, op
         if attempt(f"--k_samples {k}", sequences=per_sequence * k):
             break
         k //= 2
-    if run.strategy == "full":
-        attempt("--tuning_strategy lora", strategy="lora", capable=("in_place", "adapter", "merged"))
-    if run.strategy in ("full", "lora"):
-        attempt("--tuning_strategy qlora", strategy="qlora", capable=("adapter", "merged"))
+    if not run.strategy.has_adapter:
+        attempt("--tuning_strategy lora", strategy=Strategy.LORA, capable=("in_place", "adapter", "merged"))
+    if not run.strategy.four_bit_base:
+        attempt("--tuning_strategy qlora", strategy=Strategy.QLORA, capable=("adapter", "merged"))
     for extra in (4, 8, 16, 24, 32, 48, 64, 96, 128):  # the smallest larger budget that fits
         cap = math.ceil(gpu.budget / GIB) + extra
         if _fits(run, size, GpuBudget(max(gpu.total, cap * GIB), None, cap * GIB, gpu.name), hf_config):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from grpo.config.strategy import Strategy
 from grpo.memory.activations import ModelShape, model_shape
 
 
@@ -37,10 +38,11 @@ def four_bit_bytes_per_value(block_size: int) -> float:
     return 0.5 + 1 / block_size + 4 / (256 * block_size)
 
 
-def weight_bytes(size: ModelSize, strategy: str, float_bytes: int = 2, block_size: int = 64) -> int:
+def weight_bytes(size: ModelSize, strategy: Strategy, float_bytes: int = 2, block_size: int = 64) -> int:
     """The trainer's weights (module docstring's table), adapters included."""
-    adapter = float_bytes * size.adapter if strategy in ("lora", "qlora") else 0
-    if strategy == "qlora":
+    strategy = Strategy(strategy)
+    adapter = float_bytes * size.adapter if strategy.has_adapter else 0
+    if strategy.four_bit_base:
         q = four_bit_bytes_per_value(block_size)
         return int(q * size.quantized) + float_bytes * (size.parameters - size.quantized) + adapter
     return float_bytes * size.parameters + adapter
@@ -138,5 +140,5 @@ def model_size(hf_config, config) -> ModelSize:
     towers = ()
     if getattr(hf_config, "vision_config", None) is not None:
         towers = tuple(name for name, _ in model.named_modules() if name.rsplit(".", 1)[-1] in VISION_TOWERS)
-    rank = config.lora_rank if config.tuning_strategy in ("lora", "qlora") else 0
+    rank = config.lora_rank if config.uses_lora else 0
     return count_model(model, rank, targets, config.lora_exclude, config.qlora_skip_list, towers)

@@ -41,6 +41,7 @@ import math
 from dataclasses import asdict, dataclass, field
 
 from grpo.config.choices import MICRO_BATCH_TOKENS
+from grpo.config.strategy import Strategy
 from grpo.memory.activations import (ESTIMATE_MARGIN, GIB, MIN_CHUNK_TOKENS, activation_bytes_per_token,
                                      fitted_chunk_tokens, logprob_chunk_bytes, micro_batch_bytes, token_budget,
                                      tokens_that_fit)
@@ -103,7 +104,7 @@ class GpuBudget:
 @dataclass(frozen=True)
 class RunShape:
     """What of the options the plan reads, resolved: engine, lengths, batch, parallelism."""
-    strategy: str
+    strategy: Strategy        # (its name converts)
     engine: str               # "vllm", "hf" or "server" (this rank trains; the rollout ranks generate)
     tp: int
     dp: int                   # data-parallel ranks (ZeRO partitions)
@@ -127,6 +128,9 @@ class RunShape:
     eager: bool
     capable: tuple[str, ...]  # engine weight modes this model and these options can take, by preference
     logprob_pass: bool = True  # a no-grad pass before the update (--kl_beta > 0: the reference's, or the policy's)
+
+    def __post_init__(self):
+        object.__setattr__(self, "strategy", Strategy(self.strategy))
 
 
 @dataclass(frozen=True)
@@ -194,10 +198,10 @@ def preferred_weights(run: RunShape, size: ModelSize, budget: int) -> list[str]:
     if run.rollout_weights != "auto":
         return [run.rollout_weights]
     copy = 2 * size.parameters
-    if run.strategy == "qlora":
+    if run.strategy.four_bit_base:
         first = "merged" if copy <= ADAPTER_FROM_SHARE * budget else "adapter"
         order = [first, "adapter", "merged"]
-    elif run.strategy == "lora":
+    elif run.strategy.has_adapter:
         small = copy < IN_PLACE_FROM_BYTES and copy <= KEEP_WEIGHTS_UP_TO_SHARE * budget
         order = ["merged", "in_place", "adapter"] if small else ["in_place", "adapter", "merged"]
     else:
@@ -214,7 +218,7 @@ def default_sleep_level(run: RunShape, weights: str, size: ModelSize, budget: in
         return run.sleep_level
     if weights in ("adapter", "in_place"):
         return 1
-    if run.strategy not in ("lora", "qlora") or run.tp > 1:
+    if not run.strategy.has_adapter or run.tp > 1:
         return 2
     return 0 if 2 * size.parameters <= KEEP_WEIGHTS_UP_TO_SHARE * budget else 2
 
@@ -222,11 +226,11 @@ def default_sleep_level(run: RunShape, weights: str, size: ModelSize, budget: in
 def trainer_parts(run: RunShape, size: ModelSize, float_bytes: int) -> dict:
     """The trainer's persistent parts and its gradients (module docstring), bytes on one GPU."""
     base = weight_bytes(size, run.strategy, float_bytes, run.block_size) - float_bytes * (
-        size.adapter if run.strategy in ("lora", "qlora") else 0)
-    trainable = size.adapter if run.strategy in ("lora", "qlora") else size.parameters - size.vision
+        size.adapter if run.strategy.has_adapter else 0)
+    trainable = size.adapter if run.strategy.has_adapter else size.parameters - size.vision
     master = 4 if float_bytes == 2 else 0  # bf16 training keeps an fp32 master copy
     parts = {"base": base // (run.dp if run.zero3 else 1),
-             "adapters": float_bytes * size.adapter if run.strategy in ("lora", "qlora") else 0,
+             "adapters": float_bytes * size.adapter if run.strategy.has_adapter else 0,
              "optimizer": (master + 8) * trainable // run.dp,
              "gradients": float_bytes * trainable + (4 * trainable // run.dp if master else 0)}
     if run.kl_reference:
@@ -254,7 +258,7 @@ def plan_memory(run: RunShape, size: ModelSize, gpu: GpuBudget | None, hf_config
     float_bytes = 2 if on_gpu else 4
     checkpointing = auto_checkpointing(size.parameters, on_gpu, run.checkpointing)
     kept, transient = activation_bytes_per_token(size.shape, checkpointing, float_bytes,
-                                                 float_bytes if run.strategy in ("lora", "qlora") else 0,
+                                                 float_bytes if run.strategy.has_adapter else 0,
                                                  run.lora_dropout, run.full_logits)
     chunk = logprob_chunk_bytes(run.chunk_tokens, size.shape.vocab, run.full_logits)
     per_token = kv_bytes_per_token(hf_config, run.tp)
@@ -303,7 +307,7 @@ def _plan_with(run: RunShape, size: ModelSize, gpu: GpuBudget, trainer: dict, we
         batched_tokens, max_seqs = engine_batch_limits(budget)
         lora_rank = engine_lora_rank(run.lora_rank) if weights == "adapter" else 0
         own = vllm_own_bytes(size.shape, batched_tokens, max_seqs, lora_rank=lora_rank,
-                             four_bit=run.strategy == "qlora" and weights == "adapter", eager=run.eager)
+                             four_bit=run.strategy.four_bit_base and weights == "adapter", eager=run.eager)
         vllm_asleep = vllm_asleep_bytes(size.shape, max_seqs, lora_rank, run.eager)
         # asleep, the engine keeps its weights at level 0, its LoRA slots always (the base is the trainer's), and
         # everything without --vllm_sleep; under a cap torch counts its whole pool while it sleeps

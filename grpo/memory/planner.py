@@ -65,14 +65,14 @@ def capable_weights(config, hf_config, size: ModelSize, model_path: str) -> tupl
         return ("merged",)
     vision = getattr(hf_config, "vision_config", None) is not None
     one_gpu = config.vllm_tp == 1
-    stored_4bit = config.tuning_strategy == "qlora" and bool(saved_4bit(model_path))
+    stored_4bit = config.strategy.four_bit_base and bool(saved_4bit(model_path))
     text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
     adapter = (one_gpu and not size.fused_experts and not getattr(text, "kv_lora_rank", None)
                and config.lora_rank <= LORA_RANKS[-1]
                and not (vision and hf_config.model_type not in VLLM_LORA_VISION_MODELS)
-               and not (config.tuning_strategy == "qlora" and (config.qlora_init == "loftq"
+               and not (config.strategy.four_bit_base and (config.qlora_init == "loftq"
                                                               or _fused_parts_left_16bit(config))))
-    in_place = (config.tuning_strategy == "lora" and one_gpu and config.rollout_mode == "colocate" and not vision
+    in_place = (config.strategy.sixteen_bit_adapter and one_gpu and config.rollout_mode == "colocate" and not vision
                 and not size.fused_experts and config.lora_rank <= KERNEL_MAX_RANK and "zero3" not in config.deepspeed
                 and (has_triton() or not _cuda_here()))
     if stored_4bit:
@@ -99,12 +99,12 @@ def run_shape(config, hf_config, size: ModelSize, model_path: str, completion_to
     text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
     zero3 = "zero3" in str(config.deepspeed)
     return RunShape(
-        strategy=config.tuning_strategy, engine=engine_kind(config), tp=config.vllm_tp, dp=max(1, world // sp),
+        strategy=config.strategy, engine=engine_kind(config), tp=config.vllm_tp, dp=max(1, world // sp),
         zero3=zero3,
         sequences=config.vllm_tp * config.per_device_train_batch_size * config.gradient_accumulation_steps
         * completions_per_prompt(config),
         longest=min(config.max_seq_length, config.max_prompt_length + completion), max_seq_length=config.max_seq_length,
-        sp=sp, kl_reference=config.tuning_strategy == "full" and config.kl_beta > 0,
+        sp=sp, kl_reference=config.strategy.reference_is_copy and config.kl_beta > 0,
         lora_rank=config.lora_rank, lora_dropout=config.uses_lora and config.lora_dropout > 0,
         block_size=config.qlora_block_size, chunk_tokens=config.logprob_chunk_tokens,
         full_logits=zero3 or config.logprob_chunk_tokens == 0 or logits_transformed(text),

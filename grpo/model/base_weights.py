@@ -39,7 +39,7 @@ def check_checkpoint_weights(config, model_path: str) -> None:
     local folder (a hub id is checked once transformers has fetched it). A checkpoint saved in 4 bits trains with
     qlora only, on its 4-bit base as it is (nothing to quantize again: the 16-bit weights are not there)."""
     if saved_4bit(model_path):
-        if config.tuning_strategy != "qlora":
+        if not config.strategy.four_bit_base:
             raise ConfigError(f"{model_path} is saved in 4 bits (bitsandbytes): train it with --tuning_strategy "
                               f"qlora, or use the 16-bit model it was made from for {config.tuning_strategy}")
         if config.save_merged_model:

@@ -84,7 +84,7 @@ def load_policy(config: GRPOConfig, model_path: str, dtype: torch.dtype, device:
     if stored_4bit:  # its own quantization_config loads it; nothing is quantized again
         logger.info(f"{model_path} is saved in 4 bits ({stored_4bit.get('bnb_4bit_quant_type', 'nf4')}): its base "
                     "trains as it is (--qlora_block_size / --qlora_block_scale apply to 16-bit checkpoints)")
-    elif config.tuning_strategy == "qlora":
+    elif config.strategy.four_bit_base:
         from transformers import BitsAndBytesConfig
 
         # a vision-language model keeps its vision tower (and output layer) unquantized; a list replaces
@@ -109,7 +109,7 @@ def load_policy(config: GRPOConfig, model_path: str, dtype: torch.dtype, device:
         vision.freeze_vision_tower(model)
     checkpointing = wants_checkpointing(config.gradient_checkpointing if checkpointing is None else checkpointing,
                                         model)
-    if config.tuning_strategy == "qlora":
+    if config.strategy.four_bit_base:
         prepare_4bit_base(model, dtype)
     if checkpointing:
         _enable_checkpointing(model)
@@ -305,7 +305,7 @@ def load_reference(config: GRPOConfig, model_path: str, dtype: torch.dtype,
 
     LoRA / QLoRA need no copy: the reference is the policy with its adapter disabled (see reference_mode).
     """
-    if config.tuning_strategy != "full" or config.kl_beta <= 0:
+    if not config.strategy.reference_is_copy or config.kl_beta <= 0:
         return None
     reference = load_base_model(model_path, dtype, device, config.trust_remote_code)
     reference.eval()

@@ -9,6 +9,7 @@ import os
 from typing import Optional
 
 from grpo.checkpoint.resume import VALUES_BEFORE_THE_OPTION, as_compared
+from grpo.config.strategy import Strategy
 
 logger = logging.getLogger(__name__)
 BASE_FILE = "qlora_base.json"
@@ -21,7 +22,7 @@ def write_base_options(adapter_dir: str, config) -> None:
 
 
 def warn_if_another_base(adapter_dir: str, config) -> None:
-    if config.tuning_strategy != "qlora":
+    if not config.strategy.four_bit_base:
         return
     trained_on = _trained_on(adapter_dir)
     if trained_on is None:
@@ -52,7 +53,7 @@ def _trained_on(adapter_dir: str) -> Optional[dict]:
                     options = json.load(fh)
             except (OSError, ValueError):
                 return None
-            if options.get("tuning_strategy") != "qlora":
+            if Strategy.read(options.get("tuning_strategy")) is not Strategy.QLORA:
                 return None
             return {option: {**VALUES_BEFORE_THE_OPTION, **options}.get(option) for option in BASE_OPTIONS}
     return None

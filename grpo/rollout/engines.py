@@ -57,7 +57,7 @@ def build_rollout_engine(config, model_path: str, policy, tokenizer, vision, ran
         logger.info(f"waiting for {config.rollout_gpus} rollout rank(s) to start their engines")
         # qlora: the rollout ranks load training rank 0's 4-bit base from a folder in --output_dir, which they
         # must see (on another node: shared storage); it goes once their engines hold the weights
-        writes = adapter and config.tuning_strategy == "qlora" and dist_utils.is_main()
+        writes = adapter and config.strategy.four_bit_base and dist_utils.is_main()
         with _engine_base(config, policy, model_path if writes else None, config.output_dir,
                           keep=vision is not None) as base:
             if base is not None:
@@ -65,7 +65,7 @@ def build_rollout_engine(config, model_path: str, policy, tokenizer, vision, ran
             return RemoteRolloutEngine(spec, config.rollout_gpus, config.ddp_timeout_minutes,
                                        images_as_decoded=config.uses_vllm)
     if config.uses_vllm:
-        quantized = adapter and config.tuning_strategy == "qlora"
+        quantized = adapter and config.strategy.four_bit_base
         # adapter: the engine loads the trainer's own base (lora: the same 16-bit checkpoint; qlora: the trainer's 4-bit
         # base, written for it), while the trainer's waits in CPU memory; then the trainer's views the engine's
         # vLLM keeps weights, not files (but a vision-language engine's processor files: kept)
@@ -169,7 +169,7 @@ def engine_weights(config, policy, vision, model_path: str | None = None, planne
                               f"cannot take {why}: use --rollout_weights merged")
         logger.info(f"vLLM cannot merge in place into the shared base ({why}): the adapter instead")
         choice = "adapter"  # auto: as for qlora
-    stored_4bit = model_path is not None and config.tuning_strategy == "qlora" and bool(saved_4bit(model_path))
+    stored_4bit = model_path is not None and config.strategy.four_bit_base and bool(saved_4bit(model_path))
     if stored_4bit:
         if config.rollout_weights == "merged":
             raise ConfigError(f"--rollout_weights merged starts vLLM from the 16-bit checkpoint, and {model_path} is "
@@ -205,14 +205,14 @@ def _adapter_refusal(config, policy, vision, stored_4bit: bool) -> str | None:
         why = _vision_refusal(policy)
         if why:
             return why
-    split = _fused_parts_left_16bit(config) if config.tuning_strategy == "qlora" and not stored_4bit else None
+    split = _fused_parts_left_16bit(config) if config.strategy.four_bit_base and not stored_4bit else None
     if split:
         return split
     if getattr(getattr(policy, "config", None), "kv_lora_rank", None):
         # measured on a DeepSeek-V2 shape (H200, 2026-11-27): vLLM's LoRA scored 0.38-0.76 nats off the policy
         return "MLA attention (DeepSeek-V2/V3)"
     fused = _fused_on_load(policy)
-    if fused and config.tuning_strategy == "qlora":
+    if fused and config.strategy.four_bit_base:
         # lora: the engine loads the 16-bit checkpoint and takes LoRA on the experts per expert (expert_adapters)
         return (f"{fused}: a mixture of experts under qlora, whose fused experts transformers 5 and bitsandbytes "
                 "keep in 16 bits, so the trainer's 4-bit base is not one vLLM loads")

@@ -28,6 +28,7 @@ from typing import Optional
 
 from grpo.runtime import distributed as dist_utils
 from grpo.runtime.failure_watch import BEAT_S, FailureWatch, note_phase
+from grpo.config.strategy import Strategy
 from grpo.errors import GRPOError, TrainingError
 
 logger = logging.getLogger("grpo")
@@ -100,11 +101,12 @@ def _knobs_for(phase_name: str, settings: dict) -> list[str]:
     knobs = list(_OOM_KNOBS.get(phase_name, _OOM_KNOBS["optimize"]))
     if settings.get("checkpointing"):
         knobs = [k for k in knobs if not k.startswith("--gradient_checkpointing")]
-    if settings.get("strategy") in ("lora", "qlora"):
+    strategy = Strategy.read(settings.get("strategy"))
+    if strategy is not None and strategy.has_adapter:
         knobs = [k.replace(" or --tuning_strategy lora / qlora", "") for k in knobs]
     if settings.get("engine_keeps_weights") and phase_name != "rollout":
         knobs.insert(1, "--vllm_sleep_level 2 (vLLM's 16-bit weights leave the GPU while the trainer runs)")
-        if settings.get("strategy") == "lora":
+        if strategy.sixteen_bit_adapter:
             knobs.insert(1, "--rollout_weights in_place (vLLM and the trainer share one 16-bit base)")
     return knobs
 

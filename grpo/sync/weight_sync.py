@@ -26,7 +26,7 @@ from typing import Iterator
 
 import torch
 
-from grpo.config.choices import STRATEGIES
+from grpo.config.strategy import Strategy
 from grpo.errors import ConfigError
 from grpo.model.layer_weights import (PEFT_PREFIX, active_adapters, checkpoint_name, dense_weight, is_4bit,
                                      lora_adapters, plain_lora, write_weight)
@@ -48,13 +48,14 @@ class SyncStats:
     tensors: int
 
 
-def iter_policy_weights(model, strategy: str, *, dtype: torch.dtype = torch.bfloat16, zero3: bool = False,
+def iter_policy_weights(model, strategy: Strategy, *, dtype: torch.dtype = torch.bfloat16, zero3: bool = False,
                         first_sync: bool = True, everything: bool = False,
                         into: dict[str, torch.Tensor] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (checkpoint name, tensor in `dtype`) for what the rollout engine must load after an optimizer step.
 
-    `model` is the module being trained (DeepSpeed's `engine.module`): a plain HF model for "full", a peft model
-    for "lora" / "qlora". With `zero3=True` its parameters are partitioned and each module's are gathered in turn.
+    `model` is the module being trained (DeepSpeed's `engine.module`): a plain HF model for full fine-tuning, a peft
+    model for a strategy with an adapter (`strategy` may be given by its name). With `zero3=True` its parameters are
+    partitioned and each module's are gathered in turn.
     `everything`: every tensor of the policy, not only what changed (for an engine that dropped its weights).
     `into`: checkpoint name -> a tensor of the engine's (grpo.sync.engine_layout.writable_blocks); those are
     written there in place and yielded as that very tensor, so nothing else holds them.
@@ -65,13 +66,13 @@ def iter_policy_weights(model, strategy: str, *, dtype: torch.dtype = torch.bflo
     def target(name: str) -> torch.Tensor | None:
         return into.get(rename(name, prefixes)) if into and name not in converted else None
 
-    if strategy == "full":
-        named = _iter_full(model, dtype, zero3, target)
-    elif strategy in ("lora", "qlora"):
-        named = _iter_adapter(model, dtype, zero3, dequantize_frozen=everything or (first_sync and strategy == "qlora"),
+    strategy = Strategy.of(strategy)
+    if strategy.has_adapter:
+        named = _iter_adapter(model, dtype, zero3,
+                              dequantize_frozen=everything or (first_sync and strategy.four_bit_base),
                               everything=everything, target=target)
     else:
-        raise ConfigError(f"--tuning_strategy {strategy!r}: weight sync knows {', '.join(STRATEGIES)}")
+        named = _iter_full(model, dtype, zero3, target)
     # the checkpoint's layout: vision-language models' prefixes (grpo/model/vision.py), fused experts split again
     for name, tensor in to_checkpoint(_base_model(model), named, converted):
         yield rename(name, prefixes), tensor
@@ -146,7 +147,7 @@ def iter_adapter_tensors(model, *, dtype: torch.dtype = torch.bfloat16,
                 yield f"{name}.lora_B.weight", (lora_b.detach().float() * module.scaling[a]).to(dtype)
 
 
-def sync_weights(engine, model, strategy: str, *, zero3: bool = False, first_sync: bool = False,
+def sync_weights(engine, model, strategy: Strategy, *, zero3: bool = False, first_sync: bool = False,
                  dtype: torch.dtype = torch.bfloat16, chunk_bytes: int = 256 * 2**20) -> SyncStats:
     """Stream the policy's weights into `engine.load_weights`, at most ~chunk_bytes per call (plus one tensor).
     All of them when the engine says it `needs_every_weight`, else what changed since the last sync. An engine that

@@ -296,7 +296,7 @@ class GRPOTrainer:
         """What the run already does against memory, so that an out-of-memory message suggests the rest."""
         engine = self.rollout_engine
         return {"checkpointing": checkpointing_on(self.engine.module),
-                "strategy": self.config.tuning_strategy,
+                "strategy": self.config.strategy,
                 "engine_keeps_weights": engine.sleeps_kv_only and not (engine.takes_adapter or engine.merges_in_place)}
 
     def _advantages(self, rewards: torch.Tensor) -> torch.Tensor:
@@ -373,7 +373,7 @@ class GRPOTrainer:
             return 0.0
         from grpo.sync.weight_sync import sync_weights
 
-        self._last_sync = sync_weights(self.rollout_engine, self.engine.module, self.config.tuning_strategy,
+        self._last_sync = sync_weights(self.rollout_engine, self.engine.module, self.config.strategy,
                                        zero3=self.zero3, first_sync=first,
                                        dtype=engine_dtype(self.config, self.dtype))
         self.rollout_engine.mark_policy_version(self.state.step if version is None else version)
