@@ -113,7 +113,7 @@ class RolloutServer:
                 except BridgeClosed:
                     raise
                 except Exception as exc:  # every request in flight gets the error
-                    self._fail(exc, "generate", None)
+                    self._fail(exc, self.stream.unit_kind, None)
 
     def between_turns(self) -> None:
         """Between two turns of episodes: take what came (new requests queue, new weights apply)."""

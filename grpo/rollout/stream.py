@@ -80,6 +80,12 @@ class RolloutStream:
     def requests(self) -> list[Request]:
         return [*self.running, *self.waiting]
 
+    @property
+    def unit_kind(self) -> str:
+        """What the next unit runs (the message kind a failure in it names)."""
+        head = self.waiting[0] if self.waiting else None
+        return "episodes" if head is not None and head.episodes is not None and not self.running else "generate"
+
     def add(self, number: int, prompts: list, sampling: SamplingSettings, images: Optional[list] = None) -> None:
         self.waiting.append(Request(number, sampling, prompts, images))
 
