@@ -127,6 +127,14 @@ def test_verifiers_adapter_refuses_what_is_not_an_environment():
 
     with pytest.raises(AgentError, match="verifiers environment"):
         VerifiersEpisodes(object())
+    vf, env = verifiers_env()
+
+    def longest_of_group(completions, **kwargs):
+        return [float(len(c)) for c in completions]
+
+    env.rubric.add_reward_func(longest_of_group)
+    with pytest.raises(AgentError, match="group-level reward functions"):
+        VerifiersEpisodes(env)
 
 
 # ------------------------------------------------------------------------------------------- OpenEnv

@@ -54,6 +54,10 @@ class VerifiersEpisodes:
         if not isinstance(env, vf.Environment):
             raise AgentError(f"VerifiersEpisodes takes a verifiers environment (vf.Environment), got "
                              f"{type(env).__name__}")
+        if getattr(env.rubric, "has_group_rewards", False):
+            raise AgentError(f"{type(env).__name__}'s rubric has group-level reward functions (taking states, "
+                             "completions, ... of a whole group); each episode is scored alone here (its group is "
+                             "compared by GRPO's advantages): give the environment per-rollout reward functions")
         if split not in ("train", "eval"):
             raise AgentError(f"split must be 'train' or 'eval', got {split!r}")
         self.env = env
