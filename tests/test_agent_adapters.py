@@ -28,11 +28,11 @@ def model_and_tokenizer(tiny_model):
     return AutoModelForCausalLM.from_pretrained(tiny_model).eval(), AutoTokenizer.from_pretrained(tiny_model)
 
 
-def play(model_and_tokenizer, agent, rows, n=2):
+def play(model_and_tokenizer, agent, rows, n=2, limits=None):
     model, tokenizer = model_and_tokenizer
     engine = SpyEngine(model, tokenizer)
     episodes = run_agent_episodes(engine, tokenizer, agent, rows, SamplingSettings(n=n, max_new_tokens=6),
-                                  AgentLimits(timeout_s=60))
+                                  limits or AgentLimits(timeout_s=60))
     return engine, episodes
 
 
@@ -107,6 +107,31 @@ def test_verifiers_environment_plays_token_exactly_and_its_rubric_scores(model_a
         assert episode.result["reward"] == pytest.approx(expected)
         assert episode.result["completion"] == last
         assert set(episode.result["metrics"]) >= {"right_answer", "words_written"}
+
+
+def test_verifiers_episode_out_of_room_ends_and_is_scored(model_and_tokenizer):
+    """The endpoint refuses the second call (context_length_exceeded): the environment's rollout ends there, as
+    verifiers ends an overlong prompt, and its rubric scores the one answer; a first prompt that does not fit fails."""
+    from grpo.agents.verifiers_adapter import VerifiersEpisodes
+
+    _, env = verifiers_env()
+    episodes_of = VerifiersEpisodes(env)
+
+    async def agent(client, row):
+        return await episodes_of.play(client, row)
+
+    rows = [{"messages": r["prompt"], "answer": r["answer"]} for r in episodes_of.rows()]
+    engine, episodes = play(model_and_tokenizer, agent, rows, n=1, limits=AgentLimits(timeout_s=60,
+                                                                                       max_episode_tokens=10))
+    for episode in episodes:
+        assert episode.ok and episode.refused_calls == 1, episode.error
+        assert_token_exact(engine, episode, calls=1)
+        (answer,) = answers_of(episode)
+        right = 1.0 if QUESTIONS[episode.prompt_index][1] in answer.split() else 0.0
+        assert episode.result["reward"] == pytest.approx(right + 0.1 * len(answer.split()))
+    _, episodes = play(model_and_tokenizer, agent, rows[:1], n=1, limits=AgentLimits(timeout_s=60,
+                                                                                      max_prompt_tokens=4))
+    assert not episodes[0].ok and "first prompt does not fit" in episodes[0].error
 
 
 def test_verifiers_rows_unknown_to_the_environment_play_from_their_messages(model_and_tokenizer):

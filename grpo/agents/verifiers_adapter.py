@@ -34,16 +34,29 @@ PROMPT_FIELD, ANSWER_FIELD = "prompt", "answer"  # the columns write_rows writes
 
 
 def import_verifiers():
-    """verifiers and its chat-completions client, or one clear error naming the extra."""
+    """verifiers and a chat-completions client of it for the endpoint, or one clear error naming the extra."""
     try:
         import verifiers as vf
+        from openai import BadRequestError
         from verifiers.clients import OpenAIChatCompletionsClient
     except ImportError as exc:
         raise AgentError(f"{INSTALL_HINT} ({exc})") from exc
     if not hasattr(vf, "Environment"):
         raise AgentError(f"verifiers {getattr(vf, '__version__', '?')} has no classic environment API "
                          f"(vf.Environment); {INSTALL_HINT}")
-    return vf, OpenAIChatCompletionsClient
+
+    class EndpointClient(OpenAIChatCompletionsClient):
+        """verifiers' client, knowing the endpoint's `context_length_exceeded` for what it is: an episode out of room
+        (verifiers reads overlong prompts from the error's wording, and would fail the episode instead)."""
+
+        async def get_native_response(self, *args, **kwargs):
+            try:
+                return await super().get_native_response(*args, **kwargs)
+            except BadRequestError as exc:
+                if exc.code == "context_length_exceeded":
+                    raise vf.OverlongPromptError(str(exc)) from exc
+                raise
+    return vf, EndpointClient
 
 
 class VerifiersEpisodes:
@@ -104,12 +117,15 @@ class VerifiersEpisodes:
 
     async def play(self, client, row: dict) -> dict:
         """One episode: the environment's rollout against `client`, scored by its rubric. An error the environment
-        recorded (other than running out of room) fails the episode, as an agent that raises does."""
+        recorded fails the episode, as an agent that raises does; one out of room after its first call (the endpoint's
+        context_length_exceeded) ends there and is scored, while a first prompt that does not fit stays an error."""
         state = await self.env.rollout(self.input_of(row), self._client_type(client), self.model,
                                        dict(self.sampling_args))
         error = state.get("error")
         if error is not None and not state.get("prompt_too_long"):
             raise RuntimeError(f"verifiers rollout failed: {error!r}")
+        if state.get("prompt_too_long") and not state.get("trajectory"):  # the run's to fix, not the episode's end
+            raise RuntimeError("the environment's first prompt does not fit the endpoint (--max_prompt_length)")
         await self.env.rubric.score_rollout(state)
         return {"completion": last_assistant_text(state.get("completion")), "reward": float(state["reward"]),
                 "metrics": dict(state.get("metrics") or {})}
