@@ -109,6 +109,49 @@ def test_verifiers_environment_plays_token_exactly_and_its_rubric_scores(model_a
         assert set(episode.result["metrics"]) >= {"right_answer", "words_written"}
 
 
+def test_verifiers_tool_env_calls_its_tool_through_the_endpoint():
+    """A vf.ToolEnv offers its tool with tools=, gets the model's call back as tool_calls, runs it and passes the
+    result back: one chain of two calls (the scripted engine calls the calculator, then answers 42)."""
+    vf = pytest.importorskip("verifiers")
+    from datasets import Dataset
+
+    from grpo.agents.verifiers_adapter import VerifiersEpisodes
+
+    from .test_agents import CALL_TEXT, ScriptedEngine
+    from .tiny_models import WORDS, make_tiny_tokenizer
+
+    def calculator(expression: str) -> str:
+        """Evaluate an arithmetic expression.
+
+        Args:
+            expression: numbers with + - * /
+        """
+        a, op, b = expression.split()
+        return str(int(a) * int(b) if op == "*" else int(a) + int(b))
+
+    def right_answer(completion, answer, **kwargs):
+        return 1.0 if completion[-1].content == answer else 0.0
+
+    rows = Dataset.from_list([{"question": "What is 6 * 7 ?", "answer": "42"}])
+    episodes_of = VerifiersEpisodes(vf.ToolEnv(dataset=rows, tools=[calculator], rubric=vf.Rubric(funcs=[right_answer]),
+                                               max_turns=3))
+
+    async def agent(client, row):
+        return await episodes_of.play(client, row)
+
+    tokenizer = make_tiny_tokenizer(words=WORDS + [CALL_TEXT])
+    engine = ScriptedEngine(tokenizer)
+    (episode,) = run_agent_episodes(engine, tokenizer, agent, [{"messages": r["prompt"], "answer": r["answer"]}
+                                                               for r in episodes_of.rows()],
+                                    SamplingSettings(n=1, max_new_tokens=6), AgentLimits(timeout_s=60))
+    assert episode.ok and episode.mismatch is None and episode.calls_kept == 2, (episode.error, episode.mismatch)
+    assert episode.calls[0].request["tools"][0]["function"]["name"] == "calculator"
+    assert episode.calls[0].response["choices"][0]["finish_reason"] == "tool_calls"
+    assert episode.mask == [1, 1] + [0] * (len(episode.mask) - 4) + [1, 1]
+    assert "42" in tokenizer.decode(episode.completion_ids[2:-2])  # the tool's result, inserted
+    assert episode.result["reward"] == 1.0 and episode.result["metrics"]["calculator_calls"] == 1.0
+
+
 def test_verifiers_episode_out_of_room_ends_and_is_scored(model_and_tokenizer):
     """The endpoint refuses the second call (context_length_exceeded): the environment's rollout ends there, as
     verifiers ends an overlong prompt, and its rubric scores the one answer; a first prompt that does not fit fails."""
