@@ -7,6 +7,7 @@ implements. Bad arguments raise ValueError with a message that says what to pass
     aggregation         masked means; token_mean / seq_mean_token_mean / seq_mean_token_sum(_norm)
     losses              PPO-clip (token or sequence ratio, dual clip), CISPO, SAPO, GMPO, with KL and entropy
     rollout_correction  truncated / masked importance weights for the engine-trainer mismatch
+    sharded_logprobs    a sequence cut into N shards (sequence parallelism), a shard's log-probs, completions' scores
     registry            the variants by name (@register_policy_loss; loss_types holds the built-in losses), torch-free
 
 The names below load their module (and torch) on first use: the command line reads the registry without them.
@@ -25,6 +26,7 @@ _MODULES = {
                "gmpo_sequence_weights", "importance_ratio", "policy_loss", "ppo_clip_token_loss", "sapo_token_loss",
                "token_log_ratio"),
     "rollout_correction": ("rollout_correction",),
+    "sharded_logprobs": ("TokenScoring", "completion_scores", "shard_sequence", "shard_token_scores"),
     "registry": ("AGGREGATIONS", "LossTerms", "PolicyLoss", "get_policy_loss", "register_policy_loss"),
 }
 _LAZY = {name: f"grpo.algorithm.{module}" for module, names in _MODULES.items() for name in names}

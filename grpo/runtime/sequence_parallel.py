@@ -1,4 +1,6 @@
-"""Ulysses sequence parallelism (DeepSpeed ALST) for the training forward / backward: groups, sharding, gathering.
+"""Ulysses sequence parallelism (DeepSpeed ALST) for the training forward / backward: groups, the sharded forward,
+gathering. The math it runs (cutting a sequence, a shard's log-probs, the completions' scores) is
+grpo.algorithm.sharded_logprobs'.
 
 The attention itself is DeepSpeed's (`UlyssesSPAttentionHF.register_with_transformers`, which wraps the model's sdpa /
 flash_attention_2 entry and returns the mpu that `deepspeed.initialize(mpu=...)` takes). This module only does what
@@ -10,7 +12,7 @@ the wrapped model needs around it:
   BEFORE sharding (the token after a shard's last token lives on the next rank), cut into N equal slices; the
   position ids are the global ones (DeepSpeed all-gathers them inside attention for the causal mask).
 - gathering: every rank computes its shard's per-token log-probs from hidden states in chunks
-  (algorithm.hidden_token_logprobs, never a full [T, V] logits tensor), then the group all-gathers them
+  (algorithm.sharded_logprobs.shard_token_scores, never a full [T, V] logits tensor), then the group all-gathers them
   differentiably, so every rank holds the row's full log-probs and the existing loss code runs unchanged.
 
 Gradient scale. Every rank of a group then computes the same loss L_g. The backward of all_gather sums the
@@ -30,8 +32,9 @@ from typing import Any, Optional
 
 import torch
 
+from grpo.algorithm.sharded_logprobs import TokenScoring, completion_scores, shard_sequence, shard_token_scores
+
 logger = logging.getLogger("grpo")
-IGNORE = -100
 SUPPORTED_ATTENTION = ("sdpa", "flash_attention_2")
 # the attention functions register_ulysses replaced by DeepSpeed's wrapper, by name: generating with the training model
 # (the HF rollout engine) needs them back, one whole sequence per rank (unsharded_attention)
@@ -80,31 +83,6 @@ def register_ulysses(model, sp_size: int, micro_batch_size: int = 1):
         micro_batch_size=micro_batch_size, seq_length_is_variable=True)
 
 
-@dataclass
-class SequenceShard:
-    input_ids: torch.Tensor      # [1, S/N] this rank's slice of the (padded) sequence
-    position_ids: torch.Tensor   # [1, S/N] its global positions
-    shift_labels: torch.Tensor   # [1, S/N] the token each position predicts (IGNORE past the end)
-    length: int                  # L, the real tokens of the sequence
-    padded: int                  # S, L padded to a multiple of N
-
-
-def shard_sequence(token_ids: torch.Tensor, sp_rank: int, sp_size: int, pad_id: int = 0) -> SequenceShard:
-    """Rank `sp_rank`'s slice of one sequence [L] (no padding inside): labels shifted over the whole sequence first,
-    then padded on the right to S = ceil(L / N) x N and cut into N slices of S / N."""
-    length = int(token_ids.numel())
-    padded = -(-length // sp_size) * sp_size
-    ids = torch.full((padded,), pad_id, dtype=token_ids.dtype, device=token_ids.device)
-    ids[:length] = token_ids
-    labels = torch.full((padded,), IGNORE, dtype=token_ids.dtype, device=token_ids.device)
-    labels[:length - 1] = token_ids[1:]                       # position t predicts token t+1
-    positions = torch.arange(padded, device=token_ids.device)
-    width = padded // sp_size
-    cut = slice(sp_rank * width, (sp_rank + 1) * width)
-    return SequenceShard(ids[cut].unsqueeze(0), positions[cut].unsqueeze(0), labels[cut].unsqueeze(0),
-                         length, padded)
-
-
 def group_gradient_scale(sp_size: int, zero_stage: int) -> float:
     """What `gather_shards` multiplies the gradient by, so that DeepSpeed's reduction ends at the mean over
     data-parallel ranks (module note): 1/N where DeepSpeed divides by world / N, 1 under ZeRO-3, which divides by
@@ -125,80 +103,57 @@ def gather_shards(part: torch.Tensor, group, sp_size: int, grad_scale: Optional[
     return full * scale + full.detach() * (1.0 - scale)
 
 
-def sharded_sequence_logprobs(decoder, head, token_ids: torch.Tensor, group, sp_rank: int, sp_size: int,
-                              temperature: float = 1.0, chunk_tokens: int = 1024, pad_id: int = 0,
-                              with_entropy: bool = False, entropy_grad: bool = False,
-                              grad_scale: Optional[float] = None):
-    """log p(token t+1 | tokens <= t) for every position t of one sequence [L] -> [L - 1], computed with the sequence
-    split over the group (each rank's decoder sees S/N tokens; attention exchanges heads all-to-all) and the log-probs
-    from hidden states in chunks (`chunk_tokens` 0: from the shard's whole logits, as under ZeRO-3, whose gathered
-    output layer cannot be recomputed in a chunk's checkpoint). Collective over `group`: every rank passes the same
-    sequence. `with_entropy`: returns (log-probs, entropies [L - 1]), the entropy with gradient when `entropy_grad`.
-    `grad_scale`: gather_shards'."""
-    from grpo.algorithm import hidden_token_logprobs, token_entropy, token_logprobs
+@dataclass(frozen=True)
+class ShardGroup:
+    """A sequence-parallel group as the sharded forward sees it: the process group, this rank's place in it, and the
+    scale of the gradient each gather hands back to a shard (`grad_scale`: gather_shards')."""
+    group: Any
+    rank: int            # this rank's place in the group: it holds shard `rank` of every sequence
+    size: int            # N
+    grad_scale: Optional[float] = None
 
-    shard = shard_sequence(token_ids, sp_rank, sp_size, pad_id)
+    def gather(self, part: torch.Tensor, length: int) -> torch.Tensor:
+        """The group's shards [S/N] of one sequence, concatenated and cut to its first `length` positions, on every
+        rank (gather_shards: collective over the group)."""
+        return gather_shards(part, self.group, self.size, self.grad_scale)[:length]
+
+
+def sharded_sequence_scores(decoder, head, token_ids: torch.Tensor, shards: ShardGroup, scoring: TokenScoring,
+                            pad_id: int = 0):
+    """log p(token t+1 | tokens <= t) for every position t of one sequence [L] -> [L - 1] (with
+    `scoring.with_entropy`: and the entropies [L - 1]), computed with the sequence split over the group: each rank's
+    decoder sees its S/N tokens (attention exchanges heads all-to-all), scores them (grpo.algorithm.sharded_logprobs)
+    and the group gathers the shards. Collective over the group: every rank passes the same sequence."""
+    shard = shard_sequence(token_ids, shards.rank, shards.size, pad_id)
     hidden = decoder(input_ids=shard.input_ids, position_ids=shard.position_ids,
                      use_cache=False).last_hidden_state[0]                               # [S/N, H]
-    labels = shard.shift_labels[0]
-    valid = labels != IGNORE
-    # ignored positions score token 0 and are dropped after the gather (every rank runs the same chunk count)
-    if chunk_tokens > 0:
-        part, part_entropy = hidden_token_logprobs(hidden, head, labels.clamp(min=0), temperature,
-                                                   chunk_tokens=chunk_tokens, with_entropy=with_entropy,
-                                                   entropy_grad=entropy_grad)
-    else:  # ZeRO-3 (see update.score): the shard's own [S/N, V] logits, the head called once per rank
-        logits = head(hidden).unsqueeze(0)
-        part = token_logprobs(logits, labels.clamp(min=0).unsqueeze(0), temperature)[0]
-        part_entropy = token_entropy(logits if entropy_grad else logits.detach(), temperature=temperature,
-                                     with_grad=entropy_grad)[0] if with_entropy else None
-    keep = valid.to(part.dtype)
-    full = gather_shards(part * keep, group, sp_size, grad_scale)[:shard.length - 1]     # [L - 1]
-    if not with_entropy:
+    part, part_entropy = shard_token_scores(hidden, head, shard.shift_labels[0], scoring)
+    full = shards.gather(part, shard.length - 1)                                         # [L - 1]
+    if not scoring.with_entropy:
         return full
-    entropy = part_entropy.float() * keep.float()
-    entropy = gather_shards(entropy if entropy_grad else entropy.detach(), group, sp_size,
-                            grad_scale)[:shard.length - 1]
-    return full, (entropy if entropy_grad else entropy.detach())
+    entropy = shards.gather(part_entropy, shard.length - 1)
+    return full, (entropy if scoring.entropy_grad else entropy.detach())
 
 
 def sharded_completion_scores(decoder, head, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                              completion_width: int, group, sp_rank: int, sp_size: int, temperature: float = 1.0,
-                              chunk_tokens: int = 1024, pad_id: int = 0, with_entropy: bool = False,
-                              entropy_grad: bool = False,
-                              grad_scale: Optional[float] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """The completion tokens' log-probs (and entropies) of a RolloutBatch's rows [n, P+T] (prompts left-padded,
-    completions right-padded) -> [n, T], 0 past each completion: one row at a time through the sharded path
+                              completion_width: int, shards: ShardGroup, scoring: TokenScoring,
+                              pad_id: int = 0) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The completion tokens' log-probs (and entropies) of a RolloutBatch's rows [n, P+T] -> [n, T], 0 past each
+    completion (grpo.algorithm.sharded_logprobs.completion_scores): one row at a time through the sharded forward
     (DeepSpeed's Ulysses attention holds a fixed batch size of 1). Every rank of the group passes the same rows."""
-    rows, entropy_rows = [], []
-    for ids, mask in zip(input_ids, attention_mask):
-        real = mask.bool()
-        prompt_len = int(real[:-completion_width].sum())
-        completion_len = int(real[-completion_width:].sum())
-        out = torch.zeros(completion_width, device=input_ids.device)
-        out_entropy = torch.zeros(completion_width, device=input_ids.device)
-        if completion_len:
-            scored = sharded_sequence_logprobs(decoder, head, ids[real], group, sp_rank, sp_size, temperature,
-                                               chunk_tokens, pad_id, with_entropy, entropy_grad, grad_scale)
-            per_position, per_entropy = scored if with_entropy else (scored, None)            # [L - 1]
-            # completion token j sits at position prompt_len + j, predicted by position prompt_len + j - 1
-            taken = slice(prompt_len - 1, prompt_len - 1 + completion_len)
-            tail = torch.zeros(completion_width - completion_len, device=input_ids.device)
-            out = torch.cat([per_position[taken].float(), tail])
-            if with_entropy:
-                out_entropy = torch.cat([per_entropy[taken].float(), tail])
-        rows.append(out)
-        entropy_rows.append(out_entropy)
-    return torch.stack(rows), (torch.stack(entropy_rows) if with_entropy else None)
+    return completion_scores(input_ids, attention_mask, completion_width,
+                             lambda ids: sharded_sequence_scores(decoder, head, ids, shards, scoring, pad_id),
+                             scoring.with_entropy)
 
 
 def sharded_completion_logprobs(decoder, head, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                                 completion_width: int, group, sp_rank: int, sp_size: int, temperature: float = 1.0,
                                 chunk_tokens: int = 1024, pad_id: int = 0,
                                 grad_scale: Optional[float] = None) -> torch.Tensor:
-    """sharded_completion_scores' log-probs alone  # [n, T]."""
-    return sharded_completion_scores(decoder, head, input_ids, attention_mask, completion_width, group, sp_rank,
-                                     sp_size, temperature, chunk_tokens, pad_id, grad_scale=grad_scale)[0]
+    """sharded_completion_scores' log-probs alone  # [n, T], with the group and the scoring given value by value."""
+    return sharded_completion_scores(decoder, head, input_ids, attention_mask, completion_width,
+                                     ShardGroup(group, sp_rank, sp_size, grad_scale),
+                                     TokenScoring(temperature, chunk_tokens), pad_id)[0]
 
 
 def group_of_this_rank():

@@ -1,12 +1,14 @@
 """A micro-batch's log-probs (and entropies) through the sequence-parallel path (--sequence_parallel_size N > 1):
 each rank of a group runs 1/N of every row through DeepSpeed's Ulysses attention and the group gathers the
-per-token results (grpo.runtime.sequence_parallel)."""
+per-token results (grpo.runtime.sequence_parallel; the math: grpo.algorithm.sharded_logprobs)."""
 from __future__ import annotations
 
 import torch
 
+from grpo.algorithm.sharded_logprobs import TokenScoring
 from grpo.errors import ConfigError
-from grpo.runtime.sequence_parallel import group_gradient_scale, group_of_this_rank, sharded_completion_scores
+from grpo.runtime.sequence_parallel import (ShardGroup, group_gradient_scale, group_of_this_rank,
+                                            sharded_completion_scores)
 from grpo.train.logprobs import decoder_and_head
 from grpo.train.step_data import RolloutBatch
 
@@ -21,7 +23,8 @@ def sharded_score(model, batch: RolloutBatch, cfg, chunk_tokens: int, with_entro
                           "output layer applied to the last hidden state (no vision, no logit soft-capping); use 1")
     decoder, head = parts
     group, sp_rank = group_of_this_rank()
+    sp = cfg.sequence_parallel_size
+    shards = ShardGroup(group, sp_rank, sp, grad_scale=group_gradient_scale(sp, 3 if zero3 else 0))
+    scoring = TokenScoring(cfg.temperature, chunk_tokens, with_entropy=with_entropy, entropy_grad=entropy_grad)
     return sharded_completion_scores(decoder, head, batch.input_ids, batch.attention_mask, batch.completion_width,
-                                     group, sp_rank, cfg.sequence_parallel_size, cfg.temperature, chunk_tokens,
-                                     with_entropy=with_entropy, entropy_grad=entropy_grad,
-                                     grad_scale=group_gradient_scale(cfg.sequence_parallel_size, 3 if zero3 else 0))
+                                     shards, scoring)
