@@ -8,7 +8,8 @@ import pytest
 
 from grpo.config import GRPOConfig
 from grpo.train import plots
-from grpo.train.reporting import BarSafeHandler, RunReporter, eval_line, read_metrics, setup_console_logging
+from grpo.runtime.console_log import BarSafeHandler, setup_console_logging
+from grpo.train.reporting import RunReporter, eval_line, read_metrics
 from grpo.train.run_summary import duration, plural, run_summary, steps_phrase
 
 

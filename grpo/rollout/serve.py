@@ -35,7 +35,7 @@ logger = logging.getLogger("grpo")
 
 def serve_rollouts(config) -> int:
     """Run this rollout rank until training rank 0 stops it; the process's exit code."""
-    from grpo.train.reporting import setup_console_logging
+    from grpo.runtime.console_log import setup_console_logging
 
     setup_console_logging(is_main=False)
     size_for_cpu(config, on_cpu=not torch.cuda.is_available())  # the training ranks' options, as they size them
@@ -249,7 +249,7 @@ class EpisodeHost:
         if not names:
             return cls(config, {})
         from grpo.data import load_dataset_registry
-        from grpo.train.tool_setup import run_episode_datasets
+        from grpo.tools.episode_datasets import run_episode_datasets
 
         datasets = run_episode_datasets(config, load_dataset_registry(config.dataset_config_path))
         if sorted(datasets) != sorted(names):

@@ -136,7 +136,7 @@ def prepare_run(config: GRPOConfig, reward_funcs: Sequence[Callable] = ()) -> Ru
     """Every check and load that needs no process group and no model, cheapest first: the options and the output
     folder, rewards and the registry, the data files, the DeepSpeed config, the tokenizer and the prompts. Once
     they all passed, makes the run's folder and starts console logging (and train.log) for this rank."""
-    from grpo.train.reporting import setup_console_logging
+    from grpo.runtime.console_log import setup_console_logging
 
     enter_training_world(rollout_ranks_of(config))  # server mode: the rollout ranks are not in this world
     rank, world = launcher_rank_and_world()
@@ -161,7 +161,7 @@ def load_run_data(config: GRPOConfig, rewards, rank: int, world: int) -> RunData
     qlora's re-quantization or loftq will need its 16-bit weights. No model is loaded here."""
     from grpo.data import load_dataset_registry, load_prompt_datasets
     from grpo.train.agent_setup import run_agent_datasets
-    from grpo.train.tool_setup import prompts_with_tools, run_episode_datasets
+    from grpo.tools.episode_datasets import prompts_with_tools, run_episode_datasets
 
     registry = load_dataset_registry(config.dataset_config_path)
     episode_datasets = run_episode_datasets(config, registry)
