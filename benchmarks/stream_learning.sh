@@ -54,9 +54,9 @@ def rows(k):
     return [json.loads(line) for line in open(path)] if os.path.isfile(path) else []
 
 
-def held_out(k):
-    evals = [r for r in rows(k) if "eval/rewards/boxed_accuracy" in r]
-    return evals[-1]["eval/rewards/boxed_accuracy"] if evals else None
+def held_out(k, key="eval/rewards/boxed_accuracy"):
+    evals = [r for r in rows(k) if key in r]
+    return evals[-1][key] if evals else None
 
 
 def mean(k, key):
@@ -64,12 +64,14 @@ def mean(k, key):
     return sum(values) / len(values) if values else float("nan")
 
 
-print("| K | steps | held-out accuracy | staleness mean | partial share | rollout idle s / step | trainer wait s / step |")
-print("|---|---|---|---|---|---|---|")
+print("| K | steps | held-out accuracy | held-out reward | staleness mean | partial share | rollout idle s / step | "
+      "trainer wait s / step |")
+print("|---|---|---|---|---|---|---|---|")
 for k in ks:
     steps = max((r["step"] for r in rows(k) if "loss" in r), default=0)
-    accuracy = held_out(k)
+    accuracy, reward = held_out(k), held_out(k, "eval/reward/mean")
     print(f"| {k} | {steps} | {'-' if accuracy is None else f'{accuracy:.3f}'} | "
+          f"{'-' if reward is None else f'{reward:.3f}'} | "
           f"{mean(k, 'stream/staleness_mean'):.2f} | {mean(k, 'stream/partial_share'):.2f} | "
           f"{mean(k, 'stream/rollout_idle_s'):.2f} | {mean(k, 'stream/trainer_wait_s'):.2f} |")
 base = held_out(ks[0])
