@@ -23,3 +23,18 @@ def trained_policy(model_dir, strategy, targets="all-linear", exclude=None, **op
     cfg = GRPOConfig(model_name_or_path=model_dir, tuning_strategy=strategy, lora_rank=4, lora_alpha=8,
                      lora_dropout=0.0, lora_target_modules=targets, lora_exclude_modules=exclude, **options)
     return as_if_trained(load_policy(cfg, model_dir, torch.float32, CPU))
+
+
+def module_holding(tensors: dict, wrap=None) -> torch.nn.Module:
+    """A module whose parameters are `tensors` under their dotted names: an engine's model, as far as the weight sync
+    and base sharing see it. `wrap(tensor)` makes each parameter (default: a frozen torch Parameter)."""
+    root = torch.nn.Module()
+    for name, tensor in tensors.items():
+        *path, leaf = name.split(".")
+        module = root
+        for part in path:
+            if not hasattr(module, part):
+                module.add_module(part, torch.nn.Module())
+            module = getattr(module, part)
+        module.register_parameter(leaf, wrap(tensor) if wrap else torch.nn.Parameter(tensor, requires_grad=False))
+    return root

@@ -15,7 +15,7 @@ from grpo.sync.expert_adapters import (RowBlock, expert_delta, expert_factors, e
                                        per_expert_lora, row_blocks_from_numbers)
 from grpo.sync.weight_sync import iter_adapter_tensors, iter_policy_weights
 
-from .sync_setup import IDS, trained_policy
+from .sync_setup import IDS, module_holding, trained_policy
 from .tiny_models import make_tiny_moe_model_dir, make_tiny_tokenizer
 from .trainer_setup import even_tokens, tiny_config, train_rows
 
@@ -319,18 +319,6 @@ def test_targets_name_the_experts_by_their_checkpoint_names(tmp_path):
         expert_lora_targets(model, ["q_proj", "gate"], linear)
 
 
-def engine_like(tensors: dict) -> torch.nn.Module:
-    """A module whose parameters are `tensors` under their dotted names: an engine's model, as far as sharing sees."""
-    root = torch.nn.Module()
-    for name, tensor in tensors.items():
-        *path, leaf = name.split(".")
-        module = root
-        for part in path:
-            if not hasattr(module, part):
-                module.add_module(part, torch.nn.Module())
-            module = getattr(module, part)
-        module.register_parameter(leaf, torch.nn.Parameter(tensor, requires_grad=False))
-    return root
 
 
 def test_the_frozen_experts_become_views_of_the_engines_fused_experts(moe):
@@ -354,7 +342,7 @@ def test_the_frozen_experts_become_views_of_the_engines_fused_experts(moe):
         engine[f"model.layers.{layer}.{moe_path}.experts.w13_weight"] = torch.stack(gate_up)
         engine[f"model.layers.{layer}.{moe_path}.experts.w2_weight"] = torch.stack([part(down_name, e)
                                                                                    for e in range(4)])
-    engine_model = engine_like(engine)
+    engine_model = module_holding(engine)
     policy.eval()
     with torch.no_grad():
         before = policy(IDS).logits

@@ -13,7 +13,7 @@ from grpo.model.loading import keep_4bit_forward_exact
 from grpo.rollout.engine import RolloutEngine
 from grpo.sync.weight_sync import iter_policy_weights, sync_weights
 
-from .sync_setup import IDS, STOCK_4BIT, as_if_trained, trained_policy
+from .sync_setup import IDS, STOCK_4BIT, as_if_trained, module_holding, trained_policy
 from .tiny_models import make_tiny_model_dir
 
 
@@ -531,17 +531,8 @@ def vllm_layout(model_dir: str, vocab_rows: int) -> torch.nn.Module:
         if name.endswith(("embed_tokens.weight", "lm_head.weight")):
             tensor = torch.cat([tensor, torch.zeros(vocab_rows - tensor.shape[0], tensor.shape[1])])
         engine[name.replace("proj.weight", "proj.base_layer.weight")] = tensor.clone()
-    root = torch.nn.Module()
-    for name, tensor in engine.items():
-        module = root
-        *path, leaf = name.split(".")
-        for part in path:
-            if not hasattr(module, part):
-                module.add_module(part, torch.nn.Module())
-            module = getattr(module, part)
-        kind = PackedWeight if tensor.dtype == torch.uint8 else torch.nn.Parameter
-        module.register_parameter(leaf, kind(tensor, requires_grad=False))
-    return root
+    return module_holding(engine, wrap=lambda tensor: (PackedWeight if tensor.dtype == torch.uint8
+                                                       else torch.nn.Parameter)(tensor, requires_grad=False))
 
 
 class PackedWeight(torch.nn.Parameter):
