@@ -107,6 +107,19 @@ class Recorder:
         engine.generate = recording_generate
         trainer._rollout_batch = recording_batch
 
+    @classmethod
+    def of_run(cls, config) -> "Recorder":
+        """Train a run of `config` (rewards: final_words) and return what it recorded."""
+        from grpo.train.trainer import GRPOTrainer
+
+        trainer = GRPOTrainer(config, reward_funcs=[final_words])
+        recorder = cls(trainer)
+        try:
+            trainer.train()
+        finally:
+            trainer.close()
+        return recorder
+
     def sample_of(self, call):
         """The engine's completion that answered this recorded call (a call may cut a sample to its own max_tokens:
         a prefix of it)."""
@@ -121,20 +134,12 @@ class Recorder:
 def flaky_run(tiny_model, agent_files, tmp_path_factory):
     """Two GRPO steps on `flaky_toy` (2 prompts x 4 episodes per step), the engine's log-probs asked for every step;
     returns the recorder and the output folder."""
-    from grpo.train.trainer import GRPOTrainer
-
     registry, module = agent_files
     out = str(tmp_path_factory.mktemp("flaky_out"))
     config = tiny_config(tiny_model, registry, out, dataset_names=["flaky_toy"], agent_module=module,
                          agent_timeout_s=15.0, rollout_max_new_tokens=8, max_prompt_length=64, max_seq_length=160,
                          logprob_check_steps=1, train_split_ratio=1.0)  # (time enough on a busy machine)
-    trainer = GRPOTrainer(config, reward_funcs=[final_words])
-    recorder = Recorder(trainer)
-    try:
-        trainer.train()
-    finally:
-        trainer.close()
-    return recorder, out
+    return Recorder.of_run(config), out
 
 
 def test_agent_episodes_train_token_exactly(flaky_run):
@@ -359,19 +364,11 @@ def test_train_grpo_trains_the_example_agent(tiny_model, tmp_path):
 def test_agent_rows_and_plain_rows_train_in_one_step(tiny_model, agent_files, tmp_path):
     """A step of plain prompts and agent episodes together: the plain rows generate in one turn (no mask), the agent
     rows are their episodes, and both train."""
-    from grpo.train.trainer import GRPOTrainer
-
     registry, module = agent_files
     config = tiny_config(tiny_model, registry, str(tmp_path / "out"), dataset_names=["toy", "agent_toy"],
                          agent_module=module, per_device_train_batch_size=4, max_steps=1, rollout_max_new_tokens=8,
                          max_prompt_length=64, max_seq_length=160, train_split_ratio=1.0, seed=3)
-    trainer = GRPOTrainer(config, reward_funcs=[final_words])
-    recorder = Recorder(trainer)
-    try:
-        trainer.train()
-    finally:
-        trainer.close()
-    (rollout, batch), = recorder.steps
+    (rollout, batch), = Recorder.of_run(config).steps
     sources = [p["data_source"] for p in rollout.prompts]
     assert set(sources) == {"toy", "agent_toy"}, sources  # (seed 3 draws both)
     for g, prompt in enumerate(rollout.prompts):
