@@ -8,6 +8,7 @@ phase (metrics.jsonl's memory/*) are set beside the planned ones. Prints a markd
 results.jsonl under --out. Without a GPU (or with --plan_only) only the plans.
 
     python benchmarks/memory_matrix.py --plan_only                                    # the whole matrix's plans
+    python benchmarks/memory_matrix.py --replan /root/mm     # its measured runs against the current plan (no GPU)
     python benchmarks/memory_matrix.py --shapes llama-3.1-8b qwen2.5-7b --budgets 24 --new 4096 --lanes 2 \\
         --model_root /root/models --steps 2                                      # on a GPU: build, plan, run
 """
@@ -57,6 +58,60 @@ def plan_cell(model: str, args, budget: float, new: int) -> dict:
         row["why_not"] = plan.why_not
         row["fixes"] = cheapest_fixes(run, size, gpu, hf_config, config)
     return row
+
+
+def replan(folders: list[str], args) -> None:
+    """The measured runs of earlier matrices (their results.jsonl and each run's memory_plan.json) planned again by
+    the current equations, with the choices each run made (micro-batch tokens, log-prob chunk, KV cache bytes) and
+    its checkpoint's form (4-bit or 16-bit, from the config here): measured / planned per phase. No GPU needed."""
+    from grpo.config import parse_args
+    from grpo.memory.planner import named_card, plan_parts
+
+    print("| shape | budget GiB | new tokens | rollout | log-probs | train | sync |")
+    print("|---|---|---|---|---|---|---|")
+    for folder in folders:
+        for line in open(os.path.join(folder, "results.jsonl")):
+            cell = json.loads(line)
+            name = f"{cell['shape']}-{args.strategy}-{cell['budget']:g}gib-{cell['new']}new"
+            plan_file = os.path.join(folder, "runs", name, "memory_plan.json")
+            if cell.get("rc") != 0 or not os.path.isfile(plan_file):
+                continue
+            ran = json.load(open(plan_file))
+            model = config_copy(cell["shape"], four_bit=cell["model"].endswith("-4bit"))
+            pinned = ["--max_tokens_per_micro_batch", str(ran["micro_batch_tokens"]), "--logprob_chunk_tokens",
+                      str(ran["logprob_chunk_tokens"])] + \
+                (["--vllm_kv_cache_gib", f"{ran['kv_cache_bytes'] / GIB:.6f}"] if ran.get("kv_cache_bytes") else [])
+            extra, args.extra = args.extra, args.extra + pinned
+            plan = plan_parts(parse_args(flags(model, args, cell["budget"], cell["new"], "/tmp/unused")), model,
+                              gpu=named_card(cell["budget"]))[0]
+            args.extra = extra
+            row = []
+            for phase in ("rollout", "logprobs", "train", "sync"):
+                got, planned = cell["measured_gib"].get(phase), plan.phases.get(phase, 0) / GIB
+                row.append(f"{got:.2f} / {planned:.2f} ({got / planned - 1:+.0%})" if got and planned else "-")
+            print(f"| {cell['shape']} | {cell['budget']:g} | {cell['new']} | " + " | ".join(row) + " |")
+
+
+def config_copy(shape: str, four_bit: bool) -> str:
+    """tests/model_configs/<shape> as the run loaded it: with the quantization config of a 4-bit checkpoint where
+    the run's was one (config files only; the plan reads no weights)."""
+    import shutil
+    import tempfile
+
+    source = os.path.join(ROOT, "tests", "model_configs", shape)
+    if not four_bit:
+        return source
+    import torch
+
+    from grpo.model.quantized_checkpoint import bitsandbytes_4bit_config
+
+    folder = os.path.join(tempfile.gettempdir(), "grpo_replan", shape + "-4bit")
+    shutil.copytree(source, folder, dirs_exist_ok=True)
+    config = json.load(open(os.path.join(source, "config.json")))
+    config["quantization_config"] = bitsandbytes_4bit_config("nf4", True, torch.bfloat16, ["lm_head"])
+    with open(os.path.join(folder, "config.json"), "w") as fh:
+        json.dump(config, fh, default=str)
+    return folder
 
 
 def reserved(cell: dict) -> float:
@@ -112,9 +167,14 @@ def main() -> None:
     parser.add_argument("--model_root", default=None, help="where the random models are (built if missing)")
     parser.add_argument("--out", default="outputs/bench/memory_matrix")
     parser.add_argument("--plan_only", action="store_true")
+    parser.add_argument("--replan", nargs="+", default=None, metavar="OUT",
+                        help="earlier --out folders: their measured runs against the current plan (no GPU)")
     parser.add_argument("--limit", type=int, default=900, help="seconds a run may take")
     parser.add_argument("--extra", nargs=argparse.REMAINDER, default=[])
     args = parser.parse_args()
+    if args.replan:
+        replan(args.replan, args)
+        return
     os.makedirs(args.out, exist_ok=True)
     cells = []
     for shape in args.shapes:
