@@ -3,6 +3,7 @@ start and end-of-run lines, and the training-curve panels, drawn from a small me
 import io
 import json
 import logging
+import os
 
 import pytest
 
@@ -209,3 +210,26 @@ def test_the_console_shows_kl_only_with_a_kl_term_and_tool_share_with_tools(tmp_
     assert "kl=0" in console_line(tmp_path / "on", caplog, STEP, kl_beta=0.04)
     caplog.clear()
     assert "tool=0.75" in console_line(tmp_path / "tools", caplog, {**STEP, "episodes/called_a_tool": 0.75})
+
+
+def test_a_resumed_run_drops_its_logs_past_the_checkpoint_and_a_fresh_one_starts_them_empty(tmp_path):
+    def write(name, steps):
+        path = tmp_path / name
+        path.parent.mkdir(exist_ok=True)
+        path.write_text("".join(json.dumps({"step": s, "x": s}) + "\n" for s in steps))
+
+    def rows(name):
+        return [r["step"] for r in read_metrics(str(tmp_path / name))]
+
+    write("metrics.jsonl", [1, 2, 3, 4])
+    write("completions/rank0.jsonl", [1, 2, 3, 4])
+    write("completions/rank1.jsonl", [1, 2, 3, 4])
+    write("eval/samples_step2.jsonl", [2])
+    write("eval/samples_step4.jsonl", [4])
+    RunReporter(GRPOConfig(output_dir=str(tmp_path)), True, total_steps=6, start_step=2).close()
+    assert rows("metrics.jsonl") == rows("completions/rank0.jsonl") == rows("completions/rank1.jsonl") == [1, 2]
+    assert sorted(os.listdir(tmp_path / "eval")) == ["samples_step2.jsonl"]
+    RunReporter(GRPOConfig(output_dir=str(tmp_path)), True, total_steps=6, start_step=0).close()
+    assert not (tmp_path / "metrics.jsonl").exists() and os.listdir(tmp_path / "completions") == []
+    assert os.listdir(tmp_path / "eval") == []
+

@@ -138,7 +138,8 @@ class GRPOConfig(DerivedOptions):
     # --- optimisation -----------------------------------------------------------------------------
     output_dir: str = _opt("outputs/grpo", "Where checkpoints, logs, plots and the final model go.", "training")
     overwrite_output_dir: bool = _opt(
-        False, "Start afresh in an output_dir that holds checkpoints (they are deleted as new ones are saved).",
+        False, "Start afresh in an output_dir an earlier run used: its logs (metrics, completion and eval samples) "
+               "start over, its checkpoints are deleted as new ones are saved.",
         "training")
     resume_from_checkpoint: Optional[str] = _opt(
         None, "Checkpoint folder to continue from, or 'latest' for the newest in output_dir.", "training")

@@ -34,10 +34,7 @@ class RunReporter:
         if not is_main:
             return
         os.makedirs(config.output_dir, exist_ok=True)
-        if start_step == 0 and os.path.exists(self.metrics_path):
-            os.remove(self.metrics_path)  # a fresh run in a used folder starts a fresh log
-        else:
-            _truncate_after(self.metrics_path, start_step)  # a resumed run drops rows past its checkpoint
+        restart_logs(config.output_dir, start_step)
         self._trackers = start_trackers(config, start_step)  # --report_to (and --use_wandb)
         self._bar = tqdm(total=total_steps, initial=start_step, desc="grpo", dynamic_ncols=True,
                          disable=not sys.stderr.isatty())
@@ -91,6 +88,24 @@ def read_metrics(path: str) -> list[dict]:
         return []
     with open(path) as fh:
         return [json.loads(line) for line in fh if line.strip()]
+
+
+def restart_logs(output_dir: str, step: int) -> None:
+    """The run's logs as of `step`: a fresh run (0) in a used folder (--overwrite_output_dir) starts them empty; a
+    resumed one drops what was logged past its checkpoint (metrics rows, per-rank completion samples, evaluation
+    samples), which it logs again."""
+    import glob
+
+    logs = [os.path.join(output_dir, "metrics.jsonl")] + glob.glob(os.path.join(output_dir, "completions", "*.jsonl"))
+    for path in logs:
+        if step == 0 and os.path.exists(path):
+            os.remove(path)
+        else:
+            _truncate_after(path, step)
+    for path in glob.glob(os.path.join(output_dir, "eval", "samples_step*.jsonl")):
+        logged = path.rsplit("samples_step", 1)[1].removesuffix(".jsonl")
+        if not logged.isdigit() or int(logged) > step or step == 0:
+            os.remove(path)
 
 
 def _truncate_after(path: str, step: int) -> None:
