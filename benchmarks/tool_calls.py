@@ -129,7 +129,7 @@ def main():
     from grpo.rollout.engine import SamplingSettings
     from grpo.rollout.episodes import EpisodeLimits, EpisodePrompt, episode_metrics, run_episodes
     from grpo.rollout.hf import HFRolloutEngine
-    from grpo.tools.episode_datasets import check_episode_datasets, prompts_with_tools
+    from grpo.data.episode_datasets import check_episode_datasets, prompts_with_tools
 
     config = SimpleNamespace(tool_module=args.tool_module, dataset_config_path=args.dataset_config,
                              rollout_mode="colocate")

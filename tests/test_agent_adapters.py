@@ -20,6 +20,18 @@ from .test_agents import SpyEngine
 QUESTIONS = [("What is 2 + 3 ?", "5"), ("What is 7 * 8 ?", "56")]
 
 
+@pytest.fixture(autouse=True)
+def signal_handlers_kept():
+    """verifiers' legacy Environment installs a process-wide SIGTERM handler (teardown, then exit 143) when one is
+    built: put the handlers back after each test, as a training run's own handler does after its steps."""
+    import signal
+
+    kept = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    yield
+    for sig, handler in kept.items():
+        signal.signal(sig, handler)
+
+
 @pytest.fixture(scope="module")
 def model_and_tokenizer(tiny_model):
     from transformers import AutoModelForCausalLM, AutoTokenizer

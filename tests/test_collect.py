@@ -6,7 +6,7 @@ from grpo.config.options import GRPOConfig
 from grpo.rollout.collect import RolloutCollector
 from grpo.rollout.engine import RolloutEngine, SamplingSettings
 from grpo.tools import get_environment
-from grpo.tools.episode_datasets import EpisodeDataset
+from grpo.data.episode_datasets import EpisodeDataset
 
 
 class RecordingEngine(RolloutEngine):

@@ -176,7 +176,7 @@ def test_user_files_are_imported_by_a_module_of_their_own():
 def test_the_training_loop_is_the_top_floor():
     """grpo/train/ (the trainer, its setup and reporting) sits above the library: nothing below it imports it. The
     rollout ranks' process (grpo/rollout/serve.py) logs through grpo/runtime/console_log.py and sets up its episode
-    datasets through grpo/tools/episode_datasets.py, as training does."""
+    datasets through grpo/data/episode_datasets.py, as training does."""
     graph = import_graph()
     upward = {name: sorted(dep for dep in deps if dep.startswith("grpo.train"))
               for name, deps in graph.items() if not name.startswith("grpo.train") and name != "grpo"}

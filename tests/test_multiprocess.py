@@ -128,7 +128,7 @@ def demonstrations_token_count(model, registry) -> int:
 
     from grpo.data import load_demonstrations, render_prompts
     from grpo.rollout.episodes import EpisodeLimits
-    from grpo.tools.episode_datasets import EpisodeDataset, prompts_with_tools
+    from grpo.data.episode_datasets import EpisodeDataset, prompts_with_tools
     from grpo.tools import check_tools, get_environment
     from grpo.train.warm_start import demonstration_batch
 

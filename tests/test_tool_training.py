@@ -18,7 +18,7 @@ from grpo.tools import tool_schemas, tools_system_prompt
 from grpo.train.logprobs import completion_logprobs
 from grpo.train.reporting import read_metrics
 from grpo.train.step_data import build_rollout_batch
-from grpo.tools.episode_datasets import check_episode_datasets, prompts_with_tools
+from grpo.data.episode_datasets import check_episode_datasets, prompts_with_tools
 from grpo.train.update import step_normaliser
 
 from .tiny_models import make_tiny_model_dir, make_tiny_tokenizer

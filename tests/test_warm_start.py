@@ -126,7 +126,7 @@ def test_demonstrations_of_a_one_turn_dataset_are_one_completion():
     """A dataset without tools: the first reply and EOS, every token in the loss; a tool dataset's row beside it keeps
     its episode's mask."""
     from grpo.tools import get_environment
-    from grpo.tools.episode_datasets import EpisodeDataset
+    from grpo.data.episode_datasets import EpisodeDataset
     from grpo.train.warm_start import demonstration_batch
 
     tokenizer = smollm2_tokenizer()

@@ -319,7 +319,7 @@ class AgentEndpoint:
 
 def with_tools_in_system(messages: list[dict], tools: list) -> list[dict]:
     """The messages with the tools' instructions (grpo.tools.tools_system_prompt) after the system message's text,
-    or as a system message of their own before the others (as grpo.tools.episode_datasets.prompts_with_tools does)."""
+    or as a system message of their own before the others (as grpo.data.episode_datasets.prompts_with_tools does)."""
     instructions = tools_system_prompt(tools)  # (the schemas as offered: the trainer's tool prompts list them so too)
     messages = [dict(m) for m in messages]
     if messages and messages[0]["role"] == "system":

@@ -115,7 +115,7 @@ def _parse_entry(name: str, entry, folder: str, registry_path: str) -> DatasetSp
 
 def _check_episode_keys(where: str, values: dict) -> None:
     """"tools": a list of tool names; "environment", "agent": a name. Whether they are registered is checked once
-    --tool_module / --agent_module is imported (grpo.tools.episode_datasets, grpo.train.agent_setup)."""
+    --tool_module / --agent_module is imported (grpo.data.episode_datasets, grpo.train.agent_setup)."""
     tools = values.get("tools", [])
     if not isinstance(tools, list) or not all(isinstance(t, str) and t for t in tools):
         raise DatasetError(f"{where}: \"tools\" must be a list of tool names, e.g. [\"calculator\"]; got "

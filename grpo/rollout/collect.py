@@ -62,7 +62,7 @@ class RolloutCollector:
         self.ahead = RequestsAhead()  # streamed rollouts: the next steps' requests, in flight
         self.stream_counts = {"groups_regenerated": 0, "idle_seen": 0.0, "resume_noted": False}
         self.sizes: dict = {}                          # the step's sizes, for an out-of-memory message
-        self.episode_datasets = episode_datasets or {}  # {dataset: grpo.tools.episode_datasets.EpisodeDataset}
+        self.episode_datasets = episode_datasets or {}  # {dataset: grpo.data.episode_datasets.EpisodeDataset}
         # every dataset of the run plays episodes: no rank ever has a one-turn prompt, so a collective engine is
         # spared the empty one-turn request every rank would otherwise make together
         self.only_episodes = bool(self.episode_datasets) and \

@@ -249,7 +249,7 @@ class EpisodeHost:
         if not names:
             return cls(config, {})
         from grpo.data import load_dataset_registry
-        from grpo.tools.episode_datasets import run_episode_datasets
+        from grpo.data.episode_datasets import run_episode_datasets
 
         datasets = run_episode_datasets(config, load_dataset_registry(config.dataset_config_path))
         if sorted(datasets) != sorted(names):

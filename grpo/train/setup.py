@@ -161,7 +161,7 @@ def load_run_data(config: GRPOConfig, rewards, rank: int, world: int) -> RunData
     qlora's re-quantization or loftq will need its 16-bit weights. No model is loaded here."""
     from grpo.data import load_dataset_registry, load_prompt_datasets
     from grpo.train.agent_setup import run_agent_datasets
-    from grpo.tools.episode_datasets import prompts_with_tools, run_episode_datasets
+    from grpo.data.episode_datasets import prompts_with_tools, run_episode_datasets
 
     registry = load_dataset_registry(config.dataset_config_path)
     episode_datasets = run_episode_datasets(config, registry)
