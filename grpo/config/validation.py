@@ -10,10 +10,11 @@ from grpo.config.choices import (AGGREGATIONS, BITSANDBYTES_BLOCK_SIZE, DEFAULT_
                                  KL_ESTIMATORS, LOSS_TYPES, ROLLOUT_CORRECTIONS, ROLLOUT_MASK_BANDS, QLORA_BLOCK_SCALES, QLORA_BLOCK_SIZES, QLORA_INITS, QLORA_QUANT_TYPES,
                                  REWARD_SCALES, ROLLOUT_ENGINES, ROLLOUT_MODES, ROLLOUT_WEIGHTS, SCHEDULERS,
                                  SEQUENCE_PARALLEL_ROLLOUTS, STRATEGIES, TRACKERS)
+from grpo.config.job import job_world_size
+from grpo.config.sections.rollout import routing_replay_conflict
 from grpo.config.strategy import Strategy
 from grpo.algorithm.registry import POLICY_LOSSES, policy_losses_taking
 from grpo.errors import ConfigError
-from grpo.runtime.roles import job_world_size
 
 
 def validate(cfg) -> None:
@@ -144,8 +145,6 @@ def validate(cfg) -> None:
          "needs --vllm_tp 1 (the ranks of a tensor-parallel engine must generate the same pieces in step, and each "
          "rank takes new prompts as they come)")
     if cfg.routing_replay:
-        from grpo.model.routing_options import routing_replay_conflict
-
         conflict = routing_replay_conflict(cfg)
         need(conflict is None, "routing_replay", f"{conflict}; drop --routing_replay (or that option)")
     need(cfg.vllm_gpu_memory_utilization is None or 0.0 < cfg.vllm_gpu_memory_utilization < 1.0,

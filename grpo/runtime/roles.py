@@ -1,7 +1,8 @@
 """Which part of the job a process plays: with --rollout_mode server the last --rollout_gpus ranks generate, the others
 train. The launcher's RANK / WORLD_SIZE describe the whole job; the training ranks then form a torch.distributed
 world of their own (so DeepSpeed and every collective of the trainer see only them), and so do the rollout ranks
-(vLLM's tensor-parallel groups live there). The job-wide values are kept here before either world starts.
+(vLLM's tensor-parallel groups live there). The job-wide values are kept before either world starts
+(grpo/config/job.py, where the options are checked against them).
 """
 from __future__ import annotations
 
@@ -9,16 +10,7 @@ import os
 import sys
 from typing import Optional
 
-_job: dict = {}  # the launcher's RANK / WORLD_SIZE, kept once a training rank narrows its own WORLD_SIZE
-
-
-def job_world_size() -> int:
-    """Every rank the launcher started, training and rollout."""
-    return _job.get("world", int(os.environ.get("WORLD_SIZE", "1")))
-
-
-def job_rank() -> int:
-    return _job.get("rank", int(os.environ.get("RANK", "0")))
+from grpo.config.job import job_rank, job_world_size, keep_job
 
 
 def training_ranks(rollout_ranks: int) -> int:
@@ -33,8 +25,7 @@ def rollout_index(rollout_ranks: int) -> Optional[int]:
 
 def enter_training_world(rollout_ranks: int) -> None:
     """Before the process group starts on a training rank: its world is the job's first ranks only."""
-    if rollout_ranks and not _job:
-        _job.update(world=job_world_size(), rank=job_rank())
+    if rollout_ranks and keep_job():
         os.environ["WORLD_SIZE"] = str(training_ranks(rollout_ranks))
 
 
