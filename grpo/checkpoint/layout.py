@@ -1,31 +1,16 @@
-"""Names of a checkpoint's files and where the checkpoints of a run are, with nothing heavier than `os` imported: the
-command line reads a run's saved options from here before torch or DeepSpeed load."""
+"""Names of a checkpoint's files and what a run folder holds, with nothing heavier than `os` imported: the command
+line checks a resume and an output folder from here before torch or DeepSpeed load. The checkpoints' folders and the
+files that make one are named in grpo/config/run_layout.py, where the command line reads a run's saved options."""
 from __future__ import annotations
 
 import os
-import re
+
+from grpo.config.run_layout import CONFIG_FILE, MANIFEST_FILE, STATE_FILE, list_checkpoints  # noqa: F401 (also here)
 
 ENGINE_TAG = "engine"                  # DeepSpeed's files, in checkpoint-<step>/engine/
-STATE_FILE = "trainer_state.json"
-MANIFEST_FILE = "manifest.json"
-CONFIG_FILE = "grpo_config.json"       # the options the checkpoint was trained with (also the run's, beside them)
 BASE_FILE = "base_model.json"          # lora / qlora: which base model files the adapter was trained on
 METRICS_FILE = "metrics.jsonl"         # a run's metrics, one row per step and evaluation
 FINAL_MODEL_FOLDERS = ("lora_adapter", "model", "merged_model")  # the final model, as save_final_model writes it
-_CKPT_RE = re.compile(r"^checkpoint-(\d+)$")
-
-
-def list_checkpoints(output_dir: str) -> list[tuple[int, str]]:
-    """Complete (renamed) checkpoints in output_dir as (step, path), oldest first; intact or not."""
-    if not os.path.isdir(output_dir):
-        return []
-    found = []
-    for name in os.listdir(output_dir):
-        m = _CKPT_RE.match(name)
-        path = os.path.join(output_dir, name)
-        if m and (os.path.isfile(os.path.join(path, STATE_FILE)) or os.path.isfile(os.path.join(path, MANIFEST_FILE))):
-            found.append((int(m.group(1)), path))
-    return sorted(found)
 
 
 def earlier_results(output_dir: str) -> list[str]:
