@@ -7,8 +7,8 @@ import logging
 import os
 
 from grpo.checkpoint.base_model import base_model_problem
-from grpo.config.saved import (PER_START_OPTIONS, VALUES_BEFORE_THE_OPTION, read_saved_options,  # noqa: F401
-                               saved_options_path)
+from grpo.config.option_compare import as_compared
+from grpo.config.saved import PER_START_OPTIONS, read_saved_options, saved_options_path
 from grpo.config.strategy import Strategy
 from grpo.errors import CheckpointError, ConfigError
 
@@ -61,13 +61,6 @@ def _changed_keys(saved: dict, now: dict, keys) -> list[str]:
 
 def _described(saved: dict, now: dict, changed: list[str]) -> str:
     return "; ".join(f"--{k} {saved[k]!r} -> {now[k]!r}" for k in changed)
-
-
-def as_compared(key: str, value):
-    """Module lists compare as sets of names: "q_proj, v_proj" and "v_proj,q_proj" build the same adapter."""
-    if key.endswith("_modules") and isinstance(value, str):
-        return frozenset(name.strip() for name in value.split(",") if name.strip())
-    return value
 
 
 def changed_options(saved_path: str, config) -> list[str]:

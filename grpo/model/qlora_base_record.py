@@ -8,7 +8,8 @@ import logging
 import os
 from typing import Optional
 
-from grpo.checkpoint.resume import VALUES_BEFORE_THE_OPTION, as_compared
+from grpo.config.option_compare import as_compared
+from grpo.config.saved import VALUES_BEFORE_THE_OPTION
 from grpo.config.strategy import Strategy
 
 logger = logging.getLogger(__name__)
