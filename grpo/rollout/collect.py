@@ -12,8 +12,9 @@ Rows of a dataset with tools or an environment (`episode_datasets`) run as multi
 the environment's out of the loss; their rewards read the model's last message (and get the conversation as
 `messages`). Other rows of the same step generate as usual. An engine that `runs_episodes` (server mode) runs them
 where it generates; for the others the collector runs them turn by turn through `generate`. Rows of a dataset that
-names an agent are played by that agent against an OpenAI-compatible endpoint over this engine (grpo.agents.rollouts):
-each episode's calls become its completion, and an episode whose agent failed scores 0.
+names an agent are played by that agent against an OpenAI-compatible endpoint over this engine: the trainer passes
+them in as `agents` (grpo.agents.rollouts.AgentRollouts, a layer above this package); each episode's calls become its
+completion, and an episode whose agent failed scores 0.
 """
 from __future__ import annotations
 
@@ -49,7 +50,7 @@ class RolloutTickets:
 class RolloutCollector:
     def __init__(self, config, engine: RolloutEngine, tokenizer, rewards, vision, train_set, order,
                  total_steps: int, sync_weights: Callable[[], float], episode_datasets: Optional[dict] = None,
-                 agent_datasets: Optional[dict] = None):
+                 agents=None):
         self.config = config
         self.engine = engine
         self.tokenizer = tokenizer
@@ -70,12 +71,9 @@ class RolloutCollector:
         self.episodes_drawn: list[Episode] = []         # this step's episodes, every round (for their metrics)
         self.eval_episodes: list[Episode] = []          # the last evaluation's, on this rank
         self.eval_agent_episodes: list = []            # ... its agents' (grpo.agents.runner.AgentEpisode)
-        # rows of datasets that name an agent (grpo.agents.rollouts): played against the OpenAI-compatible endpoint
-        self.agents = None
-        if agent_datasets:
-            from grpo.agents.rollouts import agent_rollouts
-
-            self.agents = agent_rollouts(config, agent_datasets, engine)
+        # rows of datasets that name an agent (grpo.agents.rollouts.AgentRollouts over this engine, or None): played
+        # against the OpenAI-compatible endpoint
+        self.agents = agents
         # --sequence_parallel_size N > 1: the N ranks of a group train on the same rollouts (None without)
         self.rollout_group = rollout_groups(getattr(config, "sequence_parallel_size", 1))
         # ... which their engines generate in shares (--sequence_parallel_rollout share), unless the engine generates

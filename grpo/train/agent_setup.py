@@ -65,3 +65,14 @@ def check_agent_options(config, datasets: list[str]) -> None:
 def run_agent_datasets(config, registry: dict[str, DatasetSpec]) -> dict:
     """check_agent_datasets over the datasets a run trains and evaluates on."""
     return check_agent_datasets(config, registry, config.dataset_names + config.eval_dataset_names)
+
+
+def agent_rollouts_over(config, agent_datasets: dict, engine):
+    """The rows of `agent_datasets` played against the OpenAI-compatible endpoint over `engine`
+    (grpo.agents.rollouts.AgentRollouts), which the rollout collector runs with the step's other rows; None for a run
+    without agents."""
+    if not agent_datasets:
+        return None
+    from grpo.agents.rollouts import agent_rollouts
+
+    return agent_rollouts(config, agent_datasets, engine)

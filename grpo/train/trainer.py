@@ -39,6 +39,7 @@ from grpo.runtime.gpu_budget import cap_gpu_memory, use_expandable_segments
 from grpo.runtime.shared_output import check_shared_output_dir
 from grpo.runtime.roles import job_rank, rollout_index, rollout_ranks_of
 from grpo.runtime.signals import GracefulStop
+from grpo.train.agent_setup import agent_rollouts_over
 from grpo.train.evaluation import evaluate_prompts
 from grpo.train.metrics import ZeroSpreadWatch, mean_over_ranks, step_metrics, step_std
 from grpo.train.micro_batches import MicroBatch
@@ -129,7 +130,8 @@ class GRPOTrainer:
                                       episode_datasets=sorted(data.episode_datasets), plan=self.plan)
         self.rollouts = RolloutCollector(config, engine, self.tokenizer, self.rewards, self.vision, self.train_set,
                                          data.order, self.total_steps, sync_weights=self._sync_rollout_weights,
-                                         episode_datasets=data.episode_datasets, agent_datasets=data.agent_datasets)
+                                         episode_datasets=data.episode_datasets,
+                                         agents=agent_rollouts_over(config, data.agent_datasets, engine))
         try:
             self._restore_and_sync()
             self.micro_batch_tokens, chunk_tokens = micro_batch_token_budget(config, self.engine, engine, self.device,
