@@ -1,10 +1,12 @@
 """The package's import graph: every module of grpo/ imports on its own (a circle of top-level imports fails when
 entered from one of its modules), no two modules of grpo/ import each other even through a circle of several or
 through imports inside functions (which only wait for a call to fail, or hide which module depends on which), and
-the engine weight transfer (grpo/sync/) depends on model loading (grpo/model/), never the other way round."""
+the engine weight transfer (grpo/sync/) depends on model loading (grpo/model/), never the other way round. The
+packages stand in layers (LAYERS): each imports only those below it."""
 import ast
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -108,8 +110,64 @@ def test_cycle_from_finds_a_circle_and_only_a_circle():
 def test_imports_are_read_with_the_packages_they_run():
     graph = import_graph()
     assert {"grpo.config.options", "grpo.errors"} <= graph["grpo.config.cli"]
-    assert "grpo.checkpoint" in graph["grpo.config.saved"]  # grpo.checkpoint.layout's package __init__ runs first
+    assert "grpo.config" in graph["grpo.checkpoint.layout"]  # grpo.config.run_layout's package __init__ runs first
     assert "grpo.config" not in graph["grpo.config.cli"]  # its own package: already being imported
+
+
+# the packages of grpo/ (and its top-level modules), bottom to top: each imports only those before it
+LAYERS = [
+    ("grpo.errors", "the exceptions every layer raises; imports nothing of grpo"),
+    ("grpo.user_code", "imports the user's files (--reward_module, --tool_module, --agent_module); nothing of grpo"),
+    ("grpo.algorithm", "pure tensor math: no model, no engine, no config object"),
+    ("grpo.config", "every option, its checks, a run folder's names; reads only the algorithm's registered names"),
+    ("grpo.runtime", "the process around training (ranks, roles, failures, signals, DeepSpeed's config)"),
+    ("grpo.tools", "tools and environments and their sandbox, usable alone"),
+    ("grpo.rewards", "reward functions and their routing per dataset, usable alone"),
+    ("grpo.data", "the dataset registry and prompts: an entry names its rewards and tools"),
+    ("grpo.model", "loading the policy and the reference (vision prompts render through data)"),
+    ("grpo.sync", "the policy's weights into an engine: reads the model's layers"),
+    ("grpo.checkpoint", "saving, resuming and the final model: model and adapters as files"),
+    ("grpo.rollout", "engines and a step's rollouts: generate from the model, take synced weights, score rewards"),
+    ("grpo.agents", "agents over an OpenAI-compatible endpoint in front of a rollout engine"),
+    ("grpo.memory", "the memory plan: every phase's peak from the model, the engine and the options"),
+    ("grpo.train", "the loop (and setup, reporting) wiring all of the above; nothing imports it"),
+]
+
+
+def layer_of(module: str) -> str:
+    """grpo.a.b -> grpo.a (a package of grpo/, or a top-level module such as grpo.errors)."""
+    return ".".join(module.split(".")[:2])
+
+
+def test_every_package_has_a_layer():
+    placed = {name for name, _ in LAYERS}
+    assert len(placed) == len(LAYERS)
+    unplaced = sorted({layer_of(name) for name in grpo_modules() if name != "grpo"} - placed)
+    assert unplaced == [], f"place these in LAYERS (tests/test_import_graph.py) and docs/architecture.md: {unplaced}"
+
+
+def test_every_package_imports_only_the_layers_below_it():
+    """Every import of grpo/ (at the top of a module or inside a function) goes down the layers; within a package
+    imports are free (the circle test above keeps them apart). The package's own __init__ (`import grpo`: the public
+    names) stands above them all. A name two layers share lives in the lower one; a higher layer that needs to be
+    called from a lower one passes a callable or an object down (the trainer hands the rollout collector its
+    agents)."""
+    rank = {name: index for index, (name, _) in enumerate(LAYERS)}
+    upward = []
+    for name, deps in sorted(import_graph().items()):
+        if name == "grpo":
+            continue
+        named = {dep for dep in deps if dep != "grpo"}
+        for dep in sorted(named - {package for dep in named for package in _packages_of(dep)[1:]}):
+            if rank[layer_of(dep)] > rank[layer_of(name)]:
+                upward.append(f"{name} -> {dep}")
+    assert upward == [], f"imports up the layers ({' < '.join(rank)}):\n" + "\n".join(upward)
+
+
+def test_the_architecture_doc_gives_the_layers_in_order():
+    text = open(os.path.join(ROOT, "docs", "architecture.md")).read()
+    order = text.split("## Layers\n\n", 1)[1].split("\n\n")[1]  # the paragraph after the one saying what a layer is
+    assert re.findall(r"`(\w+)`", order) == [name.removeprefix("grpo.") for name, _ in LAYERS]
 
 
 def test_relative_imports_are_resolved(tmp_path):
