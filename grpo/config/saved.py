@@ -14,10 +14,10 @@ import os
 from dataclasses import fields
 from typing import Optional
 
-from grpo.checkpoint.layout import CONFIG_FILE, list_checkpoints
 from grpo.config.choices import BITSANDBYTES_BLOCK_SCALE, BITSANDBYTES_BLOCK_SIZE
 from grpo.config.guide_spellings import upgrade_saved_options
 from grpo.config.json_files import read_json_object
+from grpo.config.run_layout import CONFIG_FILE, list_checkpoints
 from grpo.errors import ConfigError
 
 logger = logging.getLogger("grpo")
