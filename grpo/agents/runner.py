@@ -280,10 +280,20 @@ def _log_failures(episodes: list[AgentEpisode]) -> None:
                        mismatched[0].mismatch)
 
 
+def tool_calls_written(call: CallRecord) -> int:
+    """The tool-call blocks the model wrote in a chat call's answer: those read (the answer's `tool_calls`) and those
+    that could not be (left in its content), as the trainer's own episodes count every block (episodes/tool_calls)."""
+    if call.kind != "chat":
+        return 0
+    message = (call.response.get("choices") or [{}])[0].get("message") or {}
+    return len(message.get("tool_calls") or []) + call.unread_tool_calls
+
+
 def agent_metrics(episodes: list[AgentEpisode]) -> dict:
-    """The episodes' count, and per-episode means for logging: failures, timeouts, mismatches, calls, and the calls'
-    counts."""
+    """The episodes' count, and per-episode means for logging: failures, timeouts, mismatches, calls, the calls'
+    counts, and the tool calls the model wrote (per episode, and the share of episodes with at least one)."""
     n = max(1, len(episodes))
+    written = [sum(tool_calls_written(c) for c in e.calls) for e in episodes]
     return {"agents/episodes": float(len(episodes)),
             "agents/errors": sum(e.error is not None for e in episodes) / n,
             "agents/timeouts": sum(e.timed_out for e in episodes) / n,
@@ -295,5 +305,7 @@ def agent_metrics(episodes: list[AgentEpisode]) -> dict:
             "agents/sampling_ignored": sum(e.sampling_ignored for e in episodes) / n,
             "agents/rerender_differs": sum(c.rerender_differs for e in episodes for c in e.calls) / n,
             "agents/unread_tool_calls": sum(c.unread_tool_calls for e in episodes for c in e.calls) / n,
+            "agents/tool_calls": sum(written) / n,
+            "agents/called_a_tool": sum(w > 0 for w in written) / n,
             "agents/seconds": sum(e.seconds for e in episodes) / n}
 

@@ -30,6 +30,7 @@ from grpo.rollout.episodes import Episode, EpisodeLimits, EpisodePrompt, episode
 from grpo.runtime import distributed as dist_utils
 from grpo.runtime.failures import phase
 from grpo.runtime.sequence_parallel import rollout_groups
+from grpo.rollout.turn_timing import TimedEngine, TurnTimes
 from grpo.rollout.staleness import group_staleness, groups_over_bound, sampled_versions, staleness_metrics
 
 logger = logging.getLogger("grpo")
@@ -71,6 +72,8 @@ class RolloutCollector:
         self.episodes_drawn: list[Episode] = []         # this step's episodes, every round (for their metrics)
         self.eval_episodes: list[Episode] = []          # the last evaluation's, on this rank
         self.eval_agent_episodes: list = []            # ... its agents' (grpo.agents.runner.AgentEpisode)
+        # this step's multi-turn loops run here, per model turn: in the engine's generate or around it (turn_timing.py)
+        self.turn_times = {"episodes": TurnTimes(), "agents": TurnTimes()}
         # rows of datasets that name an agent (grpo.agents.rollouts.AgentRollouts over this engine, or None): played
         # against the OpenAI-compatible endpoint
         self.agents = agents
@@ -99,6 +102,7 @@ class RolloutCollector:
             self._note_resumed_stream(state)
         wake = self._switch_engine(awake=True)  # once for all rounds: each sleep drops the KV cache and weights
         self.episodes_drawn = []
+        self.turn_times = {"episodes": TurnTimes(), "agents": TurnTimes()}
         if self.agents:
             self.agents.start_step(state.step)
         prompts_per_step = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps
@@ -112,6 +116,8 @@ class RolloutCollector:
             kept.stats.update(episode_metrics(self.episodes_drawn))
         if self.agents:
             kept.stats.update(self.agents.metrics())
+        for kind, times in self.turn_times.items():  # episodes/turn_s, agents/turn_overhead_s, ...
+            kept.stats.update(times.metrics(kind))
         if cfg.rollout_staleness:
             kept.stats.update(self._stream_metrics(kept, state))
         kept.times.update(rollout=kept.times["rollout"] + wake + sleep, rollout_wake=wake, rollout_sleep=sleep)
@@ -329,13 +335,18 @@ class RolloutCollector:
             if self.engine.runs_episodes:
                 found = self.engine.collect_episodes(tickets.episodes)
             else:
-                found = run_episodes(self.engine, self.tokenizer, *tickets.episodes, self._episode_limits(),
+                timed, start = TimedEngine(self.engine), time.perf_counter()
+                found = run_episodes(timed, self.tokenizer, *tickets.episodes, self._episode_limits(),
                                      any_rank=dist_utils.any_rank)
+                self.turn_times["episodes"].add(time.perf_counter() - start, timed, sum(e.turns for e in found))
             for e in found:
                 by_prompt[tickets.multi[e.prompt_index]].append((e.as_completion(), e))
         if tickets.agents:  # (their rows' prompt_ids become the ids their episodes' first prompts share)
-            played = self.agents.run(self.engine, self.tokenizer, [prompts[i] for i in tickets.agents],
+            timed, start = TimedEngine(self.engine), time.perf_counter()
+            played = self.agents.run(timed, self.tokenizer, [prompts[i] for i in tickets.agents],
                                      tickets.agent_sampling)
+            # a model turn of an agent episode: a call the endpoint answered
+            self.turn_times["agents"].add(time.perf_counter() - start, timed, sum(len(e.calls) for _, _, e in played))
             for index, completion, episode in played:
                 by_prompt[tickets.agents[index]].append((completion, episode))
         completions, episodes = [], []
