@@ -4,7 +4,6 @@ and its checkpoint still refuse (grpo.rollout.engines); on CPU."""
 import dataclasses
 import os
 import shutil
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -13,8 +12,8 @@ from grpo.config.options import GRPOConfig
 from grpo.errors import ConfigError
 from grpo.memory.activations import ModelShape
 from grpo.memory.model_size import ModelSize
-from grpo.memory.plan import (ADAPTER_FROM_SHARE, IN_PLACE_FROM_BYTES, KEEP_WEIGHTS_UP_TO_SHARE, RunShape,
-                              default_sleep_level, preferred_weights)
+from grpo.memory.plan import (ADAPTER_FROM_SHARE, IN_PLACE_FROM_BYTES, KEEP_WEIGHTS_UP_TO_SHARE,
+                              UNPLANNED_SLEEP_LEVEL, MemoryPlan, RunShape, default_sleep_level, preferred_weights)
 from grpo.model.loading import load_policy
 
 from .sync_setup import CPU, IDS, STOCK_4BIT, trained_policy
@@ -104,9 +103,16 @@ def test_a_merged_lora_engine_keeps_its_weights_through_training_where_they_are_
     assert default_sleep_level(run_shape("qlora", sleep_level=0), "adapter", QWEN_7B, 24 * GIB) == 0
 
 
+def memory_plan(weights: str | None, sleep_level: int | None) -> MemoryPlan:
+    """A plan with these engine choices (the rest as a CPU run's)."""
+    return MemoryPlan("a card", 24 * GIB, False, weights, sleep_level, None, None, None, sequences=16, longest=512,
+                      engine_batched_tokens=None, engine_max_seqs=None, micro_batch_tokens=16384,
+                      logprob_chunk_tokens=1024, gradient_checkpointing=True)
+
+
 def test_the_engine_sleeps_at_the_plans_level(model_dir):
-    """engine_sleep_level: --vllm_sleep_level where given; else the plan's, for the weights it planned; 2 where the
-    loaded policy made the engine take other weights than planned, or without a plan."""
+    """engine_sleep_level: --vllm_sleep_level where given; else the plan's, for the weights it planned; the plan's
+    UNPLANNED_SLEEP_LEVEL (2) where the loaded policy made the engine take other weights than planned."""
     from grpo.rollout import engines
 
     def level(weights, plan, **options):
@@ -114,11 +120,11 @@ def test_the_engine_sleeps_at_the_plans_level(model_dir):
                             **options})
         return engines.engine_sleep_level(cfg, plan, weights)
 
-    planned = SimpleNamespace(rollout_weights="merged", sleep_level=0)
+    planned = memory_plan("merged", 0)
     assert level("merged", planned) == 0
-    assert level("adapter", SimpleNamespace(rollout_weights="adapter", sleep_level=1)) == 1
-    assert level("merged", SimpleNamespace(rollout_weights="adapter", sleep_level=1)) == 2  # fell back from adapter
-    assert level("merged", None) == 2
+    assert level("adapter", memory_plan("adapter", 1)) == 1
+    assert UNPLANNED_SLEEP_LEVEL == 2
+    assert level("merged", memory_plan("adapter", 1)) == 2  # fell back from adapter
     assert level("merged", planned, vllm_sleep_level=2) == 2 and level("adapter", None, vllm_sleep_level=0) == 0
     with pytest.raises(ConfigError, match="vllm_sleep_level"):
         GRPOConfig(model_name_or_path=model_dir, vllm_sleep_level=3)
@@ -132,11 +138,11 @@ def test_rollout_weights_take_the_plans_choice_and_fall_back_where_the_policy_ca
 
     cfg = GRPOConfig(model_name_or_path=model_dir, tuning_strategy="qlora", rollout_engine="vllm", lora_rank=4,
                      lora_alpha=8, lora_dropout=0.0)
-    assert cfg.engine_weights == "adapter"  # a candidate, before the model and the GPU are known
     policy = trained_policy(model_dir, "qlora")
     assert engines.engine_weights(cfg, policy, vision=None, planned="merged") == "merged"
     assert engines.engine_weights(cfg, policy, vision=None, planned="adapter") == "adapter"
-    assert engines.engine_weights(cfg, policy, vision=None) == "adapter"  # no plan: the options' candidate
+    with pytest.raises(ValueError, match="auto is the memory plan's choice"):  # decided nowhere else
+        engines.engine_weights(cfg, policy, vision=None)
     assert engines.engine_weights(cfg, policy, vision=object(), planned="adapter") == "merged"  # a VL model
     explicit = GRPOConfig(model_name_or_path=model_dir, tuning_strategy="qlora", rollout_engine="vllm",
                           rollout_weights="adapter")
@@ -168,7 +174,6 @@ def test_lora_takes_the_plans_in_place_or_merged(model_dir, monkeypatch, grpo_lo
     from grpo.rollout import engines
 
     lora = lora_with_vllm(model_dir)
-    assert lora.engine_weights == "in_place"  # lora: a candidate, the base shared and the adapter merged into it
     lora_policy = trained_policy(model_dir, "lora")
     monkeypatch.setattr(engines, "has_triton", lambda: True)  # (a CUDA build of torch brings it)
     assert engines.engine_weights(lora, lora_policy, vision=None, planned="merged") == "merged"
@@ -220,7 +225,6 @@ def test_in_place_refuses_what_its_merge_cannot_take(model_dir, monkeypatch):
     with pytest.raises(ConfigError, match="in_place.*ZeRO-3"):
         engines.engine_weights(explicit_in_place, lora_policy, vision=None)
     monkeypatch.setenv("WORLD_SIZE", "2")
-    assert GRPOConfig(**{**lora.__dict__, "vllm_tp": 2}).engine_weights == "merged"
     with pytest.raises(ConfigError, match="rollout_weights.*--vllm_tp 1"):
         GRPOConfig(model_name_or_path=model_dir, tuning_strategy="qlora", rollout_engine="vllm", vllm_tp=2,
                    rollout_weights="adapter")
@@ -255,6 +259,14 @@ def test_a_mixture_of_experts_model_takes_merged_weights(tmp_path, monkeypatch, 
         with pytest.raises(ConfigError, match=rf"--rollout_weights {explicit}.*cannot take tensors that transformers "
                                               r"fused or moved on load \(6, e\.g\. model\.layers\.0\.mlp\.experts\.down_proj\)"):
             engines.engine_weights(config, policy, vision=None)
+    # server mode: the rollout ranks load their own 16-bit base, so lora's adapter is planned for them (qlora's
+    # experts stay 16-bit: merged), and the loaded policy keeps that choice
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    server = GRPOConfig(**{**auto.__dict__, "rollout_mode": "server", "rollout_gpus": 1})
+    plan, run = planner.plan_parts(server, folder, gpu=planner.named_card(24))[:2]
+    expected = "adapter" if strategy == "lora" else "merged"
+    assert run.capable == (expected, "merged")[:1 if expected == "merged" else 2] and plan.rollout_weights == expected
+    assert engines.engine_weights(server, policy, vision=None, planned=plan.rollout_weights) == expected
 
 
 def test_the_planner_offers_the_modes_the_options_can_take(model_dir, monkeypatch):
@@ -316,7 +328,7 @@ def test_a_checkpoint_saved_in_4bit_trains_with_qlora_as_it_is(model_dir, tmp_pa
     # what vLLM's LoRA cannot take, with no 16-bit weights for a merged engine either: a way out that exists
     monkeypatch.setattr(policy.config, "kv_lora_rank", 512, raising=False)
     with pytest.raises(ConfigError, match="in 4 bits.*cannot take MLA.*16-bit checkpoint, or use --rollout_engine hf"):
-        engines.engine_weights(cfg, policy, None, folder)
+        engines.engine_weights(cfg, policy, None, folder, planned=plan.rollout_weights)
     for options, message in ((dict(tuning_strategy="lora"), "train it with --tuning_strategy qlora"),
                              (dict(save_merged_model=True), "drop --save_merged_model"),
                              (dict(qlora_init="loftq"), "run without --qlora_init loftq")):
@@ -336,9 +348,19 @@ def test_server_mode_takes_the_adapter_from_a_4bit_base_written_beside_the_run(m
     monkeypatch.setenv("WORLD_SIZE", "2")
     server = dict(model_name_or_path=model_dir, rollout_mode="server", rollout_gpus=1, rollout_engine="vllm",
                   lora_rank=4, lora_alpha=8, lora_dropout=0.0)
-    assert GRPOConfig(tuning_strategy="qlora", **server).engine_weights == "adapter"
-    assert GRPOConfig(tuning_strategy="lora", rollout_weights="merged", **server).engine_weights == "merged"
-    assert GRPOConfig(tuning_strategy="qlora", qlora_init="loftq", **server).engine_weights == "merged"
+    from grpo.memory import planner
+
+    def planned(**options):
+        return planner.plan_parts(GRPOConfig(**{**server, **options}), model_dir, gpu=planner.named_card(24))[0]
+
+    assert planned(tuning_strategy="qlora").rollout_weights == "adapter"  # a tiny model: colocated, merged
+    assert planned(tuning_strategy="lora").rollout_weights == "adapter"   # (no in_place on another GPU)
+    assert planned(tuning_strategy="lora", rollout_weights="merged").rollout_weights == "merged"
+    assert planned(tuning_strategy="qlora", qlora_init="loftq").rollout_weights == "merged"
+    assert planned(tuning_strategy="full").rollout_weights == "merged"
+    assert planner.plan_parts(GRPOConfig(**server, tuning_strategy="lora"), model_dir,
+                              on_gpu=False)[0].rollout_weights == "adapter"  # planned on a CPU: the same
+    assert planned(tuning_strategy="lora", rollout_engine="hf").rollout_weights is None  # HF: merged, no choice
     with pytest.raises(ConfigError, match="rollout_weights.*needs --rollout_engine vllm"):
         GRPOConfig(tuning_strategy="lora", rollout_weights="adapter", **{**server, "rollout_engine": "hf"})
     cfg = GRPOConfig(tuning_strategy="qlora", **server)

@@ -453,9 +453,13 @@ def test_a_server_mode_training_rank_plans_no_generation(plan_of, monkeypatch):
     config = options("llama-3.1-8b", rollout_mode="server", rollout_gpus=1, per_device_train_batch_size=4,
                      k_samples=8, rollout_max_new_tokens=8192)
     plan, run, _ = plan_of(config, planner.named_card(24))
-    assert run.engine == "server" and plan.rollout_weights is None and plan.kv_cache_bytes is None
+    assert run.engine == "server" and plan.kv_cache_bytes is None and plan.sleep_level is None
     # the 32 sequences of 8448 tokens are generated on the rollout ranks: 2 x 41.25 GiB of KV cache is not here
     assert plan.fits, plan.why_not
+    assert "engine weights" not in {name for name, value in plan.parts.items() if value}
+    # the rollout ranks' weights are the plan's choice too, whatever this GPU's budget: the adapter where they take it
+    assert plan.rollout_weights == "adapter"
+    assert "the rollout ranks' vLLM weights adapter" in plan_table(plan)
 
 
 # ---- one GPU shared with other processes ----

@@ -58,19 +58,6 @@ class DerivedOptions:
         return self.strategy.has_adapter
 
     @property
-    def engine_weights(self) -> str:
-        """--rollout_weights with auto decided from the options alone ("in_place", "adapter" or "merged"); the
-        engine's builder may still fall back for a model the choice cannot take (grpo.rollout.engines)."""
-        if self.rollout_weights != "auto":
-            return self.rollout_weights
-        if (self.strategy.sixteen_bit_adapter and self.uses_vllm and self.vllm_tp == 1
-                and self.rollout_mode == "colocate"):
-            return "in_place"
-        adapter = (self.uses_lora and self.uses_vllm and self.vllm_tp == 1
-                   and not (self.strategy.four_bit_base and self.qlora_init == "loftq"))
-        return "adapter" if adapter else "merged"
-
-    @property
     def vllm_memory_share(self) -> float:
         """--vllm_gpu_memory_utilization as given, or the default for the mode."""
         if self.vllm_gpu_memory_utilization is not None:

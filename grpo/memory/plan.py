@@ -34,11 +34,16 @@ then run in waves), the token
 budget (the most tokens whose activations fit beside the rest both as measured and as ESTIMATE_MARGIN x the
 equation, at least one row), the log-prob chunk (halved while it is what
 limits the budget). A plan whose smallest settings do not fit is refused (advice.py says what fits).
+Server mode: the rollout ranks' weights (preferred_weights; their GPUs are not this plan's), nothing on this GPU.
+
+The engine's builder (grpo.rollout.engines) takes these choices as values: it checks the planned weights against the
+loaded policy (what config.json cannot show, e.g. a saved adapter with DoRA), falls back where the policy refuses
+them, and sleeps an engine on unplanned weights at UNPLANNED_SLEEP_LEVEL (MemoryPlan.sleep_level_for).
 """
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from grpo.config.choices import MICRO_BATCH_TOKENS
 from grpo.config.strategy import Strategy
@@ -73,6 +78,9 @@ KEEP_WEIGHTS_UP_TO_SHARE = 0.25
 # Qwen2.5-7B's shape (a 14.2 GiB copy): in_place 5.15 s/step at a 30.8 GiB peak, merged 5.16 at 43.3 GiB; at 0.68B
 # in_place took 0.05-0.15 s more of a 2.0 s step, so merged keeps small models (benchmarks/RESULTS.md, 2026-11-27)
 IN_PLACE_FROM_BYTES = 8 * 2**30
+# the sleep level of an engine whose weights are not the planned ones (the loaded policy refused them): its memory was
+# not planned, so it frees whatever it can while training (an engine holding the base once keeps it at any level)
+UNPLANNED_SLEEP_LEVEL = 2
 # under a cap, where the KV cache counts while training too, it gets what the step's sequences need as long as
 # training keeps micro-batches of this many tokens (or one row): rollouts in waves cost more than smaller micro-batches
 LEAST_TRAIN_TOKENS = 4096
@@ -128,6 +136,7 @@ class RunShape:
     eager: bool
     capable: tuple[str, ...]  # engine weight modes this model and these options can take, by preference
     logprob_pass: bool = True  # a no-grad pass before the update (--kl_beta > 0: the reference's, or the policy's)
+    server_vllm: bool = False  # engine "server": the rollout ranks run vLLM (whose weights the plan chooses too)
 
     def __post_init__(self):
         object.__setattr__(self, "strategy", Strategy(self.strategy))
@@ -138,8 +147,9 @@ class MemoryPlan:
     gpu: str
     budget: int
     capped: bool
-    rollout_weights: str | None   # merged / adapter / in_place (vLLM), None for an engine without weights of its own
-    sleep_level: int | None
+    rollout_weights: str | None   # merged / adapter / in_place: a colocated vLLM engine's, or server mode's rollout
+                                  # ranks' (vLLM); None for an HF engine
+    sleep_level: int | None       # a colocated vLLM engine's
     kv_cache_bytes: int | None    # vLLM's KV cache (None: the engine has no cache of its own to size)
     kv_needed_bytes: int | None   # what the step's sequences need at once
     kv_per_token: int | None
@@ -169,6 +179,13 @@ class MemoryPlan:
     def to_json(self) -> dict:
         return asdict(self)
 
+    def sleep_level_for(self, weights: str) -> int:
+        """The colocated engine's sleep level for the weights it took: the planned level for the planned weights;
+        UNPLANNED_SLEEP_LEVEL where the loaded policy made it take others (grpo.rollout.engines.engine_weights)."""
+        if weights == self.rollout_weights and self.sleep_level is not None:
+            return self.sleep_level
+        return UNPLANNED_SLEEP_LEVEL
+
 
 def measured_activation_bytes(equation_bytes: int) -> int:
     """A micro-batch's training memory as measured:  0.9 x the equation + 1.5 GiB  (constants above)."""
@@ -185,20 +202,24 @@ def equation_room(room: int) -> int:
 def auto_checkpointing(parameters: int, on_gpu: bool, option: bool | None) -> bool:
     """--gradient_checkpointing auto: on from 1B parameters (at 7B, 16k tokens of activations without it take more
     than an 80 GB GPU has; at 0.5B they fit beside the weights) and always on a CPU (RAM is short there)."""
-    from grpo.model.loading import CHECKPOINTING_FROM_PARAMETERS, CHECKPOINTING_ON_CPU
+    from grpo.model.loading import checkpointing_by_size  # the one rule (a policy loaded without a plan reads it too)
 
     if option is not None:
         return option
-    return parameters >= CHECKPOINTING_FROM_PARAMETERS or (CHECKPOINTING_ON_CPU and not on_gpu)
+    return checkpointing_by_size(parameters, on_cpu=not on_gpu)
 
 
 def preferred_weights(run: RunShape, size: ModelSize, budget: int) -> list[str]:
     """The engine's weight modes to try, best first: an explicit --rollout_weights alone; auto by the measured
-    rules (ADAPTER_FROM_SHARE, IN_PLACE_FROM_BYTES, KEEP_WEIGHTS_UP_TO_SHARE), then the others it can take."""
+    rules (ADAPTER_FROM_SHARE, IN_PLACE_FROM_BYTES, KEEP_WEIGHTS_UP_TO_SHARE), then the others it can take. Server
+    mode's rollout ranks (their GPUs hold nothing else): the adapter wherever they can take it (a sync sends the
+    adapter's bytes, not the model's), else merged."""
     if run.rollout_weights != "auto":
         return [run.rollout_weights]
     copy = 2 * size.parameters
-    if run.strategy.four_bit_base:
+    if run.engine == "server":
+        order = ["adapter", "merged"]
+    elif run.strategy.four_bit_base:
         first = "merged" if copy <= ADAPTER_FROM_SHARE * budget else "adapter"
         order = [first, "adapter", "merged"]
     elif run.strategy.has_adapter:
@@ -267,13 +288,16 @@ def plan_memory(run: RunShape, size: ModelSize, gpu: GpuBudget | None, hf_config
     row_tokens = -(-run.max_seq_length // run.sp)
     common = dict(sequences=run.sequences, longest=run.longest, kv_per_token=per_token,
                   gradient_checkpointing=checkpointing)
+    # server mode: the rollout ranks' engines, on GPUs of their own, take the weights chosen here (sent to them with
+    # the engine's spec); nothing of them is on this rank's GPU
+    served = preferred_weights(run, size, 0)[0] if run.engine == "server" and run.server_vllm else None
     if not on_gpu:
         tokens = run.micro_batch_tokens if run.micro_batch_tokens != "auto" else MICRO_BATCH_TOKENS
         fixed = sum(v for k, v in trainer.items() if k != "gradients")
         generation = (kv_needed or 0) * 2 + run.sequences * size.shape.vocab * 4
         phases = {"rollout": fixed + generation,
                   "train": fixed + trainer["gradients"] + micro_batch_bytes(max(tokens, 1), kept, transient, chunk)}
-        return MemoryPlan("CPU", 0, False, None, None, None, kv_needed, **common, engine_batched_tokens=None,
+        return MemoryPlan("CPU", 0, False, served, None, None, kv_needed, **common, engine_batched_tokens=None,
                           engine_max_seqs=None, micro_batch_tokens=tokens,
                           logprob_chunk_tokens=run.chunk_tokens, parts=trainer, phases=phases,
                           notes=("a CPU run: planned in RAM, nothing refused",))
@@ -281,6 +305,8 @@ def plan_memory(run: RunShape, size: ModelSize, gpu: GpuBudget | None, hf_config
     plans = [_plan_with(run, size, gpu, trainer, weights, checkpointing, kept, transient, chunk, per_token,
                         kv_needed, row_tokens, common, hf_config)
              for weights in (preferred_weights(run, size, budget) if run.engine == "vllm" else [None])]
+    if served is not None:
+        plans = [replace(plan, rollout_weights=served) for plan in plans]
     fitting = [plan for plan in plans if plan.fits]
     if not fitting:
         return plans[0]

@@ -54,8 +54,10 @@ def engine_kind(config) -> str:
 
 def capable_weights(config, hf_config, size: ModelSize, model_path: str) -> tuple[str, ...]:
     """The engine weight modes this model and these options can take (grpo.rollout.engines checks the loaded policy
-    again): in_place for plain lora on one GPU, adapter where vLLM's LoRA takes the model, merged from a 16-bit
-    checkpoint."""
+    again): in_place for plain lora on one colocated GPU, adapter where vLLM's LoRA takes the model, merged from a
+    16-bit checkpoint. A mixture of experts' fused experts: no adapter for a colocated engine (it could not share
+    them with the trainer: the base held twice) nor under qlora (its experts stay 16-bit: no 4-bit base vLLM loads);
+    server mode's lora engines load their own 16-bit base and take it."""
     from grpo.model.base_weights import saved_4bit
     from grpo.rollout.engines import VLLM_LORA_VISION_MODELS, _fused_parts_left_16bit, has_triton
     from grpo.rollout.vllm_lora import LORA_RANKS
@@ -67,12 +69,14 @@ def capable_weights(config, hf_config, size: ModelSize, model_path: str) -> tupl
     one_gpu = config.vllm_tp == 1
     stored_4bit = config.strategy.four_bit_base and bool(saved_4bit(model_path))
     text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
-    adapter = (one_gpu and not size.fused_experts and not getattr(text, "kv_lora_rank", None)
+    colocated = config.rollout_mode == "colocate"
+    adapter = (one_gpu and not (size.fused_experts and (colocated or config.strategy.four_bit_base))
+               and not getattr(text, "kv_lora_rank", None)
                and config.lora_rank <= LORA_RANKS[-1]
                and not (vision and hf_config.model_type not in VLLM_LORA_VISION_MODELS)
                and not (config.strategy.four_bit_base and (config.qlora_init == "loftq"
                                                               or _fused_parts_left_16bit(config))))
-    in_place = (config.strategy.sixteen_bit_adapter and one_gpu and config.rollout_mode == "colocate" and not vision
+    in_place = (config.strategy.sixteen_bit_adapter and one_gpu and colocated and not vision
                 and not size.fused_experts and config.lora_rank <= KERNEL_MAX_RANK and "zero3" not in config.deepspeed
                 and (has_triton() or not _cuda_here()))
     if stored_4bit:
@@ -111,7 +115,8 @@ def run_shape(config, hf_config, size: ModelSize, model_path: str, completion_to
         checkpointing=config.gradient_checkpointing, micro_batch_tokens=config.max_tokens_per_micro_batch,
         kv_cache=config.vllm_kv_cache, rollout_weights=config.rollout_weights, sleep_level=config.vllm_sleep_level,
         vllm_sleep=config.vllm_sleep, eager=config.vllm_enforce_eager,
-        capable=capable_weights(config, hf_config, size, model_path), logprob_pass=config.kl_beta > 0)
+        capable=capable_weights(config, hf_config, size, model_path), logprob_pass=config.kl_beta > 0,
+        server_vllm=config.rollout_mode == "server" and config.uses_vllm)
 
 
 def plan_run(config, model_path: str, completion_tokens: int | None = None, gpu: GpuBudget | None = None,

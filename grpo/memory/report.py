@@ -21,13 +21,16 @@ def plan_table(plan: MemoryPlan) -> str:
     """The plan in a few lines: the budget, the choices, the parts and each phase's peak."""
     if not plan.budget:
         lines = [f"memory plan for a CPU run (RAM; nothing is refused): micro-batches of {plan.micro_batch_tokens} "
-                 f"tokens, gradient checkpointing {'on' if plan.gradient_checkpointing else 'off'}"]
+                 f"tokens, gradient checkpointing {'on' if plan.gradient_checkpointing else 'off'}"
+                 + (f", the rollout ranks' vLLM weights {plan.rollout_weights}" if plan.rollout_weights else "")]
     else:
         lines = [f"memory plan for {plan.gpu}: budget {gib(plan.budget)} GiB"
                  + (" (--gpu_memory_gib)" if plan.capped else "")]
         choices = []
-        if plan.rollout_weights:
+        if plan.rollout_weights and plan.sleep_level is not None:
             choices.append(f"vLLM weights {plan.rollout_weights}, sleep level {plan.sleep_level}")
+        elif plan.rollout_weights:
+            choices.append(f"the rollout ranks' vLLM weights {plan.rollout_weights}")
         if plan.kv_cache_bytes:
             choices.append(f"KV cache {gib(plan.kv_cache_bytes)} GiB ({plan.sequences_at_once:.1f} of "
                            f"{plan.sequences} sequences of {plan.longest} tokens at once)")

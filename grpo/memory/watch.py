@@ -99,7 +99,7 @@ class MemoryWatch:
         if not self.active:
             yield
             return
-        if name == "rollout" and self.plan.capped and self.plan.rollout_weights is not None:
+        if name == "rollout" and self.plan.capped and self.plan.sleep_level is not None:  # a colocated vLLM engine
             # under a cap vLLM's wake hands torch's cached blocks (the last update's) back to the driver anyway;
             # doing it first keeps them out of the rollout's peak
             self._torch.cuda.empty_cache()

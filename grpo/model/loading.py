@@ -135,14 +135,21 @@ def parameter_count(model) -> int:
     return sum(p.numel() * (2 if p.__class__.__name__ == "Params4bit" else 1) for p in model.parameters())
 
 
+def checkpointing_by_size(parameters: int, on_cpu: bool) -> bool:
+    """--gradient_checkpointing auto's one rule, which the memory plan applies before loading
+    (grpo.memory.plan.auto_checkpointing) and a policy loaded without a plan's choice here: on from
+    CHECKPOINTING_FROM_PARAMETERS parameters, and on a CPU where CHECKPOINTING_ON_CPU."""
+    return parameters >= CHECKPOINTING_FROM_PARAMETERS or (CHECKPOINTING_ON_CPU and on_cpu)
+
+
 def wants_checkpointing(option: Optional[bool], model) -> bool:
-    """--gradient_checkpointing as given, or auto: on from CHECKPOINTING_FROM_PARAMETERS parameters (at 7B, 16k
-    tokens of activations without it take more memory than an 80 GB GPU has; at 0.5B they fit beside the weights)."""
+    """--gradient_checkpointing as given (or as the memory plan chose it: the trainer passes the plan's), else auto's
+    rule (checkpointing_by_size: at 7B, 16k tokens of activations without it take more memory than an 80 GB GPU has;
+    at 0.5B they fit beside the weights)."""
     if option is not None:
         return option
     count = parameter_count(model)
-    on_cpu = CHECKPOINTING_ON_CPU and next(model.parameters()).device.type == "cpu"
-    on = count >= CHECKPOINTING_FROM_PARAMETERS or on_cpu
+    on = checkpointing_by_size(count, on_cpu=next(model.parameters()).device.type == "cpu")
     logger.info(f"gradient checkpointing {'on' if on else 'off'} ({count / 1e9:.2f}B parameters; auto turns it on "
                 f"from {CHECKPOINTING_FROM_PARAMETERS / 1e9:.0f}B and on CPU; --gradient_checkpointing true/false "
                 f"to choose)")

@@ -37,9 +37,13 @@ def build_rollout_engine(config, model_path: str, policy, tokenizer, vision, ran
                          completion_tokens: int | None = None, episode_datasets: list[str] | None = None,
                          plan=None):
     """Server mode: the rollout ranks, reached through RemoteRolloutEngine; otherwise a colocated vLLM engine, or
-    the HF engine over the policy module itself. `plan`: the run's grpo.memory.plan.MemoryPlan, whose choices (the
-    engine's weights and sleep level, its KV cache in bytes, its batch limits) a colocated engine takes.
+    the HF engine over the policy module itself. `plan`: the run's grpo.memory.plan.MemoryPlan, which made every
+    automatic choice: a vLLM engine takes its weights (server mode: sent to the rollout ranks with the engine's
+    spec), a colocated one its sleep level, KV cache bytes and batch limits too; nothing here decides them again.
     `episode_datasets`: the datasets whose rows run as episodes, which server mode's rollout ranks run."""
+    if config.uses_vllm and config.rollout_mode == "colocate" and plan is None:
+        raise ValueError("a colocated vLLM engine takes the memory plan's choices (its weights, sleep level, KV cache "
+                         "and batch limits): pass the run's plan (grpo.memory.planner.checked_plan)")
     stops = stop_token_ids(policy, tokenizer)
     planned = plan.rollout_weights if plan is not None else None
     weights = engine_weights(config, policy, vision, model_path, planned) if config.uses_vllm else "merged"
@@ -53,6 +57,7 @@ def build_rollout_engine(config, model_path: str, policy, tokenizer, vision, ran
                     max_images_per_prompt=config.max_images_per_prompt if vision else 0,
                     image_token_id=vision.image_token_id if vision else None,
                     suppress_token_ids=vision.placeholder_token_ids if vision else None, lora_rank=lora_rank,
+                    rollout_weights=weights,  # the plan's choice, as the loaded policy took it: the ranks take it
                     episode_datasets=list(episode_datasets or []))
         logger.info(f"waiting for {config.rollout_gpus} rollout rank(s) to start their engines")
         # qlora: the rollout ranks load training rank 0's 4-bit base from a folder in --output_dir, which they
@@ -154,10 +159,14 @@ def _engine_base(config, policy, model_path: str | None, parent: str | None = No
 
 def engine_weights(config, policy, vision, model_path: str | None = None, planned: str | None = None) -> str:
     """--rollout_weights for this model: "in_place", "adapter" or "merged". auto takes the memory plan's choice
-    (`planned`; grpo.memory.plan weighs sizes and speed), which the loaded policy may still refuse: in_place falls
-    back as adapter does, adapter to merged, said once; an explicit choice that cannot be is an error. A checkpoint
-    saved in 4 bits has no 16-bit weights for a merged engine to start from: adapter."""
-    choice = config.engine_weights if config.rollout_weights != "auto" or planned is None else planned
+    (`planned`: grpo.memory.plan.preferred_weights weighs sizes and speed, and is the only place auto is decided),
+    which the loaded policy may still refuse: in_place falls back as adapter does, adapter to merged, said once; an
+    explicit choice that cannot be is an error. A checkpoint saved in 4 bits has no 16-bit weights for a merged
+    engine to start from: adapter. The errors about --rollout_weights that need the loaded policy are all here."""
+    choice = planned if config.rollout_weights == "auto" else config.rollout_weights
+    if choice is None:
+        raise ValueError("--rollout_weights auto is the memory plan's choice (grpo.memory.plan.preferred_weights): "
+                         "pass the plan's rollout_weights as `planned`")
     if choice == "in_place":
         why = _in_place_refusal(policy, vision)
         if why is None:
@@ -300,14 +309,11 @@ def _fused_parts_left_16bit(config) -> str | None:
 
 
 def engine_sleep_level(config, plan, weights: str) -> int:
-    """--vllm_sleep_level, or the memory plan's for the weights it planned (grpo.memory.plan.default_sleep_level);
-    where the loaded policy made the engine take other weights than planned, 2 (an engine holding the base once
-    keeps it whatever the level)."""
+    """--vllm_sleep_level, or the memory plan's level for the weights the engine took (MemoryPlan.sleep_level_for:
+    the planned level for the planned weights, its level for weights the loaded policy made it take instead)."""
     if config.vllm_sleep_level is not None:
         return config.vllm_sleep_level
-    if plan is not None and plan.rollout_weights == weights and plan.sleep_level is not None:
-        return plan.sleep_level
-    return 2
+    return plan.sleep_level_for(weights)
 
 
 def adapter_rank(policy) -> int:
@@ -325,12 +331,11 @@ def _vllm_engine(config, model_path: str, rank: int, vision, stops, plan, lora_r
                  quantized: bool = False, sleep_level: int = 2, merge_in_place: bool = False):
     from grpo.rollout.vllm import VLLMRolloutEngine
 
-    kv_bytes = plan.kv_cache_bytes if plan is not None else None
-    if kv_bytes is None and isinstance(config.vllm_kv_cache, float):
-        kv_bytes = int(config.vllm_kv_cache * 2**30)
+    # the plan's cache (auto sized, or as given); None: a model the plan cannot size a cache for, left to the share
+    kv_bytes = plan.kv_cache_bytes
     share = SHARE_BESIDE_KV_BYTES if kv_bytes else engine_memory_share(config.vllm_memory_share, config.gpu_memory_gib)
     limits = dict(max_num_seqs=plan.engine_max_seqs, max_num_batched_tokens=plan.engine_batched_tokens) \
-        if plan is not None and plan.engine_max_seqs else {}
+        if plan.engine_max_seqs else {}
     # ranks of one tensor-parallel group share a seed: they must sample the same completions
     return VLLMRolloutEngine(model_path, tensor_parallel_size=config.vllm_tp, gpu_memory_utilization=share,
                              kv_cache_bytes=kv_bytes, max_model_len=config.max_seq_length,

@@ -269,6 +269,26 @@ class EpisodeHost:
         return run_episodes(engine, self.tokenizer, prompts, sampling, limits, any_rank=any_rank)
 
 
+def vllm_options(config, spec: dict, index: int) -> dict:
+    """This rollout rank's vLLM engine, as training rank 0's spec says: the weights its memory plan chose
+    (spec["rollout_weights"], as the loaded policy took them: "adapter" with the adapter's rank, else merged), never
+    decided here again; the KV cache as given, or what --vllm_gpu_memory_utilization's share leaves (a GPU that only
+    generates: --vllm_kv_cache_gib auto is refused in server mode)."""
+    weights = spec["rollout_weights"]
+    if (weights == "adapter") != bool(spec.get("lora_rank")):
+        raise RuntimeError(f"the trainer's engine spec says weights {weights!r} with LoRA rank {spec.get('lora_rank')}")
+    logger.info(f"rollout rank {index}: vLLM takes {weights} weights (the training ranks' memory plan)")
+    kv_cache = config.vllm_kv_cache
+    # ranks of one tensor-parallel group share a seed: they must sample the same completions
+    return dict(tensor_parallel_size=config.vllm_tp, gpu_memory_utilization=config.vllm_memory_share,
+                kv_cache_bytes=int(kv_cache * 2**30) if isinstance(kv_cache, float) else None,
+                max_model_len=config.max_seq_length, seed=config.seed + index // config.vllm_tp,
+                enable_sleep=False, enforce_eager=config.vllm_enforce_eager, stop_token_ids=spec["stop_token_ids"],
+                max_images_per_prompt=spec["max_images_per_prompt"], image_token_id=spec["image_token_id"],
+                lora_rank=spec["lora_rank"] if weights == "adapter" else None,
+                quantized=weights == "adapter" and spec.get("quantized", False))
+
+
 def _build_engine(config, spec: dict, index: int, count: int, device: torch.device, rank: int):
     """vLLM in a world of the rollout ranks (its tensor-parallel groups), or the HF engine on its own model copy."""
     from grpo.model.embedded import resolve_model_path
@@ -290,18 +310,7 @@ def _build_engine(config, spec: dict, index: int, count: int, device: torch.devi
         dist.init_process_group("nccl", store=world_store, rank=index, world_size=count, timeout=timeout)
         from grpo.rollout.vllm import VLLMRolloutEngine
 
-        # ranks of one tensor-parallel group share a seed: they must sample the same completions
-        return VLLMRolloutEngine(model_path, tensor_parallel_size=config.vllm_tp,
-                                 gpu_memory_utilization=config.vllm_memory_share,
-                                 # a GPU that only generates: the cache as given, or what the share leaves
-                                 kv_cache_bytes=int(config.vllm_kv_cache * 2**30)
-                                 if isinstance(config.vllm_kv_cache, float) else None,
-                                 max_model_len=config.max_seq_length, seed=config.seed + index // config.vllm_tp,
-                                 enable_sleep=False, enforce_eager=config.vllm_enforce_eager,
-                                 stop_token_ids=spec["stop_token_ids"],
-                                 max_images_per_prompt=spec["max_images_per_prompt"],
-                                 image_token_id=spec["image_token_id"], lora_rank=spec.get("lora_rank"),
-                                 quantized=spec.get("quantized", False))
+        return VLLMRolloutEngine(model_path, **vllm_options(config, spec, index))
     from grpo.model.loading import load_base_model, load_tokenizer
     from grpo.rollout.hf import HFRolloutEngine
 
