@@ -25,6 +25,17 @@
 #                                              # episodes without a call; evaluated on arith_products_eval. The step-0
 #                                              # eval (after the warm start, before any GRPO step) is the baseline:
 #                                              # the same start without GRPO. Seed 2 is the unseen seed.
+#   ARITH="" GSM8K="" ARITH_PRODUCTS=lora ARITH_PRODUCTS_AGENT=lora SEEDS="0 1" PARALLEL=4 bash benchmarks/learning.sh
+#                                              # the same work with the calculator written as an OpenAI-API agent
+#                                              # (arith_products_agent: examples/calculator_agent.py through the
+#                                              # endpoint), the same warm start (arith_products' demonstrations, its
+#                                              # episodes token for token: --warm_start_datasets), steps, seeds and
+#                                              # held-out questions (arith_products_agent_eval, played by the agent);
+#                                              # benchmarks/agent_table.py then compares the two paths (accuracy,
+#                                              # tool share, seconds per model turn in and around the engine)
+#   No GPU (nvidia-smi missing): every run on the HF engine with plain python, a CPU smoke test of the same runs, e.g.
+#   ARITH="" GSM8K="" ARITH_PRODUCTS=lora ARITH_PRODUCTS_AGENT=lora PRODUCTS_STEPS=2 PRODUCTS_WARM_START=1 \
+#     EXTRA="--per_device_train_batch_size 2 --k_samples 2 --eval_max_prompts 4 --eval_steps 2" bash benchmarks/learning.sh
 #   GPU_ID=2 bash benchmarks/learning.sh   # every run on GPU 2 (DeepSpeed's launcher ignores CUDA_VISIBLE_DEVICES)
 #   PARALLEL=4 bash benchmarks/learning.sh     # up to 4 runs at once on the one GPU (a 135M model leaves it idle);
 #                                              # the table's wall / train seconds then include the sharing. Runs
@@ -46,6 +57,7 @@ ARITH=${ARITH-full lora qlora}
 ARITH_CALC=${ARITH_CALC-}  # strategies to run on arith_calc (arith's questions, the calculator tool); none by default
 WARM_START=${WARM_START:-30}  # arith_calc: supervised steps on its calculator demonstrations first (0: none)
 ARITH_PRODUCTS=${ARITH_PRODUCTS-}  # strategies to run on arith_products (calculator needed); none by default
+ARITH_PRODUCTS_AGENT=${ARITH_PRODUCTS_AGENT-}  # strategies to run on arith_products_agent (the calculator agent)
 PRODUCTS_WARM_START=${PRODUCTS_WARM_START:-5}  # arith_products: supervised steps on its 32 demonstrations
 PRODUCTS_STEPS=${PRODUCTS_STEPS:-60}
 read -r -a PRODUCTS_ARGS <<< "${PRODUCTS_EXTRA:-}"  # e.g. "--reward_weights ..." for this mode only
@@ -58,7 +70,6 @@ LR_FULL=${LR_FULL:-3e-5}
 TAG=${TAG:+-$TAG}    # appended to run names
 read -r -a EXTRA_ARGS <<< "${EXTRA:-}"  # extra train_grpo.py flags for every run
 PARALLEL=${PARALLEL:-1}
-[ "$PARALLEL" -gt 1 ] && EXTRA_ARGS+=(--vllm_sleep false --vllm_gpu_memory_utilization "${VLLM_MEM:-0.08}")
 port=${PORT:-}  # unset: each start takes a port the OS reports free, so drivers side by side never collide
 STRICT_FORMAT=${STRICT_FORMAT:-0}
 GSM8K_DIR=${GSM8K_DIR:-../shared/data/gsm8k}
@@ -66,21 +77,31 @@ GSM8K_DIR=${GSM8K_DIR:-../shared/data/gsm8k}
 mkdir -p "$OUT_DIR"
 python -c "from grpo.model.embedded import resolve_model_path as r; import sys; r(sys.argv[1])" "$MODEL"  # convert once, up front
 export VLLM_ENABLE_V1_MULTIPROCESSING=0 TOKENIZERS_PARALLELISM=false WANDB_MODE=disabled PYTHONUNBUFFERED=1
-GPU=$(nvidia-smi -i "${GPU_ID:-0}" --query-gpu=name --format=csv,noheader)
 source scripts/launch.sh  # launcher, where (GPU_ID), free_port
+if GPU=$(nvidia-smi -i "${GPU_ID:-0}" --query-gpu=name --format=csv,noheader 2>/dev/null) && [ -n "$GPU" ]; then
+  ENGINE=(--rollout_engine vllm --vllm_enforce_eager true)
+  [ "$PARALLEL" -gt 1 ] && EXTRA_ARGS+=(--vllm_sleep false --vllm_gpu_memory_utilization "${VLLM_MEM:-0.08}")
+else  # no GPU: the HF engine, one process of plain python per run (the launcher's port goes in MASTER_PORT)
+  GPU=cpu ENGINE=(--rollout_engine hf) launcher=() where=()
+fi
+train_command() {  # train_command <master port>: sets `train` to the command that starts train_grpo.py
+  if [ "$GPU" = cpu ]; then train=(env MASTER_PORT="$1" python train_grpo.py)
+  else train=("${launcher[@]}" "${where[@]}" --master_port "$1" train_grpo.py); fi
+}
 
 run() {  # run <name> <dataset> <strategy> <seed> <accuracy reward> <extra train_grpo.py args...>
   local name=$1 dataset=$2 strategy=$3 seed=$4 accuracy=$5; shift 5
   local lr=$LR; [ "$strategy" = full ] && lr=$LR_FULL
   local dir="$OUT_DIR/$name$TAG" start=$(date +%s)
   mkdir -p "$dir"
-  local rc try pid starved master_port
+  local rc try pid starved master_port train
   for try in 1 2; do
     : > "$dir.log"  # emptied before the watcher below reads it
     if [ -n "$port" ]; then master_port=$((port + 100 * (try - 1))); else master_port=$(free_port); fi
-    setsid "${launcher[@]}" "${where[@]}" --master_port "$master_port" train_grpo.py --model_name_or_path "$MODEL" --tuning_strategy "$strategy" \
+    train_command "$master_port"
+    setsid "${train[@]}" --model_name_or_path "$MODEL" --tuning_strategy "$strategy" \
       --learning_rate "$lr" --seed "$seed" --per_device_train_batch_size 16 --k_samples 8 \
-      --rollout_engine vllm --vllm_enforce_eager true --eval_on_start true --save_steps 0 --logging_steps 5 \
+      "${ENGINE[@]}" --eval_on_start true --save_steps 0 --logging_steps 5 \
       --output_dir "$dir" --overwrite_output_dir "$@" "${EXTRA_ARGS[@]}" > "$dir.log" 2>&1 &
     pid=$! starved=0
     # runs sharing a GPU: vLLM sizes its KV cache by profiling the GPU's memory. A neighbour freeing or taking memory
@@ -151,6 +172,17 @@ for seed in $SEEDS; do
       "${PRODUCTS_ARGS[@]}"
   done
 done
+for seed in $SEEDS; do
+  for strategy in $ARITH_PRODUCTS_AGENT; do  # arith_products with the calculator as an OpenAI-API agent: the same
+    # warm start (arith_products' demonstrations are the agent's episodes token for token), steps and held-out questions
+    launch "arith_products_agent-$strategy-s$seed" arith_products_agent_eval "$strategy" "$seed" boxed_accuracy \
+      --dataset_names arith_products_agent --eval_dataset_names arith_products_agent_eval \
+      --agent_module examples/calculator_agent.py --warm_start_datasets arith_products --max_steps "$PRODUCTS_STEPS" \
+      --rollout_max_new_tokens 64 --max_turns 3 --max_episode_tokens 256 --max_prompt_length 320 \
+      --max_seq_length 576 --eval_max_prompts 100 --eval_steps 20 --warm_start_steps "$PRODUCTS_WARM_START" \
+      "${PRODUCTS_ARGS[@]}"
+  done
+done
 if [ -n "$GSM8K" ] && [ -f "$GSM8K_DIR/test.jsonl" ]; then
   registry="$OUT_DIR/gsm8k_registry.json"
   python - "$GSM8K_DIR" "$registry" <<'PY'
@@ -172,3 +204,6 @@ elif [ -n "$GSM8K" ]; then
 fi
 wait
 python benchmarks/learning_table.py "$OUT_DIR"/*/ | tee "$OUT_DIR/table.md"
+if [ -n "$ARITH_PRODUCTS_AGENT" ]; then  # the agent against the native tool path, seed by seed
+  python benchmarks/agent_table.py "$OUT_DIR"/*/ | tee "$OUT_DIR/agent_table.md"
+fi

@@ -72,6 +72,7 @@ class GRPOConfig(GuideSpellings, DistributedOptions, LoggingOptions, ToolOptions
     def __post_init__(self):
         self.dataset_names = names(self.dataset_names)
         self.eval_dataset_names = names(self.eval_dataset_names)
+        self.warm_start_datasets = names(self.warm_start_datasets)
         self.reward_model = names(self.reward_model)
         fold_guide_spellings(self)
         if self.max_seq_length is None:

@@ -130,6 +130,8 @@ class RunData:
     demonstrations: Optional[object] = None  # rendered rows with the model's turns (--warm_start_steps)
     memory_plan: Optional[object] = None  # grpo.memory.plan.MemoryPlan: every automatic memory choice of the run
     agent_datasets: dict = field(default_factory=dict)  # {name: AgentDataset}: rows that agents play
+    # {name: EpisodeDataset} of the datasets whose demonstrations are tool episodes (--warm_start_datasets too)
+    demonstration_datasets: dict = field(default_factory=dict)
 
 
 def prepare_run(config: GRPOConfig, reward_funcs: Sequence[Callable] = ()) -> RunData:
@@ -161,7 +163,7 @@ def load_run_data(config: GRPOConfig, rewards, rank: int, world: int) -> RunData
     qlora's re-quantization or loftq will need its 16-bit weights. No model is loaded here."""
     from grpo.data import load_dataset_registry, load_prompt_datasets
     from grpo.train.agent_setup import run_agent_datasets
-    from grpo.data.episode_datasets import prompts_with_tools, run_episode_datasets
+    from grpo.data.episode_datasets import check_episode_datasets, prompts_with_tools, run_episode_datasets
 
     registry = load_dataset_registry(config.dataset_config_path)
     episode_datasets = run_episode_datasets(config, registry)
@@ -205,16 +207,16 @@ def load_run_data(config: GRPOConfig, rewards, rank: int, world: int) -> RunData
                           "episodes (tools, environments, agents) are for text models; this model is a "
                           "vision-language model")
 
-    def render(rows, split):
+    def render(rows, split, with_tools=episode_datasets):
         if vision:
             return render_vision_prompts(rows, vision, config.max_prompt_length, config.filter_overlong_prompts,
                                          split)
-        rows, tools_by_source = prompts_with_tools(rows, tokenizer, episode_datasets)
+        rows, tools_by_source = prompts_with_tools(rows, tokenizer, with_tools)
         return render_prompts(rows, tokenizer, config.max_prompt_length, config.filter_overlong_prompts, split,
                               tools_by_source=tools_by_source)
 
     train_set = render(train_rows, "train")
-    demonstrations = None
+    demonstrations, demonstration_datasets = None, dict(episode_datasets)
     if vision and config.sequence_parallel_size > 1:
         raise ConfigError(f"--sequence_parallel_size {config.sequence_parallel_size}: the sharded forward is for text "
                           "models; this model is a vision-language model: use --sequence_parallel_size 1")
@@ -224,8 +226,14 @@ def load_run_data(config: GRPOConfig, rewards, rank: int, world: int) -> RunData
     if config.warm_start_steps:  # rendered like the training prompts, tools included
         from grpo.data import load_demonstrations
 
-        demonstrations = render(load_demonstrations(config.dataset_config_path, config.dataset_names),
-                                "demonstrations")
+        warm_names = config.warm_start_datasets or config.dataset_names
+        # --warm_start_datasets beyond the run's: their demonstrations are laid out as their own tool episodes
+        others = [name for name in warm_names if name not in episode_datasets and registry.get(name) is not None
+                  and (registry[name].tools or registry[name].environment)]
+        if others:
+            demonstration_datasets.update(check_episode_datasets(config, registry, others))
+        demonstrations = render(load_demonstrations(config.dataset_config_path, warm_names), "demonstrations",
+                                demonstration_datasets)
     # held-out rows, then eval datasets; the first --eval_max_prompts of each dataset
     eval_set = first_rows_per_source(render(eval_rows, "eval"), config.eval_max_prompts) if len(eval_rows) else None
     if config.rollout_engine == "vllm" and config.vllm_tp > 1:
@@ -245,7 +253,8 @@ def load_run_data(config: GRPOConfig, rewards, rank: int, world: int) -> RunData
             f"--gradient_accumulation_steps, or raise --train_split_ratio")
     total_steps = config.max_steps if config.max_steps > 0 else config.epochs * order.steps_per_epoch
     return RunData(model_path, tokenizer, vision, rewards, train_set, eval_set, order, total_steps, ds_config,
-                   episode_datasets, demonstrations, memory_plan, agent_datasets=agent_datasets)
+                   episode_datasets, demonstrations, memory_plan, agent_datasets=agent_datasets,
+                   demonstration_datasets=demonstration_datasets)
 
 
 def resolve_model_routing_replay(config: GRPOConfig, model_path: str, agent_datasets: dict) -> bool:

@@ -119,6 +119,7 @@ class GRPOTrainer:
                              checkpointing=self.plan.gradient_checkpointing if self.plan else None)
         self.reference = load_reference(config, self.model_path, self.dtype, self.device)
         self.demonstrations = data.demonstrations
+        self.demonstration_datasets = data.demonstration_datasets  # tool datasets: demonstrations laid out as episodes
         self.warm_start_losses: list[float] = []  # per warm-start step: negative log-likelihood per model token
         self.engine = initialize_deepspeed(policy, self.ds_config, config,  # a warm start's steps come first
                                            self.total_steps * config.num_iterations + config.warm_start_steps)
@@ -362,7 +363,7 @@ class GRPOTrainer:
         rollout engine asleep as during an update; then it gets the result."""
         self.rollout_engine.sleep()
         self.warm_start_losses = run_warm_start(self.engine, self.update_config, self.demonstrations, self.tokenizer,
-                                                self.rollouts.episode_datasets, self.max_completion_tokens,
+                                                self.demonstration_datasets, self.max_completion_tokens,
                                                 self.micro_batch_tokens, self.device)
         self._sync_rollout_weights()
 

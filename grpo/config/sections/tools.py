@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from grpo.config.sections.option import need, option
+from grpo.config.sections.option import need, option, option_list
 
 
 @dataclass
@@ -25,6 +25,11 @@ class ToolOptions:
         0, "Supervised steps on the datasets' \"demonstrations\" (the model's turns written out, e.g. tool calls) "
            "before the first GRPO step of a fresh run: a model that never calls its tools gets calls to prefer.",
         "tools")
+    warm_start_datasets: list[str] = option_list(
+        [], "Datasets whose \"demonstrations\" the warm start trains on (space or comma separated; default: "
+            "--dataset_names). They are laid out as those datasets' tool episodes, so an agent that offers the same "
+            "tools (its episodes those episodes token for token) starts from them: --dataset_names "
+            "arith_products_agent --warm_start_datasets arith_products.", "tools")
     tool_call_reward: Optional[float] = option(
         None, "Weight of the tool_call reward (1 for an episode with a tool call that ran) in every named dataset that "
               "offers tools: replaces the registry's weight, or adds the reward where the entry has none; 0 turns it "
@@ -59,6 +64,8 @@ class ToolOptions:
                  f"must be a number >= 0, got {value}" + (" (a penalty is given as its size: 0.5 scores a failed "
                                                            "call -0.5)" if name == "tool_failure_penalty" else ""))
         need(self.warm_start_steps >= 0, "warm_start_steps", f"must be >= 0, got {self.warm_start_steps}")
+        need(not self.warm_start_datasets or self.warm_start_steps > 0, "warm_start_datasets",
+             "names the datasets whose demonstrations the warm start trains on; give --warm_start_steps too")
         need(self.max_episode_tokens is None or self.max_episode_tokens >= 1, "max_episode_tokens",
              f"must be >= 1, got {self.max_episode_tokens}")
         need(self.max_prompt_length + self.episode_token_budget <= self.max_seq_length, "max_episode_tokens",
