@@ -61,13 +61,13 @@ def size_for_cpu(config, on_cpu: bool) -> dict:
     config.cpu_sized = values
     if not values:
         return values
-    from grpo.config.options import MIN_DEFAULT_SEQ_LENGTH
+    from grpo.config.sections.data import MIN_DEFAULT_SEQ_LENGTH
 
-    for key, value in values.items():
-        setattr(config, key, value)
+    resolved = dict(values)
     if "max_seq_length" not in given:  # derived from the completion length, as at construction
-        config.max_seq_length = max(MIN_DEFAULT_SEQ_LENGTH, config.max_prompt_length + config.rollout_max_new_tokens)
-    config.validate()
+        resolved["max_seq_length"] = max(MIN_DEFAULT_SEQ_LENGTH, config.max_prompt_length
+                                         + resolved.get("rollout_max_new_tokens", config.rollout_max_new_tokens))
+    config.resolve(**resolved)  # the options are checked again
     logger.info(f"on a CPU: {as_flags(values)} (sized for minutes, not hours, on a few cores; the defaults are a "
                 f"GPU's); give any of these flags to choose another value")
     return values

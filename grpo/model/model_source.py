@@ -65,8 +65,8 @@ def check_model_source(name_or_path: str) -> None:
 def check_positions(model_path: str, config) -> None:
     """--max_seq_length against the positions the model's config allows (max_position_embeddings). vLLM refuses a
     longer max_model_len once the model has loaded: with vLLM, a default --max_seq_length shrinks to the model's
-    positions where prompt + new tokens fit (a value equal to the default is taken as it), anything else is a
-    ConfigError now. The HF engine can go past them
+    positions where prompt + new tokens fit (a value equal to the default is taken as it; resolved on the run's
+    options, GRPOConfig.resolve), anything else is a ConfigError now. The HF engine can go past them
     (rotary positions extrapolate, with no promise on quality): a warning where prompt + new tokens do."""
     import logging
 
@@ -89,7 +89,7 @@ def check_positions(model_path: str, config) -> None:
             # the default's floor for tool turns, cut to what the model takes
             logging.getLogger("grpo").info(f"--max_seq_length {config.max_seq_length} -> {positions}: the model's "
                                            f"max_position_embeddings")
-            config.max_seq_length = positions
+            config.resolve(max_seq_length=positions)
             return
         raise ConfigError(f"--max_seq_length {config.max_seq_length} (--max_prompt_length {config.max_prompt_length} "
                           f"+ up to --rollout_max_new_tokens {config.rollout_max_new_tokens}) is more than {what}; "

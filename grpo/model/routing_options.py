@@ -13,8 +13,8 @@ logger = logging.getLogger("grpo")
 
 
 def resolve_routing_replay(config, model_config, agent_datasets=()) -> bool:
-    """Set config.routing_replay to whether this run replays routing (None: on where the model and options allow it)
-    and return it; a ConfigError where it was asked for and cannot be done."""
+    """Resolve config.routing_replay (GRPOConfig.resolve) to whether this run replays routing (None: on where the
+    model and options allow it) and return it; a ConfigError where it was asked for and cannot be done."""
     moe, family = is_mixture_of_experts(model_config), replay_family(model_config)
     conflict = routing_replay_conflict(config, agent_datasets)
     if config.routing_replay:
@@ -28,7 +28,7 @@ def resolve_routing_replay(config, model_config, agent_datasets=()) -> bool:
         if conflict:
             raise ConfigError(f"--routing_replay: {conflict}; drop --routing_replay (or that option)")
     elif config.routing_replay is None:
-        config.routing_replay = family is not None and conflict is None
+        config.resolve(routing_replay=family is not None and conflict is None)
         if moe and not config.routing_replay:
             logger.info("routing replay is off for this mixture of experts: %s",
                         conflict or "its routers cannot be replayed yet")

@@ -34,7 +34,7 @@ def check_run_can_start(config: GRPOConfig) -> None:
         # the guide's command asks for wandb: run without it rather than refuse, and say so at the start
         logger.warning("--use_wandb: wandb is not installed, so metrics go to metrics.jsonl, train.log and "
                        "training_curves.png only (pip install .[wandb] to log them to Weights & Biases)")
-        config.use_wandb = False
+        config.resolve(use_wandb=False)
     check_node_layout(config)  # several nodes: each vLLM tensor-parallel group within one node
     if not config.resume_from_checkpoint and not config.overwrite_output_dir:
         check_no_earlier_run(config.output_dir)
@@ -130,6 +130,9 @@ class RunData:
     demonstrations: Optional[object] = None  # rendered rows with the model's turns (--warm_start_steps)
     memory_plan: Optional[object] = None  # grpo.memory.plan.MemoryPlan: every automatic memory choice of the run
     agent_datasets: dict = field(default_factory=dict)  # {name: AgentDataset}: rows that agents play
+    # the run's options as resolved here (the caller's GRPOConfig stays as it was); GRPOTrainer freezes them once the
+    # ranks agreed on the memory plan
+    config: Optional[GRPOConfig] = None
     # {name: EpisodeDataset} of the datasets whose demonstrations are tool episodes (--warm_start_datasets too)
     demonstration_datasets: dict = field(default_factory=dict)
 
@@ -137,9 +140,14 @@ class RunData:
 def prepare_run(config: GRPOConfig, reward_funcs: Sequence[Callable] = ()) -> RunData:
     """Every check and load that needs no process group and no model, cheapest first: the options and the output
     folder, rewards and the registry, the data files, the DeepSpeed config, the tokenizer and the prompts. Once
-    they all passed, makes the run's folder and starts console logging (and train.log) for this rank."""
+    they all passed, makes the run's folder and starts console logging (and train.log) for this rank.
+
+    The run resolves its options on its own copy of `config` (RunData.config): what depends on the machine, the data
+    and the model (CPU sizing, a tracker that is not installed, the model's positions, routing replay) is set there
+    with GRPOConfig.resolve, once."""
     from grpo.runtime.console_log import setup_console_logging
 
+    config = config.thawed()  # the run's own options, resolved below; the caller's stay as given
     enter_training_world(rollout_ranks_of(config))  # server mode: the rollout ranks are not in this world
     rank, world = launcher_rank_and_world()
     setup_console_logging(rank == 0)
@@ -151,6 +159,7 @@ def prepare_run(config: GRPOConfig, reward_funcs: Sequence[Callable] = ()) -> Ru
         data = load_run_data(config, rewards, rank, world)
     finally:
         logger.removeHandler(early)
+    data.config = config
     # the run's folder, once every check passed: a refused start leaves nothing behind
     os.makedirs(config.output_dir, exist_ok=True)
     if config.log_to_file:

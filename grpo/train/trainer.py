@@ -81,6 +81,8 @@ class GRPOTrainer:
             check_trackers(config)  # --report_to's libraries (rank 0 reports)
             self.hub_repo = check_hub(config)  # the token is there and the hub answers, in seconds
         data = prepared or prepare_run(config, reward_funcs)
+        # the run's own options, as prepare_run resolved them (the caller's GRPOConfig stays as it was given)
+        self.config = data.config if data.config is not None else config.thawed()
         try:
             self._start(data)
         except Exception as exc:
@@ -104,6 +106,12 @@ class GRPOTrainer:
         self.max_completion_tokens = longest_completion(config, {**data.episode_datasets, **data.agent_datasets})
         # every automatic memory choice, made once before loading; the ranks agree on the least budget
         self.plan = agreed_plan(data.memory_plan, config, data.model_path, self.max_completion_tokens)
+        # the options resolved, and frozen from here on: what the run uses and saves. --max_tokens_per_micro_batch
+        # auto takes the plan's log-prob chunk (halved where the chunk is what limits the micro-batches)
+        if config.max_tokens_per_micro_batch == "auto" and self.plan is not None \
+                and self.plan.logprob_chunk_tokens != config.logprob_chunk_tokens:
+            config.resolve(logprob_chunk_tokens=self.plan.logprob_chunk_tokens)
+        config.freeze()
         self.prompts_per_step = config.per_device_train_batch_size * config.gradient_accumulation_steps
         self.resume_path = self._checkpoint_to_resume()  # verified, and for lora / qlora on its base: before loading
 
@@ -135,11 +143,8 @@ class GRPOTrainer:
                                          agents=agent_rollouts_over(config, data.agent_datasets, engine))
         try:
             self._restore_and_sync()
-            self.micro_batch_tokens, chunk_tokens = micro_batch_token_budget(config, self.engine, engine, self.device,
-                                                                             self.plan)
-            # the options as scoring and updates read them: auto may have halved the log-prob chunk to fit (memory
-            # only); the options saved stay those given
-            self.update_config = dataclasses.replace(config, logprob_chunk_tokens=chunk_tokens)
+            # (the log-prob chunk it returns is the resolved option's)
+            self.micro_batch_tokens, _ = micro_batch_token_budget(config, self.engine, engine, self.device, self.plan)
         except BaseException:
             self.close()  # server mode: the rollout ranks stop with us
             raise
@@ -168,9 +173,10 @@ class GRPOTrainer:
         return path
 
     def _save_run_options(self) -> None:
-        """output_dir/grpo_config.json: the options the run started with. A resume never rewrites it: it lists what
-        it changes, and saves its options beside it (grpo_config.resumed_at_step<N>.json) when they differ; every
-        checkpoint holds the options it was trained with."""
+        """output_dir/grpo_config.json: the options the run started with, as it resolved them (the frozen config). A
+        resume never rewrites it: it lists what it changes, and saves its options beside it
+        (grpo_config.resumed_at_step<N>.json) when they differ; every checkpoint holds the options it was trained
+        with."""
         config = self.config
         run_file = os.path.join(config.output_dir, CONFIG_FILE)
         changed = []
@@ -316,7 +322,7 @@ class GRPOTrainer:
         """The policy's log-probs before the update (only for --kl_in_reward, whose penalty the advantages need
         first) and the reference's (KL), each step-wide [N, T] on the training device, or None. The loss's ratio
         takes its old log-probs from the first update's own forward instead (see _optimize)."""
-        cfg = self.update_config
+        cfg = self.config
         start = time.perf_counter()
         policy = torch.zeros(batch.completion_ids.shape, device=self.device) if cfg.kl_in_reward else None
         ref = torch.zeros(batch.completion_ids.shape, device=self.device) if cfg.kl_beta > 0 else None
@@ -329,9 +335,9 @@ class GRPOTrainer:
 
     def _reference_logprobs(self, mb: MicroBatch) -> torch.Tensor:
         if self.reference is not None:  # full fine-tuning: a frozen copy of the base model
-            return score(self.reference, mb, self.update_config)[0].float()
+            return score(self.reference, mb, self.config)[0].float()
         with reference_mode(self.engine.module):  # lora / qlora: the same weights, adapter off
-            return score(self.engine, mb, self.update_config)[0].float()
+            return score(self.engine, mb, self.config)[0].float()
 
     @phase("optimize")
     def _optimize(self, step: StepData) -> tuple[dict, float]:
@@ -346,7 +352,7 @@ class GRPOTrainer:
                                         and has_dropout(self.engine.module))
         metrics: dict = {}
         for iteration in range(self.config.num_iterations):
-            result = update(self.engine, step, self.update_config, first_pass=iteration == 0)
+            result = update(self.engine, step, self.config, first_pass=iteration == 0)
             metrics = {**result.metrics, **{k: v for k, v in metrics.items() if k.startswith("rollout/")}}
             grad_norm = self._grad_norm()
             if result.bad or not math.isfinite(grad_norm):
@@ -362,7 +368,7 @@ class GRPOTrainer:
         """--warm_start_steps supervised steps on the datasets' demonstrations (grpo.train.warm_start), with the
         rollout engine asleep as during an update; then it gets the result."""
         self.rollout_engine.sleep()
-        self.warm_start_losses = run_warm_start(self.engine, self.update_config, self.demonstrations, self.tokenizer,
+        self.warm_start_losses = run_warm_start(self.engine, self.config, self.demonstrations, self.tokenizer,
                                                 self.demonstration_datasets, self.max_completion_tokens,
                                                 self.micro_batch_tokens, self.device)
         self._sync_rollout_weights()
