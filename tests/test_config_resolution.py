@@ -33,6 +33,9 @@ def test_a_frozen_config_refuses_every_change_and_says_how_to_make_a_changed_cop
 def test_resolve_sets_options_and_checks_them_again():
     config = GRPOConfig()
     assert config.resolve(max_seq_length=1024) is config and config.max_seq_length == 1024
+    config.resolve(max_tokens_per_micro_batch="4096", report_to="TensorBoard", dataset_names="arith, gsm8k")
+    assert (config.max_tokens_per_micro_batch, config.report_to, config.dataset_names) == (
+        4096, ["tensorboard"], ["arith", "gsm8k"])  # text takes its form, as at construction
     with pytest.raises(ConfigError, match="--k_samples: must be at least 2"):
         GRPOConfig().resolve(k_samples=1)
     with pytest.raises(TypeError, match="not_an_option is no option"):

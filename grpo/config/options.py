@@ -70,10 +70,7 @@ class GRPOConfig(GuideSpellings, DistributedOptions, LoggingOptions, ToolOptions
         return config_from_run(cls, output_dir, checkpoint, overrides)
 
     def __post_init__(self):
-        self.dataset_names = names(self.dataset_names)
-        self.eval_dataset_names = names(self.eval_dataset_names)
-        self.warm_start_datasets = names(self.warm_start_datasets)
-        self.reward_model = names(self.reward_model)
+        self._take_forms()
         fold_guide_spellings(self)
         if self.max_seq_length is None:
             self.max_seq_length = max(MIN_DEFAULT_SEQ_LENGTH, self.max_prompt_length + self.rollout_max_new_tokens)
@@ -84,10 +81,17 @@ class GRPOConfig(GuideSpellings, DistributedOptions, LoggingOptions, ToolOptions
             self.clip_epsilon_high = self.clip_epsilon_low
         if self.learning_rate is None:
             self.learning_rate = DEFAULT_LEARNING_RATE.get(self.tuning_strategy, DEFAULT_LEARNING_RATE[Strategy.LORA])
-        # options given as text take their form: a number of tokens (from the command line), tracker names
+        self.validate()
+
+    def _take_forms(self) -> None:
+        """Options given as text take their form: lists of names (space and/or comma separated), a number of tokens
+        (from the command line), tracker names."""
+        self.dataset_names = names(self.dataset_names)
+        self.eval_dataset_names = names(self.eval_dataset_names)
+        self.warm_start_datasets = names(self.warm_start_datasets)
+        self.reward_model = names(self.reward_model)
         self.max_tokens_per_micro_batch = token_budget(self.max_tokens_per_micro_batch)
         self.report_to = tracker_names(self.report_to)
-        self.validate()
 
     def validate(self) -> None:
         validate(self)
@@ -109,6 +113,7 @@ class GRPOConfig(GuideSpellings, DistributedOptions, LoggingOptions, ToolOptions
             raise TypeError(f"GRPOConfig.resolve: {', '.join(unknown)} is no option")
         for name, value in values.items():
             setattr(self, name, value)
+        self._take_forms()
         self.validate()
         return self
 
