@@ -9,7 +9,10 @@
 #   KS="1 2" MAX_STEPS=60 SEGMENT=64 OUT=outputs/stream_learning bash benchmarks/stream_learning.sh
 #
 # Knobs: OUT KS MAX_STEPS BATCH MAX_NEW SEGMENT (--rollout_segment_tokens, 0: whole completions) EVAL_PROMPTS
-# TOLERANCE SEED PORT EXTRA_ARGS
+# TOLERANCE SEED PORT EXTRA_ARGS ENGINE (hf or vllm: the rollout engine, else chosen as above) TABLE_ONLY (1: only
+# the table of the runs already in $OUT, e.g. after the K's ran at once, each its own invocation:
+#   for k in 1 2 4; do KS=$k PORT=$((29620 + k)) bash benchmarks/stream_learning.sh & done; wait
+#   TABLE_ONLY=1 bash benchmarks/stream_learning.sh)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-outputs/bench/stream_learning}
@@ -21,7 +24,9 @@ SEED=${SEED:-42}
 port=${PORT:-29620}
 launcher=(deepspeed); command -v deepspeed >/dev/null 2>&1 || launcher=(python3 -m deepspeed.launcher.runner)
 engine=(--rollout_engine hf)
-if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+if [ -n "${ENGINE:-}" ]; then
+  engine=(--rollout_engine "$ENGINE"); [ "$ENGINE" = vllm ] && engine+=(--vllm_enforce_eager)
+elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
   python3 -c 'import vllm' >/dev/null 2>&1 && engine=(--rollout_engine vllm --vllm_enforce_eager)
 fi
 sizes=()
@@ -31,6 +36,7 @@ sizes=()
 mkdir -p "$OUT"
 
 for k in $KS; do
+  [ "${TABLE_ONLY:-0}" = 1 ] && break
   dir="$OUT/k$k"
   echo "== --max_staleness $k (segments: $SEGMENT tokens) -> $dir"
   segment=(); [ "$SEGMENT" != 0 ] && segment=(--rollout_segment_tokens "$SEGMENT")
