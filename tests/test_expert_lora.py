@@ -140,10 +140,13 @@ def test_gradients_reach_the_expert_adapters(tmp_path, strategy):
         for name, wrapper in wrappers.items():
             for factor in (wrapper.lora_A["default"].weight, wrapper.lora_B["default"].weight):
                 assert factor.grad is not None and factor.grad.abs().sum() > 0, f"layer {layer} {name}"
-    if strategy == "qlora":  # transformers 5 + bitsandbytes quantize linear layers only: the experts stay 16-bit
+    if strategy == "qlora":  # bitsandbytes' 4-bit linears, grpo's 4-bit experts (grpo.model.quantized_experts)
+        from grpo.model.quantized_experts import Experts4bit
+
         layer = policy.base_model.model.model.layers[0]
         assert layer.self_attn.q_proj.base_layer.weight.__class__.__name__ == "Params4bit"
-        assert experts_of(policy)[1]["gate_up_proj"].get_param().dtype == torch.float32
+        experts = experts_of(policy)[1]["gate_up_proj"].get_param()
+        assert isinstance(experts, Experts4bit) and experts.dtype == torch.float32 and not experts.requires_grad
 
 
 def family(folder: str) -> str:
@@ -173,10 +176,18 @@ def test_merged_weights_are_the_base_plus_each_experts_update(moe, strategy):
                     a_e = a[e * 4:(e + 1) * 4]                                      # rows of expert e
                     b_e = b[:, [j * 4 + e for j in range(4)]]                       # columns j*E + e
                     update = wrapper.scaling["default"] * b_e @ a_e                 # [out, in]
+                    # qlora: W_e is the 4-bit expert dequantized, within rounding of the checkpoint's
+                    held = wrapper.get_param()[e].float()
                     for i, part in enumerate(parts):
                         rows = slice(i * width, (i + 1) * width) if len(parts) == 2 else slice(None)
                         name = f"model.layers.{layer}.{part.format(e=e)}.weight"
-                        expected[name] = saved.get_tensor(name).float() + update[rows]
+                        checkpoint = saved.get_tensor(name).float()
+                        if strategy == "qlora":
+                            assert not torch.equal(held[rows], checkpoint)
+                            assert (held[rows] - checkpoint).norm() < 0.15 * checkpoint.norm()
+                        else:
+                            assert torch.equal(held[rows], checkpoint)
+                        expected[name] = held[rows] + update[rows]
                 for name, tensor in expected.items():
                     torch.testing.assert_close(sent[name], tensor, atol=1e-6, rtol=1e-6)
     engine = HFRolloutEngine(AutoModelForCausalLM.from_pretrained(moe), make_tiny_tokenizer(), owns_model=True)
@@ -356,3 +367,156 @@ def test_the_frozen_experts_become_views_of_the_engines_fused_experts(moe):
     assert result.shared == 3 and "model.layers.1.mlp.experts.gate_up_proj" in result.kept_names
     with torch.no_grad():
         torch.testing.assert_close(policy(IDS).logits, before, atol=0, rtol=0)
+
+
+# ---------------------------------------------------------------------------------------- qlora: 4-bit experts
+@pytest.fixture(params=["mixtral", "qwen3_moe"])
+def fused_moe(request, tmp_path):
+    folder = str(tmp_path / request.param)
+    return make_tiny_moe_model_dir(folder) if request.param == "mixtral" else tiny_qwen3_moe_dir(folder)
+
+
+def expert_stacks(policy) -> list[tuple]:
+    """(module, parameter name, tensor) of every fused expert weight of the policy's base."""
+    from grpo.model.quantized_experts import fused_expert_slots
+
+    return [(module, name, getattr(module, name)) for module, name in fused_expert_slots(policy)]
+
+
+def with_dense_experts(policy):
+    """The same policy with every 4-bit expert stack replaced by its dequantized values as a plain parameter."""
+    for module, name, stack in expert_stacks(policy):
+        setattr(module, name, torch.nn.Parameter(stack.dequantize(), requires_grad=False))
+    return policy
+
+
+def test_qlora_holds_the_experts_in_4_bits(fused_moe, caplog):
+    """Under qlora every fused expert stack is an Experts4bit of the 16-bit shape and dtype holding bitsandbytes'
+    packed codes (half a byte per value) and per-block scales (blocks of --qlora_block_size, double-quantized):
+    4.25 bits per value instead of 32, plus the codebooks; peft's ParamWrapper adapts it unchanged, and no warning says the
+    experts stay 16-bit."""
+    from grpo.model.quantized_experts import Experts4bit, parameter_bytes
+
+    with caplog.at_level("WARNING", logger="grpo"):
+        policy = trained_policy(fused_moe, "qlora")
+    assert not [r for r in caplog.records if "experts" in r.getMessage() and "stay" in r.getMessage()]
+    stacks = expert_stacks(policy)
+    assert len(stacks) == 2 * 2  # layers x (gate_up_proj, down_proj)
+    for _, name, stack in stacks:
+        assert isinstance(stack, Experts4bit) and isinstance(stack, torch.nn.Parameter) and not stack.requires_grad
+        assert stack.dtype == torch.float32 and stack.dim() == 3 and name in ("gate_up_proj", "down_proj")
+        assert stack.packed.dtype == torch.uint8 and stack.packed.numel() == stack.numel() // 2
+        assert {s.blocksize for s in stack.states} == {32} and {s.quant_type for s in stack.states} == {"nf4"}
+        scales = sum(s.absmax.numel() + 4 * s.state2.absmax.numel() for s in stack.states)  # uint8, fp32 nested
+        assert 8 * (stack.packed.numel() + scales) / stack.numel() < 4.3  # 4 + 8 / 32 + 32 / (32 * 256), rounded up
+        assert parameter_bytes(stack) < stack.numel() * stack.element_size() / 5  # (with the shared codebooks)
+    _, wrappers = experts_of(policy)
+    assert all(isinstance(w.get_param(), Experts4bit) for w in wrappers.values())
+    held = sum(parameter_bytes(p) for p in policy.parameters())
+    dense = sum(p.numel() * p.element_size() for _, _, p in stacks)
+    assert held < dense  # the experts alone in fp32 outweigh the whole 4-bit policy
+
+
+def test_qlora_experts_compute_as_their_dequantized_values(fused_moe):
+    """The policy with 4-bit experts computes what it computes with those experts dequantized into plain fp32
+    parameters: logits with the adapter and without (the reference), and the expert adapters' gradients."""
+    policy = trained_policy(fused_moe, "qlora")
+    factors = [n for n, p in policy.named_parameters() if p.requires_grad and ".experts." in n]
+
+    def run():
+        policy.eval()
+        with torch.no_grad():
+            logits = policy(IDS).logits
+            with policy.disable_adapter():
+                reference = policy(IDS).logits
+        policy.train()
+        policy.zero_grad()
+        policy(IDS, labels=IDS).loss.backward()
+        grads = {n: p.grad.clone() for n, p in policy.named_parameters() if n in factors}
+        return logits, reference, grads
+
+    logits, reference, grads = run()
+    assert len(grads) == 2 * 2 * 2 and all(g.abs().sum() > 0 for g in grads.values())
+    with_dense_experts(policy)
+    assert expert_stacks(policy)[0][2].__class__.__name__ != "Experts4bit"
+    dense_logits, dense_reference, dense_grads = run()
+    torch.testing.assert_close(logits, dense_logits, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(reference, dense_reference, atol=1e-5, rtol=1e-5)
+    for name in factors:
+        torch.testing.assert_close(grads[name], dense_grads[name], atol=1e-5, rtol=1e-4)
+
+
+def test_a_qlora_step_trains_the_expert_adapters_over_frozen_4bit_experts(fused_moe):
+    """One optimizer step on the adapter (gradient checkpointing on, as on CPU by default): the loss changes, the
+    experts' factors move, the 4-bit experts' codes do not."""
+    policy = trained_policy(fused_moe, "qlora")
+    codes = [stack.packed.clone() for _, _, stack in expert_stacks(policy)]
+    factors = {n: p.detach().clone() for n, p in policy.named_parameters() if p.requires_grad and ".experts." in n}
+    optimizer = torch.optim.Adam([p for p in policy.parameters() if p.requires_grad], lr=1e-2)
+    policy.train()
+    loss = policy(IDS, labels=IDS).loss
+    loss.backward()
+    optimizer.step()
+    with torch.no_grad():
+        after = policy(IDS, labels=IDS).loss
+    assert after < loss.detach()
+    moved = [n for n, p in policy.named_parameters() if n in factors and not torch.equal(p, factors[n])]
+    assert sorted(moved) == sorted(factors)
+    assert all(torch.equal(c, stack.packed) for c, (_, _, stack) in zip(codes, expert_stacks(policy)))
+
+
+def test_the_qlora_adapter_of_4bit_experts_round_trips(fused_moe, tmp_path):
+    """The saved adapter (peft's fused factors) continued onto a freshly loaded qlora base gives the same policy:
+    the experts are quantized again the same way. Its merged export merges into the 16-bit checkpoint (as qlora's
+    linear layers are): W_e + s * B_e @ A_e from the checkpoint's experts."""
+    from grpo import GRPOConfig
+    from grpo.checkpoint.final_model import save_final_model
+    from grpo.model.loading import load_policy
+
+    policy = trained_policy(fused_moe, "qlora").eval()
+    config = GRPOConfig(model_name_or_path=fused_moe, tuning_strategy="qlora", lora_rank=4, lora_alpha=8,
+                        lora_dropout=0.0, save_merged_model=True)
+    saved = save_final_model(policy, make_tiny_tokenizer(), str(tmp_path / "out"), config, fused_moe, torch.float32)
+    adapter = saved["lora_adapter"]
+    assert os.path.isfile(os.path.join(adapter, "vllm", "adapter_model.safetensors"))
+    continued = GRPOConfig(model_name_or_path=fused_moe, tuning_strategy="qlora", lora_adapter_path=adapter)
+    reloaded = load_policy(continued, fused_moe, torch.float32, torch.device("cpu")).eval()
+    assert all(s.__class__.__name__ == "Experts4bit" for _, _, s in expert_stacks(reloaded))
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(IDS).logits, policy(IDS).logits, atol=1e-6, rtol=1e-6)
+    merged = load_file(os.path.join(saved["merged_model"], "model.safetensors"))
+    checkpoint = load_file(os.path.join(fused_moe, "model.safetensors"))
+    _, wrappers = experts_of(policy, 1)
+    down = wrappers["down_proj"]
+    experts_a, experts_b = expert_factors(down.lora_A["default"].weight.detach(), down.lora_B["default"].weight.detach(),
+                                          4)
+    update = expert_delta(experts_a, experts_b, down.scaling["default"])
+    name = "model.layers.1." + CHECKPOINT_PARTS[family(fused_moe)][2].format(e=2) + ".weight"
+    torch.testing.assert_close(merged[name].float(), checkpoint[name].float() + update[2], atol=1e-5, rtol=1e-5)
+
+
+def test_qlora_quantizes_each_expert_stack_as_it_loads(fused_moe, monkeypatch):
+    """The load never holds more than one 16-bit expert stack: each is quantized as transformers sets it into the
+    model (grpo.model.quantized_experts.experts_quantized_as_loaded), and the policy is the one a quantization after
+    the load gives."""
+    from transformers import core_model_loading
+
+    from grpo.model.quantized_experts import Experts4bit, quantize_fused_experts
+
+    alive = []
+    set_param = core_model_loading.set_param_for_module
+
+    def recording(model, *args, **kwargs):
+        set_param(model, *args, **kwargs)
+        alive.append(sum(1 for p in model.parameters() if p.dim() == 3 and p.device.type != "meta"
+                         and not isinstance(p, Experts4bit)))
+
+    monkeypatch.setattr(core_model_loading, "set_param_for_module", recording)
+    policy = trained_policy(fused_moe, "qlora").eval()
+    assert alive and max(alive) == 1
+    monkeypatch.setattr(core_model_loading, "set_param_for_module", set_param)
+    dense = AutoModelForCausalLM.from_pretrained(fused_moe, dtype=torch.float32)
+    assert quantize_fused_experts(dense, "nf4", 32, "mse") == 4
+    for (_, name, loaded), (_, _, after) in zip(expert_stacks(policy), expert_stacks(dense)):
+        assert torch.equal(loaded.packed, after.packed), name
+

@@ -13,13 +13,10 @@ for and the router stays frozen (vLLM's LoRA is not checked on it, and routing r
 """
 from __future__ import annotations
 
-import logging
-
 import torch
 
 from grpo.errors import ConfigError
 
-logger = logging.getLogger("grpo")
 
 # the per-expert names of the published checkpoints (Mixtral, Qwen-MoE) -> the fused parameter that holds them
 EXPERT_PARTS = {"w1": "gate_up_proj", "w3": "gate_up_proj", "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj",
@@ -61,17 +58,3 @@ def expert_lora_targets(model, targets, linear_names: list[str]):
     modules = [t for t in targets if t.rsplit(".", 1)[-1] not in EXPERT_PARTS and t != ALL_EXPERTS]
     return (modules or None), (params or None)
 
-
-def warn_experts_stay_16bit(model) -> None:
-    """qlora on a mixture of fused experts: bitsandbytes quantizes nn.Linear layers only, so the experts (most of the
-    model) keep the load dtype; said once, with their size."""
-    experts = [p for module in model.modules() if not isinstance(module, torch.nn.modules.conv._ConvNd)
-               for p in module.parameters(recurse=False) if p.dim() == 3]
-    if not experts:
-        return
-    held = sum(p.numel() * p.element_size() for p in experts)
-    values = sum(p.numel() * (2 if p.__class__.__name__ == "Params4bit" else 1) for p in model.parameters())  # (packed)
-    share = sum(p.numel() for p in experts) / max(values, 1)
-    logger.warning(f"qlora: this mixture of experts' fused experts ({100 * share:.0f}% of the parameters, "
-                   f"{held / 2**30:.2f} GiB) stay in {experts[0].dtype} (transformers and bitsandbytes quantize linear "
-                   "layers only); attention is 4-bit")

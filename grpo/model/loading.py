@@ -14,9 +14,10 @@ import torch
 from grpo.config.options import GRPOConfig
 from grpo.errors import ConfigError
 from grpo.model.base_weights import saved_4bit
-from grpo.model.expert_targets import expert_lora_targets, warn_experts_stay_16bit
+from grpo.model.expert_targets import expert_lora_targets
 from grpo.model.qlora_base_record import warn_if_another_base
 from grpo.model.qlora_rounding import requantize_4bit_base
+from grpo.model.quantized_experts import experts_quantized_as_loaded, quantize_fused_experts
 
 logger = logging.getLogger("grpo")
 CHECKPOINTING_FROM_PARAMETERS = 1_000_000_000  # --gradient_checkpointing auto: on from here
@@ -95,10 +96,13 @@ def load_policy(config: GRPOConfig, model_path: str, dtype: torch.dtype, device:
         quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=config.qlora_quant_type,
                                           bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=dtype,
                                           llm_int8_skip_modules=skip)
-    model = load_base_model(model_path, dtype, device, config.trust_remote_code, quantization,
-                            device_map={"": device} if stored_4bit else None)
-    if quantization is not None:
-        warn_experts_stay_16bit(model)
+    # qlora: the fused experts too, each as it loads (bitsandbytes quantizes nn.Linear layers only)
+    experts_4bit = (config.qlora_quant_type, config.qlora_block_size, config.qlora_block_scale)
+    with experts_quantized_as_loaded(*experts_4bit) if config.strategy.four_bit_base else contextlib.nullcontext():
+        model = load_base_model(model_path, dtype, device, config.trust_remote_code, quantization,
+                                device_map={"": device} if stored_4bit else None)
+    if config.strategy.four_bit_base:
+        quantize_fused_experts(model, *experts_4bit)
     if quantization is not None and config.qlora_requantizing_options:
         requantize_4bit_base(model, model_path, config.qlora_block_size, config.qlora_block_scale,
                              " and ".join(config.qlora_requantizing_options))

@@ -35,6 +35,7 @@ import torch
 
 from grpo.errors import ConfigError
 from grpo.model.layer_weights import PEFT_PREFIX, checkpoint_name, lora_adapters
+from grpo.model.quantized_experts import dense_values, is_4bit_experts
 
 
 @dataclass(frozen=True)
@@ -233,9 +234,11 @@ def vllm_expert_adapter(model, experts_name: str, outer, dtype: torch.dtype) -> 
     return tensors
 
 
-def merged_expert_weights(outer, everything: bool) -> list[tuple[str, torch.Tensor]]:
+def merged_expert_weights(outer, everything: bool, dequantize_frozen: bool = False) -> list[tuple[str, torch.Tensor]]:
     """(parameter name, fp32 tensor) of one experts module with its adapters folded in, W_e + s * B_e @ A_e for every
-    expert (ZeRO-3: call with the parameters gathered); with `everything`, its other parameters as they are too."""
+    expert (ZeRO-3: call with the parameters gathered); with `everything`, its other parameters as they are too, with
+    `dequantize_frozen` its unadapted 4-bit ones (qlora's experts: grpo.model.quantized_experts), dequantized. A
+    4-bit W is read dequantized: the merge is what the trainer computes."""
     wrappers = expert_wrappers(outer)
     experts = wrappers[-1].get_base_layer()
     adapted = adapted_parameters(wrappers)
@@ -243,10 +246,10 @@ def merged_expert_weights(outer, everything: bool) -> list[tuple[str, torch.Tens
     with torch.no_grad():
         for pname, param in experts.named_parameters(recurse=False):
             if pname not in adapted:
-                if everything:
-                    out.append((pname, param.data.float()))
+                if everything or (dequantize_frozen and is_4bit_experts(param)):
+                    out.append((pname, dense_values(param).float()))
                 continue
-            weight = param.data.float()
+            weight = dense_values(param).float()
             for wrapper, adapter in adapted[pname]:
                 experts_a, experts_b = expert_factors(wrapper.lora_A[adapter].weight, wrapper.lora_B[adapter].weight,
                                                       wrapper.num_experts)

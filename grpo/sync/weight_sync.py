@@ -6,7 +6,8 @@ Streamed one module at a time, so memory stays bounded by the largest layer, nev
            weight  W + (alpha / r) * B @ A          (transposed for fan_in_fan_out layers such as GPT-2's Conv1D)
            bias    b + (alpha / r) * b_B            (only with peft's lora_bias=True)
          plus the trained copies of modules_to_save
-  qlora  dequantize_4bit(W) + (alpha / r) * B @ A, and on the first sync every other 4-bit linear dequantized too:
+  qlora  dequantize_4bit(W) + (alpha / r) * B @ A (a mixture of experts' 4-bit experts too, expert by expert:
+         grpo.model.quantized_experts), and on the first sync every other 4-bit linear and expert stack dequantized too:
          the engine loads the unquantized checkpoint, and must sample from exactly the quantized policy being trained
 An engine that drops its weights while it sleeps (`needs_every_weight`, vLLM's level-2 sleep) gets the whole policy
 after every step instead: lora / qlora then also send their frozen tensors (embeddings, norms, layers without an
@@ -30,6 +31,7 @@ from grpo.config.strategy import Strategy
 from grpo.errors import ConfigError
 from grpo.model.layer_weights import (PEFT_PREFIX, active_adapters, checkpoint_name, dense_weight, is_4bit,
                                      lora_adapters, plain_lora, write_weight)
+from grpo.model.quantized_experts import dense_values, four_bit_experts
 from grpo.model.vision import checkpoint_prefixes, rename
 from grpo.sync.checkpoint_layout import converted_names, to_checkpoint
 from grpo.sync.expert_adapters import (adapted_parameters, expert_lora_parameters, expert_wrappers,
@@ -315,10 +317,12 @@ def _iter_adapter(model, dtype, zero3, dequantize_frozen: bool, everything: bool
                               "train without trainable_token_indices")
         elif isinstance(module, LoraLayer) and expert_wrappers(module):  # fused experts: W_e + s * B_e @ A_e
             wrapper_prefix = module_name + "."
-            if not everything and not adapted_parameters(expert_wrappers(module)):
+            experts = expert_wrappers(module)
+            if not (everything or adapted_parameters(experts)
+                    or (dequantize_frozen and four_bit_experts(experts[-1].get_base_layer()))):
                 continue
             with _gathered(expert_lora_parameters(module), zero3):
-                merged = merged_expert_weights(module, everything)
+                merged = merged_expert_weights(module, everything, dequantize_frozen)
             for pname, weight in merged:  # (live names: to_checkpoint splits them into the checkpoint's experts)
                 yield f"{name}.{pname}", weight.to(dtype)
         elif isinstance(module, LoraLayer):
@@ -347,5 +351,11 @@ def _iter_adapter(model, dtype, zero3, dequantize_frozen: bool, everything: bool
                 else dense_weight(module).to(dtype)
             if everything and getattr(module, "bias", None) is not None:
                 yield from _module_tensors(name, [("bias", module.bias)], dtype, zero3, set(), target)
+        elif dequantize_frozen and four_bit_experts(module):  # qlora's unadapted 4-bit experts, dequantized
+            params = module.named_parameters(recurse=False) if everything else four_bit_experts(module)
+            for pname, param in params:
+                if id(param) not in seen:
+                    seen.add(id(param))
+                    yield f"{name}.{pname}", dense_values(param).to(dtype)
         elif everything:  # a frozen module's own tensors (embeddings, norms, heads), as the checkpoint has them
             yield from _module_tensors(name, module.named_parameters(recurse=False), dtype, zero3, seen, target)
