@@ -520,3 +520,22 @@ def test_qlora_quantizes_each_expert_stack_as_it_loads(fused_moe, monkeypatch):
     for (_, name, loaded), (_, _, after) in zip(expert_stacks(policy), expert_stacks(dense)):
         assert torch.equal(loaded.packed, after.packed), name
 
+
+@pytest.mark.parametrize("shape", [(4, 256, 64), (3, 64, 32)])
+def test_a_4bit_expert_stack_reads_the_same_per_expert_and_whole(shape):
+    """Experts4bit: W[e] dequantizes expert e alone, any other read the stack; both give the same values, within
+    4-bit rounding of the weights; writes are refused. (4, 256, 64): blocks of scales align with the experts, the
+    stack is quantized in one piece (one call reads it whole); (3, 64, 32): expert by expert."""
+    from grpo.model.quantized_experts import Experts4bit, quantize_experts
+
+    torch.manual_seed(0)
+    weight = torch.randn(*shape)
+    stack = torch.nn.Parameter(quantize_experts(weight, "nf4", 32, "mse"), requires_grad=False)
+    assert isinstance(stack, Experts4bit) and (stack.whole is not None) == (shape[0] == 4)
+    whole = stack.dequantize()
+    assert all(torch.equal(stack[e], whole[e]) for e in range(shape[0]))
+    assert torch.equal(stack * 1, whole) and torch.equal(stack.data + 0, whole)
+    assert (whole - weight).norm() < 0.15 * weight.norm()
+    with pytest.raises(ConfigError, match="frozen"):
+        stack.data.add_(1)
+

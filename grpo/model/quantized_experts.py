@@ -39,20 +39,23 @@ class Experts4bit(torch.Tensor):
     """A frozen [E, out, in] expert stack (or any 3-D stack of matrices) held as E bitsandbytes 4-bit matrices.
 
     `packed` [E, out * in / 2] uint8: expert e's codes as quantize_4bit packs them; `states`: its E QuantStates
-    (their dtype: the values' dtype). It reports the dense shape, dtype and device; reads dequantize (module
-    docstring)."""
+    (their dtype: the values' dtype); `whole`: where the stack was quantized in one piece, its QuantState, of which
+    the experts' states are slices (one dequantize_4bit call reads the whole stack). It reports the dense shape, dtype
+    and device; reads dequantize (module docstring)."""
 
     packed: torch.Tensor
     states: list
+    whole: object
 
     @staticmethod
-    def __new__(cls, packed: torch.Tensor, states: list, shape, dtype: torch.dtype):
+    def __new__(cls, packed: torch.Tensor, states: list, shape, dtype: torch.dtype, whole=None):
         return torch.Tensor._make_wrapper_subclass(cls, torch.Size(shape), dtype=dtype, device=packed.device,
                                                    requires_grad=False)
 
-    def __init__(self, packed: torch.Tensor, states: list, shape, dtype: torch.dtype):
+    def __init__(self, packed: torch.Tensor, states: list, shape, dtype: torch.dtype, whole=None):
         self.packed = packed
         self.states = states
+        self.whole = whole
 
     # ------------------------------------------------------------------------------------------------- reading
     def expert(self, index: int) -> torch.Tensor:
@@ -62,9 +65,11 @@ class Experts4bit(torch.Tensor):
         return bnbf.dequantize_4bit(self.packed[index], self.states[index]).view(self.shape[1:]).to(self.dtype)
 
     def dequantize(self) -> torch.Tensor:
-        """The whole [E, out, in] stack, dequantized expert by expert into one new tensor."""
+        """The whole [E, out, in] stack, dequantized into one new tensor (in one call, or expert by expert)."""
         import bitsandbytes.functional as bnbf
 
+        if self.whole is not None:
+            return bnbf.dequantize_4bit(self.packed, self.whole).view(self.shape).to(self.dtype)
         out = torch.empty(self.shape, dtype=self.dtype, device=self.device)
         for e in range(self.shape[0]):
             if out.is_cuda and self.states[e].dtype == out.dtype:
@@ -75,7 +80,8 @@ class Experts4bit(torch.Tensor):
 
     def storage_bytes(self) -> int:
         """Bytes it holds: the packed codes and every expert's quantization state (scales, nested scales, code)."""
-        tensors = {id(t): t for state in self.states for t in _state_tensors(state)}  # (codebooks are shared)
+        states = [self.whole] if self.whole is not None else self.states  # (the experts' are its slices)
+        tensors = {id(t): t for state in states for t in _state_tensors(state)}  # (codebooks are shared)
         return self.packed.numel() * self.packed.element_size() + sum(t.numel() * t.element_size()
                                                                       for t in tensors.values())
 
@@ -85,6 +91,10 @@ class Experts4bit(torch.Tensor):
                 f"blocksize={self.states[0].blocksize if self.states else '?'})")
 
     def _moved(self, device) -> "Experts4bit":
+        if self.whole is not None:
+            whole = _moved_states([self.whole], device)[0]
+            return Experts4bit(self.packed.to(device), _expert_states(whole, self.shape), self.shape, self.dtype,
+                               whole)
         return Experts4bit(self.packed.to(device), _moved_states(self.states, device), self.shape, self.dtype)
 
     # ---------------------------------------------------------------------------------------------- operations
@@ -93,7 +103,7 @@ class Experts4bit(torch.Tensor):
         kwargs = kwargs or {}
         if func in (aten.detach.default, aten.alias.default):  # nn.Parameter, .data, .detach(): the same codes
             self = args[0]
-            return Experts4bit(self.packed, self.states, self.shape, self.dtype)
+            return Experts4bit(self.packed, self.states, self.shape, self.dtype, self.whole)
         if func is aten.select.int and args[1] == 0:  # W[e]: one expert
             self, index = args[0], args[2]
             return self.expert(index % self.shape[0])
@@ -175,6 +185,15 @@ def quantize_experts(weight: torch.Tensor, quant_type: str, block_size: int, blo
     from grpo.model.qlora_rounding import codebook, mse_block_rounding
 
     experts, rows, cols = weight.shape
+    if double_quant and (rows * cols) % (block_size * NESTED_BLOCK) == 0:
+        # no block, nor block of scales, straddles two experts: the stack in one piece (one call to read it whole),
+        # each expert's state a slice of it (every real model's experts; not the tiniest test ones)
+        w = weight.contiguous()
+        if block_scale == "mse":
+            w = mse_block_rounding(w, codebook(quant_type), block_size).to(weight.dtype)
+        codes, whole = bnbf.quantize_4bit(w, blocksize=block_size, quant_type=quant_type, compress_statistics=True)
+        return Experts4bit(codes.view(experts, -1), _expert_states(whole, weight.shape), weight.shape, weight.dtype,
+                           whole)
     packed = torch.empty(experts, (rows * cols + 1) // 2, dtype=torch.uint8, device=weight.device)
     states = []
     for e in range(experts):
@@ -190,6 +209,26 @@ def quantize_experts(weight: torch.Tensor, quant_type: str, block_size: int, blo
                 state.state2.code = _same(state.state2.code, states[0].state2.code)
         states.append(state)
     return Experts4bit(packed, states, weight.shape, weight.dtype)
+
+
+NESTED_BLOCK = 256  # bitsandbytes' double quantization: one fp32 scale per 256 block scales
+
+
+def _expert_states(whole, shape) -> list:
+    """Each expert's QuantState as slices of the whole stack's (blocks and nested blocks aligned with the experts):
+    its 8-bit block scales, its nested fp32 scales, the shared codebooks and offset."""
+    from bitsandbytes.functional import QuantState
+
+    experts, rows, cols = shape
+    blocks = rows * cols // whole.blocksize
+    nested = blocks // whole.state2.blocksize
+    return [QuantState(absmax=whole.absmax[e * blocks:(e + 1) * blocks], shape=torch.Size((rows, cols)),
+                       code=whole.code, blocksize=whole.blocksize, quant_type=whole.quant_type, dtype=whole.dtype,
+                       offset=whole.offset,
+                       state2=QuantState(absmax=whole.state2.absmax[e * nested:(e + 1) * nested],
+                                         code=whole.state2.code, blocksize=whole.state2.blocksize,
+                                         dtype=whole.state2.dtype))
+            for e in range(experts)]
 
 
 def _same(tensor: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
