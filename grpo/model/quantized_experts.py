@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 
 import torch
 from torch.utils._pytree import tree_map
@@ -274,6 +275,9 @@ def experts_quantized_as_loaded(quant_type: str, block_size: int, block_scale: s
     """Within: a model transformers loads has each fused expert stack quantized as soon as it is set into the model
     (transformers 5's core_model_loading.set_param_for_module, called once per tensor with the whole fused stack), so
     the load holds one 16-bit stack at a time instead of all of them (55.6 -> 16 GiB at Qwen3-30B-A3B's shape).
+    The load runs synchronously (HF_DEACTIVATE_ASYNC_LOAD, as transformers 5.24 itself does for on-the-fly
+    quantization): its worker threads would otherwise read every 16-bit tensor onto the device ahead of the
+    quantization (transformers 5.17 with a bitsandbytes config; any version for a pre-quantized checkpoint).
     A transformers without that function loads as it is; quantize_fused_experts after the load catches any stack
     this missed."""
     try:
@@ -302,10 +306,19 @@ def experts_quantized_as_loaded(quant_type: str, block_size: int, block_scale: s
             setattr(module, name, quantized)
 
     core_model_loading.set_param_for_module = set_and_quantize
+    asynchronous = os.environ.get(SYNC_LOAD)
+    os.environ[SYNC_LOAD] = "1"
     try:
         yield
     finally:
         core_model_loading.set_param_for_module = original
+        if asynchronous is None:
+            os.environ.pop(SYNC_LOAD, None)
+        else:
+            os.environ[SYNC_LOAD] = asynchronous
+
+
+SYNC_LOAD = "HF_DEACTIVATE_ASYNC_LOAD"
 
 
 def parameter_bytes(param) -> int:
