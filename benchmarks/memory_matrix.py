@@ -119,6 +119,49 @@ def reserved(cell: dict) -> float:
     return min(cell["budget"], 1.1 * max(cell["planned_gib"].values()))
 
 
+def gpu_memory(index: int) -> tuple[float, dict[int, float]]:
+    """NVML through nvidia-smi (no CUDA context here): the GPU's free GiB and GiB held by each process on it."""
+    def query(*args):
+        out = subprocess.run(["nvidia-smi", "-i", str(index), *args, "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, check=True).stdout
+        return [line.split(",") for line in out.strip().splitlines() if line.strip()]
+
+    free = float(query("--query-gpu=memory.free")[0][0]) / 1024
+    held = {int(pid): float(mib) / 1024 for pid, mib in query("--query-compute-apps=pid,used_memory")}
+    return free, held
+
+
+def process_tree(root: int) -> set[int]:
+    """The pid and every process below it (the launcher's ranks, their engine's workers)."""
+    parents = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                parents[int(entry)] = int(open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+    tree, grew = {root}, True
+    while grew:
+        grew = False
+        for pid, parent in parents.items():
+            if parent in tree and pid not in tree:
+                tree.add(pid)
+                grew = True
+    return tree
+
+
+def room_for(cell: dict, running: list, gpu: int) -> bool:
+    """Whether the GPU holds the cell's whole budget now, beside what every process on it holds (other jobs'
+    too: runs that share a GPU see each other only there) and what this matrix's running runs may still take
+    (their reserve beyond what they hold)."""
+    free, held = gpu_memory(gpu)
+    growth = 0.0
+    for other, process, *_ in running:
+        holding = sum(held.get(pid, 0.0) for pid in process_tree(process.pid))
+        growth += max(0.0, reserved(other) - holding)
+    return free >= cell["budget"] + growth
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("", 0))
@@ -203,9 +246,11 @@ def main() -> None:
         args.gpu_gib = torch.cuda.get_device_properties(0).total_memory / GIB - 4
     while queue or running:
         # a run starts when its whole budget is free beside what the running ones may hold (their planned peaks
-        # +10%, the most the plan allows itself): each run then plans with its own budget, never with less
+        # +10%, the most the plan allows itself), and free on the GPU itself beside other jobs there (room_for):
+        # each run then plans with its own budget, never with less
         while (queue and len(running) < args.lanes
-               and sum(reserved(c) for c, *_ in running) + queue[0]["budget"] <= args.gpu_gib):
+               and sum(reserved(c) for c, *_ in running) + queue[0]["budget"] <= args.gpu_gib
+               and room_for(queue[0], running, args.gpu)):
             cell = queue.pop(0)
             name = f"{cell['shape']}-{args.strategy}-{cell['budget']:g}gib-{cell['new']}new"
             running.append((cell, *start(cell["model"], args, cell["budget"], cell["new"], name)))
