@@ -20,8 +20,6 @@ READS_AUTO = {
     # auto or explicit: an explicit choice the loaded policy cannot take is an error, the plan's choice falls back
     ("grpo/rollout/engines.py", "rollout_weights"),
     ("grpo/rollout/engines.py", "vllm_sleep_level"),  # an explicit level is taken as given
-    # step_micro_batches called without the plan's budget (benchmarks): the CPU plan's 16384
-    ("grpo/train/update.py", "max_tokens_per_micro_batch"),
     # auto: the options take the plan's log-prob chunk (as its budget's)
     ("grpo/train/trainer.py", "max_tokens_per_micro_batch"),
 }

@@ -193,8 +193,9 @@ def test_cpu_and_explicit_values_are_kept():
     from grpo.config import GRPOConfig
 
     cpu = torch.device("cpu")
-    assert micro_batch_token_budget(GRPOConfig(), None, None, cpu) == (16384, 1024)
-    assert micro_batch_token_budget(GRPOConfig(), None, None, cpu, plan=None) == (16384, 1024)
+    # auto is the plan's to resolve: without one, a clear error (no budget of its own here)
+    with pytest.raises(ValueError, match="--max_tokens_per_micro_batch auto is the memory plan's budget"):
+        micro_batch_token_budget(GRPOConfig(), None, None, cpu)
     assert micro_batch_token_budget(GRPOConfig(max_tokens_per_micro_batch=4096), None, None, cpu) == (4096, 1024)
     assert micro_batch_token_budget(GRPOConfig(max_tokens_per_micro_batch=0, logprob_chunk_tokens=256), None, None,
                                     cpu) == (0, 256)
@@ -266,8 +267,9 @@ def test_on_a_gpu_the_plans_budget_is_lowered_only_where_the_measured_room_holds
     assert micro_batch_token_budget(config, model, SleepyEngine(), gpu,
                                     SimpleNamespace(micro_batch_tokens=1024, logprob_chunk_tokens=8)) == (1024, 8)
     assert "the memory plan's 1024; the room measured after loading holds 2048" in grpo_log[-1]
-    # without a plan: 16384 at most, lowered the same way
-    assert micro_batch_token_budget(config, model, SleepyEngine(), gpu) == (2048, 8)
+    # without a plan: refused before anything is measured
+    with pytest.raises(ValueError, match="pass the run's plan"):
+        micro_batch_token_budget(config, model, SleepyEngine(), gpu)
     # not one row of 768 tokens in the room: the error with the figures, before any rollout
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (4 * GIB + to_come + 1000, 80 * GIB))
     with pytest.raises(ConfigError, match="one row of --max_seq_length 768 tokens needs"):
@@ -329,3 +331,7 @@ def test_sequence_parallel_micro_batches_count_a_rank_s_share_of_each_row():
     rows = lambda mbs: [mb.rows.tolist() for mb in mbs]  # noqa: E731
     assert rows(halves) == rows(one)
     assert len(one) < len(step_micro_batches(batch, GRPOConfig(), max_tokens=8))  # the factor N matters
+    # a number given as the option is the budget; auto without the resolved budget is refused
+    assert rows(step_micro_batches(batch, GRPOConfig(max_tokens_per_micro_batch=16))) == rows(one)
+    with pytest.raises(ValueError, match="pass it as max_tokens"):
+        step_micro_batches(batch, GRPOConfig())

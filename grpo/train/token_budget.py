@@ -115,16 +115,17 @@ def training_estimate(config, model, chunk_tokens: int | None = None) -> tuple[i
 
 
 def micro_batch_token_budget(config, model, engine, device: torch.device, plan=None) -> tuple[int, int]:
-    """(--max_tokens_per_micro_batch, --logprob_chunk_tokens) for this run: as given; auto the memory plan's (16384 on
-    CPU without one), on a GPU checked against the room measured once the model and engine are loaded (module
+    """(--max_tokens_per_micro_batch, --logprob_chunk_tokens) for this run: as given; auto the memory plan's (`plan`,
+    required then), on a GPU checked against the room measured once the model and engine are loaded (module
     docstring): lowered where the room holds less, to the least any rank holds, so every rank trains alike; a rank
     that cannot fit one row stops every rank."""
     value, chunk_tokens = config.max_tokens_per_micro_batch, config.logprob_chunk_tokens
     if value != "auto":
         return value, chunk_tokens
-    planned = plan.micro_batch_tokens if plan is not None else MICRO_BATCH_TOKENS
-    if plan is not None:
-        chunk_tokens = plan.logprob_chunk_tokens
+    if plan is None:
+        raise ValueError("--max_tokens_per_micro_batch auto is the memory plan's budget (grpo.memory): pass the run's "
+                         "plan, or give the option a number of tokens")
+    planned, chunk_tokens = plan.micro_batch_tokens, plan.logprob_chunk_tokens
     if device.type != "cuda":
         return planned, chunk_tokens
     from grpo.runtime import distributed as dist_utils

@@ -23,7 +23,6 @@ import torch
 from grpo.runtime import distributed as dist_utils
 from grpo.algorithm import LossSettings, aggregation_normaliser, masked_mean, policy_loss, rollout_correction
 from grpo.train.step_data import RolloutBatch, StepData
-from grpo.config.choices import MICRO_BATCH_TOKENS
 from grpo.config.options import GRPOConfig
 from grpo.model.routing_replay import RouterAgreement, replayed_routing
 from grpo.train.micro_batches import MicroBatch, form_micro_batches, micro_batch_groups
@@ -33,10 +32,14 @@ from grpo.train.logprobs import completion_logprobs
 def step_micro_batches(batch: RolloutBatch, cfg: GRPOConfig, device=None,
                        max_tokens: Optional[int] = None) -> list[MicroBatch]:
     """This rank's micro-batches of the step, as many as the rank with the most has (collective). `max_tokens`: the
-    token budget --max_tokens_per_micro_batch auto resolved to (grpo.train.token_budget); unresolved, auto is 16384.
-    The budget counts the tokens one rank holds."""
+    token budget the run resolved (grpo.train.token_budget: auto is the memory plan's); without it,
+    --max_tokens_per_micro_batch must be a number. The budget counts the tokens one rank holds."""
     if max_tokens is None:
-        max_tokens = MICRO_BATCH_TOKENS if cfg.max_tokens_per_micro_batch == "auto" else cfg.max_tokens_per_micro_batch
+        max_tokens = cfg.max_tokens_per_micro_batch
+        if not isinstance(max_tokens, int):
+            raise ValueError(f"step_micro_batches: --max_tokens_per_micro_batch {max_tokens} is the memory plan's "
+                             "budget to resolve (grpo.train.token_budget.micro_batch_token_budget); pass it as "
+                             "max_tokens")
     # a rank of a sequence-parallel group holds 1/N of each row: N x the budget in whole-row tokens
     groups = micro_batch_groups(batch, max_tokens * cfg.sequence_parallel_size,
                                 cfg.per_device_train_batch_size * cfg.k_samples)
