@@ -547,3 +547,30 @@ def test_lora_on_fused_experts_is_counted():
     assert everything.adapter - attention.adapter == 2 * (640 + 384)
     assert count_model(model, 2, ["w2"]).adapter == 2 * 384  # the checkpoint's name for down_proj
     assert everything.fused_experts
+
+
+def test_a_rollout_in_many_rounds_is_warned_of_with_what_shortens_it(caplog):
+    """Mistral-7B on a 16 GiB card with 8,192 new tokens fits, but its KV cache holds one of the step's 32
+    sequences: the plan says so, with the changes after which the rollout decodes in at most MAX_WAVES rounds."""
+    from grpo.memory.advice import MAX_WAVES, few_waves_fixes, rollout_waves
+
+    flags = ["--model_name_or_path", path("mistral-7b"), "--rollout_engine", "vllm", "--tuning_strategy", "qlora",
+             "--per_device_train_batch_size", "4", "--k_samples", "8", "--rollout_max_new_tokens", "8192"]
+    config = parse_args(flags + ["--gpu_memory_gib", "16"])
+    plan, run, size, gpu, hf_config = planner.plan_parts(config, config.model_name_or_path)
+    assert plan.fits and rollout_waves(plan) > MAX_WAVES
+    fixes = few_waves_fixes(run, size, gpu, hf_config, config)
+    assert fixes[0].startswith("--rollout_max_new_tokens") and "--gpu_memory_gib" in fixes[-1]
+    for fix in fixes:
+        fixed = planner.plan_parts(parse_args(applied(flags, fix, 16)), config.model_name_or_path)[0]
+        assert fixed.fits and rollout_waves(fixed) <= MAX_WAVES, fix
+    with caplog.at_level("WARNING", logger="grpo"):
+        planner.checked_plan(config, config.model_name_or_path)
+    assert f"the rollout decodes in about {rollout_waves(plan)} rounds" in caplog.text
+    assert f"Fewer rounds: {fixes[0]}" in caplog.text
+    # the whole step at once: no warning
+    caplog.clear()
+    short = parse_args(flags[:-1] + ["512", "--gpu_memory_gib", "24"])
+    with caplog.at_level("WARNING", logger="grpo"):
+        planner.checked_plan(short, short.model_name_or_path)
+    assert "rounds" not in caplog.text

@@ -14,14 +14,29 @@ from grpo.memory.plan import GpuBudget, RunShape, plan_memory
 GIB = 2**30
 
 
-def _fits(run: RunShape, size: ModelSize, gpu: GpuBudget, hf_config) -> bool:
-    return plan_memory(run, size, gpu, hf_config).fits
+# a rollout whose KV cache holds fewer than 1 / MAX_WAVES of the step's sequences decodes in more than this many
+# rounds one after the other: the step takes about that many times as long as with all at once
+MAX_WAVES = 4
 
 
-def cheapest_fixes(run: RunShape, size: ModelSize, gpu: GpuBudget, hf_config, options) -> list[str]:
+def rollout_waves(plan) -> int:
+    """Rounds of decoding the rollout runs in: the step's sequences over those the KV cache holds at once."""
+    return math.ceil(plan.sequences / max(plan.sequences_at_once, 1e-9) - 1e-6) if plan.sequences else 1
+
+
+def _few_waves(plan) -> bool:
+    return rollout_waves(plan) <= MAX_WAVES
+
+
+def cheapest_fixes(run: RunShape, size: ModelSize, gpu: GpuBudget, hf_config, options, goal=None) -> list[str]:
     """Flags (as one would type them) that make the plan fit, cheapest first; at most one of each kind.
-    `options`: the run's GRPOConfig (for the current lengths and counts)."""
+    `options`: the run's GRPOConfig (for the current lengths and counts). `goal(plan)`: what a fitting plan must
+    also meet (e.g. few_waves_fixes' rollout in few rounds)."""
     fixes: list[str] = []
+
+    def _fits(run: RunShape, size: ModelSize, gpu: GpuBudget, hf_config) -> bool:
+        plan = plan_memory(run, size, gpu, hf_config)
+        return plan.fits and (goal is None or goal(plan))
 
     def attempt(flag: str, **changes) -> bool:
         if _fits(dataclasses.replace(run, **changes), size, gpu, hf_config):
@@ -71,3 +86,19 @@ def cheapest_fixes(run: RunShape, size: ModelSize, gpu: GpuBudget, hf_config, op
             fixes.append(f"--gpu_memory_gib {cap}" if here else f"a GPU with {cap} GiB (--gpu_memory_gib {cap})")
             break
     return fixes
+
+
+def few_waves_fixes(run: RunShape, size: ModelSize, gpu: GpuBudget, hf_config, options) -> list[str]:
+    """The cheapest changes that let a fitting plan's rollout decode in at most MAX_WAVES rounds."""
+    return cheapest_fixes(run, size, gpu, hf_config, options, goal=_few_waves)
+
+
+def waves_warning(plan, fixes: list[str]) -> str | None:
+    """A line for a plan whose rollout decodes in many rounds (a 16 GB card with 8,192 new tokens: one sequence
+    at a time), None where it is few."""
+    waves = rollout_waves(plan)
+    if not plan.fits or waves <= MAX_WAVES:
+        return None
+    return (f"the KV cache holds {plan.sequences_at_once:.1f} of the step's {plan.sequences} sequences at once: the "
+            f"rollout decodes in about {waves} rounds, one after the other (a step takes several times as long as "
+            f"with all at once). Fewer rounds: " + ("; or ".join(fixes) if fixes else "a GPU with more memory"))

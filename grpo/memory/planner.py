@@ -150,7 +150,18 @@ def checked_plan(config, model_path: str, completion_tokens: int | None = None,
     if not plan.fits:
         raise ConfigError(refusal(plan, cheapest_fixes(run, size, gpu, hf_config, config)))
     logger.info(plan_table(plan))
+    warning = _waves_warning(plan, run, size, gpu, hf_config, config)
+    if warning:
+        logger.warning(warning)
     return plan
+
+
+def _waves_warning(plan, run, size, gpu, hf_config, config) -> str | None:
+    from grpo.memory.advice import MAX_WAVES, few_waves_fixes, rollout_waves, waves_warning
+
+    if not plan.fits or rollout_waves(plan) <= MAX_WAVES:
+        return None
+    return waves_warning(plan, few_waves_fixes(run, size, gpu, hf_config, config))
 
 
 def print_plan(config) -> int:
@@ -165,6 +176,9 @@ def print_plan(config) -> int:
     plan, run, size, gpu, hf_config = plan_parts(config, resolve_model_path(config.model_name_or_path))
     if plan.fits:
         print(plan_table(plan))
+        warning = _waves_warning(plan, run, size, gpu, hf_config, config)
+        if warning:
+            print(f"  warning: {warning}")
         return 0
     print(refusal(plan, cheapest_fixes(run, size, gpu, hf_config, config)))
     return 1
