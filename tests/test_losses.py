@@ -323,3 +323,63 @@ def test_a_loss_registered_by_name_is_a_choice_of_the_config_and_computed_by_pol
         GRPOConfig(loss_type="reinforce_ratio")
     with pytest.raises(ValueError, match="unknown loss_type"):
         policy_loss(ratio_inputs(), OLD, ADV, MASK, LossSettings(loss_type="reinforce_ratio"))
+
+
+# --------------------------------------------------------------------------- rollout corrections registered by name
+ROLLOUT_CORRECTIONS = ("token_truncate", "sequence_truncate", "sequence_mask", "icepop", "geometric_mask")
+
+
+def test_the_built_in_corrections_are_the_registry_and_the_configs_choices():
+    from grpo.algorithm.registry import ROLLOUT_CORRECTIONS as REGISTERED, rollout_mask_bands
+    from grpo.config.choices import ROLLOUT_CORRECTION_NAMES
+
+    assert tuple(REGISTERED) == tuple(ROLLOUT_CORRECTION_NAMES) == ROLLOUT_CORRECTIONS  # --help's order
+    assert rollout_mask_bands() == {"sequence_mask": (0.0, 3.0), "icepop": (0.5, 5.0),
+                                    "geometric_mask": (0.999, 1.001)}
+
+
+def test_a_correction_registered_by_name_is_a_choice_of_the_config_and_computed_by_rollout_correction():
+    from grpo.algorithm import register_rollout_correction
+    from grpo.algorithm.registry import ROLLOUT_CORRECTIONS as REGISTERED
+    from grpo.config import GRPOConfig, parse_args
+    from grpo.config.cli import build_parser
+    from grpo.errors import ConfigError
+
+    seen = []
+
+    @register_rollout_correction("half_band", band=(0.5, 2.0), help="half the token's ratio, 0 outside the band")
+    def half_band(c):
+        """w_t = e^d_t / 2 inside [low, high], else 0."""
+        seen.append(c)
+        keep = (c.log_ratio >= math.log(c.low)) & (c.log_ratio <= math.log(c.high))
+        return (c.log_ratio.exp() / 2).masked_fill(~keep, 0.0), None, ~keep
+
+    try:
+        config = GRPOConfig(rollout_is_correction=True, rollout_correction="half_band", rollout_mask_high=8.0)
+        assert (config.rollout_correction, config.is_correction) == ("half_band", True)
+        cfg = parse_args(["--rollout_is_correction", "--rollout_correction", "half_band", "--rollout_mask_low", "0.1"])
+        assert (cfg.rollout_correction, cfg.rollout_mask_low) == ("half_band", 0.1)
+        with pytest.raises(ConfigError, match="0 <= low < high"):  # its default band is checked as the built-ins'
+            GRPOConfig(rollout_is_correction=True, rollout_correction="half_band", rollout_mask_low=3.0)
+        parser = build_parser()
+        (action,) = [a for a in parser._actions if a.dest == "rollout_correction"]
+        assert list(action.choices) == [*ROLLOUT_CORRECTIONS, "half_band"]
+        assert "geometric_mask,half_band}" in " ".join(parser.format_help().split())  # --help lists it
+
+        # the config's correction, as the trainer's update calls it: band 0.5 .. 8 (the config's high)
+        w, capped, masked = rollout_correction(TRAINER, ROLLOUT, RC_MASK, config.rollout_correction,
+                                               config.rollout_is_cap, config.rollout_mask_low,
+                                               config.rollout_mask_high)
+        assert len(seen) == 1 and (seen[0].low, seen[0].high, seen[0].cap) == (0.5, 8.0, 2.0)
+        # e^0.1, e^-0.3 = 0.74, e^1.5 = 4.48, e^2 = 7.39 kept (halved); e^-3 = 0.05 below
+        check(w, [[E(0.1) / 2, E(-0.3) / 2, E(1.5) / 2], [E(2.0) / 2, 0.0, 0.0]])
+        assert not capped.any() and masked.tolist() == [[False, False, False], [False, True, False]]  # padding not
+        loss, _ = policy_loss(ratio_inputs(), OLD, ADV, MASK, LossSettings(), is_weights=torch.full((2, 2), 0.5))
+        assert loss.item() == pytest.approx(0.5 * policy_loss(ratio_inputs(), OLD, ADV, MASK, LossSettings())[0].item())
+    finally:
+        del REGISTERED["half_band"]
+    with pytest.raises(ConfigError, match="choose one of token_truncate, sequence_truncate, sequence_mask, icepop, "
+                                          "geometric_mask$"):
+        GRPOConfig(rollout_is_correction=True, rollout_correction="half_band")
+    with pytest.raises(ValueError, match="unknown rollout correction 'half_band'"):
+        rollout_correction(TRAINER, ROLLOUT, RC_MASK, "half_band")

@@ -84,3 +84,26 @@ def test_a_bad_loss_flag_fails_before_any_model_loads():
     proc, seconds = run_cli("--loss_type", "gmpo", "--clip_ratio_c", "3")
     assert_clean_failure(proc, "--clip_ratio_c", "ppo_clip only")
     assert seconds < 60
+
+
+def test_a_registered_correction_trains_through_the_config(tiny_model, registry, tmp_path):
+    """A correction of one's own, registered by name, is what --rollout_correction names in the trainer's update."""
+    from grpo.algorithm import register_rollout_correction
+    from grpo.algorithm.registry import ROLLOUT_CORRECTIONS
+
+    calls = []
+
+    @register_rollout_correction("quarter")
+    def quarter(c):
+        calls.append(c.log_ratio.shape)
+        return c.mask * 0.25, None, None                                         # w_t = 1/4 on every token
+
+    try:
+        config = tiny_config(tiny_model, registry, str(tmp_path), max_steps=1, eval_on_start=False,
+                             rollout_is_correction=True, rollout_correction="quarter")
+        GRPOTrainer(config, reward_funcs=[even_tokens]).train()
+    finally:
+        del ROLLOUT_CORRECTIONS["quarter"]
+    (row,) = train_rows(tmp_path)
+    assert calls and row["rollout/is_weight_mean"] == pytest.approx(0.25)
+    assert row["rollout/is_masked_frac"] == 0.0 and row["rollout/is_capped_frac"] == 0.0

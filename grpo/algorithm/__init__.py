@@ -8,7 +8,8 @@ implements. Bad arguments raise ValueError with a message that says what to pass
     losses              PPO-clip (token or sequence ratio, dual clip), CISPO, SAPO, GMPO, with KL and entropy
     rollout_correction  truncated / masked importance weights for the engine-trainer mismatch
     sharded_logprobs    a sequence cut into N shards (sequence parallelism), a shard's log-probs, completions' scores
-    registry            the variants by name (@register_policy_loss; loss_types holds the built-in losses), torch-free
+    registry            the variants by name (@register_policy_loss, @register_rollout_correction; loss_types and
+                        rollout_correction hold the built-in ones), torch-free
 
 The names below load their module (and torch) on first use: the command line reads the registry without them.
 """
@@ -27,7 +28,8 @@ _MODULES = {
                "token_log_ratio"),
     "rollout_correction": ("rollout_correction",),
     "sharded_logprobs": ("TokenScoring", "completion_scores", "shard_sequence", "shard_token_scores"),
-    "registry": ("AGGREGATIONS", "LossTerms", "PolicyLoss", "get_policy_loss", "register_policy_loss"),
+    "registry": ("AGGREGATIONS", "CorrectionTerms", "LossTerms", "PolicyLoss", "RolloutCorrection", "get_policy_loss",
+                 "get_rollout_correction", "register_policy_loss", "register_rollout_correction"),
 }
 _LAZY = {name: f"grpo.algorithm.{module}" for module, names in _MODULES.items() for name in names}
 
@@ -54,3 +56,7 @@ class _Package(types.ModuleType):
 
 
 sys.modules[__name__].__class__ = _Package
+
+# registers the built-in rollout corrections (no torch); imported after the swap, so that the package's
+# rollout_correction stays the function
+import grpo.algorithm.rollout_correction  # noqa: E402,F401

@@ -9,8 +9,7 @@ from typing import Optional
 
 import torch
 
-
-ADVANTAGE_SCALES = ("group", "batch", "none")
+from grpo.algorithm.registry import ADVANTAGE_SCALES
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group", eps: float = 1e-4,

@@ -1,9 +1,11 @@
 """Every option's list of accepted values and the named defaults several modules share, defined once. The
 algorithm's variants (losses, corrections, KL estimators, aggregations, ratio levels) are named in
-grpo/algorithm/registry.py, where the math finds them too: --loss_type's choices are the registered policy losses."""
+grpo/algorithm/registry.py, where the math finds them too: --loss_type's choices are the registered policy losses,
+--rollout_correction's the registered rollout corrections."""
 import grpo.algorithm.loss_types  # noqa: F401 (registers the built-in policy losses)
-from grpo.algorithm.registry import (AGGREGATIONS, IMPORTANCE_SAMPLING_LEVELS, KL_ESTIMATORS,  # noqa: F401
-                                     POLICY_LOSSES, ROLLOUT_CORRECTIONS, ROLLOUT_MASK_BANDS)
+import grpo.algorithm.rollout_correction  # noqa: F401 (registers the built-in rollout corrections; loads no torch)
+from grpo.algorithm.registry import (ADVANTAGE_SCALES, AGGREGATIONS, DEFAULT_ROLLOUT_CORRECTION,  # noqa: F401
+                                     IMPORTANCE_SAMPLING_LEVELS, KL_ESTIMATORS, POLICY_LOSSES, ROLLOUT_CORRECTIONS)
 from grpo.config.strategy import STRATEGIES  # noqa: F401 (--tuning_strategy's names, with their type)
 
 EMBEDDED_MODEL = "smollm2-135m-instruct"
@@ -17,8 +19,9 @@ STOCK_4BIT_OPTIONS = f"--qlora_block_size {BITSANDBYTES_BLOCK_SIZE} --qlora_bloc
 # grpo's: the base quantized again from the checkpoint in blocks of 32 with searched scales, which keeps more of the
 # 16-bit model (docs/qlora.md, benchmarks/RESULTS.md)
 DEFAULT_BLOCK_SIZE, DEFAULT_BLOCK_SCALE = 32, "mse"
-REWARD_SCALES = ("group", "batch", "none")
+REWARD_SCALES = ADVANTAGE_SCALES  # --scale_rewards: group_advantages' scales
 LOSS_TYPES = POLICY_LOSSES.keys()  # the registered policy losses, in order; one registered later is a choice too
+ROLLOUT_CORRECTION_NAMES = ROLLOUT_CORRECTIONS.keys()  # the registered rollout corrections, the same way
 ROLLOUT_ENGINES = ("hf", "vllm")
 ROLLOUT_MODES = ("colocate", "server")
 ROLLOUT_WEIGHTS = ("auto", "merged", "adapter", "in_place")

@@ -22,6 +22,7 @@ import torch
 
 from grpo.runtime import distributed as dist_utils
 from grpo.algorithm import LossSettings, aggregation_normaliser, masked_mean, policy_loss, rollout_correction
+from grpo.algorithm.registry import DEFAULT_ROLLOUT_CORRECTION
 from grpo.train.step_data import RolloutBatch, StepData
 from grpo.config.options import GRPOConfig
 from grpo.model.routing_replay import RouterAgreement, replayed_routing
@@ -164,9 +165,10 @@ def update(engine, step: StepData, cfg: GRPOConfig, first_pass: bool = True) -> 
         is_weights = None
         if cfg.is_correction:  # (the rollout always asks for log-probs then)
             # the rollout engine sampled from a slightly different policy: weight (truncated IS) or mask its tokens
-            is_weights, capped, masked = rollout_correction(
-                sampled_policy, b.rollout_logprobs, b.completion_mask, cfg.rollout_correction or "token_truncate",
-                cfg.rollout_is_cap, cfg.rollout_mask_low, cfg.rollout_mask_high)
+            is_weights, capped, masked = rollout_correction(  # the registered correction of that name
+                sampled_policy, b.rollout_logprobs, b.completion_mask,
+                cfg.rollout_correction or DEFAULT_ROLLOUT_CORRECTION, cfg.rollout_is_cap, cfg.rollout_mask_low,
+                cfg.rollout_mask_high)
             if first_pass and not mb.empty and tokens > 0:
                 rollout_metrics.update(zip(("rollout/is_weight_mean", "rollout/is_capped_frac",
                                             "rollout/is_masked_frac"),

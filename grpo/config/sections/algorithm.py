@@ -6,10 +6,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from grpo.algorithm.registry import POLICY_LOSSES, policy_losses_taking
-from grpo.config.choices import (AGGREGATIONS, IMPORTANCE_SAMPLING_LEVELS, KL_ESTIMATORS, LOSS_TYPES,
-                                 REWARD_SCALES, ROLLOUT_CORRECTIONS, ROLLOUT_MASK_BANDS)
+from grpo.algorithm.registry import POLICY_LOSSES, ROLLOUT_CORRECTIONS, policy_losses_taking, rollout_mask_bands
+from grpo.config.choices import (AGGREGATIONS, DEFAULT_ROLLOUT_CORRECTION, IMPORTANCE_SAMPLING_LEVELS, KL_ESTIMATORS,
+                                 LOSS_TYPES, REWARD_SCALES, ROLLOUT_CORRECTION_NAMES)
 from grpo.config.sections.option import need, option
+
+
+def _corrections_help() -> str:
+    """--rollout_correction's help: each registered correction with its --help phrase."""
+    named = [f"{name} ({c.help})" if c.help else name for name, c in ROLLOUT_CORRECTIONS.items()]
+    listed = ", ".join(named[:-1]) + " or " + named[-1] if len(named) > 1 else ", ".join(named)
+    return f"How --rollout_is_correction corrects: {listed}. See docs/algorithm.md."
 
 
 @dataclass
@@ -53,18 +60,13 @@ class AlgorithmOptions:
         "grpo",
         nargs="?", const=True)  # a bare flag still means true
     rollout_is_cap: float = option(2.0, "Cap of the truncated importance-sampling weight.", "grpo")
-    rollout_correction: Optional[str] = option(
-        None, "How --rollout_is_correction corrects: token_truncate (the default: min(ratio, cap) per token), "
-              "sequence_truncate (the sequence's ratio, capped), sequence_mask (the sequence's ratio, 0 outside "
-              "--rollout_mask_low/high; TRL's default), icepop (the token's ratio, 0 outside the band) or "
-              "geometric_mask (weight 1, 0 where the sequence's geometric mean of rollout / trainer probability is "
-              "outside the band, as verl's seq_mean_k1). See docs/algorithm.md.", "grpo", choices=ROLLOUT_CORRECTIONS)
+    rollout_correction: Optional[str] = option(None, _corrections_help(), "grpo", choices=ROLLOUT_CORRECTION_NAMES)
     rollout_mask_low: Optional[float] = option(
         None, "Lower bound of the masking band of --rollout_correction (default per mode: "
-              + ", ".join(f"{m} {lo}" for m, (lo, _) in ROLLOUT_MASK_BANDS.items()) + ").", "grpo")
+              + ", ".join(f"{m} {lo}" for m, (lo, _) in rollout_mask_bands().items()) + ").", "grpo")
     rollout_mask_high: Optional[float] = option(
         None, "Upper bound of the masking band (default per mode: "
-              + ", ".join(f"{m} {hi}" for m, (_, hi) in ROLLOUT_MASK_BANDS.items()) + ").", "grpo")
+              + ", ".join(f"{m} {hi}" for m, (_, hi) in rollout_mask_bands().items()) + ").", "grpo")
     loss_type: str = option(
         "ppo_clip", "Policy loss: ppo_clip (GRPO / DAPO / GSPO, with the clip options above), cispo (clipped, "
                     "stop-gradient IS weight on every token's log-prob; clip = --clip_epsilon_low/high), sapo "
@@ -128,13 +130,14 @@ class AlgorithmOptions:
         need(mode is None or self.rollout_is_correction is not None or self.is_correction, "rollout_correction",
              f"'{mode}' corrects only with --rollout_is_correction (on by default with --async_rollout / "
              f"--max_staleness only): add --rollout_is_correction true")
+        bands = rollout_mask_bands()  # the masking corrections' default bands; the others truncate at the cap
         given = [name for name in ("rollout_mask_low", "rollout_mask_high") if getattr(self, name) is not None]
         for name in given:
-            need(mode in ROLLOUT_MASK_BANDS, name,
-                 f"sets the band of --rollout_correction {' / '.join(ROLLOUT_MASK_BANDS)}; the truncating ones "
-                 f"(--rollout_correction {mode or 'token_truncate'}) use --rollout_is_cap")
-        if mode in ROLLOUT_MASK_BANDS:
-            low = ROLLOUT_MASK_BANDS[mode][0] if self.rollout_mask_low is None else self.rollout_mask_low
-            high = ROLLOUT_MASK_BANDS[mode][1] if self.rollout_mask_high is None else self.rollout_mask_high
+            need(mode in bands, name,
+                 f"sets the band of --rollout_correction {' / '.join(bands)}; the truncating ones "
+                 f"(--rollout_correction {mode or DEFAULT_ROLLOUT_CORRECTION}) use --rollout_is_cap")
+        if mode in bands:
+            low = bands[mode][0] if self.rollout_mask_low is None else self.rollout_mask_low
+            high = bands[mode][1] if self.rollout_mask_high is None else self.rollout_mask_high
             need(0.0 <= low < high, "rollout_mask_low" if self.rollout_mask_low is not None else "rollout_mask_high",
                  f"the band needs 0 <= low < high (ratios), got {low} .. {high}")
