@@ -232,6 +232,57 @@ def test_64_concurrent_episodes_share_engine_calls(model_and_tokenizer):
     assert time.monotonic() - started < 120
 
 
+class CountingEngine(ScriptedEngine):
+    """The scripted calculator model, keeping each generate call's batch size."""
+
+    def __init__(self, tokenizer):
+        super().__init__(tokenizer)
+        self.batches: list[int] = []
+
+    def generate(self, prompt_token_ids, sampling, images=None):
+        self.batches.append(len(prompt_token_ids))
+        return super().generate(prompt_token_ids, sampling, images)
+
+
+def test_a_round_of_turns_is_one_engine_call():
+    """32 concurrent 2-call episodes (a tool call, then the answer): every round of turns waits until each running
+    episode has its call in, then goes to the engine as one batch: 2 engine calls, not up to 64 (the window is long
+    here, so that only the barrier decides)."""
+    tokenizer = make_tiny_tokenizer(words=WORDS + [CALL_TEXT])
+    engine = CountingEngine(tokenizer)
+    rows = [{"question": f"What is {i} * 7 ?"} for i in range(4)]
+    episodes = run_agent_episodes(engine, tokenizer, calculator_agent, rows, SamplingSettings(n=8, max_new_tokens=8),
+                                  AgentLimits(timeout_s=60, gather_s=5.0, gather_max_s=30.0))
+    assert all(e.ok and e.calls_kept == 2 and e.result["completion"] == "42" for e in episodes), \
+        [e.error for e in episodes]
+    assert engine.batches == [32, 32]
+
+
+async def slow_between_turns(client, row):
+    """Two calls; the agent of row "slow" works 1.5 s between them (a slow tool)."""
+    messages = [{"role": "user", "content": "What is 6 * 7 ?"}]
+    first = await client.chat.completions.create(model="policy", messages=messages, tools=TOOLS)
+    if row["kind"] == "slow":
+        await asyncio.sleep(1.5)
+    messages += [first.choices[0].message, {"role": "tool", "tool_call_id": "call_0", "content": "42"}]
+    second = await client.chat.completions.create(model="policy", messages=messages, tools=TOOLS)
+    return second.choices[0].message.content
+
+
+def test_an_agent_slow_between_turns_holds_the_others_no_longer_than_the_window():
+    tokenizer = make_tiny_tokenizer(words=WORDS + [CALL_TEXT])
+    engine = CountingEngine(tokenizer)
+    rows = [{"kind": "slow"}] + [{"kind": "quick"}] * 7
+    episodes = run_agent_episodes(engine, tokenizer, slow_between_turns, rows, SamplingSettings(n=1, max_new_tokens=8),
+                                  AgentLimits(timeout_s=60, gather_s=0.05))
+    assert all(e.ok and e.calls_kept == 2 and e.result == "42" for e in episodes), [e.error for e in episodes]
+    slow, quick = episodes[0], episodes[1:]
+    assert slow.seconds >= 1.5
+    assert max(e.seconds for e in quick) < 1.0, [e.seconds for e in quick]  # not held for the slow one's 1.5 s
+    # the first round together; the quick ones' second calls without the slow one; its own second call alone
+    assert engine.batches[0] == 8 and engine.batches[-1] == 1 and sum(engine.batches) == 16, engine.batches
+
+
 # ------------------------------------------------------------------------------------------- failures
 async def sometimes_failing(client, row):
     first = await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "What is ?"}],

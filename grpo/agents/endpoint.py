@@ -10,8 +10,12 @@ its episode and nothing else can guess one), serving
 
 without streaming. The HTTP side runs on an asyncio loop (the agents' loop); the engine stays with the thread that
 owns it (the trainer's): that thread takes the waiting requests in batches (`next_batch`), generates them in one
-`engine.generate` call and answers them (`generate_batch`). Every answer is recorded as a CallRecord (records.py) with
-the prompt ids the engine was given, the sampled ids, their log-probs, the policy version and the finish reason.
+`engine.generate` call and answers them (`generate_batch`). A batch is a round of turns, as in the trainer's own
+episode loop: it goes to the engine once every open episode has a call waiting (or has ended), or once the agents'
+loop has had nothing to do for a short window with calls waiting (an agent that waits between its turns, on a tool
+that takes seconds, holds the others no longer than that; a loop busy with the agents' code is waited for). Every
+answer is recorded as a CallRecord (records.py) with the prompt ids the engine was given, the sampled ids, their
+log-probs, the policy version and the finish reason.
 
 Tools offered in a chat request reach the model through the chat template's `tools=`; a template that ignores them
 gets them in the system message instead (the Hermes-style instructions the trainer's own tool prompts use), so that
@@ -25,13 +29,16 @@ Limits: `max_new_tokens` per call (a request may ask fewer), `max_prompt_tokens`
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
+import itertools
 import json
-import queue
 import secrets
+import selectors
+import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Optional
 
 from grpo.agents.http import JSONServer
 from grpo.agents.openai_format import (RequestError, answer_message, chat_response, completion_response,
@@ -76,19 +83,29 @@ class GenerationRequest:
     max_new_tokens: int
     future: asyncio.Future
     loop: asyncio.AbstractEventLoop
+    episode: str = ""             # its episode's key
 
     def answer(self, completion: Optional[Completion] = None, error: Optional[BaseException] = None) -> None:
         """Called from the engine's thread: resolve the waiting request on its loop (unless it was given up)."""
-        def settle():
-            if not self.future.done():
+        answer_all([(self, completion, error)])
+
+
+def answer_all(answers: list[tuple[GenerationRequest, Optional[Completion], Optional[BaseException]]]) -> None:
+    """Called from the engine's thread: resolve the waiting requests (of one loop) in one hop to it."""
+    if not answers:
+        return
+
+    def settle():
+        for request, completion, error in answers:
+            if not request.future.done():
                 if error is not None:
-                    self.future.set_exception(error)
+                    request.future.set_exception(error)
                 else:
-                    self.future.set_result(completion)
-        try:
-            self.loop.call_soon_threadsafe(settle)
-        except RuntimeError:  # the agents' loop has closed: every episode ended (timed out) while this generated
-            pass
+                    request.future.set_result(completion)
+    try:
+        answers[0][0].loop.call_soon_threadsafe(settle)
+    except RuntimeError:  # the agents' loop has closed: every episode ended (timed out) while this generated
+        pass
 
 
 class AgentEndpoint:
@@ -101,8 +118,18 @@ class AgentEndpoint:
         self.model_name = model_name
         self.server = JSONServer(self.handle, host, port)
         self.host = host
-        self.requests: "queue.Queue[GenerationRequest]" = queue.Queue()  # waiting for the engine's thread
         self.episodes: dict[str, _Episode] = {}
+        # the batcher's state, shared with the engine's thread (under `_batcher`): the requests waiting for it, how
+        # many calls have arrived and are still being read (rendered, tokenized), the open episodes, and when any of
+        # that last changed
+        self._batcher = threading.Condition()
+        self._pending: list[GenerationRequest] = []
+        self._preparing = 0
+        self._open: set[str] = set()
+        self._changed = time.monotonic()
+        self._loop_idle: Optional[float] = 0.0  # since when the agents' loop waits with nothing to do (None: busy);
+                                                # 0.0: not known (a loop without loop_selector() counts as idle)
+        self._executor: Optional[_TrackedExecutor] = None
         self._turns: dict[str, EnvironmentTurns] = {}
         self._shown: dict[str, bool] = {}  # per tools offered: whether the chat template renders `tools=`
 
@@ -116,6 +143,9 @@ class AgentEndpoint:
     def open_episode(self) -> str:
         key = secrets.token_urlsafe(16)
         self.episodes[key] = _Episode(key)
+        with self._batcher:
+            self._open.add(key)
+            self._changed_now()
         return key
 
     def base_url(self, key: str) -> str:
@@ -125,6 +155,9 @@ class AgentEndpoint:
         """The episode's calls in order, and its counts; later calls of it are refused."""
         episode = self.episodes.pop(key)
         episode.open = False
+        with self._batcher:
+            self._open.discard(key)
+            self._changed_now()
         return [c.record for c in episode.calls], {"sampling_ignored": episode.sampling_ignored,
                                                    "refused": episode.refused}
 
@@ -145,17 +178,23 @@ class AgentEndpoint:
                                "and /v1/models")
         if method != "POST":
             return 405, _error(f"/v1/{route} takes POST")
+        self._arrived()
+        queued = [False]  # set once the call waits for the engine (then no longer counted as being read)
         try:
             try:
                 payload = json.loads(body or b"null")
             except (json.JSONDecodeError, UnicodeDecodeError) as exc:
                 raise RequestError(f"the body is not JSON: {exc}")
-            return 200, await self._answer(episode, "chat" if route == "chat/completions" else "completion", payload)
+            return 200, await self._answer(episode, "chat" if route == "chat/completions" else "completion", payload,
+                                           queued)
         except RequestError as exc:
             episode.refused += 1
             return exc.status, exc.body()
+        finally:
+            if not queued[0]:
+                self._read_failed()
 
-    async def _answer(self, episode: _Episode, kind: str, payload) -> dict:
+    async def _answer(self, episode: _Episode, kind: str, payload, queued: list) -> dict:
         request = parse_request(kind, payload)
         if payload.get("temperature") not in (None, self.sampling.temperature) or \
                 payload.get("top_p") not in (None, self.sampling.top_p):
@@ -167,8 +206,9 @@ class AgentEndpoint:
             differs = False
         cap = self._cap(episode, prompt_ids, request.max_tokens)
         loop = asyncio.get_running_loop()
-        generation = GenerationRequest(prompt_ids, cap, loop.create_future(), loop)
-        self.requests.put(generation)
+        generation = GenerationRequest(prompt_ids, cap, loop.create_future(), loop, episode.key)
+        self._queue(generation)
+        queued[0] = True
         completion: Completion = await generation.future
         if not episode.open:
             raise RequestError("the episode ended while this call was generating", status=404)
@@ -274,27 +314,80 @@ class AgentEndpoint:
         return max(1, min(limits.max_new_tokens, asked or limits.max_new_tokens, room))
 
     # ------------------------------------------------------------------------------------------- engine side
-    def next_batch(self, wait_s: float, gather_s: float, expected: Callable[[], int]) -> list[GenerationRequest]:
-        """The requests waiting for the engine (empty when none came within `wait_s`): once one is there, up to
-        `gather_s` more for the others of the `expected()` episodes that are running."""
-        try:
-            batch = [self.requests.get(timeout=wait_s)]
-        except queue.Empty:
-            return []
-        until = time.monotonic() + gather_s
-        while len(batch) < expected():
-            left = until - time.monotonic()
-            if left <= 0:
-                break
-            try:
-                batch.append(self.requests.get(timeout=left))
-            except queue.Empty:
-                break
-        while True:
-            try:
-                batch.append(self.requests.get_nowait())
-            except queue.Empty:
-                return batch
+    def _changed_now(self) -> None:  # (under `_batcher`)
+        self._changed = time.monotonic()
+        self._batcher.notify_all()
+
+    def _arrived(self) -> None:
+        """A call came in: its episode counts as waiting while it is read."""
+        with self._batcher:
+            self._preparing += 1
+            self._changed_now()
+
+    def _queue(self, request: GenerationRequest) -> None:
+        with self._batcher:
+            self._preparing -= 1
+            self._pending.append(request)
+            self._changed_now()
+
+    def _read_failed(self) -> None:
+        """A call that came in was refused (or failed) before it reached the engine's queue."""
+        with self._batcher:
+            self._preparing -= 1
+            self._changed_now()
+
+    def loop_selector(self) -> selectors.BaseSelector:
+        """A selector for the agents' event loop (asyncio.SelectorEventLoop(selector)) that tells the batcher when
+        the loop waits with nothing ready to run: calls still to come then wait on something outside it."""
+        return _IdleSelector(self)
+
+    def loop_executor(self) -> concurrent.futures.ThreadPoolExecutor:
+        """A default executor for that loop whose jobs count as the loop's work for their first EXECUTOR_BUSY_S (a
+        connection's address lookup, a quick tool in a thread: their episodes' calls follow); a longer job is
+        something to wait on, as a timer is."""
+        self._executor = _TrackedExecutor()
+        return self._executor
+
+    def _loop_waits(self, waits: bool) -> None:
+        if waits:
+            with self._batcher:
+                self._loop_idle = time.monotonic()
+                self._batcher.notify_all()
+        else:
+            self._loop_idle = None
+
+    def _round_complete(self) -> bool:  # (under `_batcher`)
+        """Every open episode has a call waiting for the engine, none still being read."""
+        if self._preparing or not self._pending:
+            return False
+        waiting = {r.episode for r in self._pending}
+        return all(key in waiting for key in self._open)
+
+    def next_batch(self, wait_s: float, window_s: float, max_s: float = 1.0) -> list[GenerationRequest]:
+        """The requests waiting for the engine: empty when none came within `wait_s`; otherwise once every open
+        episode has a call waiting (a round of turns, one batch), or once the agents' loop has waited with nothing to
+        do, and nothing has changed (no call came in, no episode opened or ended), for `window_s`, or `max_s` after
+        the first one came."""
+        with self._batcher:
+            if not self._pending and not self._batcher.wait_for(lambda: self._pending, timeout=wait_s):
+                return []
+            until = time.monotonic() + max_s
+            while not self._round_complete():
+                now = time.monotonic()
+                if now >= until:
+                    break
+                idle = self._loop_idle
+                if idle is None:  # the loop is running the agents' code: their calls are on their way
+                    self._batcher.wait(until - now)  # (woken when it waits again, or a call comes in)
+                    continue
+                idle_until = max(idle, self._changed,
+                                 self._executor.busy_until() if self._executor is not None else 0.0) + window_s
+                if now >= idle_until:
+                    break
+                self._batcher.wait(min(idle_until, until) - now)
+            batch, self._pending = self._pending, []
+            self._changed_now()
+            return batch
 
     def generate_batch(self, engine: RolloutEngine, batch: list[GenerationRequest]) -> None:
         """One engine call for the batch (in the thread that owns the engine); each completion is cut to its own
@@ -306,15 +399,66 @@ class AgentEndpoint:
                 raise RuntimeError(f"the rollout engine returned {len(completions)} completions for {len(batch)} "
                                    "prompts, or not in their order")
         except BaseException as exc:
-            for request in batch:
-                request.answer(error=exc)
+            answer_all([(request, None, exc) for request in batch])
             raise
+        answers = []
         for request, completion in zip(batch, completions):
             if len(completion.token_ids) > request.max_new_tokens:
                 cut = request.max_new_tokens
                 completion = Completion(completion.prompt_index, completion.token_ids[:cut], completion.logprobs[:cut],
                                         "length")
-            request.answer(completion)
+            answers.append((request, completion, None))
+        answer_all(answers)
+
+
+EXECUTOR_BUSY_S = 0.05  # how long a job of the agents' loop's default executor counts as the loop's work
+
+
+class _TrackedExecutor(concurrent.futures.ThreadPoolExecutor):
+    """A ThreadPoolExecutor that keeps the start of each job in flight (its end wakes the loop, which the batcher
+    then sees busy)."""
+
+    def __init__(self):
+        super().__init__(thread_name_prefix="grpo-agents-executor")
+        self._lock = threading.Lock()
+        self._started: dict[int, float] = {}
+        self._keys = itertools.count()
+
+    def submit(self, fn, /, *args, **kwargs):
+        with self._lock:
+            key = next(self._keys)
+            self._started[key] = time.monotonic()
+        future = super().submit(fn, *args, **kwargs)
+        future.add_done_callback(lambda _: self._done(key))
+        return future
+
+    def _done(self, key: int) -> None:
+        with self._lock:
+            self._started.pop(key, None)
+
+    def busy_until(self) -> float:
+        """Until when the jobs in flight count as the loop's work (0.0: none)."""
+        with self._lock:
+            return max(self._started.values(), default=-EXECUTOR_BUSY_S) + EXECUTOR_BUSY_S
+
+
+class _IdleSelector(selectors.DefaultSelector):
+    """The platform's default selector, telling the endpoint when its loop waits with nothing ready (a select with
+    a timeout other than 0) and when it runs again."""
+
+    def __init__(self, endpoint: AgentEndpoint):
+        super().__init__()
+        self._endpoint = endpoint
+
+    def select(self, timeout=None):
+        waits = timeout is None or timeout > 0
+        if waits:
+            self._endpoint._loop_waits(True)
+        try:
+            return super().select(timeout)
+        finally:
+            if waits:
+                self._endpoint._loop_waits(False)
 
 
 def with_tools_in_system(messages: list[dict], tools: list) -> list[dict]:

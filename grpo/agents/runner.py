@@ -44,8 +44,10 @@ class AgentLimits:
     max_concurrency: int = 64        # episodes running at once
     on_mismatch: str = "truncate"    # a call that does not extend the episode's calls: keep the episode up to it
                                      # ("truncate") or not train on it ("drop")
-    gather_s: float = 0.02           # once a call waits, how long to wait for the other running episodes' calls
-                                     # before generating (they go into one engine call)
+    gather_s: float = 0.01           # calls wait for the engine until every running episode has one waiting (one
+                                     # batch a round of turns), or until nothing came in for this long (an agent busy
+                                     # between its turns holds the others no longer)
+    gather_max_s: float = 1.0        # ... and at most this long after the first of them
 
     def __post_init__(self):
         if self.on_mismatch not in ON_MISMATCH:
@@ -144,15 +146,13 @@ def run_agent_episodes(engine: RolloutEngine, tokenizer, agent: Callable, rows: 
         index, row = jobs[slot]
         async with semaphore:
             key = endpoint.open_episode()
-            state.running += 1
             client = AsyncOpenAI(base_url=endpoint.base_url(key), api_key=key, max_retries=0,
-                                 timeout=limits.timeout_s)
+                                 timeout=limits.timeout_s, http_client=_http_client())
             started = time.monotonic()
             result, error, timed_out = None, None, False
             try:
                 result, error, timed_out = await _run_agent(agent, client, dict(row), limits.timeout_s)
             finally:
-                state.running -= 1
                 calls, counts = endpoint.close_episode(key)
                 try:
                     await client.close()
@@ -163,6 +163,7 @@ def run_agent_episodes(engine: RolloutEngine, tokenizer, agent: Callable, rows: 
 
     async def main() -> None:
         state.loop = asyncio.get_running_loop()
+        state.loop.set_default_executor(endpoint.loop_executor())
         await endpoint.start()
         state.started.set()
         semaphore = asyncio.Semaphore(limits.max_concurrency)
@@ -174,7 +175,11 @@ def run_agent_episodes(engine: RolloutEngine, tokenizer, agent: Callable, rows: 
 
     def loop_thread() -> None:
         try:
-            asyncio.run(main())
+            if hasattr(asyncio, "Runner"):  # (3.11+) on a loop that tells the endpoint's batcher when it is idle
+                with asyncio.Runner(loop_factory=lambda: asyncio.SelectorEventLoop(endpoint.loop_selector())) as run:
+                    run.run(main())
+            else:
+                asyncio.run(main())
         except BaseException as exc:  # surfaces in the engine's thread
             state.failure = exc
         finally:
@@ -186,7 +191,7 @@ def run_agent_episodes(engine: RolloutEngine, tokenizer, agent: Callable, rows: 
     # every episode has had its time once this passes; only an agent that blocks the loop keeps it running
     deadline = time.monotonic() + limits.timeout_s * math.ceil(len(jobs) / limits.max_concurrency) + 30.0
     while thread.is_alive() and time.monotonic() < deadline:
-        batch = endpoint.next_batch(0.05, limits.gather_s, lambda: state.running)
+        batch = endpoint.next_batch(0.05, limits.gather_s, limits.gather_max_s)
         if batch:
             try:
                 endpoint.generate_batch(engine, batch)
@@ -214,7 +219,6 @@ class _LoopState:
     def __init__(self):
         self.loop: Optional[asyncio.AbstractEventLoop] = None
         self.tasks: list = []
-        self.running = 0      # episodes inside their agent now (read by the engine's thread to fill its batches)
         self.started = threading.Event()
         self.failure: Optional[BaseException] = None
 
@@ -224,6 +228,24 @@ class _LoopState:
                 self.loop.call_soon_threadsafe(lambda: [t.cancel() for t in self.tasks])
             except RuntimeError:  # the loop has just closed
                 pass
+
+
+_SSL_CONTEXT = None
+
+
+def _http_client():
+    """An HTTP client for one episode's AsyncOpenAI, as the openai package makes its own but sharing one SSL context:
+    each default one loads the system's CA certificates again (~25 ms, on the agents' loop, per episode), none of
+    which a plain-HTTP endpoint on this host needs. None (openai's own) where the package has no such client."""
+    global _SSL_CONTEXT
+    try:
+        from openai import DefaultAsyncHttpxClient
+    except ImportError:
+        return None
+    if _SSL_CONTEXT is None:
+        import ssl
+        _SSL_CONTEXT = ssl.create_default_context()
+    return DefaultAsyncHttpxClient(verify=_SSL_CONTEXT)
 
 
 async def _run_agent(agent: Callable, client, row: dict, timeout_s: float) -> tuple[Any, Optional[str], bool]:
