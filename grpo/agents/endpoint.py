@@ -209,6 +209,8 @@ class AgentEndpoint:
         generation = GenerationRequest(prompt_ids, cap, loop.create_future(), loop, episode.key)
         self._queue(generation)
         queued[0] = True
+        if differs is None:  # (rendered while the call waits for the engine: it is not on the way to the batch)
+            differs = self._differs(request, prompt_ids)
         completion: Completion = await generation.future
         if not episode.open:
             raise RequestError("the episode ended while this call was generating", status=404)
@@ -232,10 +234,10 @@ class AgentEndpoint:
         return record.response
 
     # ------------------------------------------------------------------------------------------- prompts
-    def _chat_prompt(self, episode: _Episode, request) -> tuple[list[int], Optional[int], bool]:
+    def _chat_prompt(self, episode: _Episode, request) -> tuple[list[int], Optional[int], Optional[bool]]:
         """The prompt ids, the earlier call they extend (None: rendered on their own), and whether the template
-        renders the conversation to other ids than those."""
-        rendered = self._render(request.messages, request.tools)
+        renders the conversation to other ids than those (None: not known yet, for a call that extends an earlier
+        one: `_differs` tells, once the call waits for the engine)."""
         tools_key = _tools_key(request.tools)
         for call in reversed(episode.calls):
             if call.messages is None or call.tools_key != tools_key:
@@ -251,9 +253,16 @@ class AgentEndpoint:
                     sent[n + 1:], record.completion_ids[-1] if record.completion_ids else None)
             except ToolError:
                 break  # this template cannot render turns after an assistant turn on their own
-            ids = record.prompt_ids + record.completion_ids + inserted
-            return ids, record.index, ids != rendered
-        return rendered, None, False
+            return record.prompt_ids + record.completion_ids + inserted, record.index, None
+        return self._render(request.messages, request.tools), None, False
+
+    def _differs(self, request, prompt_ids: list[int]) -> bool:
+        """Whether the chat template renders the call's messages to other ids than the prompt it was given (one that
+        cannot render them: True)."""
+        try:
+            return self._render(request.messages, request.tools) != prompt_ids
+        except RequestError:
+            return True
 
     def _text_prompt(self, episode: _Episode, request) -> tuple[list[int], Optional[int]]:
         """The prompt ids, and the earlier call whose prompt text + answer this prompt's text begins with (None:
