@@ -4,15 +4,14 @@
 
 Everything that is not wiring lives elsewhere: the run's setup in setup.py, math in grpo/algorithm/, a step's
 rollouts in grpo/rollout/collect.py, the step's tensors in step_data.py, the update in update.py, weight sync in
-grpo/sync/weight_sync.py, checkpoints in grpo/checkpoint/, the step's metrics in metrics.py.
+grpo/sync/weight_sync.py, checkpoints in grpo/checkpoint/, the step's metrics in metrics.py, and what the run writes
+besides checkpoints and metrics (its options, sampled completions, curves, the final model, the summary, hub pushes)
+in outputs.py.
 """
 from __future__ import annotations
 
-import dataclasses
-import json
 import logging
 import math
-import os
 import time
 from typing import Callable, Sequence
 
@@ -20,13 +19,12 @@ import torch
 
 from grpo.algorithm import group_advantages, kl_penalized_rewards
 from grpo.checkpoint.base_model import base_model_record
-from grpo.checkpoint.layout import CONFIG_FILE, folder_bytes, readable_size
-from grpo.checkpoint.resume import check_base_model, log_resumed_options, saved_config_path
+from grpo.checkpoint.layout import folder_bytes, readable_size
+from grpo.checkpoint.resume import check_base_model
 from grpo.checkpoint.store import TrainerState, load_checkpoint, resolve_resume_path, save_checkpoint
 from grpo.config.options import GRPOConfig
 from grpo.errors import ConfigError, TrainingError
-from grpo.checkpoint.final_model import save_final_model
-from grpo.checkpoint.hub import check_hub, hub_files, push
+from grpo.checkpoint.hub import check_hub
 from grpo.model.loading import load_policy, load_reference, reference_mode
 from grpo.rollout.collect import RolloutCollector
 from grpo.rollout.dynamic_sampling import RolloutRound
@@ -43,8 +41,9 @@ from grpo.train.agent_setup import agent_rollouts_over
 from grpo.train.evaluation import evaluate_prompts
 from grpo.train.metrics import ZeroSpreadWatch, mean_over_ranks, step_metrics, step_std
 from grpo.train.micro_batches import MicroBatch
-from grpo.train.reporting import RunReporter, plot_training_curves, read_metrics
-from grpo.train.run_summary import run_summary, steps_phrase
+from grpo.train.outputs import RunOutputs
+from grpo.train.reporting import RunReporter
+from grpo.train.run_summary import steps_phrase
 from grpo.train.trackers import check_trackers
 from grpo.memory.planner import agreed_plan
 from grpo.memory.report import save_plan
@@ -141,6 +140,8 @@ class GRPOTrainer:
                                          data.order, self.total_steps, sync_weights=self._sync_rollout_weights,
                                          episode_datasets=data.episode_datasets,
                                          agents=agent_rollouts_over(config, data.agent_datasets, engine))
+        self.outputs = RunOutputs(config, self.model_path, self.tokenizer, self.dtype, self.rank, self.is_main,
+                                  self.hub_repo, writes_completions=self.rollouts.first_in_group)
         try:
             self._restore_and_sync()
             # (the log-prob chunk it returns is the resolved option's)
@@ -148,10 +149,9 @@ class GRPOTrainer:
         except BaseException:
             self.close()  # server mode: the rollout ranks stop with us
             raise
-        if self.is_main:
-            self._save_run_options()
-            if self.plan is not None:
-                save_plan(self.plan, config.output_dir)  # the plan beside the options it came from
+        self.outputs.save_options(self.resume_path, self.state.step)  # grpo_config.json
+        if self.is_main and self.plan is not None:
+            save_plan(self.plan, config.output_dir)  # the plan beside the options it came from
 
     @property
     def rollout_engine(self):
@@ -171,22 +171,6 @@ class GRPOTrainer:
         if config.uses_lora:
             check_base_model(path, self.model_path)
         return path
-
-    def _save_run_options(self) -> None:
-        """output_dir/grpo_config.json: the options the run started with, as it resolved them (the frozen config). A
-        resume never rewrites it: it lists what it changes, and saves its options beside it
-        (grpo_config.resumed_at_step<N>.json) when they differ; every checkpoint holds the options it was trained
-        with."""
-        config = self.config
-        run_file = os.path.join(config.output_dir, CONFIG_FILE)
-        changed = []
-        if self.resume_path is not None:
-            changed = log_resumed_options(self.resume_path, self.state.step,
-                                          saved_config_path(self.resume_path, config.output_dir), config)
-        if self.resume_path is None or not os.path.isfile(run_file):
-            config.save(run_file)
-        elif changed:
-            config.save(os.path.join(config.output_dir, f"grpo_config.resumed_at_step{self.state.step}.json"))
 
     def _restore_and_sync(self) -> None:
         """Load the checkpoint to resume from, if any, then give the rollout engine the policy."""
@@ -236,7 +220,7 @@ class GRPOTrainer:
                 reporter.log_step(self.state.step, metrics)
                 if self.is_main:
                     spread.check(self.state.step, metrics)  # a step whose groups all scored alike taught nothing
-                self._log_completions(rollout.prompts, rollout.texts, rollout.rewards, rollout.completions)
+                self.outputs.log_completions(self.state.step, rollout)  # one sample per prompt
                 if cfg.eval_steps and self.state.step % cfg.eval_steps == 0:
                     self.evaluate(reporter)
                 stop = dist_utils.any_rank(signals.requested is not None)
@@ -252,10 +236,9 @@ class GRPOTrainer:
         finally:
             signals.restore()
             reporter.close()
-            self._plot()
-        self._summarize(time.perf_counter() - started, self.state.step - start_step, saved)
-        if self.hub_repo is not None:
-            self._push_to_hub(saved.get("model") or saved["lora_adapter"], f"final model, step {self.state.step}")
+            self.outputs.plot()
+        self.outputs.summarize(time.perf_counter() - started, self.state.step - start_step, saved)
+        self.outputs.push_final_model(saved, self.state.step)
         self._trained = True
         return {**metrics, "saved": saved}
 
@@ -399,7 +382,7 @@ class GRPOTrainer:
         metrics, all_samples = evaluate_prompts(self.eval_set, self.rollouts, self.rank, self.world)
         if reporter is not None:
             reporter.log_eval(self.state.step, metrics, all_samples)
-            self._plot()
+            self.outputs.plot()
         return metrics
 
     # -------------------------------------------------------------------------------------- internals
@@ -442,53 +425,6 @@ class GRPOTrainer:
                 local["memory/vllm_sleep_freed_gib"] = freed / 2**30
         return mean_over_ranks(local)
 
-    def _log_completions(self, prompts, texts, rewards, completions) -> None:
-        """One rollout sample per prompt and rank each step, for reading what the model writes (a multi-turn episode:
-        its last message as "completion", the whole episode, tool calls and results included, as "episode"). A
-        sequence-parallel group's rollouts are written once, by its first rank."""
-        if not self.rollouts.first_in_group:
-            return
-        path = os.path.join(self.config.output_dir, "completions", f"rank{self.rank}.jsonl")
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        k = self.config.k_samples
-        with open(path, "a") as fh:
-            for i, p in enumerate(prompts):
-                row = {"step": self.state.step, "index": p["index"], "data_source": p["data_source"],
-                       "prompt": p["prompt_text"], "completion": texts[i * k], "reward": rewards[i * k].item(),
-                       "answer": p["answer"]}
-                if completions[i * k].mask is not None:
-                    row["episode"] = self.tokenizer.decode(completions[i * k].token_ids)
-                fh.write(json.dumps(row) + "\n")
-
-    def _push_to_hub(self, model_folder: str, message: str, must: bool = True) -> None:
-        """Rank 0: the model in `model_folder`, its card, the run's options and curves, to --push_to_hub's repository
-        in one commit. A push that fails stops the run (`must`: the final one; the saved model stays) or warns."""
-        try:
-            url = push(self.hub_repo, hub_files(self.config, model_folder, self.config.output_dir),
-                       True if self.config.hub_private_repo else None, message)
-        except Exception as exc:
-            if not must:
-                logger.warning(f"--push_to_hub: pushing {message} to {self.hub_repo} failed ({exc}); training goes on")
-                return
-            raise TrainingError(f"--push_to_hub: pushing {message} to {self.hub_repo} failed: {exc}. The model is "
-                                f"saved in {model_folder}; upload it with `hf upload {self.hub_repo} {model_folder}`")
-        logger.info(f"pushed {message} to the hub: {url}")
-
-    def _push_checkpoint_model(self) -> None:
-        """--hub_strategy every_save: the model as it is now, written as the final one is (without a merged copy) to
-        a folder of its own, pushed, then removed. Every rank takes part (ZeRO-3 gathers the weights)."""
-        import shutil
-
-        state_dict = self.engine._zero3_consolidated_16bit_state_dict() if self.zero3 else None
-        if self.hub_repo is not None:
-            folder = os.path.join(self.config.output_dir, "hub_upload")
-            options = dataclasses.replace(self.config, save_merged_model=False)
-            saved = save_final_model(self.engine.module, self.tokenizer, folder, options, self.model_path, self.dtype,
-                                     state_dict=state_dict, steps=self.state.step)
-            self._push_to_hub(saved.get("model") or saved["lora_adapter"], f"step {self.state.step}", must=False)
-            shutil.rmtree(folder, ignore_errors=True)
-        dist_utils.barrier()
-
     @phase("save", after_step=True)
     def _save_checkpoint(self) -> None:
         trained = (self.state.epoch, self.state.position)
@@ -504,27 +440,9 @@ class GRPOTrainer:
         if self.is_main:
             logger.info(f"checkpoint saved: {path} ({readable_size(folder_bytes(path))})")
         if self.config.push_to_hub and self.config.hub_strategy == "every_save":
-            self._push_checkpoint_model()
+            self.outputs.push_checkpoint_model(self.engine, self.zero3, self.state.step)
 
     @phase("save final model", after_step=True)
     def _save_final_model(self) -> dict:
         self.rollout_engine.release_base()  # (in-place mode: a merged model reads the base, which must be its own)
-        state_dict = self.engine._zero3_consolidated_16bit_state_dict() if self.zero3 else None
-        saved = {}
-        if self.is_main:
-            saved = save_final_model(self.engine.module, self.tokenizer, self.config.output_dir, self.config,
-                                     self.model_path, self.dtype, state_dict=state_dict, steps=self.state.step)
-            logger.info("final model saved: " + ", ".join(saved.values()))
-        dist_utils.barrier()
-        return saved
-
-    def _summarize(self, seconds: float, steps_run: int, saved: dict) -> None:
-        if self.is_main:
-            rows = read_metrics(os.path.join(self.config.output_dir, "metrics.jsonl"))
-            logger.info(run_summary(rows, self.config.output_dir, seconds, steps_run, saved))
-
-    def _plot(self) -> None:
-        if self.is_main:
-            rows = read_metrics(os.path.join(self.config.output_dir, "metrics.jsonl"))
-            if rows:
-                plot_training_curves(rows, os.path.join(self.config.output_dir, "training_curves.png"))
+        return self.outputs.final_model(self.engine, self.zero3, self.state.step)
