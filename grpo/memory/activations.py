@@ -96,6 +96,23 @@ def activation_bytes_per_token(s: ModelShape, checkpointing: bool, act_bytes: in
     return s.layers * layer + ends, backward
 
 
+def expert_fold_bytes(layer_stacks: int, largest_stack: int, layers: int, checkpointing: bool,
+                      float_bytes: int) -> int:
+    """What LoRA on a mixture of experts' fused expert stacks holds while training, beside the activations (lora and
+    qlora alike): peft's ParamWrapper folds each adapted stack into a new  W + s B A  (E 2I H for gate_up_proj, E H I
+    for down_proj: `layer_stacks` elements a layer), alive through that layer's forward and backward, and makes one
+    stack-sized temporary while folding (qlora: the dequantized W; lora: the delta), `largest_stack` elements:
+
+        with checkpointing:  b (layer_stacks + largest_stack)          one layer recomputed at a time
+        without:             b (L layer_stacks + largest_stack)        every layer's folds kept for the backward
+
+    b = float_bytes (2 on bf16). Qwen3-30B-A3B (E 128, I 768, H 2048), checkpointing: 2 (603,979,776 + 402,653,184)
+    bytes = 1.875 GiB; without it 54.8 GiB."""
+    if not layer_stacks:
+        return 0
+    return float_bytes * ((1 if checkpointing else layers) * layer_stacks + largest_stack)
+
+
 def logprob_chunk_bytes(chunk_tokens: int, vocab: int, full_logits: bool) -> int:
     """One log-prob chunk's logits, whatever the micro-batch: 16 c V bytes (fp32 logits, their temperature-scaled
     copy, logsumexp's exponentials, the gradient), at the start of the backward, beside the kept activations only;

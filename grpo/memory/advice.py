@@ -75,10 +75,20 @@ def cheapest_fixes(run: RunShape, size: ModelSize, gpu: GpuBudget, hf_config, op
         if attempt(f"--k_samples {k}", sequences=per_sequence * k):
             break
         k //= 2
+    def capable(strategy: Strategy, modes: tuple[str, ...]) -> tuple[str, ...]:
+        """planner.capable_weights' rule for fused experts: no in_place; no adapter under qlora (its 4-bit experts
+        are grpo's own) nor for a colocated engine."""
+        if not size.fused_experts:
+            return modes
+        return tuple(m for m in modes if m == "merged" or (m == "adapter" and run.engine == "server"
+                                                            and not strategy.four_bit_base))
+
     if not run.strategy.has_adapter:
-        attempt("--tuning_strategy lora", strategy=Strategy.LORA, capable=("in_place", "adapter", "merged"))
+        attempt("--tuning_strategy lora", strategy=Strategy.LORA,
+                capable=capable(Strategy.LORA, ("in_place", "adapter", "merged")))
     if not run.strategy.four_bit_base:
-        attempt("--tuning_strategy qlora", strategy=Strategy.QLORA, capable=("adapter", "merged"))
+        attempt("--tuning_strategy qlora", strategy=Strategy.QLORA,
+                capable=capable(Strategy.QLORA, ("adapter", "merged")))
     for extra in (4, 8, 16, 24, 32, 48, 64, 96, 128):  # the smallest larger budget that fits
         cap = math.ceil(gpu.budget / GIB) + extra
         if _fits(run, size, GpuBudget(max(gpu.total, cap * GIB), None, cap * GIB, gpu.name), hf_config):

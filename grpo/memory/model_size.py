@@ -2,14 +2,18 @@
 no weights read, ~1 s at 8B), so every architecture transformers builds is counted exactly, vision towers and
 untied output layers included.
 
-    P  every parameter                     Q  parameters of the linear layers qlora holds in 4 bits (not the output
-    A  LoRA parameters: r (in + out)          layer, not the vision tower, not --qlora_skip_modules)
-       per adapted linear layer            V  parameters of the vision tower
+    P  every parameter                     Q  parameters qlora holds in 4 bits: linear layers and fused experts (not
+    A  LoRA parameters: r (in + out)          the output layer, not the vision tower, not --qlora_skip_modules for
+       per adapted linear layer,              linear layers; every 3-D parameter outside convolutions: the fused
+       r (a + b) per expert of an             expert stacks grpo.model.quantized_experts quantizes)
+       adapted [E, a, b] expert stack      V  parameters of the vision tower
+                                           S  fused expert stacks (two per mixture-of-experts layer)
 
 Bytes (b = 2 on a GPU's bf16, 4 on a CPU's fp32; a 4-bit value with bitsandbytes' double quantization takes
-q = 1/2 + 1/block + 4 / (256 block) bytes: two values a byte, an 8-bit scale per block, an fp32 scale per 256 blocks):
+q = 1/2 + 1/block + 4 / (256 block) bytes: two values a byte, an 8-bit scale per block, an fp32 scale per 256 blocks,
+block = --qlora_block_size, which the experts use too; each expert stack adds its two fp32 codebooks, 16 + 256 values):
 
-    full   b P          lora   b P + b A          qlora  q Q + b (P - Q) + b A
+    full   b P          lora   b P + b A          qlora  q Q + 4 (16 + 256) S + b (P - Q) + b A
 """
 from __future__ import annotations
 
@@ -31,6 +35,14 @@ class ModelSize:
     largest_layer: int     # parameters of the largest decoder layer: what a weight sync merges at once
     fused_experts: bool    # experts held as fused 3-D tensors (transformers converts them on load)
     shape: ModelShape
+    expert_stacks: int = 0          # S: fused expert stacks (3-D parameters), in Q under qlora
+    quantized_experts: int = 0      # their elements (the part of Q that is experts)
+    adapted_expert_layer: int = 0   # elements of the adapted expert stacks of one layer (the most of any layer)
+    largest_adapted_stack: int = 0  # elements of the largest adapted expert stack (E 2I H for gate_up_proj)
+    adapted_expert_layers: int = 0  # layers whose expert stacks are adapted
+
+
+CODEBOOK_BYTES = 4 * (16 + 256)  # one 4-bit stack's two fp32 codebooks: its 16 values and the nested scales' 256
 
 
 def four_bit_bytes_per_value(block_size: int) -> float:
@@ -44,7 +56,8 @@ def weight_bytes(size: ModelSize, strategy: Strategy, float_bytes: int = 2, bloc
     adapter = float_bytes * size.adapter if strategy.has_adapter else 0
     if strategy.four_bit_base:
         q = four_bit_bytes_per_value(block_size)
-        return int(q * size.quantized) + float_bytes * (size.parameters - size.quantized) + adapter
+        return (int(q * size.quantized) + CODEBOOK_BYTES * size.expert_stacks
+                + float_bytes * (size.parameters - size.quantized) + adapter)
     return float_bytes * size.parameters + adapter
 
 
@@ -90,35 +103,62 @@ def count_model(model, lora_rank: int, lora_targets, lora_exclude=None, qlora_sk
         wanted = lora_targets == "all-linear" or _matches(name, lora_targets)
         if wanted and not _matches(name, lora_exclude):
             adapter += per_lora
-    experts = _expert_adapter_values(model, lora_rank, lora_targets, towers)
+    stacks = _expert_stacks(model, towers)
+    quantized_experts = sum(p.numel() for p in stacks.values())
+    experts, adapted = _expert_adapter_values(model, lora_rank, lora_targets, towers)
     adapter, adapter_all = adapter + experts, adapter_all + experts
     layers = _decoder_layers(model, towers)
     largest_layer = max((sum(p.numel() for p in layer.parameters()) for layer in layers), default=0)
     fused = any(p.dim() == 3 for name, p in model.named_parameters()
                 if not name.startswith(towers) and "conv" not in name and "patch_embed" not in name)
-    return ModelSize(parameters, quantized, adapter, adapter_all, vision,
-                     max(p.numel() for p in model.parameters()), largest_layer, fused, model_shape(model.config))
+    per_layer: dict[str, int] = {}
+    adapted = [name for name in adapted if name in stacks]
+    for name in adapted:
+        layer = name.rsplit(".", 1)[0]  # <layer>.mlp.experts.<parameter> -> its experts module
+        per_layer[layer] = per_layer.get(layer, 0) + stacks[name].numel()
+    return ModelSize(parameters, quantized + quantized_experts, adapter, adapter_all, vision,
+                     max(p.numel() for p in model.parameters()), largest_layer, fused, model_shape(model.config),
+                     expert_stacks=len(stacks), quantized_experts=quantized_experts,
+                     adapted_expert_layer=max(per_layer.values(), default=0),
+                     largest_adapted_stack=max((stacks[name].numel() for name in adapted), default=0),
+                     adapted_expert_layers=len(per_layer))
 
 
-def _expert_adapter_values(model, lora_rank: int, lora_targets, towers: tuple[str, ...]) -> int:
-    """LoRA on a mixture of experts' fused expert tensors (grpo.model.expert_targets picks them): one rank-r LoRA
-    per expert, r (a + b) values for each of the E experts of an [E, a, b] tensor."""
+def _expert_stacks(model, towers: tuple[str, ...]) -> dict:
+    """name -> parameter of every fused expert stack qlora holds in 4 bits: the 3-D parameters outside convolutions
+    (grpo.model.quantized_experts.fused_expert_slots' rule) and outside the vision towers."""
+    import torch
+
+    stacks = {}
+    for mname, module in model.named_modules():
+        if isinstance(module, torch.nn.modules.conv._ConvNd) or (mname + ".").startswith(towers):
+            continue
+        for pname, param in module.named_parameters(recurse=False):
+            if param.dim() == 3:
+                stacks[f"{mname}.{pname}" if mname else pname] = param
+    return stacks
+
+
+def _expert_adapter_values(model, lora_rank: int, lora_targets, towers: tuple[str, ...]) -> tuple[int, list[str]]:
+    """(values, adapted stacks' names): LoRA on a mixture of experts' fused expert tensors (grpo.model.expert_targets
+    picks them): one rank-r LoRA per expert, r (a + b) values for each of the E experts of an [E, a, b] tensor."""
     import torch
 
     from grpo.model.expert_targets import expert_lora_targets
 
     if not lora_rank or not (lora_targets == "all-linear" or isinstance(lora_targets, list)):
-        return 0
+        return 0, []
     linear = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
     _, targets = expert_lora_targets(model, lora_targets, linear)
     if not targets:
-        return 0
-    total = 0
+        return 0, []
+    total, names = 0, []
     for name, param in model.named_parameters():
         if param.dim() == 3 and not name.startswith(towers) and any(name.endswith("." + t) for t in targets):
             experts, a, b = param.shape
             total += experts * lora_rank * (a + b)
-    return total
+            names.append(name)
+    return total, names
 
 
 def _decoder_layers(model, towers: tuple[str, ...] = ()) -> list:

@@ -18,9 +18,15 @@ partitions; model_size.py, kv_cache.py, activations.py, engine.py):
     logprobs  = context + base + adapters + optimizer + asleep + step tensors
                 + forward(t)  [a pass before the update: --kl_beta > 0]  (+ reference, full with beta > 0)
     train     = context + base + adapters + optimizer + gradients + asleep + 0.9 micro_batch(t) + 1.5 GiB
-                (micro_batch(t): activations.py's equation; the share and the overhead as measured, see below)
-    sync      = max(train, context + base + adapters + optimizer + engine + 2 b (largest layer))
+                + expert transient
+                (micro_batch(t): activations.py's equation; the share and the overhead as measured, see below;
+                expert transient: LoRA on fused experts, peft's W + s B A of each adapted stack, one layer's with
+                checkpointing, every layer's without: activations.expert_fold_bytes)
+    sync      = max(train, context + base + adapters + optimizer + engine + merge)
+                merge = 2 b (largest layer), and with adapted fused experts at least 3 x 4 x the largest adapted
+                stack (fp32: the stack read, the delta, the merged copy: grpo.sync.expert_adapters)
                 (it follows the update, whose blocks torch still holds)
+    load      = context + b P  (qlora with fused experts only: the 16-bit model, as measured; see LOAD below)
     asleep    = what the sleeping engine still holds: its sampler tables, graph pool and memory outside torch
                 (engine.vllm_asleep_bytes), its weights where it keeps them (sleep level 0, or shared); under
                 --gpu_memory_gib torch's count also has its KV cache and every weight of its pool (torch's cap counts
@@ -48,7 +54,7 @@ from dataclasses import asdict, dataclass, field, replace
 from grpo.config.choices import MICRO_BATCH_TOKENS
 from grpo.config.strategy import Strategy
 from grpo.memory.activations import (ESTIMATE_MARGIN, GIB, MIN_CHUNK_TOKENS, activation_bytes_per_token,
-                                     fitted_chunk_tokens, logprob_chunk_bytes, micro_batch_bytes, token_budget,
+                                     expert_fold_bytes, fitted_chunk_tokens, logprob_chunk_bytes, micro_batch_bytes, token_budget,
                                      tokens_that_fit)
 from grpo.memory.engine import CONTEXT_BYTES, engine_batch_limits, vllm_asleep_bytes, vllm_own_bytes
 from grpo.memory.kv_cache import FLOOR_SLACK_TOKENS, auto_kv_cache_bytes, kv_bytes_per_token
@@ -199,14 +205,16 @@ def equation_room(room: int) -> int:
     return int(max(min(room, measured), 0))
 
 
-def auto_checkpointing(parameters: int, on_gpu: bool, option: bool | None) -> bool:
+def auto_checkpointing(parameters: int, on_gpu: bool, option: bool | None, adapted_experts: bool = False) -> bool:
     """--gradient_checkpointing auto: on from 1B parameters (at 7B, 16k tokens of activations without it take more
-    than an 80 GB GPU has; at 0.5B they fit beside the weights) and always on a CPU (RAM is short there)."""
+    than an 80 GB GPU has; at 0.5B they fit beside the weights) and always on a CPU (RAM is short there); on a GPU
+    also for LoRA on a mixture of experts' fused experts, whatever its size (without checkpointing every layer's
+    folded 16-bit stacks stay for the backward: activations.expert_fold_bytes)."""
     from grpo.model.loading import checkpointing_by_size  # the one rule (a policy loaded without a plan reads it too)
 
     if option is not None:
         return option
-    return checkpointing_by_size(parameters, on_cpu=not on_gpu)
+    return checkpointing_by_size(parameters, on_cpu=not on_gpu) or (on_gpu and adapted_experts)
 
 
 def preferred_weights(run: RunShape, size: ModelSize, budget: int) -> list[str]:
@@ -273,11 +281,37 @@ def engine_weight_bytes(mode: str, run: RunShape, size: ModelSize) -> int:
     return 0
 
 
+def load_peak_bytes(run: RunShape, size: ModelSize) -> int:
+    """The policy's load, where it can exceed its held base: qlora on a mixture of experts, whose fused experts load
+    in 16 bits and which grpo quantizes itself (grpo.model.quantized_experts); 0 elsewhere (not a phase).
+
+    By design experts_quantized_as_loaded quantizes each stack as transformers sets it into the model, so the load
+    would hold the 4-bit base plus one 16-bit stack (2 x size.largest_tensor) at a time. As measured on a GPU under
+    transformers 5.17 (an 8-layer Qwen3-MoE, docs/moe.md) the load still peaked at the 16-bit model's size, before
+    the first stack was quantized: the plan counts that, 2 P, until a measurement shows the one-stack peak. The
+    rollout engine loads after the policy, so nothing else of the run is beside it."""
+    if not (run.strategy.four_bit_base and size.quantized_experts):
+        return 0
+    return 2 * size.parameters  # as measured (docstring); the design's peak would be base + 2 x largest stack
+
+
+def sync_merge_bytes(run: RunShape, size: ModelSize) -> int:
+    """What a weight sync merges at once beside the engine: 2 b (largest layer); with LoRA on fused experts (lora and
+    qlora alike) at least one expert stack's merge, W_e + s B_e A_e for every expert in fp32: the stack read (qlora:
+    dequantized), the delta and the merged copy, 3 x 4 x E out in bytes (grpo.sync.expert_adapters.merged_experts;
+    Qwen3-30B-A3B's gate_up_proj: 4.5 GiB)."""
+    merge = 2 * 2 * size.largest_layer
+    if run.strategy.has_adapter and size.largest_adapted_stack:
+        merge = max(merge, 3 * 4 * size.largest_adapted_stack)
+    return merge
+
+
 def plan_memory(run: RunShape, size: ModelSize, gpu: GpuBudget | None, hf_config) -> MemoryPlan:
     """The plan (module docstring). `gpu` None: a CPU run, planned in RAM with no budget to refuse against."""
     on_gpu = gpu is not None
     float_bytes = 2 if on_gpu else 4
-    checkpointing = auto_checkpointing(size.parameters, on_gpu, run.checkpointing)
+    adapted_experts = run.strategy.has_adapter and size.adapted_expert_layer > 0
+    checkpointing = auto_checkpointing(size.parameters, on_gpu, run.checkpointing, adapted_experts)
     kept, transient = activation_bytes_per_token(size.shape, checkpointing, float_bytes,
                                                  float_bytes if run.strategy.has_adapter else 0,
                                                  run.lora_dropout, run.full_logits)
@@ -285,6 +319,8 @@ def plan_memory(run: RunShape, size: ModelSize, gpu: GpuBudget | None, hf_config
     per_token = kv_bytes_per_token(hf_config, run.tp)
     kv_needed = auto_kv_cache_bytes(per_token, run.sequences, run.longest, run.max_seq_length)
     trainer = trainer_parts(run, size, float_bytes)
+    folds = expert_fold_bytes(size.adapted_expert_layer, size.largest_adapted_stack, size.adapted_expert_layers,
+                              checkpointing, float_bytes) if adapted_experts else 0
     row_tokens = -(-run.max_seq_length // run.sp)
     common = dict(sequences=run.sequences, longest=run.longest, kv_per_token=per_token,
                   gradient_checkpointing=checkpointing)
@@ -296,14 +332,16 @@ def plan_memory(run: RunShape, size: ModelSize, gpu: GpuBudget | None, hf_config
         fixed = sum(v for k, v in trainer.items() if k != "gradients")
         generation = (kv_needed or 0) * 2 + run.sequences * size.shape.vocab * 4
         phases = {"rollout": fixed + generation,
-                  "train": fixed + trainer["gradients"] + micro_batch_bytes(max(tokens, 1), kept, transient, chunk)}
+                  "train": fixed + trainer["gradients"] + micro_batch_bytes(max(tokens, 1), kept, transient, chunk)
+                  + folds}
         return MemoryPlan("CPU", 0, False, served, None, None, kv_needed, **common, engine_batched_tokens=None,
                           engine_max_seqs=None, micro_batch_tokens=tokens,
-                          logprob_chunk_tokens=run.chunk_tokens, parts=trainer, phases=phases,
+                          logprob_chunk_tokens=run.chunk_tokens, parts={**trainer, "expert transient": folds},
+                          phases=phases,
                           notes=("a CPU run: planned in RAM, nothing refused",))
     budget, margin, capped = gpu.budget, gpu.margin, gpu.cap is not None
     plans = [_plan_with(run, size, gpu, trainer, weights, checkpointing, kept, transient, chunk, per_token,
-                        kv_needed, row_tokens, common, hf_config)
+                        kv_needed, row_tokens, common, hf_config, folds)
              for weights in (preferred_weights(run, size, budget) if run.engine == "vllm" else [None])]
     if served is not None:
         plans = [replace(plan, rollout_weights=served) for plan in plans]
@@ -317,7 +355,7 @@ def plan_memory(run: RunShape, size: ModelSize, gpu: GpuBudget | None, hf_config
 
 def _plan_with(run: RunShape, size: ModelSize, gpu: GpuBudget, trainer: dict, weights: str | None,
                checkpointing: bool, kept: int, transient: int, chunk: int, per_token: int | None,
-               kv_needed: int | None, row_tokens: int, common: dict, hf_config=None) -> MemoryPlan:
+               kv_needed: int | None, row_tokens: int, common: dict, hf_config=None, folds: int = 0) -> MemoryPlan:
     budget, margin, capped = gpu.budget, gpu.margin, gpu.cap is not None
     notes = []
     held = sum(v for k, v in trainer.items() if k != "gradients")  # what the trainer holds through the step
@@ -340,7 +378,7 @@ def _plan_with(run: RunShape, size: ModelSize, gpu: GpuBudget, trainer: dict, we
         kept_weights = not run.vllm_sleep or weights != "merged" or sleep_level == 0
         kept_physical = engine if kept_weights else 0
         asleep_weights = engine if (kept_weights or capped) else 0
-    fixed_train = context + held + trainer["gradients"] + asleep_weights + vllm_asleep
+    fixed_train = context + held + trainer["gradients"] + asleep_weights + vllm_asleep + folds
     fixed_rollout = context + held + engine + own
     floor = (run.max_seq_length + FLOOR_SLACK_TOKENS) * per_token if per_token else 0
 
@@ -379,7 +417,9 @@ def _plan_with(run: RunShape, size: ModelSize, gpu: GpuBudget, trainer: dict, we
     activations = measured_activation_bytes(micro_batch_bytes(tokens, kept, transient, chunk))
     # a no-grad forward: one layer's activations at a time (its backward's gradients never come) and the chunk
     forward = tokens * max(transient - 4 * size.shape.intermediate * 2, 0) + chunk // 2  # (bf16 on a GPU)
-    forward = STEP_TENSORS_BYTES + (forward if run.logprob_pass else 0)
+    # (with adapted fused experts, each layer's folds live through its no-grad forward only: one layer's at a time)
+    one_fold = expert_fold_bytes(size.adapted_expert_layer, size.largest_adapted_stack, 1, True, 2) if folds else 0
+    forward = STEP_TENSORS_BYTES + (forward + one_fold if run.logprob_pass else 0)
     # physical peaks (what the driver reports for this process); under a cap torch's count of a phase adds what the
     # sleeping engine gave back to the driver but its pool still holds: that count is what must fit
     kv_kept = (kv_bytes or 0) if not run.vllm_sleep else 0
@@ -388,14 +428,17 @@ def _plan_with(run: RunShape, size: ModelSize, gpu: GpuBudget, trainer: dict, we
         "rollout": fixed_rollout + (kv_bytes or 0) if weights is not None else
         0 if run.engine == "server" else context + held + 2 * (kv_needed or 0) + run.sequences * size.shape.vocab * 4,
         "logprobs": context + held + kept_physical + kv_kept + vllm_asleep + forward,
-        "train": context + held + trainer["gradients"] + kept_physical + kv_kept + vllm_asleep + activations,
+        "train": context + held + trainer["gradients"] + kept_physical + kv_kept + vllm_asleep + activations + folds,
     }
     if weights is not None:  # right after the update: torch still holds its blocks, the engine's weights come back
-        phases["sync"] = max(phases["train"], context + held + engine + vllm_asleep + 2 * 2 * size.largest_layer)
+        phases["sync"] = max(phases["train"], context + held + engine + vllm_asleep + sync_merge_bytes(run, size))
+    load = load_peak_bytes(run, size)
+    if load:
+        phases = {"load": context + load, **phases}
     phases = {name: int(value) for name, value in phases.items() if value}
     counted = {name: value + (given_back if name in ("logprobs", "train") else 0) for name, value in phases.items()}
     parts = {"context": context, **trainer, "engine weights": engine, "kv cache": kv_bytes or 0, "vllm": own,
-             "activations": activations}
+             "activations": activations, "expert transient": folds}
     fits, why_not = True, ""
     over = {name: value for name, value in counted.items() if value > budget - margin}
     if over:

@@ -56,7 +56,8 @@ def capable_weights(config, hf_config, size: ModelSize, model_path: str) -> tupl
     """The engine weight modes this model and these options can take (grpo.rollout.engines checks the loaded policy
     again): in_place for plain lora on one colocated GPU, adapter where vLLM's LoRA takes the model, merged from a
     16-bit checkpoint. A mixture of experts' fused experts: no adapter for a colocated engine (it could not share
-    them with the trainer: the base held twice) nor under qlora (its experts stay 16-bit: no 4-bit base vLLM loads);
+    them with the trainer: the base held twice) nor under qlora (its 4-bit experts are grpo's own format,
+    grpo.model.quantized_experts: no 4-bit base vLLM loads);
     server mode's lora engines load their own 16-bit base and take it."""
     from grpo.model.base_weights import saved_4bit
     from grpo.rollout.engines import VLLM_LORA_VISION_MODELS, _fused_parts_left_16bit, has_triton

@@ -9,7 +9,7 @@ from grpo.memory.plan import MemoryPlan
 
 GIB = 2**30
 PLAN_FILE = "memory_plan.json"
-PHASE_LABELS = {"rollout": "rollout (engine awake)", "logprobs": "old / reference log-probs",
+PHASE_LABELS = {"load": "load (16-bit experts)", "rollout": "rollout (engine awake)", "logprobs": "old / reference log-probs",
                 "train": "training (one micro-batch)", "sync": "weight sync"}
 
 

@@ -223,8 +223,9 @@ def _adapter_refusal(config, policy, vision, stored_4bit: bool) -> str | None:
     fused = _fused_on_load(policy)
     if fused and config.strategy.four_bit_base:
         # lora: the engine loads the 16-bit checkpoint and takes LoRA on the experts per expert (expert_adapters)
-        return (f"{fused}: a mixture of experts under qlora, whose fused experts transformers 5 and bitsandbytes "
-                "keep in 16 bits, so the trainer's 4-bit base is not one vLLM loads")
+        return (f"{fused}: a mixture of experts under qlora, whose fused experts the trainer holds in 4 bits in "
+                "grpo's own format (grpo.model.quantized_experts), not as a bitsandbytes checkpoint vLLM loads (the "
+                "merged sync sends them dequantized, with their LoRA folded in)")
     for option, why in (("modules_to_save", "modules_to_save (vLLM's LoRA takes LoRA layers only)"),
                         ("use_dora", "DoRA"), ("lora_bias", "lora_bias")):
         if getattr(peft_config, option, None):
