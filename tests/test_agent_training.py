@@ -259,7 +259,7 @@ def test_options_agent_episodes_do_not_run_with_are_refused(tmp_path):
         check_agent_options(_Options(sequence_parallel_size=2), ["agent_toy"])
     with pytest.raises(ConfigError, match="drop --routing_replay"):
         check_agent_options(_Options(routing_replay=True), ["agent_toy"])
-    automatic = _Options()
+    automatic = GRPOConfig(output_dir=str(tmp_path))  # the run's own copy, resolved before it is frozen
     check_agent_options(automatic, ["agent_toy"])
     assert automatic.routing_replay is False  # decided here, before the model's config could turn it on
     with pytest.raises(ConfigError, match="--agent_timeout_s: must be a number of seconds > 0"):

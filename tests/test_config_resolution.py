@@ -90,3 +90,29 @@ def test_the_run_freezes_the_options_it_resolved_and_saves_them(tiny_model, regi
     checkpoint = json.loads((out / "checkpoint-1" / "grpo_config.json").read_text())
     assert checkpoint == saved and saved["use_wandb"] is False
     assert os.path.isfile(out / "metrics.jsonl")
+
+
+def test_the_rollout_ranks_resolve_their_own_copy_of_the_options_and_freeze_it(monkeypatch, tmp_path):
+    """Server mode's rollout ranks resolve the options as the training ranks do (CPU sizing here), once, on their own
+    copy, which is frozen before the rank serves."""
+    import torch
+
+    from grpo.config import parse_args
+    from grpo.rollout import serve
+    from grpo.runtime import console_log
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")  # the last rank: the rollout rank
+    given = parse_args(["--rollout_mode", "server", "--rollout_gpus", "1", "--output_dir", str(tmp_path / "run")])
+    served = []
+    monkeypatch.setattr(console_log, "setup_console_logging", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(serve, "connect_store", lambda timeout: None)
+    monkeypatch.setattr(serve, "RolloutBridge", lambda *a: None)
+    monkeypatch.setattr(serve, "_serve", lambda bridge, config, *a: served.append(config) or 0)
+    assert serve.serve_rollouts(given) == 0
+    resolved = served[0]
+    assert resolved is not given and resolved.frozen and not given.frozen
+    assert (resolved.max_steps, given.max_steps) == (14, GRPOConfig().max_steps)  # sized for a CPU, on the copy
+    with pytest.raises(FrozenConfigError):
+        resolved.max_steps = 2

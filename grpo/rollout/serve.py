@@ -34,11 +34,14 @@ logger = logging.getLogger("grpo")
 
 
 def serve_rollouts(config) -> int:
-    """Run this rollout rank until training rank 0 stops it; the process's exit code."""
+    """Run this rollout rank until training rank 0 stops it; the process's exit code. The rank resolves its own copy
+    of the options once, as the training ranks do (the caller's GRPOConfig stays as given), and freezes it."""
     from grpo.runtime.console_log import setup_console_logging
 
     setup_console_logging(is_main=False)
+    config = config.thawed()
     size_for_cpu(config, on_cpu=not torch.cuda.is_available())  # the training ranks' options, as they size them
+    config.freeze()  # nothing sets an option from here on
     quiet_progress_bars()  # off a terminal: no bars of weight loading in a log file
     count = rollout_ranks_of(config)
     index, rank = rollout_index(count), job_rank()  # (vLLM's launcher variables overwrite RANK later)

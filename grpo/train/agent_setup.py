@@ -55,11 +55,10 @@ def check_agent_options(config, datasets: list[str]) -> None:
     if config.sequence_parallel_size > 1:
         raise ConfigError(f"{which}: agent episodes are not shared between the ranks of a sequence-parallel group; use "
                           "--sequence_parallel_size 1")
-    if getattr(config, "routing_replay", None):
+    if config.routing_replay:
         raise ConfigError(f"{which}: the agents' endpoint does not record the experts the engine routed each token "
                           "to, so --routing_replay cannot replay them; drop --routing_replay")
-    if hasattr(config, "routing_replay"):
-        config.routing_replay = False  # (a mixture of experts trains agent episodes on its own routing)
+    config.resolve(routing_replay=False)  # (a mixture of experts trains agent episodes on its own routing)
 
 
 def run_agent_datasets(config, registry: dict[str, DatasetSpec]) -> dict:
