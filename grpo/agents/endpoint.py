@@ -31,7 +31,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
-import itertools
 import json
 import secrets
 import selectors
@@ -41,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from grpo.agents.http import JSONServer
+from grpo.agents.loop_watch import IdleSelector, TrackedExecutor
 from grpo.agents.openai_format import (RequestError, answer_message, chat_response, completion_response,
                                        normalise_message, parse_request, same_message)
 from grpo.agents.records import CallRecord
@@ -129,7 +129,7 @@ class AgentEndpoint:
         self._changed = time.monotonic()
         self._loop_idle: Optional[float] = 0.0  # since when the agents' loop waits with nothing to do (None: busy);
                                                 # 0.0: not known (a loop without loop_selector() counts as idle)
-        self._executor: Optional[_TrackedExecutor] = None
+        self._executor: Optional[TrackedExecutor] = None
         self._turns: dict[str, EnvironmentTurns] = {}
         self._shown: dict[str, bool] = {}  # per tools offered: whether the chat template renders `tools=`
 
@@ -348,13 +348,13 @@ class AgentEndpoint:
     def loop_selector(self) -> selectors.BaseSelector:
         """A selector for the agents' event loop (asyncio.SelectorEventLoop(selector)) that tells the batcher when
         the loop waits with nothing ready to run: calls still to come then wait on something outside it."""
-        return _IdleSelector(self)
+        return IdleSelector(self._loop_waits)
 
     def loop_executor(self) -> concurrent.futures.ThreadPoolExecutor:
-        """A default executor for that loop whose jobs count as the loop's work for their first EXECUTOR_BUSY_S (a
-        connection's address lookup, a quick tool in a thread: their episodes' calls follow); a longer job is
-        something to wait on, as a timer is."""
-        self._executor = _TrackedExecutor()
+        """A default executor for that loop whose jobs count as the loop's work for their first moments
+        (loop_watch.EXECUTOR_BUSY_S: a connection's address lookup, a quick tool in a thread: their episodes' calls
+        follow); a longer job is something to wait on, as a timer is."""
+        self._executor = TrackedExecutor()
         return self._executor
 
     def _loop_waits(self, waits: bool) -> None:
@@ -418,56 +418,6 @@ class AgentEndpoint:
                                         "length")
             answers.append((request, completion, None))
         answer_all(answers)
-
-
-EXECUTOR_BUSY_S = 0.05  # how long a job of the agents' loop's default executor counts as the loop's work
-
-
-class _TrackedExecutor(concurrent.futures.ThreadPoolExecutor):
-    """A ThreadPoolExecutor that keeps the start of each job in flight (its end wakes the loop, which the batcher
-    then sees busy)."""
-
-    def __init__(self):
-        super().__init__(thread_name_prefix="grpo-agents-executor")
-        self._lock = threading.Lock()
-        self._started: dict[int, float] = {}
-        self._keys = itertools.count()
-
-    def submit(self, fn, /, *args, **kwargs):
-        with self._lock:
-            key = next(self._keys)
-            self._started[key] = time.monotonic()
-        future = super().submit(fn, *args, **kwargs)
-        future.add_done_callback(lambda _: self._done(key))
-        return future
-
-    def _done(self, key: int) -> None:
-        with self._lock:
-            self._started.pop(key, None)
-
-    def busy_until(self) -> float:
-        """Until when the jobs in flight count as the loop's work (0.0: none)."""
-        with self._lock:
-            return max(self._started.values(), default=-EXECUTOR_BUSY_S) + EXECUTOR_BUSY_S
-
-
-class _IdleSelector(selectors.DefaultSelector):
-    """The platform's default selector, telling the endpoint when its loop waits with nothing ready (a select with
-    a timeout other than 0) and when it runs again."""
-
-    def __init__(self, endpoint: AgentEndpoint):
-        super().__init__()
-        self._endpoint = endpoint
-
-    def select(self, timeout=None):
-        waits = timeout is None or timeout > 0
-        if waits:
-            self._endpoint._loop_waits(True)
-        try:
-            return super().select(timeout)
-        finally:
-            if waits:
-                self._endpoint._loop_waits(False)
 
 
 def with_tools_in_system(messages: list[dict], tools: list) -> list[dict]:
