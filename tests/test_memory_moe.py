@@ -11,7 +11,8 @@ from grpo.memory import planner
 from grpo.memory.activations import expert_fold_bytes
 from grpo.memory.model_size import CODEBOOK_BYTES, four_bit_bytes_per_value, model_size, weight_bytes
 from grpo.memory.engine import CONTEXT_BYTES
-from grpo.memory.plan import auto_checkpointing, plan_memory, sync_merge_bytes
+from grpo.memory.parts import sync_merge_bytes
+from grpo.memory.plan import auto_checkpointing, plan_memory
 
 from .trainer_setup import ROOT
 
