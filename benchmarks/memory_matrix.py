@@ -213,8 +213,15 @@ def main() -> None:
     parser.add_argument("--replan", nargs="+", default=None, metavar="OUT",
                         help="earlier --out folders: their measured runs against the current plan (no GPU)")
     parser.add_argument("--limit", type=int, default=900, help="seconds a run may take")
+    parser.add_argument("--cells", nargs="+", default=None, metavar="SHAPE:GIB:NEW",
+                        help="these cells only, run in the order given (instead of shapes x budgets x new tokens, "
+                             "shortest first), e.g. mistral-7b:24:4096 qwen3-8b:40:512")
     parser.add_argument("--extra", nargs=argparse.REMAINDER, default=[])
     args = parser.parse_args()
+    wanted = None
+    if args.cells:
+        wanted = [(shape, float(budget), int(new)) for shape, budget, new in (c.split(":") for c in args.cells)]
+        args.shapes = list(dict.fromkeys(shape for shape, _, _ in wanted))
     if args.replan:
         replan(args.replan, args)
         return
@@ -231,15 +238,17 @@ def main() -> None:
             if not os.path.isfile(os.path.join(model, "config.json")):
                 subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "random_model.py"), "--out", model]
                                + source, check=True)
-        for budget in args.budgets:
-            for new in args.new:
-                cell = {"shape": shape, "budget": budget, "new": new, "model": model}
-                cell.update(plan_cell(model, args, budget, new))
-                cells.append(cell)
-                print(json.dumps({k: v for k, v in cell.items() if k != "model"}), flush=True)
+        for budget, new in ([(b, n) for s_, b, n in wanted if s_ == shape] if wanted
+                            else [(b, n) for b in args.budgets for n in args.new]):
+            cell = {"shape": shape, "budget": budget, "new": new, "model": model}
+            cell.update(plan_cell(model, args, budget, new))
+            cells.append(cell)
+            print(json.dumps({k: v for k, v in cell.items() if k != "model"}), flush=True)
     running = []
-    # the shortest completions first: where the GPU's time runs out, the most cells have run
-    queue = sorted((c for c in cells if c["fits"]), key=lambda c: (c["new"], c["budget"])) if not args.plan_only else []
+    # the shortest completions first (where the GPU's time runs out, the most cells have run), or the order asked
+    order = ((lambda c: wanted.index((c["shape"], c["budget"], c["new"]))) if wanted
+             else (lambda c: (c["new"], c["budget"])))
+    queue = sorted((c for c in cells if c["fits"]), key=order) if not args.plan_only else []
     if queue and args.gpu_gib is None:
         import torch
 
