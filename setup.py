@@ -12,6 +12,8 @@ setup(
     package_data={"grpo": ["shipped/configs/*.json", "shipped/data/arith/*.jsonl", "shipped/data/shapes/*.jsonl",
                            "shipped/data/shapes/images/*.png"]},
     python_requires=">=3.10",
+    # train_grpo.py's main, installed as a command (python train_grpo.py / deepspeed train_grpo.py run the same)
+    entry_points={"console_scripts": ["grpo-train = grpo.entry.train:run"]},
     install_requires=[
         "torch>=2.4",
         "transformers>=5.17",  # versions run: 5.17 (GPU checks), 5.24 (CPU tests)

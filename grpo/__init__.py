@@ -21,7 +21,7 @@ _LAZY = {
     "register_reward": ("grpo.rewards", "register_reward"),
     "register_tool": ("grpo.tools", "register_tool"),
     "load_dataset_registry": ("grpo.data", "load_dataset_registry"),
-    "serve_rollouts": ("grpo.rollout.serve", "serve_rollouts"),
+    "serve_rollouts": ("grpo.entry.serve", "serve_rollouts"),
 }
 
 

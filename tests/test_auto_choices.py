@@ -111,7 +111,7 @@ def test_a_colocated_vllm_engine_is_built_from_the_plan_only():
 def test_the_rollout_ranks_take_the_trainers_planned_weights(monkeypatch):
     """Server mode: the rollout ranks build their vLLM engine with the weights training rank 0's plan chose (and the
     loaded policy took), sent in the engine's spec; nothing there decides them again."""
-    from grpo.rollout.serve import vllm_options
+    from grpo.entry.serve import vllm_options
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     config = GRPOConfig(tuning_strategy="qlora", rollout_engine="vllm", rollout_mode="server", rollout_gpus=1)

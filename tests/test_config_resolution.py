@@ -98,7 +98,7 @@ def test_the_rollout_ranks_resolve_their_own_copy_of_the_options_and_freeze_it(m
     import torch
 
     from grpo.config import parse_args
-    from grpo.rollout import serve
+    from grpo.entry import serve
     from grpo.runtime import console_log
 
     monkeypatch.setenv("WORLD_SIZE", "2")

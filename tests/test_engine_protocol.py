@@ -13,7 +13,7 @@ from .trainer_setup import ROOT
 
 # where the loop talks to an engine, and the names it holds it by there
 CALLERS = {"grpo/rollout/collect.py": {"engine"}, "grpo/train/trainer.py": {"rollout_engine"},
-           "grpo/sync/weight_sync.py": {"engine"}, "grpo/rollout/serve.py": {"engine"}}
+           "grpo/sync/weight_sync.py": {"engine"}, "grpo/entry/serve.py": {"engine"}}
 
 
 def engine_attributes_used(path: str, names: set[str]) -> set[str]:

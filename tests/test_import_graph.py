@@ -130,7 +130,8 @@ LAYERS = [
     ("grpo.rollout", "engines and a step's rollouts: generate from the model, take synced weights, score rewards"),
     ("grpo.agents", "agents over an OpenAI-compatible endpoint in front of a rollout engine"),
     ("grpo.memory", "the memory plan: every phase's peak from the model, the engine and the options"),
-    ("grpo.train", "the loop (and setup, reporting) wiring all of the above; nothing imports it"),
+    ("grpo.train", "the loop (and setup, reporting) wiring all of the above; only the entry points import it"),
+    ("grpo.entry", "the processes' mains: training and server mode's rollout ranks; nothing imports it"),
 ]
 
 
@@ -231,11 +232,24 @@ def test_user_files_are_imported_by_a_module_of_their_own():
                                                                     user_code.qualified_name)
 
 
-def test_the_training_loop_is_the_top_floor():
-    """grpo/train/ (the trainer, its setup and reporting) sits above the library: nothing below it imports it. The
-    rollout ranks' process (grpo/rollout/serve.py) logs through grpo/runtime/console_log.py and sets up its episode
-    datasets through grpo/data/episode_datasets.py, as training does."""
+def test_the_training_loop_is_the_top_floor_of_the_library():
+    """grpo/train/ (the trainer, its setup and reporting) sits above the library: nothing below it imports it, only
+    the processes' mains (grpo/entry/). The rollout ranks' process (grpo/entry/serve.py) logs through
+    grpo/runtime/console_log.py and sets up its episode datasets through grpo/data/episode_datasets.py, as training
+    does."""
     graph = import_graph()
     upward = {name: sorted(dep for dep in deps if dep.startswith("grpo.train"))
-              for name, deps in graph.items() if not name.startswith("grpo.train") and name != "grpo"}
+              for name, deps in graph.items() if not name.startswith(("grpo.train", "grpo.entry")) and name != "grpo"}
     assert {name: deps for name, deps in upward.items() if deps} == {}
+    assert not [dep for dep in graph["grpo.entry.serve"] if dep.startswith("grpo.train")]  # a rollout rank: no loop
+    assert "grpo.train.trainer" in graph["grpo.entry.train"]
+
+
+def test_nothing_imports_the_entry_points():
+    """grpo/entry/ holds the processes' mains (train_grpo.py runs grpo.entry.train): no module of the library imports
+    them (the package's __init__ names serve_rollouts lazily, for scripts of their own)."""
+    graph = import_graph()
+    importers = {name: sorted(dep for dep in deps if dep.startswith("grpo.entry"))
+                 for name, deps in graph.items() if not name.startswith("grpo.entry") and name != "grpo"}
+    assert {name: deps for name, deps in importers.items() if deps} == {}
+    assert "grpo.entry.serve" in graph["grpo.entry.train"]

@@ -275,7 +275,7 @@ class LoadingEngine(VersionedEngine):
 def serve_script(monkeypatch, tmp_path, script, engine, segment_tokens=0, episodes=None):
     from types import SimpleNamespace
 
-    from grpo.rollout import serve
+    from grpo.entry import serve
 
     monkeypatch.setattr(serve, "_build_engine", lambda *args: engine)
     monkeypatch.setattr(serve.EpisodeHost, "for_run", classmethod(lambda cls, config, names: episodes))

@@ -394,7 +394,7 @@ def test_a_rollout_rank_checks_it_finds_the_trainers_episode_datasets(shared_too
     node) before its engine loads, and says so clearly when they differ."""
     from types import SimpleNamespace
 
-    from grpo.rollout.serve import EpisodeHost
+    from grpo.entry.serve import EpisodeHost
 
     options = dict(tool_module=str(shared_tools / "my_tools.py"),
                    dataset_config_path=str(shared_tools / "registry.json"), dataset_names=["toy", "calc_toy"], eval_dataset_names=[], model_name_or_path=stopping_model,

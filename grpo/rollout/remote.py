@@ -3,7 +3,8 @@
 Every training rank calls generate / load_weights together (they are collectives of the training world); rank 0
 speaks to the rollout ranks through the bridge (bridge.py) and hands each training rank its own completions back.
 Prompts are split evenly over the rollout ranks in training-rank order, so each rollout rank gets a contiguous share.
-Multi-turn episodes travel the same way and come back whole: the rollout ranks run them, tools included (serve.py).
+Multi-turn episodes travel the same way and come back whole: the rollout ranks run them, tools included
+(grpo/entry/serve.py).
 """
 from __future__ import annotations
 
@@ -33,12 +34,12 @@ class Ticket:
 
 class RemoteRolloutEngine(RolloutEngine):
     collective_generate = True  # every training rank must call generate, even with no prompts of its own
-    runs_episodes = True        # the rollout ranks run whole episodes (see serve.py)
+    runs_episodes = True        # the rollout ranks run whole episodes (see grpo/entry/serve.py)
 
     def __init__(self, spec: dict, rollout_ranks: int, timeout_minutes: float, images_as_decoded: bool = False):
-        """`spec`: what a rollout rank needs to build its engine (see server._build_engine). `images_as_decoded`:
-        the engines take the decoded images only (vLLM runs its own image processor), so the processed pixels,
-        several MB per image, stay here."""
+        """`spec`: what a rollout rank needs to build its engine (see grpo/entry/serve.py's _build_engine).
+        `images_as_decoded`: the engines take the decoded images only (vLLM runs its own image processor), so the
+        processed pixels, several MB per image, stay here."""
         self.count = rollout_ranks
         self.takes_adapter = spec.get("lora_rank") is not None  # the rollout ranks hold the base and take adapters
         self.images_as_decoded = images_as_decoded

@@ -1,6 +1,7 @@
-"""A rollout rank's life in --rollout_mode server: build an engine, then answer training rank 0 until it says stop.
+"""A rollout rank's life in --rollout_mode server (the process's main, which grpo/entry/train.py runs on those ranks):
+build an engine, then answer training rank 0 until it says stop.
 
-Messages (see bridge.py): ("start", spec) once, then ("generate", (prompt ids, sampling, images)),
+Messages (see grpo/rollout/bridge.py): ("start", spec) once, then ("generate", (prompt ids, sampling, images)),
 ("episodes", (episode prompts, sampling, limits)), ("weights", layout) or ("adapter", layout) followed by the
 tensors over the weight group, ("version", n) once a sync's weights are all in (the policy after n optimizer steps),
 and ("stop", None). Every message gets a reply: {"ok": ...} or {"error": text}; a request's comes once it is generated
@@ -72,10 +73,11 @@ class Reported(Exception):
 
 
 class RolloutServer:
-    """One rollout rank's loop. Generation runs as a stream (stream.py): `generate` and `episodes` requests queue up
-    and are answered once generated; every other message is answered at once, also while requests are in flight,
-    since the rank looks for messages between two units of generation (and between two turns of episodes). Weights
-    apply there; no token is sampled between a sync's first tensors and its `version`, which closes it."""
+    """One rollout rank's loop. Generation runs as a stream (grpo/rollout/stream.py): `generate` and `episodes`
+    requests queue up and are answered once generated; every other message is answered at once, also while
+    requests are in flight, since the rank looks for messages between two units of generation (and between two
+    turns of episodes). Weights apply there; no token is sampled between a sync's first tensors and its `version`,
+    which closes it."""
 
     def __init__(self, bridge: RolloutBridge, config, index: int, count: int, device: torch.device, rank: int):
         self.bridge, self.config, self.index, self.count, self.device, self.rank = \
@@ -83,7 +85,7 @@ class RolloutServer:
         self.engine = None
         self.failure: Optional[str] = None  # the first error's text, repeated to every later message
         self.episodes = None                # what running episodes here needs (EpisodeHost)
-        self.heartbeat = None               # the training ranks' failure watch sees this rank die (failure_watch.py)
+        self.heartbeat = None               # the training ranks' failure watch sees this rank die (failure_watch)
         self.stream: Optional[RolloutStream] = None
         self.syncing = False                # a sync's weights came in, its version not yet
         self.idle = 0.0                     # seconds waited with nothing to generate, sent with every answer
