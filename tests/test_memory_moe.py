@@ -126,7 +126,8 @@ def test_auto_checkpointing_is_on_for_adapted_experts_on_a_gpu():
 @pytest.mark.parametrize("gib", [80, 48])
 def test_plan_only_at_80_and_48_gib(gib, capsys):
     """A colocated vLLM engine holds its own 16-bit copy (merged: qlora's 4-bit experts are no checkpoint vLLM
-    loads), 56.9 GiB beside the trainer's 24 GiB: refused at both, with what fits; the HF engine fits 80 GiB."""
+    loads), 56.9 GiB beside the trainer's 24 GiB: refused at both, with what fits; the HF engine fits 80 GiB (and is
+    said first there), not 48."""
     from grpo.config import parse_args
 
     argv = ["--model_name_or_path", MOE, "--tuning_strategy", "qlora", "--rollout_engine", "vllm",
@@ -135,7 +136,11 @@ def test_plan_only_at_80_and_48_gib(gib, capsys):
     assert planner.print_plan(parse_args(argv)) == 1
     out = capsys.readouterr().out
     assert "load (16-bit experts)" in out and "expert transient 1.88" in out and "base 15.99" in out
-    assert "What fits: a GPU with" in out and "--tuning_strategy qlora" not in out.split("What fits")[1]
-    if gib == 80:
-        hf = parse_args([a if a != "vllm" else "hf" for a in argv])
+    fixes = out.split("What fits: ")[1].split("\n")[0]
+    assert "a GPU with" in fixes and "--tuning_strategy qlora" not in fixes
+    hf = parse_args([a if a != "vllm" else "hf" for a in argv])
+    if gib == 80:  # the HF engine fits, and the refusal says so, before the larger card
         assert planner.print_plan(hf) == 0
+        assert fixes.index("--rollout_engine hf") < fixes.index("a GPU with")
+    else:
+        assert planner.print_plan(hf) == 1 and "--rollout_engine hf" not in fixes

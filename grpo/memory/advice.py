@@ -1,7 +1,8 @@
 """The cheapest changes that make a plan fit: each candidate change of the options is planned again (the same
 pure planner, on the same model counts and budget), and those that fit are said, cheapest first: the engine's
 weights, checkpointing and the chunk cost speed only; then shorter completions, fewer samples or prompts (what is
-learned changes); then a leaner strategy; then a larger budget."""
+learned changes); then a leaner strategy; then generation in the trainer's own model (--rollout_engine hf: no
+engine copy, slower rollouts); then a larger budget."""
 from __future__ import annotations
 
 import dataclasses
@@ -89,6 +90,8 @@ def cheapest_fixes(run: RunShape, size: ModelSize, gpu: GpuBudget, hf_config, op
     if not run.strategy.four_bit_base:
         attempt("--tuning_strategy qlora", strategy=Strategy.QLORA,
                 capable=capable(Strategy.QLORA, ("adapter", "merged")))
+    if run.engine == "vllm":  # the trainer's own model generates: no second copy of the weights (decodes slower)
+        attempt("--rollout_engine hf", engine="hf")
     for extra in (4, 8, 16, 24, 32, 48, 64, 96, 128):  # the smallest larger budget that fits
         cap = math.ceil(gpu.budget / GIB) + extra
         if _fits(run, size, GpuBudget(max(gpu.total, cap * GIB), None, cap * GIB, gpu.name), hf_config):
