@@ -35,3 +35,36 @@ def test_soft_capped_logits_come_through_the_chunked_path_unchanged():
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
     raw = model.lm_head(torch.randn(3, 32))
     assert raw.abs().max() > 3 and parts[1](torch.randn(3, 32)).abs().max() <= 3.0
+
+
+def test_soft_capped_attention_is_loaded_eager_and_keeps_its_cap(tmp_path, caplog):
+    """Gemma 2 soft-caps its attention logits; torch's SDPA kernels leave the cap out (transformers 5.17 loads Gemma 2
+    with them by default, silently; vLLM applies the cap), so grpo's loader asks for eager attention, says why, and
+    the policy's log-probs are the eager model's, not those of the model without the cap (SDPA's)."""
+    import logging
+
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from grpo.config.options import GRPOConfig
+    from grpo.model.attention import attention_implementation
+    from grpo.model.loading import load_policy
+    from .tiny_models import make_tiny_gemma2_model_dir
+
+    folder = make_tiny_gemma2_model_dir(str(tmp_path / "gemma2"), attention_cap=2.0)
+    with caplog.at_level(logging.INFO, logger="grpo"):
+        policy = load_policy(GRPOConfig(model_name_or_path=folder, tuning_strategy="full"), folder, torch.float32,
+                             torch.device("cpu"), checkpointing=False)
+    assert policy.config._attn_implementation == "eager"
+    assert "attention: eager (attn_logit_softcapping 2: torch's SDPA kernels leave the soft-cap out" in caplog.text
+    ids = torch.tensor([[5, 7, 8, 28, 9, 29, 12, 40, 41, 42, 43, 44, 45]])
+
+    def logprobs(model):
+        with torch.no_grad():
+            return torch.log_softmax(model.eval()(ids).logits, dim=-1)
+
+    eager = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager", dtype=torch.float32)
+    uncapped = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager", dtype=torch.float32,
+                                                    attn_logit_softcapping=None)
+    torch.testing.assert_close(logprobs(policy), logprobs(eager), rtol=0, atol=0)
+    assert (logprobs(policy) - logprobs(uncapped)).abs().max() > 0.2  # the cap bites (0.40 nats here)
+    assert attention_implementation(LlamaConfig()) is None  # other models load as transformers chooses

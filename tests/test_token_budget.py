@@ -1,6 +1,7 @@
 """--max_tokens_per_micro_batch auto: the activation estimate against numbers worked by hand, the budget it
 resolves to for given GPU figures (no GPU needed: the figures are passed in), and the memory plan's budget checked
 against the room measured once the model and engine are loaded."""
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -11,6 +12,7 @@ from grpo.memory.activations import (ESTIMATE_MARGIN, GIB, MIB, ModelShape, acti
 from grpo.train.token_budget import GpuFigures, micro_batch_token_budget, resolve_token_budget, training_estimate
 
 TINY = ModelShape(hidden=8, intermediate=16, layers=2, q_dim=8, vocab=32)
+CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "model_configs")
 
 
 def test_activation_estimate_worked_by_hand():
@@ -26,6 +28,35 @@ def test_activation_estimate_worked_by_hand():
     # the full-logits path keeps 14 V per token more
     assert activation_bytes_per_token(TINY, True, 2, 2, True, True) == (96 + 14 * 32, 544)
 
+
+
+def test_eager_attention_scores_worked_by_hand():
+    """A model loaded with eager attention (soft-capped attention logits: grpo.model.attention) holds each layer's
+    scores, N heads x S x S per row of S tokens: N S per token, 8 bytes a score kept (tanh output, fp32 softmax,
+    probabilities) and a + 4 more in one layer's backward."""
+    from dataclasses import replace
+
+    from transformers import AutoConfig, Gemma2Config
+
+    eager = replace(TINY, score_heads=2)  # rows of S = 10: N S = 20 scores per token and layer
+    # bf16, dropout: layer = 416 + 8 x 20 = 576; backward = 128 + (2 + 4) x 20 = 248
+    assert activation_bytes_per_token(eager, True, 2, 2, True, False, row_tokens=10) == (96, 576 + 248)
+    assert activation_bytes_per_token(eager, False, 2, 2, True, False, row_tokens=10) == (2 * 576 + 64, 248)
+    # fp32: layer = 640 + 160 = 800; backward = 256 + (4 + 4) x 20 = 416
+    assert activation_bytes_per_token(eager, True, 4, 4, False, False, row_tokens=10) == (160, 800 + 416)
+    # SDPA keeps no scores: the row length changes nothing
+    assert activation_bytes_per_token(TINY, True, 2, 2, True, False, row_tokens=10) == (96, 544)
+    assert model_shape(Gemma2Config(num_attention_heads=4, attn_logit_softcapping=50.0)).score_heads == 4
+    assert model_shape(Gemma2Config(num_attention_heads=4, attn_logit_softcapping=None)).score_heads == 0
+    # Gemma-2-9B (16 heads), 4,096 new tokens after a 256-token prompt, micro-batches of one 4,352-token row,
+    # checkpointing: 16 x 4,352 = 69,632 scores a token, 14 bytes each in the recomputed layer's backward:
+    # 974,848 bytes a token, 4,242,538,496 bytes (3.95 GiB) a micro-batch on top of what SDPA would hold
+    shape = model_shape(AutoConfig.from_pretrained(os.path.join(CONFIGS, "gemma-2-9b")))
+    assert shape.score_heads == 16
+    with_scores = activation_bytes_per_token(shape, True, 2, 2, False, True, row_tokens=4352)
+    without = activation_bytes_per_token(shape, True, 2, 2, False, True)
+    assert with_scores[0] == without[0] and with_scores[1] - without[1] == 14 * 16 * 4352 == 974_848
+    assert 4352 * 974_848 == 4_242_538_496 and round(4_242_538_496 / GIB, 2) == 3.95
 
 def test_logprob_chunk_and_peak_worked_by_hand():
     assert logprob_chunk_bytes(4, 32, full_logits=False) == 16 * 4 * 32
@@ -200,7 +231,7 @@ def test_cpu_and_explicit_values_are_kept():
     assert micro_batch_token_budget(GRPOConfig(max_tokens_per_micro_batch=0, logprob_chunk_tokens=256), None, None,
                                     cpu) == (0, 256)
     # with a plan: auto is the plan's tokens and log-prob chunk; an explicit value stays as given
-    plan = SimpleNamespace(micro_batch_tokens=6144, logprob_chunk_tokens=512)
+    plan = SimpleNamespace(micro_batch_tokens=6144, logprob_chunk_tokens=512, longest=512)
     assert micro_batch_token_budget(GRPOConfig(), None, None, cpu, plan) == (6144, 512)
     assert micro_batch_token_budget(GRPOConfig(max_tokens_per_micro_batch=4096), None, None, cpu, plan) == (4096, 1024)
 
@@ -258,14 +289,15 @@ def test_on_a_gpu_the_plans_budget_is_lowered_only_where_the_measured_room_holds
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
     gpu = torch.device("cuda", 0)
     engine = SleepyEngine()
-    planned = SimpleNamespace(micro_batch_tokens=4096, logprob_chunk_tokens=8)
+    planned = SimpleNamespace(micro_batch_tokens=4096, logprob_chunk_tokens=8, longest=64)
     assert micro_batch_token_budget(config, model, engine, gpu, planned) == (2048, 8)
     assert engine.calls == [("sleep", True), ("wake",)]  # measured asleep, as during an update; left awake
     assert grpo_log[-1].startswith("micro-batches of up to 2048 tokens (--max_tokens_per_micro_batch auto: the "
                                    "memory plan's 4096, lowered: the room measured after loading holds 2048)")
     # a plan below what the room holds stands
     assert micro_batch_token_budget(config, model, SleepyEngine(), gpu,
-                                    SimpleNamespace(micro_batch_tokens=1024, logprob_chunk_tokens=8)) == (1024, 8)
+                                    SimpleNamespace(micro_batch_tokens=1024, logprob_chunk_tokens=8,
+                                                    longest=64)) == (1024, 8)
     assert "the memory plan's 1024; the room measured after loading holds 2048" in grpo_log[-1]
     # without a plan: refused before anything is measured
     with pytest.raises(ValueError, match="pass the run's plan"):

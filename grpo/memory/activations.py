@@ -8,6 +8,7 @@ import math
 from dataclasses import dataclass
 
 from grpo.config.choices import MICRO_BATCH_TOKENS
+from grpo.model.attention import EAGER, attention_implementation
 from grpo.model.routing_replay import replay_family, routing_shape
 
 GIB, MIB = 2**30, 2**20
@@ -50,6 +51,8 @@ class ModelShape:
     q_dim: int           # attention heads x head_dim
     vocab: int           # V
     routed_picks: int = 0  # R: a replayed mixture of experts' picks per token (layers x top_k), else 0
+    score_heads: int = 0   # N: attention heads whose scores the eager attention materializes (grpo.model.attention:
+                           # soft-capped attention logits), else 0 (SDPA keeps none)
 
 
 def model_shape(model_config) -> ModelShape:
@@ -61,15 +64,19 @@ def model_shape(model_config) -> ModelShape:
     intermediate = max(getattr(cfg, "intermediate_size", None) or 4 * hidden, routed)
     # --routing_replay's default for these models: the micro-batch's routing array rides along
     picks = math.prod(routing_shape(cfg)) if replay_family(cfg) else 0
-    return ModelShape(hidden, intermediate, cfg.num_hidden_layers, heads * head_dim, cfg.vocab_size, picks)
+    score_heads = heads if attention_implementation(model_config) == EAGER else 0
+    return ModelShape(hidden, intermediate, cfg.num_hidden_layers, heads * head_dim, cfg.vocab_size, picks,
+                      score_heads)
 
 
 def activation_bytes_per_token(s: ModelShape, checkpointing: bool, act_bytes: int, adapter_bytes: int,
-                               dropout: bool, full_logits: bool) -> tuple[int, int]:
+                               dropout: bool, full_logits: bool, row_tokens: int = 0) -> tuple[int, int]:
     """(kept, transient): training memory of one token of a micro-batch, in bytes; `kept` lives through the whole
     backward, `transient` only while one layer's backward runs. a = act_bytes (2 for bf16 activations, 4 where the
     residual stream is fp32, as behind fp32 embeddings), b = adapter_bytes (the LoRA input copies' element
-    size, fp32 adapters 4; 0 for full fine-tuning), d = 1 with LoRA dropout, else 0:
+    size, fp32 adapters 4; 0 for full fine-tuning), d = 1 with LoRA dropout, else 0; with eager attention
+    (N = s.score_heads > 0) S = row_tokens, the longest row (a micro-batch of t tokens holds t / S rows of S, padding
+    included, each with N S S scores a layer: N S per token):
 
         layer    = 8 H                          two RMSNorms, each keeping its fp32 upcast input
                  + 4 q a                        SDPA's q, k, v (k, v repeated to q's heads) and output
@@ -77,7 +84,11 @@ def activation_bytes_per_token(s: ModelShape, checkpointing: bool, act_bytes: in
                  + (b + d)(5 H + q + I)  [lora] each adapter's copy of its input (and dropout's mask): q, k, v,
                                                 gate, up read H, o reads q, down reads I
                  + a (2 H + q + I)       [full] the inputs the trained weights need for their gradients
+                 + 8 N S                [eager] the scores' tanh output (a), fp32 softmax (4) and probabilities (a;
+                                                in fp32 the softmax's own): 8 bytes a score either way
         backward = 4 I a                        one layer's MLP gradients in flight
+                 + (a + 4) N S          [eager] the scores' gradients in flight (measured on Gemma 2's eager
+                                                attention: 6 bytes a score beyond the 8 kept in bf16, 8 in fp32)
         ends     = H (2 a + 4)                  the embedding output, the final norm's fp32 input, the hidden states
                                                 kept for the log-prob chunks
                  + 4 R           [replay]       a mixture of experts' replayed routing: R = layers x top_k int32 picks
@@ -91,6 +102,8 @@ def activation_bytes_per_token(s: ModelShape, checkpointing: bool, act_bytes: in
     layer = 8 * H + 4 * q * a + 3 * I * a
     layer += (b + int(dropout)) * (5 * H + q + I) if b else a * (2 * H + q + I)
     backward, ends = 4 * I * a, H * (2 * a + 4) + (14 * s.vocab if full_logits else 0) + 4 * s.routed_picks
+    scores = s.score_heads * row_tokens  # N S: eager attention's scores per token of one layer
+    layer, backward = layer + 8 * scores, backward + (a + 4) * scores
     if checkpointing:
         return s.layers * H * a + ends, layer + backward
     return s.layers * layer + ends, backward

@@ -261,7 +261,7 @@ def plan_memory(run: RunShape, size: ModelSize, gpu: GpuBudget | None, hf_config
     checkpointing = auto_checkpointing(size.parameters, on_gpu, run.checkpointing, adapted_experts)
     kept, transient = activation_bytes_per_token(size.shape, checkpointing, float_bytes,
                                                  float_bytes if run.strategy.has_adapter else 0,
-                                                 run.lora_dropout, run.full_logits)
+                                                 run.lora_dropout, run.full_logits, row_tokens=run.longest)
     chunk = logprob_chunk_bytes(run.chunk_tokens, size.shape.vocab, run.full_logits)
     per_token = kv_bytes_per_token(hf_config, run.tp)
     kv_needed = auto_kv_cache_bytes(per_token, run.sequences, run.longest, run.max_seq_length)

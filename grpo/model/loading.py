@@ -40,11 +40,17 @@ def load_tokenizer(model_path: str, trust_remote_code: bool = False):
 
 def load_base_model(model_path: str, dtype: torch.dtype, device: torch.device, trust_remote_code: bool,
                     quantization_config=None, device_map=None):
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
+    from grpo.model import attention
     from grpo.model.vision import is_vision_language
 
     kwargs = dict(dtype=dtype, trust_remote_code=trust_remote_code)
+    hf_config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+    implementation = attention.attention_implementation(hf_config)
+    if implementation is not None:  # soft-capped attention logits (Gemma 2): not SDPA, which drops the cap
+        kwargs.update(attn_implementation=implementation)
+        logger.info(attention.why(hf_config))
     if quantization_config is not None:
         device_map = {"": device}
         kwargs.update(quantization_config=quantization_config)

@@ -30,9 +30,40 @@ _CONVERTED: "weakref.WeakKeyDictionary[torch.nn.Module, frozenset[str]]" = weakr
 
 
 def _revert(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """transformers' reversal of the conversions the model was loaded with, its quantizer's left out (_layout_only)."""
     from transformers.core_model_loading import revert_weight_conversion
 
-    return revert_weight_conversion(model, tensors)
+    recorded = getattr(model, "_weight_conversions", None)  # (None: not loaded by from_pretrained)
+    if recorded is None:
+        return revert_weight_conversion(model, tensors)
+    layout = _layout_only(model, recorded)
+    if not layout:  # nothing but the quantizer's: the live names are the checkpoint's
+        return dict(tensors)
+    if len(layout) == len(recorded):
+        return revert_weight_conversion(model, tensors)
+    model._weight_conversions = layout
+    try:
+        return revert_weight_conversion(model, tensors)
+    finally:
+        model._weight_conversions = recorded
+
+
+def _layout_only(model: torch.nn.Module, conversions: list) -> list:
+    """`conversions` less those made of the quantizer's operations only. Loading a checkpoint saved in 4 bits,
+    transformers' bitsandbytes quantizer adds a converter that gathers each weight's quantization state (weight.absmax,
+    weight.quant_map, ...) into the live 4-bit weight under the weight's own name; it has no reverse operation
+    (reverting it raised NotImplementedError, for any model saved in 4 bits), and it needs none: the sync sends that
+    weight dequantized, under the name a 16-bit checkpoint gives it. A converter that also changes the layout (a
+    mixture of experts' per-expert weights dequantized, then fused) is kept."""
+    quantizer = getattr(model, "hf_quantizer", None)
+    load_operations = getattr(quantizer, "get_load_operations", None)
+    quantizer_ops = tuple(load_operations().values()) if callable(load_operations) else ()
+
+    def the_quantizers(op) -> bool:
+        return getattr(op, "hf_quantizer", None) is not None or isinstance(op, quantizer_ops)
+
+    return [conversion for conversion in conversions
+            if not (getattr(conversion, "operations", None) and all(map(the_quantizers, conversion.operations)))]
 
 
 def converted_names(model: torch.nn.Module, live_shapes: Callable[[], dict[str, torch.Size]]) -> frozenset[str]:

@@ -92,11 +92,13 @@ def checkpointing_on(model) -> bool:
     return any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
 
 
-def training_estimate(config, model, chunk_tokens: int | None = None) -> tuple[int, int, int, bool]:
+def training_estimate(config, model, chunk_tokens: int | None = None,
+                      row_tokens: int | None = None) -> tuple[int, int, int, bool]:
     """(kept, transient, chunk, checkpointing) for `model` (a DeepSpeed engine, peft or transformers model) as this
     run trains it: its shape, the dtypes of its embeddings and adapters, whether its layers are checkpointed, and
     whether its log-probs take the hidden-state path (see grpo.train.update.score), with log-prob chunks of
-    `chunk_tokens` (default --logprob_chunk_tokens)."""
+    `chunk_tokens` (default --logprob_chunk_tokens); `row_tokens`: the longest row (default --max_seq_length), for
+    the scores an eager attention holds."""
     from grpo.train.logprobs import hidden_state_path
 
     zero3 = getattr(model, "zero_optimization_stage", lambda: 0)() == 3
@@ -109,7 +111,8 @@ def training_estimate(config, model, chunk_tokens: int | None = None) -> tuple[i
     kept, transient = activation_bytes_per_token(
         shape, checkpointing, act_bytes=base.get_input_embeddings().weight.element_size(),
         adapter_bytes=adapters[0].element_size() if adapters else 0,
-        dropout=bool(adapters) and config.lora_dropout > 0, full_logits=full_logits)
+        dropout=bool(adapters) and config.lora_dropout > 0, full_logits=full_logits,
+        row_tokens=config.max_seq_length if row_tokens is None else row_tokens)
     chunk_tokens = config.logprob_chunk_tokens if chunk_tokens is None else chunk_tokens
     return kept, transient, logprob_chunk_bytes(chunk_tokens, shape.vocab, full_logits), checkpointing
 
@@ -131,7 +134,7 @@ def micro_batch_token_budget(config, model, engine, device: torch.device, plan=N
     from grpo.runtime import distributed as dist_utils
     from grpo.runtime.gpu_budget import usable_gpu_bytes
 
-    kept, transient, chunk, checkpointing = training_estimate(config, model, chunk_tokens)
+    kept, transient, chunk, checkpointing = training_estimate(config, model, chunk_tokens, plan.longest)
     engine.sleep(keep_weights=True)  # as during an update; woken at once, so the engine is left as it was
     try:
         torch.cuda.synchronize(device)
