@@ -264,8 +264,8 @@ def test_options_agent_episodes_do_not_run_with_are_refused(tmp_path):
     assert automatic.routing_replay is False  # decided here, before the model's config could turn it on
     with pytest.raises(ConfigError, match="--agent_timeout_s: must be a number of seconds > 0"):
         GRPOConfig(output_dir=str(tmp_path), agent_timeout_s=-1)
-    with pytest.raises(ConfigError, match="--agent_max_concurrency: must be >= 1"):
-        GRPOConfig(output_dir=str(tmp_path), agent_max_concurrency=0)
+    with pytest.raises(ConfigError, match="--agent_max_concurrency: must be >= 0"):
+        GRPOConfig(output_dir=str(tmp_path), agent_max_concurrency=-1)
 
 
 class _Options:

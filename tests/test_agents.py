@@ -258,6 +258,20 @@ def test_a_round_of_turns_is_one_engine_call():
     assert engine.batches == [32, 32]
 
 
+@pytest.mark.parametrize("limit, batches", [(0, [128, 128]), (64, [64, 64, 64, 64])])
+def test_every_episode_of_a_step_runs_at_once_unless_limited(limit, batches):
+    """A step of 16 prompts x 8 two-call episodes: by default all 128 run at once, a round of turns one engine call
+    (as the trainer's own episode loop); under --agent_max_concurrency 64 the second half starts as the first ends,
+    and the step takes twice the engine calls, each half the size."""
+    tokenizer = make_tiny_tokenizer(words=WORDS + [CALL_TEXT])
+    engine = CountingEngine(tokenizer)
+    rows = [{"question": f"What is {i} * 7 ?"} for i in range(16)]
+    episodes = run_agent_episodes(engine, tokenizer, calculator_agent, rows, SamplingSettings(n=8, max_new_tokens=8),
+                                  AgentLimits(timeout_s=60, max_concurrency=limit, gather_s=5.0, gather_max_s=30.0))
+    assert len(episodes) == 128 and all(e.ok and e.calls_kept == 2 for e in episodes), [e.error for e in episodes]
+    assert engine.batches == batches
+
+
 async def slow_between_turns(client, row):
     """Two calls; the agent of row "slow" works 1.5 s between them (a slow tool)."""
     messages = [{"role": "user", "content": "What is 6 * 7 ?"}]
@@ -368,7 +382,7 @@ def test_text_completions_chain_on_recorded_ids(model_and_tokenizer):
         first = await client.completions.create(model="policy", prompt=prompt, max_tokens=4, logprobs=1,
                                                 extra_body={"return_token_ids": True})
         prompt += first.choices[0].text + " <|im_end|> <|im_start|> user Give the answer . <|im_end|>"
-        second = await client.completions.create(model="policy", prompt=prompt, max_tokens=4)
+        await client.completions.create(model="policy", prompt=prompt, max_tokens=4)
         ids = first.prompt_token_ids + first.choices[0].token_ids + [5, 6]
         third = await client.completions.create(model="policy", prompt=ids, max_tokens=4)
         return first.choices[0].logprobs.token_logprobs, third.choices[0].text

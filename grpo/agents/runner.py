@@ -3,8 +3,8 @@
     episodes = run_agent_episodes(engine, tokenizer, agent, rows, SamplingSettings(n=4, max_new_tokens=128),
                                   AgentLimits(timeout_s=60))
 
-runs `sampling.n` episodes per row (ordered row by row, as the engine orders completions), at most `max_concurrency`
-at a time. The endpoint and the agents share one asyncio loop in a thread of their own; the calling thread keeps the
+runs `sampling.n` episodes per row (ordered row by row, as the engine orders completions), all at once (or at most
+`max_concurrency` at a time: a served environment's session limit). The endpoint and the agents share one asyncio loop in a thread of their own; the calling thread keeps the
 engine and generates the waiting calls in batches until every episode is over. Each episode gets an
 `openai.AsyncOpenAI` of its own (no retries: a call is answered once) on its own base URL.
 
@@ -41,7 +41,9 @@ class AgentLimits:
     max_prompt_tokens: int = 1024     # an episode's first prompt
     max_episode_tokens: int = 1024   # everything after it: sampled, tool and user tokens of every call together
     timeout_s: float = 300.0         # one episode, from its start to its agent's return
-    max_concurrency: int = 64        # episodes running at once
+    max_concurrency: int = 0         # episodes running at once; 0: all of them, so that a round of turns is one engine
+                                     # call (as the trainer's own episode loop); a limit makes later episodes start
+                                     # as earlier ones end, out of step with them, and the rounds split
     on_mismatch: str = "truncate"    # a call that does not extend the episode's calls: keep the episode up to it
                                      # ("truncate") or not train on it ("drop")
     gather_s: float = 0.01           # calls wait for the engine until every running episode has one waiting (one
@@ -52,8 +54,8 @@ class AgentLimits:
     def __post_init__(self):
         if self.on_mismatch not in ON_MISMATCH:
             raise ValueError(f"on_mismatch must be one of {', '.join(ON_MISMATCH)}, got {self.on_mismatch!r}")
-        if self.timeout_s <= 0 or self.max_concurrency < 1:
-            raise ValueError(f"timeout_s must be > 0 and max_concurrency at least 1, got {self.timeout_s} and "
+        if self.timeout_s <= 0 or self.max_concurrency < 0:
+            raise ValueError(f"timeout_s must be > 0 and max_concurrency at least 0 (0: all), got {self.timeout_s} and "
                              f"{self.max_concurrency}")
 
 
@@ -141,6 +143,7 @@ def run_agent_episodes(engine: RolloutEngine, tokenizer, agent: Callable, rows: 
     jobs = [(index, row) for index, row in enumerate(rows) for _ in range(sampling.n)]
     episodes: list[Optional[AgentEpisode]] = [None] * len(jobs)
     state = _LoopState()
+    at_once = limits.max_concurrency or max(len(jobs), 1)
 
     async def one(slot: int, semaphore: asyncio.Semaphore) -> None:
         index, row = jobs[slot]
@@ -166,7 +169,7 @@ def run_agent_episodes(engine: RolloutEngine, tokenizer, agent: Callable, rows: 
         state.loop.set_default_executor(endpoint.loop_executor())
         await endpoint.start()
         state.started.set()
-        semaphore = asyncio.Semaphore(limits.max_concurrency)
+        semaphore = asyncio.Semaphore(at_once)
         state.tasks = [asyncio.ensure_future(one(slot, semaphore)) for slot in range(len(jobs))]
         try:
             await asyncio.gather(*state.tasks, return_exceptions=True)
@@ -189,7 +192,7 @@ def run_agent_episodes(engine: RolloutEngine, tokenizer, agent: Callable, rows: 
     thread.start()
     state.started.wait()
     # every episode has had its time once this passes; only an agent that blocks the loop keeps it running
-    deadline = time.monotonic() + limits.timeout_s * math.ceil(len(jobs) / limits.max_concurrency) + 30.0
+    deadline = time.monotonic() + limits.timeout_s * math.ceil(len(jobs) / at_once) + 30.0
     while thread.is_alive() and time.monotonic() < deadline:
         batch = endpoint.next_batch(0.05, limits.gather_s, limits.gather_max_s)
         if batch:

@@ -49,8 +49,9 @@ class ToolOptions:
         300.0, "Datasets with an agent: seconds one episode may run; past them it is cancelled and scores 0 (counted "
                "in agents/timeouts).", "tools")
     agent_max_concurrency: int = option(
-        64, "Datasets with an agent: episodes running at once on a rank (their calls are generated in batches).",
-        "tools")
+        0, "Datasets with an agent: episodes running at once on a rank (their calls are generated in batches, a round "
+           "of turns at a time); 0: all of the step's. Set a limit for a served environment that allows fewer "
+           "sessions.", "tools")
     agent_on_mismatch: str = option(
         "truncate", "Datasets with an agent: an agent's call that does not continue its earlier calls' tokens is "
                     "never trained on; truncate keeps the episode up to it, drop trains on none of the episode.",
@@ -77,7 +78,7 @@ class ToolOptions:
              "give a Python file's path")
         need(math.isfinite(self.agent_timeout_s) and self.agent_timeout_s > 0, "agent_timeout_s",
              f"must be a number of seconds > 0, got {self.agent_timeout_s}")
-        need(self.agent_max_concurrency >= 1, "agent_max_concurrency",
-             f"must be >= 1, got {self.agent_max_concurrency}")
+        need(self.agent_max_concurrency >= 0, "agent_max_concurrency",
+             f"must be >= 0 (0: all of the step's episodes at once), got {self.agent_max_concurrency}")
         need(self.agent_on_mismatch in ("truncate", "drop"), "agent_on_mismatch",
              f"got '{self.agent_on_mismatch}', choose truncate or drop")
