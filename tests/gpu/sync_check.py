@@ -45,11 +45,13 @@ MOE_TARGETS = "all-linear"  # attention and every expert (grpo.sync.expert_adapt
 def build_model(path: str, arch: str = "llama") -> str:
     """A random Llama (or, arch "mla", a DeepSeek-V2 of MLA attention and dense MLPs, with DeepSeek-V2-Lite's
     attention widths; "mixtral" / "qwen3_moe", 8 experts, 2 per token, saved with one tensor per expert as their
-    checkpoints are) saved as a bf16 safetensors checkpoint (reused when already there)."""
+    checkpoints are; "gemma2", Gemma 2's soft-capped attention with a cap of 2, low enough that it changes every
+    score) saved as a bf16 safetensors checkpoint (reused when already there)."""
     if os.path.isfile(os.path.join(path, "config.json")):
         return path
-    from transformers import (DeepseekV2Config, DeepseekV2ForCausalLM, LlamaConfig, LlamaForCausalLM, MixtralConfig,
-                              MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
+    from transformers import (DeepseekV2Config, DeepseekV2ForCausalLM, Gemma2Config, Gemma2ForCausalLM, LlamaConfig,
+                              LlamaForCausalLM, MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig,
+                              Qwen3MoeForCausalLM)
 
     torch.manual_seed(0)
     shared = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, max_position_embeddings=2048,
@@ -68,6 +70,11 @@ def build_model(path: str, arch: str = "llama") -> str:
         config = Qwen3MoeConfig(**shared, num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=4,
                                 head_dim=64, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=704)
         model_class = Qwen3MoeForCausalLM
+    elif arch == "gemma2":
+        config = Gemma2Config(**shared, num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=8, head_dim=64,
+                              query_pre_attn_scalar=64, attn_logit_softcapping=2.0, final_logit_softcapping=30.0,
+                              sliding_window=1024)
+        model_class = Gemma2ForCausalLM
     else:
         config = LlamaConfig(**shared, num_hidden_layers=12, num_attention_heads=16, num_key_value_heads=4)
         model_class = LlamaForCausalLM
@@ -87,9 +94,10 @@ def main():
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--tp", type=int, default=1, help="vLLM tensor-parallel size (= the number of ranks)")
     parser.add_argument("--local_rank", type=int, default=0, help="set by the DeepSpeed launcher")
-    parser.add_argument("--arch", choices=["llama", "mla", *MOE_ARCHS], default="llama",
+    parser.add_argument("--arch", choices=["llama", "mla", "gemma2", *MOE_ARCHS], default="llama",
                         help="mla: a DeepSeek-V2 model, whose vLLM attention decodes through W_UK_T / W_UV; "
-                             "mixtral / qwen3_moe: experts that transformers fuses on load, vLLM per expert")
+                             "mixtral / qwen3_moe: experts that transformers fuses on load, vLLM per expert; "
+                             "gemma2: soft-capped attention logits, which vLLM applies and the trainer must too")
     parser.add_argument("--rollout_weights", choices=["merged", "adapter", "in_place"], default="merged")
     parser.add_argument("--sleep_level", type=int, choices=[0, 2], default=2,
                         help="0: the engine keeps its weights (frees its KV cache alone), so a sync writes only what "

@@ -138,6 +138,19 @@ def test_sync_reaches_the_decoding_of_mla_attention(strategy, options, tmp_path)
     assert generated["base_exact"] and generated["finite_logprobs"], generated
 
 
+@pytest.mark.parametrize("strategy, options", [("full", ()), ("lora", ADAPTER)], ids=["full", "lora-adapter"])
+def test_soft_capped_attention_scores_as_vllm_does(strategy, options, tmp_path):
+    """Gemma 2 caps its attention logits (cap tanh(s / cap)); vLLM applies the cap, torch's SDPA kernels leave it out
+    (transformers 5.17's default for Gemma 2). The trainer loads such a model with eager attention, so its log-probs
+    are the engine's from the checkpoint on (step 0) through every sync, and over sampled tokens."""
+    result = run_script("sync_check.py", tmp_path / "result.json", "--arch", "gemma2", "--strategy", strategy, *options)
+    steps = [r for r in result["rows"] if "synced" in r]
+    assert len(steps) == 4 and all(row["synced"] < SYNCED_MAX for row in steps), steps
+    for row in steps[1:]:
+        assert row["stale"] > max(0.05, 3 * row["synced"]), row
+    assert result["rows"][-1]["decode_gap"] < DECODE_MAX, result["rows"][-1]
+
+
 def vllm_has_moe_kernels() -> bool:
     """vLLM's fused-MoE kernels ship as their own library; a trimmed vLLM build may leave them out."""
     spec = importlib.util.find_spec("vllm")
