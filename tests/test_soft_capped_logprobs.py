@@ -68,3 +68,22 @@ def test_soft_capped_attention_is_loaded_eager_and_keeps_its_cap(tmp_path, caplo
     torch.testing.assert_close(logprobs(policy), logprobs(eager), rtol=0, atol=0)
     assert (logprobs(policy) - logprobs(uncapped)).abs().max() > 0.2  # the cap bites (0.40 nats here)
     assert attention_implementation(LlamaConfig()) is None  # other models load as transformers chooses
+
+
+def test_padding_free_is_refused_before_loading_a_soft_capped_model(tmp_path):
+    """A packed micro-batch is one row; eager attention's scores grow with its square (the plan counts rows of one
+    sequence): the run is refused from the model's config, before any weight loads, and a plain model packs."""
+    import pytest
+
+    from grpo.config import parse_args
+    from grpo.errors import ConfigError
+    from grpo.memory import planner
+
+    def plan(model):
+        return planner.print_plan(parse_args(["--model_name_or_path", f"tests/model_configs/{model}", "--plan_only",
+                                              "--gpu_memory_gib", "24", "--padding_free",
+                                              "--output_dir", str(tmp_path)]))
+
+    with pytest.raises(ConfigError, match="--padding_free packs a micro-batch into one row.*attn_logit_softcapping 50"):
+        plan("gemma-2-9b")
+    assert plan("qwen2.5-7b") == 0

@@ -32,3 +32,15 @@ def why(config) -> str:
     """The log line for a model loaded with `attention_implementation(config)`."""
     return (f"attention: eager ({ATTENTION_SOFT_CAP} {attention_soft_cap(config):g}: torch's SDPA kernels leave the "
             "soft-cap out, which vLLM applies; eager attention keeps it, and holds each layer's attention scores)")
+
+
+def packing_refusal(config) -> Optional[str]:
+    """Why --padding_free cannot pack this model's micro-batches, or None: eager attention's scores grow with the
+    square of a row, and a packed micro-batch is one row of all its tokens (16,384 tokens, 16 heads: 4 GiB a layer
+    in bf16), where the plan counts rows of one sequence."""
+    if attention_implementation(config) != EAGER:
+        return None
+    return (f"--padding_free packs a micro-batch into one row, and this model loads with eager attention (its "
+            f"{ATTENTION_SOFT_CAP} {attention_soft_cap(config):g}, which torch's SDPA kernels leave out), whose "
+            "scores grow with the square of a row's tokens: leave --padding_free off for it (rows of one sequence "
+            "each, as the memory plan counts them)")
