@@ -111,11 +111,15 @@ def test_peft_computes_what_the_hand_layout_says(tmp_path):
 
 
 def test_row_blocks_refuse_a_layout_that_is_not_rows_of_one_expert():
-    rows = 4  # experts of 4 rows: numbers e * 4 + row
-    good = {"a.weight": torch.tensor([[4], [5]]), "b.weight": torch.tensor([[0], [1], [2], [3]])}
+    rows = 4  # experts of 4 rows: numbers e * 4 + row, in both of the probe's two columns
+    good = {"a.weight": torch.tensor([[4, 4], [5, 5]]), "b.weight": torch.tensor([[0, 0], [1, 1], [2, 2], [3, 3]])}
     assert row_blocks_from_numbers(good, rows) == [RowBlock("b.weight", 0, 0, 4), RowBlock("a.weight", 1, 0, 2)]
     with pytest.raises(ConfigError, match="interleaved"):
-        row_blocks_from_numbers({"c.weight": torch.tensor([[0], [2]])}, rows)
+        row_blocks_from_numbers({"c.weight": torch.tensor([[0, 0], [2, 2]])}, rows)
+    with pytest.raises(ConfigError, match="transposed"):  # a block stored [in, out]
+        row_blocks_from_numbers({"d.weight": torch.tensor([[0, 1], [0, 1]])}, rows)
+    with pytest.raises(ConfigError, match="transposed"):  # squeezed to 1-D: its layout cannot be told
+        row_blocks_from_numbers({"e.weight": torch.tensor([0, 1])}, rows)
 
 
 # ------------------------------------------------------------------------------------------- on the three models

@@ -100,14 +100,18 @@ def zero_lora(blocks: list[RowBlock], rank: int, in_features: int, dtype: torch.
 
 
 def row_blocks_from_numbers(reverted: dict[str, torch.Tensor], rows: int) -> list[RowBlock]:
-    """RowBlocks from transformers' reversal of a [E, out, 1] tensor holding e * out + row: each checkpoint tensor
-    must come back as one expert's consecutive rows; anything else (a transposed or interleaved layout) is refused."""
+    """RowBlocks from transformers' reversal of a [E, out, 2] tensor holding e * out + row in both columns: each
+    checkpoint tensor must come back as [n, 2], one expert's consecutive rows; anything else (a transposed or
+    interleaved layout) is refused. (Two columns, not one: transformers 5.17's SplitModulelist squeezes every size-1
+    dim of what it splits, which would drop a width of 1 and make a transposed [1, n] block look like rows.)"""
     blocks = []
     for name, numbers in reverted.items():
-        flat = numbers.reshape(-1).to(torch.int64)
-        expert, start = divmod(int(flat[0]), rows)
-        expected = torch.arange(expert * rows + start, expert * rows + start + flat.numel())
-        if numbers.dim() != 2 or numbers.shape[1] != 1 or not torch.equal(flat, expected):
+        ok = numbers.dim() == 2 and numbers.shape[1] == 2 and torch.equal(numbers[:, 0], numbers[:, 1])
+        if ok:
+            flat = numbers[:, 0].to(torch.int64)
+            expert, start = divmod(int(flat[0]), rows)
+            ok = torch.equal(flat, torch.arange(expert * rows + start, expert * rows + start + flat.numel()))
+        if not ok:
             raise ConfigError(f"{name}: the checkpoint holds this expert tensor in another layout than a block of "
                               "rows of the fused one (transposed or interleaved); LoRA on these experts cannot be "
                               "sent to vLLM: use --rollout_weights merged")
@@ -164,14 +168,16 @@ def _fused_live_shapes(model) -> dict[str, torch.Size]:
 
 def _row_blocks_of(model, shapes: dict[str, torch.Size]) -> dict:
     """RowBlocks (or a ConfigError) of each [E, out, in] tensor in `shapes`, from one reversal of tensors of row
-    numbers: tensor i holds offset_i + e * out + row, so each checkpoint tensor it reverts to says whose it is."""
+    numbers: tensor i ([E, out, 2]) holds offset_i + e * out + row, so each checkpoint tensor it reverts to says whose
+    it is."""
     from transformers.core_model_loading import revert_weight_conversion
 
     total = sum(shape[0] * shape[1] for shape in shapes.values())
     dtype = torch.int32 if total < 2**31 else torch.int64
     numbers, offsets, start = {}, [], 0
     for name, shape in shapes.items():
-        numbers[name] = torch.arange(start, start + shape[0] * shape[1], dtype=dtype).view(shape[0], shape[1], 1)
+        rows = torch.arange(start, start + shape[0] * shape[1], dtype=dtype).view(shape[0], shape[1], 1)
+        numbers[name] = rows.expand(-1, -1, 2).contiguous()  # [E, out, 2]: see row_blocks_from_numbers
         offsets.append(start)
         start += shape[0] * shape[1]
     names = list(shapes)
