@@ -71,8 +71,9 @@ def build_model(path: str, arch: str = "llama") -> str:
                                 head_dim=64, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=704)
         model_class = Qwen3MoeForCausalLM
     elif arch == "gemma2":
-        config = Gemma2Config(**shared, num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=8, head_dim=64,
-                              query_pre_attn_scalar=64, attn_logit_softcapping=2.0, final_logit_softcapping=30.0,
+        # Gemma 2 ties its embeddings; vLLM's Gemma2 model asserts it
+        config = Gemma2Config(**{**shared, "tie_word_embeddings": True}, num_hidden_layers=4, num_attention_heads=16,
+                              num_key_value_heads=8, head_dim=64, query_pre_attn_scalar=64, attn_logit_softcapping=2.0, final_logit_softcapping=30.0,
                               sliding_window=1024)
         model_class = Gemma2ForCausalLM
     else:

@@ -169,8 +169,8 @@ def test_sync_reaches_fused_experts(arch, strategy, tmp_path):
     # step 0 scores the checkpoint itself: vLLM's fused-MoE kernels against transformers' experts, whose routing a
     # random router leaves close to ties (Mixtral 0.042 on an H100, 2026-11-27, the same with and without a sync)
     assert len(steps) == 4 and steps[0]["synced"] < 0.06, steps
-    for row in steps[1:]:
-        assert row["synced"] < SYNCED_MAX and row["stale"] > max(0.05, 3 * row["synced"]), row
+    for row in steps[1:]:  # the same near-ties after each sync (mixtral lora 0.030 at step 3 on an H200, 2026-11-29)
+        assert row["synced"] < 0.06 and row["stale"] > max(0.05, 3 * row["synced"]), row
     generated = result["rows"][-1]
     assert generated["unsynced_wake_refused"] and generated["finite_logprobs"], generated
     assert generated["decode_gap"] < DECODE_MAX, generated
