@@ -73,8 +73,8 @@ def build_model(path: str, arch: str = "llama") -> str:
     elif arch == "gemma2":
         # Gemma 2 ties its embeddings; vLLM's Gemma2 model asserts it
         config = Gemma2Config(**{**shared, "tie_word_embeddings": True}, num_hidden_layers=4, num_attention_heads=16,
-                              num_key_value_heads=8, head_dim=64, query_pre_attn_scalar=64, attn_logit_softcapping=2.0, final_logit_softcapping=30.0,
-                              sliding_window=1024)
+                              num_key_value_heads=8, head_dim=64, query_pre_attn_scalar=64,
+                              attn_logit_softcapping=2.0, final_logit_softcapping=30.0, sliding_window=1024)
         model_class = Gemma2ForCausalLM
     else:
         config = LlamaConfig(**shared, num_hidden_layers=12, num_attention_heads=16, num_key_value_heads=4)
