@@ -71,6 +71,10 @@ def main() -> None:
     from grpo.train.micro_batches import cut_rows
     from grpo.train.step_data import build_rollout_batch
 
+    # vLLM's in-process engine joins a process group of one, as under the launcher (it reads RANK and the like)
+    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
+                       ("MASTER_PORT", "29555")):
+        os.environ.setdefault(key, value)
     model_path = moved_experts(args.model, args.expert_noise, "/tmp/routing_replay_model") \
         if args.expert_noise else args.model
     device = "cuda" if torch.cuda.is_available() else "cpu"

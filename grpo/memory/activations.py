@@ -69,6 +69,12 @@ def model_shape(model_config) -> ModelShape:
                       score_heads)
 
 
+def eager_gradient_extra(act_bytes: int) -> int:
+    """Bytes a score of eager attention adds in a layer's backward beyond the a + 4 of its gradient (docstring
+    below): 2 a + 4, fitted to Gemma-2-9B's training peak on an H200 (benchmarks/RESULTS.md, 2026-11-29)."""
+    return 2 * act_bytes + 4
+
+
 def activation_bytes_per_token(s: ModelShape, checkpointing: bool, act_bytes: int, adapter_bytes: int,
                                dropout: bool, full_logits: bool, row_tokens: int = 0) -> tuple[int, int]:
     """(kept, transient): training memory of one token of a micro-batch, in bytes; `kept` lives through the whole
@@ -89,6 +95,10 @@ def activation_bytes_per_token(s: ModelShape, checkpointing: bool, act_bytes: in
         backward = 4 I a                        one layer's MLP gradients in flight
                  + (a + 4) N S          [eager] the scores' gradients in flight (measured on Gemma 2's eager
                                                 attention: 6 bytes a score beyond the 8 kept in bf16, 8 in fp32)
+                 + (2 a + 4) N S        [eager] the soft-cap's and softmax's gradients beside them
+                                                (EAGER_GRADIENT_EXTRA: Gemma-2-9B's shape, rows of 4,352 tokens,
+                                                one H200: training took 2.2 GiB above the a + 4 alone, 22 bytes a
+                                                score in all in bf16); a no-grad forward holds none of it
         ends     = H (2 a + 4)                  the embedding output, the final norm's fp32 input, the hidden states
                                                 kept for the log-prob chunks
                  + 4 R           [replay]       a mixture of experts' replayed routing: R = layers x top_k int32 picks
@@ -103,7 +113,7 @@ def activation_bytes_per_token(s: ModelShape, checkpointing: bool, act_bytes: in
     layer += (b + int(dropout)) * (5 * H + q + I) if b else a * (2 * H + q + I)
     backward, ends = 4 * I * a, H * (2 * a + 4) + (14 * s.vocab if full_logits else 0) + 4 * s.routed_picks
     scores = s.score_heads * row_tokens  # N S: eager attention's scores per token of one layer
-    layer, backward = layer + 8 * scores, backward + (a + 4) * scores
+    layer, backward = layer + 8 * scores, backward + (a + 4) * scores + eager_gradient_extra(a) * scores
     if checkpointing:
         return s.layers * H * a + ends, layer + backward
     return s.layers * layer + ends, backward
