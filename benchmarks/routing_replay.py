@@ -72,8 +72,13 @@ def main() -> None:
     from grpo.train.step_data import build_rollout_batch
 
     # vLLM's in-process engine joins a process group of one, as under the launcher (it reads RANK and the like)
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("", 0))
+        port = str(probe.getsockname()[1])
     for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
-                       ("MASTER_PORT", "29555")):
+                       ("MASTER_PORT", port)):
         os.environ.setdefault(key, value)
     model_path = moved_experts(args.model, args.expert_noise, "/tmp/routing_replay_model") \
         if args.expert_noise else args.model
