@@ -1,5 +1,6 @@
 """A model with a final logit soft-cap (Gemma 2: z = cap tanh(head(h) / cap)) takes the chunked hidden-state path,
 with the cap applied per chunk: the same log-probs, entropies and gradients as its own full logits."""
+import pytest
 import torch
 from transformers import Gemma2Config, Gemma2ForCausalLM
 
@@ -37,22 +38,23 @@ def test_soft_capped_logits_come_through_the_chunked_path_unchanged():
     assert raw.abs().max() > 3 and parts[1](torch.randn(3, 32)).abs().max() <= 3.0
 
 
-def test_soft_capped_attention_is_loaded_eager_and_keeps_its_cap(tmp_path, grpo_log):
+def test_soft_capped_attention_is_loaded_in_blocks_and_keeps_its_cap(tmp_path, grpo_log):
     """Gemma 2 soft-caps its attention logits; torch's SDPA kernels leave the cap out (transformers 5.17 loads Gemma 2
-    with them by default, silently; vLLM applies the cap), so grpo's loader asks for eager attention, says why, and
-    the policy's log-probs are the eager model's, not those of the model without the cap (SDPA's)."""
+    with them by default, silently; vLLM applies the cap), so grpo's loader asks for the eager computation in blocks
+    of queries, says why, and the policy's log-probs are the eager model's, not those of the model without the cap
+    (SDPA's)."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from grpo.config.options import GRPOConfig
-    from grpo.model.attention import attention_implementation
+    from grpo.model.attention import SOFT_CAPPED, attention_implementation
     from grpo.model.loading import load_policy
     from .tiny_models import make_tiny_gemma2_model_dir
 
     folder = make_tiny_gemma2_model_dir(str(tmp_path / "gemma2"), attention_cap=2.0)
     policy = load_policy(GRPOConfig(model_name_or_path=folder, tuning_strategy="full"), folder, torch.float32,
                          torch.device("cpu"), checkpointing=False)
-    assert policy.config._attn_implementation == "eager"
-    said = "attention: eager (attn_logit_softcapping 2: torch's SDPA kernels leave the soft-cap out"
+    assert policy.config._attn_implementation == SOFT_CAPPED
+    said = "attention: eager, in blocks of 512 queries (attn_logit_softcapping 2: torch's SDPA kernels leave the"
     assert any(said in line for line in grpo_log), grpo_log
     ids = torch.tensor([[5, 7, 8, 28, 9, 29, 12, 40, 41, 42, 43, 44, 45]])
 
@@ -63,15 +65,51 @@ def test_soft_capped_attention_is_loaded_eager_and_keeps_its_cap(tmp_path, grpo_
     eager = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager", dtype=torch.float32)
     uncapped = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager", dtype=torch.float32,
                                                     attn_logit_softcapping=None)
-    torch.testing.assert_close(logprobs(policy), logprobs(eager), rtol=0, atol=0)
+    torch.testing.assert_close(logprobs(policy), logprobs(eager), rtol=0, atol=1e-5)
     assert (logprobs(policy) - logprobs(uncapped)).abs().max() > 0.2  # the cap bites (0.40 nats here)
     assert attention_implementation(LlamaConfig()) is None  # other models load as transformers chooses
+
+
+@pytest.mark.parametrize("block", [5, 512])
+def test_blocks_of_queries_compute_eager_attention(block, monkeypatch):
+    """The soft-capped attention a block of queries at a time (5: five blocks of a 23-token row, the last short; 512:
+    one) gives eager attention's logits and gradients, padded rows and sliding-window layers included, with and
+    without gradient checkpointing around the layers."""
+    from grpo.model import attention
+
+    torch.manual_seed(0)
+    config = Gemma2Config(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
+                          attn_logit_softcapping=2.0, final_logit_softcapping=30.0, sliding_window=8)
+    attention.register_soft_capped_attention()
+    monkeypatch.setattr(attention, "QUERY_BLOCK", block)
+    eager = Gemma2ForCausalLM._from_config(config, attn_implementation="eager").float()
+    blocks = Gemma2ForCausalLM._from_config(config, attn_implementation=attention.SOFT_CAPPED).float()
+    blocks.load_state_dict(eager.state_dict())
+    ids = torch.randint(3, 97, (2, 23), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, :6] = 0  # the second row left-padded
+
+    def run(model):
+        model.train().zero_grad()
+        logits = model(input_ids=ids, attention_mask=mask).logits
+        logits[mask.bool()].log_softmax(-1)[:, 5].sum().backward()
+        return logits.detach()[mask.bool()], {name: p.grad.clone() for name, p in model.named_parameters()}
+
+    logits, grads = run(eager)
+    for checkpointing in (False, True):
+        if checkpointing:
+            blocks.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        got_logits, got_grads = run(blocks)
+        torch.testing.assert_close(got_logits, logits, rtol=0, atol=1e-5)
+        for name, grad in grads.items():
+            torch.testing.assert_close(got_grads[name], grad, rtol=1e-4, atol=1e-5)
+    assert logits.abs().max() > 0.1
 
 
 def test_padding_free_is_refused_before_loading_a_soft_capped_model(tmp_path):
     """A packed micro-batch is one row; eager attention's scores grow with its square (the plan counts rows of one
     sequence): the run is refused from the model's config, before any weight loads, and a plain model packs."""
-    import pytest
 
     from grpo.config import parse_args
     from grpo.errors import ConfigError

@@ -30,41 +30,43 @@ def test_activation_estimate_worked_by_hand():
 
 
 
-def test_eager_attention_scores_worked_by_hand():
-    """A model loaded with eager attention (soft-capped attention logits: grpo.model.attention) holds each layer's
-    scores, N heads x S x S per row of S tokens: N S per token, 8 bytes a score kept (tanh output, fp32 softmax,
-    probabilities) and (a + 4) + (2 a + 4) more in one layer's backward (its gradient; the soft-cap's and softmax's
-    gradients beside it, as measured on Gemma-2-9B)."""
+def test_soft_capped_attention_scores_worked_by_hand():
+    """A model with soft-capped attention logits (grpo.model.attention: the eager computation in blocks of
+    QUERY_BLOCK queries, each checkpointed) holds one block's scores at a time, N heads x Q queries x S keys for a
+    row of S tokens (Q = min(S, QUERY_BLOCK)): N Q per token, 22 bytes a score in bf16 (3 a + 16) in one layer's
+    backward; and its two additive masks, [S, S] each a row, 2 a S per token, through the whole step."""
     from dataclasses import replace
 
     from transformers import AutoConfig, Gemma2Config
 
-    eager = replace(TINY, score_heads=2)  # rows of S = 10: N S = 20 scores per token and layer
-    # bf16, dropout: layer = 416 + 8 x 20 = 576; backward = 128 + (2 + 4) x 20 + (4 + 4) x 20 = 408
-    assert activation_bytes_per_token(eager, True, 2, 2, True, False, row_tokens=10) == (96, 576 + 408)
-    assert activation_bytes_per_token(eager, False, 2, 2, True, False, row_tokens=10) == (2 * 576 + 64, 408)
-    # fp32: layer = 640 + 160 = 800; backward = 256 + (4 + 4) x 20 + (8 + 4) x 20 = 656
-    assert activation_bytes_per_token(eager, True, 4, 4, False, False, row_tokens=10) == (160, 800 + 656)
+    from grpo.model.attention import QUERY_BLOCK
+
+    capped = replace(TINY, score_heads=2)  # rows of S = 10 (shorter than a block): N Q = 20 scores per token
+    # bf16, dropout: layer = 416; backward = 128 + (3 x 2 + 16) x 20 = 568; ends = 64 + 2 x 2 x 10 = 104
+    assert activation_bytes_per_token(capped, True, 2, 2, True, False, row_tokens=10) == (32 + 104, 416 + 568)
+    assert activation_bytes_per_token(capped, False, 2, 2, True, False, row_tokens=10) == (2 * 416 + 104, 568)
+    # fp32: layer = 640; backward = 256 + (3 x 4 + 16) x 20 = 816; ends = 96 + 2 x 4 x 10 = 176
+    assert activation_bytes_per_token(capped, True, 4, 4, False, False, row_tokens=10) == (64 + 176, 640 + 816)
+    # a row longer than a block: its scores stop at the block, its masks do not
+    long_row = QUERY_BLOCK + 88
+    assert activation_bytes_per_token(capped, True, 2, 2, True, False, row_tokens=long_row) == \
+        (32 + 64 + 4 * long_row, 416 + 128 + 22 * 2 * QUERY_BLOCK)
     # SDPA keeps no scores: the row length changes nothing
     assert activation_bytes_per_token(TINY, True, 2, 2, True, False, row_tokens=10) == (96, 544)
     assert model_shape(Gemma2Config(num_attention_heads=4, attn_logit_softcapping=50.0)).score_heads == 4
     assert model_shape(Gemma2Config(num_attention_heads=4, attn_logit_softcapping=None)).score_heads == 0
     # Gemma-2-9B (16 heads), 4,096 new tokens after a 256-token prompt, micro-batches of one 4,352-token row,
-    # checkpointing: 16 x 4,352 = 69,632 scores a token, 22 bytes each in the recomputed layer's backward:
-    # 1,531,904 bytes a token, 6,666,846,208 bytes (6.21 GiB) a micro-batch on top of what SDPA would hold
+    # checkpointing, blocks of 512 queries: 16 x 512 = 8,192 scores a token, 22 bytes each: 180,224 bytes a token,
+    # 784,334,848 (0.73 GiB) a micro-batch on top of what SDPA would hold (whole rows' scores: 6.21 GiB); the masks
+    # 2 x 2 x 4,352 = 17,408 bytes a token
+    assert QUERY_BLOCK == 512
     shape = model_shape(AutoConfig.from_pretrained(os.path.join(CONFIGS, "gemma-2-9b")))
     assert shape.score_heads == 16
     with_scores = activation_bytes_per_token(shape, True, 2, 2, False, True, row_tokens=4352)
     without = activation_bytes_per_token(shape, True, 2, 2, False, True)
-    assert with_scores[0] == without[0] and with_scores[1] - without[1] == 22 * 16 * 4352 == 1_531_904
-    assert 4352 * 1_531_904 == 6_666_846_208 and round(6_666_846_208 / GIB, 2) == 6.21
-
-def test_logprob_chunk_and_peak_worked_by_hand():
-    assert logprob_chunk_bytes(4, 32, full_logits=False) == 16 * 4 * 32
-    assert logprob_chunk_bytes(4, 32, full_logits=True) == 0
-    # t kept + max(chunk, t transient): the chunk's logits or one layer's backward, whichever is larger
-    assert micro_batch_bytes(10, 96, 544, 2048) == 960 + 5440
-    assert micro_batch_bytes(2, 96, 544, 2048) == 192 + 2048
+    assert with_scores[1] - without[1] == 22 * 16 * 512 == 180_224
+    assert with_scores[0] - without[0] == 2 * 2 * 4352 == 17_408
+    assert 4352 * 180_224 == 784_334_848 and round(784_334_848 / GIB, 2) == 0.73
 
 
 def test_model_shape_from_a_transformers_config():

@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass
 
 from grpo.config.choices import MICRO_BATCH_TOKENS
-from grpo.model.attention import EAGER, attention_implementation
+from grpo.model.attention import QUERY_BLOCK, SOFT_CAPPED, attention_implementation
 from grpo.model.routing_replay import replay_family, routing_shape
 
 GIB, MIB = 2**30, 2**20
@@ -51,8 +51,8 @@ class ModelShape:
     q_dim: int           # attention heads x head_dim
     vocab: int           # V
     routed_picks: int = 0  # R: a replayed mixture of experts' picks per token (layers x top_k), else 0
-    score_heads: int = 0   # N: attention heads whose scores the eager attention materializes (grpo.model.attention:
-                           # soft-capped attention logits), else 0 (SDPA keeps none)
+    score_heads: int = 0   # N: attention heads whose scores the eager computation materializes (soft-capped
+                           # attention logits: grpo.model.attention), else 0 (SDPA keeps none)
 
 
 def model_shape(model_config) -> ModelShape:
@@ -64,9 +64,14 @@ def model_shape(model_config) -> ModelShape:
     intermediate = max(getattr(cfg, "intermediate_size", None) or 4 * hidden, routed)
     # --routing_replay's default for these models: the micro-batch's routing array rides along
     picks = math.prod(routing_shape(cfg)) if replay_family(cfg) else 0
-    score_heads = heads if attention_implementation(model_config) == EAGER else 0
+    score_heads = heads if attention_implementation(model_config) == SOFT_CAPPED else 0
     return ModelShape(hidden, intermediate, cfg.num_hidden_layers, heads * head_dim, cfg.vocab_size, picks,
                       score_heads)
+
+
+def block_scores_per_token(s: ModelShape, row_tokens: int) -> int:
+    """N Q: the scores one block of soft-capped attention holds per token of a micro-batch (0 for SDPA's)."""
+    return s.score_heads * min(row_tokens, QUERY_BLOCK)
 
 
 def eager_gradient_extra(act_bytes: int) -> int:
@@ -80,9 +85,10 @@ def activation_bytes_per_token(s: ModelShape, checkpointing: bool, act_bytes: in
     """(kept, transient): training memory of one token of a micro-batch, in bytes; `kept` lives through the whole
     backward, `transient` only while one layer's backward runs. a = act_bytes (2 for bf16 activations, 4 where the
     residual stream is fp32, as behind fp32 embeddings), b = adapter_bytes (the LoRA input copies' element
-    size, fp32 adapters 4; 0 for full fine-tuning), d = 1 with LoRA dropout, else 0; with eager attention
-    (N = s.score_heads > 0) S = row_tokens, the longest row (a micro-batch of t tokens holds t / S rows of S, padding
-    included, each with N S S scores a layer: N S per token):
+    size, fp32 adapters 4; 0 for full fine-tuning), d = 1 with LoRA dropout, else 0; with soft-capped attention
+    (N = s.score_heads > 0: grpo.model.attention's eager computation in blocks of QUERY_BLOCK queries, each
+    checkpointed) S = row_tokens, the longest row, and Q = min(S, QUERY_BLOCK): one block holds N Q S scores of a row
+    of S tokens, N Q per token:
 
         layer    = 8 H                          two RMSNorms, each keeping its fp32 upcast input
                  + 4 q a                        SDPA's q, k, v (k, v repeated to q's heads) and output
@@ -90,17 +96,15 @@ def activation_bytes_per_token(s: ModelShape, checkpointing: bool, act_bytes: in
                  + (b + d)(5 H + q + I)  [lora] each adapter's copy of its input (and dropout's mask): q, k, v,
                                                 gate, up read H, o reads q, down reads I
                  + a (2 H + q + I)       [full] the inputs the trained weights need for their gradients
-                 + 8 N S                [eager] the scores' tanh output (a), fp32 softmax (4) and probabilities (a;
-                                                in fp32 the softmax's own): 8 bytes a score either way
         backward = 4 I a                        one layer's MLP gradients in flight
-                 + (a + 4) N S          [eager] the scores' gradients in flight (measured on Gemma 2's eager
-                                                attention: 6 bytes a score beyond the 8 kept in bf16, 8 in fp32)
-                 + (2 a + 4) N S        [eager] the soft-cap's and softmax's gradients beside them
-                                                (EAGER_GRADIENT_EXTRA: Gemma-2-9B's shape, rows of 4,352 tokens,
-                                                one H200: training took 2.2 GiB above the a + 4 alone, 22 bytes a
-                                                score in all in bf16); a no-grad forward holds none of it
+                 + (3 a + 16) N Q    [soft-cap] one block recomputed in its backward: the scores' tanh output (a),
+                                                fp32 softmax (4) and probabilities (a), 8 bytes a score; the score's
+                                                gradient (a + 4); the soft-cap's and softmax's gradients beside it
+                                                (2 a + 4: eager_gradient_extra): 22 bytes a score in bf16, fitted to
+                                                Gemma-2-9B's training with whole rows' scores (S = 4,352, one H200)
         ends     = H (2 a + 4)                  the embedding output, the final norm's fp32 input, the hidden states
                                                 kept for the log-prob chunks
+                 + 2 a S             [soft-cap] the additive masks, causal and sliding-window, [S, S] a row each
                  + 4 R           [replay]       a mixture of experts' replayed routing: R = layers x top_k int32 picks
         logits   = 14 V  [full logits only]     bf16 logits, an fp32 copy, log-softmax, its gradient (all kept)
 
@@ -112,8 +116,8 @@ def activation_bytes_per_token(s: ModelShape, checkpointing: bool, act_bytes: in
     layer = 8 * H + 4 * q * a + 3 * I * a
     layer += (b + int(dropout)) * (5 * H + q + I) if b else a * (2 * H + q + I)
     backward, ends = 4 * I * a, H * (2 * a + 4) + (14 * s.vocab if full_logits else 0) + 4 * s.routed_picks
-    scores = s.score_heads * row_tokens  # N S: eager attention's scores per token of one layer
-    layer, backward = layer + 8 * scores, backward + (a + 4) * scores + eager_gradient_extra(a) * scores
+    backward += (8 + (a + 4) + eager_gradient_extra(a)) * block_scores_per_token(s, row_tokens)
+    ends += 2 * a * row_tokens if s.score_heads else 0
     if checkpointing:
         return s.layers * H * a + ends, layer + backward
     return s.layers * layer + ends, backward

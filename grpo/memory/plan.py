@@ -54,8 +54,9 @@ from dataclasses import asdict, dataclass, field, replace
 from grpo.config.choices import MICRO_BATCH_TOKENS
 from grpo.config.strategy import Strategy
 from grpo.memory.activations import (ESTIMATE_MARGIN, GIB, MIN_CHUNK_TOKENS, activation_bytes_per_token,
-                                     eager_gradient_extra, expert_fold_bytes, fitted_chunk_tokens, logprob_chunk_bytes,
-                                     micro_batch_bytes, token_budget, tokens_that_fit)
+                                     block_scores_per_token, eager_gradient_extra, expert_fold_bytes,
+                                     fitted_chunk_tokens, logprob_chunk_bytes, micro_batch_bytes, token_budget,
+                                     tokens_that_fit)
 from grpo.memory.engine import CONTEXT_BYTES, engine_batch_limits, vllm_asleep_bytes, vllm_own_bytes
 from grpo.memory.kv_cache import FLOOR_SLACK_TOKENS, auto_kv_cache_bytes, kv_bytes_per_token
 from grpo.memory.model_size import ModelSize
@@ -364,7 +365,8 @@ def _plan_with(run: RunShape, size: ModelSize, gpu: GpuBudget, trainer: dict, we
     activations = measured_activation_bytes(micro_batch_bytes(tokens, kept, transient, chunk))
     # a no-grad forward: one layer's activations at a time (its backward's gradients never come) and the chunk
     # (eager attention's soft-cap gradients never come either; its scores as measured stay)
-    no_grad = 4 * size.shape.intermediate * 2 + eager_gradient_extra(2) * size.shape.score_heads * run.longest
+    no_grad = 4 * size.shape.intermediate * 2 + eager_gradient_extra(2) * block_scores_per_token(size.shape,
+                                                                                                 run.longest)
     forward = tokens * max(transient - no_grad, 0) + chunk // 2  # (bf16 on a GPU)
     # (with adapted fused experts, each layer's folds live through its no-grad forward only: one layer's at a time)
     one_fold = expert_fold_bytes(size.adapted_expert_layer, size.largest_adapted_stack, 1, True, 2) if folds else 0

@@ -45,7 +45,7 @@ class OptimizationOptions:
         False, "Pack each micro-batch's sequences into one row with per-sequence position ids (no padding "
                "computed); for decoder models whose attention honours packed position ids (transformers' "
                "Llama/Qwen/Mistral families, SDPA or flash attention; refused for soft-capped attention such as Gemma 2's, "
-               "which loads eager). Needs --logprob_chunk_tokens > 0.",
+               "which loads eager in blocks of queries). Needs --logprob_chunk_tokens > 0.",
         "training")
     sequence_parallel_size: int = option(
         1, "Ulysses sequence parallelism (DeepSpeed ALST): N ranks train on the same samples, each holding 1/N of "
