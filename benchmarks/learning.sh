@@ -37,6 +37,10 @@
 #   ARITH="" GSM8K="" ARITH_PRODUCTS=lora ARITH_PRODUCTS_AGENT=lora PRODUCTS_STEPS=2 PRODUCTS_WARM_START=1 \
 #     EXTRA="--per_device_train_batch_size 2 --k_samples 2 --eval_max_prompts 4 --eval_steps 2" bash benchmarks/learning.sh
 #   GPU_ID=2 bash benchmarks/learning.sh   # every run on GPU 2 (DeepSpeed's launcher ignores CUDA_VISIBLE_DEVICES)
+#   PARALLEL=4 GPU_MEMORY_GIB=10 bash benchmarks/learning.sh   # each run under --gpu_memory_gib 10: its memory plan
+#                                              # sizes it for 10 GiB (without a cap each run plans for the GPU's
+#                                              # free memory, 21-22 GiB each for the 135M model on an H200, which
+#                                              # leaves nothing to a neighbour that starts later)
 #   PARALLEL=4 bash benchmarks/learning.sh     # up to 4 runs at once on the one GPU (a 135M model leaves it idle);
 #                                              # the table's wall / train seconds then include the sharing. Runs
 #   that share a GPU keep vLLM awake with a VLLM_MEM share (default 0.08): vLLM sizes its KV cache by profiling the
@@ -81,6 +85,7 @@ source scripts/launch.sh  # launcher, where (GPU_ID), free_port
 if GPU=$(nvidia-smi -i "${GPU_ID:-0}" --query-gpu=name --format=csv,noheader 2>/dev/null) && [ -n "$GPU" ]; then
   ENGINE=(--rollout_engine vllm --vllm_enforce_eager true)
   [ "$PARALLEL" -gt 1 ] && EXTRA_ARGS+=(--vllm_sleep false --vllm_gpu_memory_utilization "${VLLM_MEM:-0.08}")
+  [ -n "${GPU_MEMORY_GIB:-}" ] && EXTRA_ARGS+=(--gpu_memory_gib "$GPU_MEMORY_GIB")
 else  # no GPU: the HF engine, one process of plain python per run (the launcher's port goes in MASTER_PORT)
   GPU=cpu ENGINE=(--rollout_engine hf) launcher=() where=()
 fi
