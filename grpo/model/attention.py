@@ -6,8 +6,9 @@ and leaves the cap out without a word (a tiny Gemma 2 with a cap of 2: log-probs
 while vLLM applies it, so the trainer scored another model than the engine sampled from (Gemma-2-9B: 4.1 nats
 between them, other models 0.08-0.09); transformers 5.24 loads it eagerly and refuses SDPA for it. transformers'
 eager path applies the cap but holds every layer's scores, heads x row x row per row of a micro-batch (6.2 GiB for
-one 4,352-token row of Gemma-2-9B in its backward). (flex_attention applies it too, but has no backward on CPU and
-compiles a kernel per shape on a GPU.) So such a model is loaded with `soft_capped_attention` below: the eager
+one 4,352-token row of Gemma-2-9B in its backward). (flex_attention applies it too, but has no backward on CPU, and on
+a GPU compiles a variant per mask, padding and grad mode: a GRPO step's mix passes torch's recompile limit of 8, past
+which it runs unfused, materializing the scores.) So such a model is loaded with `soft_capped_attention` below: the eager
 computation, a block of QUERY_BLOCK queries at a time, each block's scores recomputed in the backward (checkpointed):
 the same numbers, scores of one block alive at once. The memory plan counts them (grpo.memory.activations).
 """
