@@ -543,3 +543,73 @@ def test_a_4bit_expert_stack_reads_the_same_per_expert_and_whole(shape):
     with pytest.raises(ConfigError, match="frozen"):
         stack.data.add_(1)
 
+
+
+# ------------------------------------------------------------------------------------------------ under DeepSpeed
+EVEN_TOKENS_MODULE = '''
+from grpo import register_reward
+
+@register_reward("even_tokens")
+def even_tokens(completions, answers, completion_ids, **row):
+    return [sum(t % 2 == 0 for t in ids) / max(len(ids), 1) for ids in completion_ids]
+'''
+
+
+@pytest.mark.skipif(__import__("shutil").which("deepspeed") is None, reason="the deepspeed launcher is not on PATH")
+def test_two_ranks_train_qlora_on_4bit_experts_under_zero2(tmp_path):
+    """`deepspeed --num_gpus 2 train_grpo.py --tuning_strategy qlora --deepspeed zero2` on a tiny Mixtral (HF engine,
+    2 CPU ranks): every rank holds the experts in 4 bits, the experts' adapters move, the engine scores as the
+    trainer does after each update, and both adapter forms are saved."""
+    from .spawn_ranks import free_port
+    from .test_multiprocess import launch
+    from .trainer_setup import write_prompt_registry
+
+    model = make_tiny_moe_model_dir(str(tmp_path / "moe"))
+    registry = write_prompt_registry(str(tmp_path / "data"), reward="even_tokens")
+    (tmp_path / "rewards.py").write_text(EVEN_TOKENS_MODULE)
+    out = tmp_path / "out"
+    proc = launch(tmp_path, model, registry, out, free_port(), "--reward_module", str(tmp_path / "rewards.py"),
+                  "--tuning_strategy", "qlora", "--deepspeed", "zero2", "--rollout_engine", "hf", "--max_steps", "2",
+                  "--k_samples", "2", "--per_device_train_batch_size", "1", "--save_steps", "0",
+                  "--logprob_check_steps", "1", "--no_eval_on_start", "--eval_max_prompts", "1")
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "2 rank(s)" in log and "fused expert stacks held in 4 bits" in log
+    rows = train_rows(out)
+    assert [r["step"] for r in rows] == [1, 2]
+    for row in rows:  # step 2's rollouts come from the policy after step 1's update
+        assert row["rollout/logprob_diff_max"] < 1e-3 and row["grad_norm"] > 0, row
+    adapter = load_file(str(out / "lora_adapter" / "adapter_model.safetensors"))
+    expert_b = [name for name in adapter if ".experts." in name and "lora_B" in name]
+    assert len(expert_b) == 2 * 2  # layers x (gate_up, down)
+    assert all(adapter[name].abs().max() > 0 for name in expert_b), "an expert adapter did not move (B starts at 0)"
+    assert os.path.isfile(out / "lora_adapter" / "vllm" / "adapter_model.safetensors")
+
+
+def test_qlora_on_fused_experts_under_zero3_is_refused_before_any_weight_loads(tmp_path, registry, monkeypatch):
+    """ZeRO-3 partitions every parameter through its dense values, so it would turn qlora's Experts4bit into 16-bit
+    partitions: refused at the run's start with what to use instead; lora under ZeRO-3 and a dense qlora model under
+    ZeRO-3 start."""
+    import grpo.model.loading
+    from grpo.config.sections.model import four_bit_experts_conflict
+    from grpo.train.setup import prepare_run
+
+    from .tiny_models import make_tiny_model_dir
+
+    def no_weights(*args, **kwargs):
+        raise AssertionError("weights were loaded")
+
+    monkeypatch.setattr(grpo.model.loading, "load_base_model", no_weights)
+    folder = make_tiny_moe_model_dir(str(tmp_path / "moe"))
+    config = tiny_config(folder, registry, str(tmp_path / "out"), tuning_strategy="qlora", deepspeed="zero3")
+    with pytest.raises(ConfigError) as refused:
+        prepare_run(config)
+    message = str(refused.value)
+    assert "--tuning_strategy qlora with ZeRO-3" in message and "4 fused 3-D stacks" in message, message
+    assert "Use --deepspeed zero2" in message and "--tuning_strategy lora under ZeRO-3" in message, message
+    assert not os.path.exists(tmp_path / "out")  # a refused start leaves nothing behind
+    prepare_run(tiny_config(folder, registry, str(tmp_path / "lora"), tuning_strategy="lora", deepspeed="zero3"))
+    prepare_run(tiny_config(folder, registry, str(tmp_path / "zero2"), tuning_strategy="qlora", deepspeed="zero2"))
+    dense = make_tiny_model_dir(str(tmp_path / "dense"))
+    prepare_run(tiny_config(dense, registry, str(tmp_path / "dense_out"), tuning_strategy="qlora", deepspeed="zero3"))
+    assert four_bit_experts_conflict(config, 2, 4) is None and four_bit_experts_conflict(config, 3, 0) is None

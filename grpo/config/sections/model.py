@@ -122,3 +122,19 @@ class ModelOptions:
             except re.error as exc:
                 need(False, "lora_exclude_modules", f"'{self.lora_exclude}' is read as a regex (it has regex "
                                                     f"characters) but does not compile: {exc}")
+
+
+def four_bit_experts_conflict(config, zero_stage: int, fused_expert_stacks: int) -> Optional[str]:
+    """Why qlora cannot hold this model's fused experts in 4 bits under this DeepSpeed ZeRO stage, or None.
+
+    qlora holds a mixture of experts' fused expert stacks as grpo's own Experts4bit (grpo.model.quantized_experts);
+    ZeRO-3 partitions every parameter through its dense values, so it would turn each stack into 16-bit partitions
+    when training starts: the run would train, but without its 4-bit experts, and the memory plan (which counts them
+    at 4 bits) would not hold. ZeRO-2 keeps every parameter whole on every rank."""
+    if not (config.strategy.four_bit_base and zero_stage == 3 and fused_expert_stacks):
+        return None
+    return (f"--tuning_strategy qlora with ZeRO-3 (--deepspeed {config.deepspeed}): this mixture of experts holds its "
+            f"experts as {fused_expert_stacks} fused 3-D stacks, which qlora keeps in 4 bits as grpo's own tensors "
+            "(Experts4bit); ZeRO-3 partitions every parameter and has no 4-bit form for them: it would dequantize "
+            "them into 16-bit partitions. Use --deepspeed zero2 (each rank holds the experts in 4 bits), or "
+            "--tuning_strategy lora under ZeRO-3 (16-bit experts, partitioned over the ranks)")
