@@ -127,8 +127,9 @@ def test_under_a_cap_the_cache_is_left_smaller_and_says_how_many_sequences_it_ho
     plan = plan_parts(GpuBudget(80 * GIB, 80 * GIB, None, "H100"), **flags)[0]
     assert plan.kv_cache_bytes == plan.kv_needed_bytes == needed
     assert not any("at once" in note for note in plan.notes)
-    # --gpu_memory_gib 24: torch's cap counts the cache while the engine sleeps, so it gets what leaves training
-    # micro-batches of max(one row, LEAST_TRAIN_TOKENS) tokens; the rest of the step runs in waves
+    # --gpu_memory_gib 24 (as a 24 GiB card): the cache gets what the budget leaves beside the engine and the
+    # trainer while it generates (unmapped while training, it costs training nothing); the rest of the step runs in
+    # waves
     plan, run = plan_parts(planner.named_card(24), **flags)[:2]
     assert plan.fits and (8448 + 256) * LLAMA_PER_TOKEN <= plan.kv_cache_bytes < needed
     assert plan.micro_batch_tokens >= max(run.max_seq_length, LEAST_TRAIN_TOKENS)
@@ -144,10 +145,10 @@ def test_under_a_cap_the_cache_is_left_smaller_and_says_how_many_sequences_it_ho
 
 
 def test_under_a_tight_cap_the_cache_keeps_its_floor():
-    # where not even training's least micro-batch leaves room, the cache keeps one --max_seq_length sequence (vLLM
-    # starts with no less) and the plan says what does not fit
+    # where the rollout leaves less than one --max_seq_length sequence, the cache keeps that one (vLLM starts with no
+    # less) and the plan says what does not fit
     flags = dict(per_device_train_batch_size=4, k_samples=8, rollout_max_new_tokens=8192)
-    plan = plan_parts(planner.named_card(16), **flags)[0]
+    plan = plan_parts(planner.named_card(12), **flags)[0]
     assert plan.kv_cache_bytes == (8448 + 256) * LLAMA_PER_TOKEN == 1.0625 * GIB
     assert not plan.fits and plan.why_not.startswith("train needs")
 

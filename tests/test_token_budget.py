@@ -97,12 +97,15 @@ def test_the_estimate_reads_the_model_as_it_is_trained():
     assert training_estimate(GRPOConfig(logprob_chunk_tokens=0), model) == (1280 + 1400, 8736, 0, True)
 
 
-def figures(free_gib, usable_gib=80, cached_gib=0.0, to_come_gib=0.0, capped_allocated_gib=None, total_gib=80):
+def figures(free_gib, usable_gib=80, cached_gib=0.0, to_come_gib=0.0, capped_allocated_gib=None, total_gib=80,
+            lent_gib=0.0):
     """An 80 GiB GPU (by default) with the rollout engine asleep; `usable_gib` below it with `capped_allocated_gib`:
-    --gpu_memory_gib, and what torch's allocator has handed out under it."""
+    --gpu_memory_gib, and what torch's allocator has handed out under it (`lent_gib` of it unmapped by the sleeping
+    engine, lent to the cap meanwhile)."""
     return GpuFigures(free=int(free_gib * GIB), cached=int(cached_gib * GIB), total=int(total_gib * GIB),
                       usable=int(usable_gib * GIB), to_come=int(to_come_gib * GIB),
-                      capped_allocated=None if capped_allocated_gib is None else int(capped_allocated_gib * GIB))
+                      capped_allocated=None if capped_allocated_gib is None else int(capped_allocated_gib * GIB),
+                      lent=int(lent_gib * GIB))
 
 
 def test_plenty_of_memory_keeps_the_cap():
@@ -135,13 +138,18 @@ def test_tight_memory_picks_a_smaller_multiple_of_1024():
 
 def test_under_a_cap_what_torch_counts_binds_when_it_is_more_than_the_driver_sees():
     # --gpu_memory_gib 24 on the 80 GiB GPU, 10 GiB of it in use: room = min(70 - 1.2, 24 - 10 - 1.2) = 12.8 GiB.
-    # Torch counts 12 GiB (2 more: a KV cache asleep, back with the driver, still counted by its cap): room =
-    # 24 - 12 - 1.2 = 10.8 GiB; / 1.5 / 2 MiB = 3686 tokens -> 3072
+    # Torch counts 12 GiB (2 more than the process holds): room = 24 - 12 - 1.2 = 10.8 GiB; / 1.5 / 2 MiB = 3686
+    # tokens -> 3072
     assert resolve_token_budget(figures(70, usable_gib=24, capped_allocated_gib=10), MIB, MIB, GIB, 768, True)[0] \
         == 4096
     budget, line = resolve_token_budget(figures(70, usable_gib=24, capped_allocated_gib=12), MIB, MIB, GIB, 768, True)
     assert budget == 3072
     assert "10.8 GiB free for training" in line and "12.0 counted by torch's cap" in line
+    # those 2 GiB are the sleeping engine's KV cache, back with the driver and lent to the cap while it sleeps: the
+    # room is the card's again, 24 + 2 - 12 - 1.2 = 12.8 GiB -> 4096
+    budget, line = resolve_token_budget(figures(70, usable_gib=24, capped_allocated_gib=12, lent_gib=2), MIB, MIB,
+                                        GIB, 768, True)
+    assert budget == 4096 and "12.8 GiB free for training" in line and "10.0 counted by torch's cap" in line
 
 
 def test_a_run_sharing_the_gpu_with_another_process_is_not_counted_twice():
@@ -192,14 +200,14 @@ def test_one_row_that_does_not_fit_is_an_error_with_the_figures_and_the_remedies
     with pytest.raises(ConfigError) as err:  # already on: not suggested
         resolve_token_budget(figures(2, **card), MIB, MIB, GIB, 768, True)
     assert "--gradient_checkpointing true" not in str(err.value)
-    assert "--logprob_chunk_tokens" in str(err.value) and "--vllm_kv_cache_gib" not in str(err.value)
-    # the chunk as small as auto makes it; under a cap the KV cache counts: --gpu_memory_gib 24 of the 80 GiB GPU,
-    # 22 GiB counted by torch's cap (58 free): room = min(56.8, 24 - 22 - 1.2) = 0.8 GiB
+    assert "--logprob_chunk_tokens" in str(err.value)
+    # the chunk as small as auto makes it, under a cap: --gpu_memory_gib 24 of the 80 GiB GPU, 22 GiB counted by
+    # torch's cap (58 free): room = min(56.8, 24 - 22 - 1.2) = 0.8 GiB
     with pytest.raises(ConfigError) as err:
         resolve_token_budget(figures(58, usable_gib=24, capped_allocated_gib=22), MIB, MIB, GIB, 768, True,
                              smallest_chunk=True)
     assert "0.8 GiB is free for training" in str(err.value)
-    assert "--logprob_chunk_tokens" not in str(err.value) and "--vllm_kv_cache_gib" in str(err.value)
+    assert "--logprob_chunk_tokens" not in str(err.value) and "--gpu_memory_gib" in str(err.value)
 
 
 def test_qwen_7b_qlora_within_15_and_16_gib_comes_out_below_the_measured_failure():
@@ -370,3 +378,28 @@ def test_sequence_parallel_micro_batches_count_a_rank_s_share_of_each_row():
     assert rows(step_micro_batches(batch, GRPOConfig(max_tokens_per_micro_batch=16))) == rows(one)
     with pytest.raises(ValueError, match="pass it as max_tokens"):
         step_micro_batches(batch, GRPOConfig())
+
+
+def test_the_sleeping_engines_memory_is_lent_to_the_cap_and_taken_back(monkeypatch):
+    """--gpu_memory_gib 24 on an 80 GiB GPU is torch's fraction 24 / 80. While the engine sleeps, what it unmapped
+    (2 GiB here) is back with the driver but still in torch's count: the fraction rises to 26 / 80 until the engine
+    maps it again, so the process holds at most 24 GiB either way; without a cap nothing changes."""
+    import torch
+
+    from grpo.runtime import gpu_budget
+
+    fractions = []
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: SimpleNamespace(total_memory=80 * GIB))
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda share, index: fractions.append(share))
+    monkeypatch.setattr(gpu_budget, "_caps", {})
+    device = torch.device("cuda", 0)
+    gpu_budget.lend_engine_memory(2 * GIB, device)  # no cap yet: nothing
+    assert fractions == [] and gpu_budget.engine_loan_bytes(device) == 0
+    gpu_budget.cap_gpu_memory(24, device)
+    gpu_budget.lend_engine_memory(2 * GIB, device)
+    assert gpu_budget.engine_loan_bytes(device) == 2 * GIB
+    gpu_budget.end_engine_loan(device)
+    gpu_budget.end_engine_loan(device)  # already back: nothing more
+    assert fractions == [24 / 80, 26 / 80, 24 / 80] and gpu_budget.engine_loan_bytes(device) == 0
+    gpu_budget.lend_engine_memory(70 * GIB, device)  # never past the whole GPU
+    assert fractions[-1] == 1.0

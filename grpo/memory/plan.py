@@ -28,15 +28,15 @@ partitions; model_size.py, kv_cache.py, activations.py, engine.py):
                 (it follows the update, whose blocks torch still holds)
     load      = context + b P  (qlora with fused experts only: the 16-bit model, as measured; see LOAD below)
     asleep    = what the sleeping engine still holds: its sampler tables, graph pool and memory outside torch
-                (engine.vllm_asleep_bytes), its weights where it keeps them (sleep level 0, or shared); under
-                --gpu_memory_gib torch's count also has its KV cache and every weight of its pool (torch's cap counts
-                vLLM's pool while it sleeps): what must fit, beside the physical peak the table shows
+                (engine.vllm_asleep_bytes), its weights where it keeps them (sleep level 0, or shared); what it
+                unmaps is free for training, under --gpu_memory_gib too (grpo.runtime.gpu_budget lends it to torch's
+                cap while the engine sleeps), so a cap plans as a card of its size
 
 Choices, in this order: the engine's weights (auto: by preference, the faster mode where its 16-bit copy is small
 next to the budget, the first that fits with the step's sequences in its cache at once, else the one whose cache holds
-the most), the KV cache (the step's sequences at once where they fit; under a cap at
-most what leaves training micro-batches of LEAST_TRAIN_TOKENS, never below one --max_seq_length sequence: rollouts
-then run in waves), the token
+the most), the KV cache (the step's sequences at once where they fit; with an engine that stays awake
+(--vllm_sleep false) at most what leaves training micro-batches of LEAST_TRAIN_TOKENS; never below one
+--max_seq_length sequence: rollouts then run in waves), the token
 budget (the most tokens whose activations fit beside the rest both as measured and as ESTIMATE_MARGIN x the
 equation, at least one row), the log-prob chunk (halved while it is what
 limits the budget). A plan whose smallest settings do not fit is refused (advice.py says what fits).
@@ -89,7 +89,7 @@ IN_PLACE_FROM_BYTES = 8 * 2**30
 # the sleep level of an engine whose weights are not the planned ones (the loaded policy refused them): its memory was
 # not planned, so it frees whatever it can while training (an engine holding the base once keeps it at any level)
 UNPLANNED_SLEEP_LEVEL = 2
-# under a cap, where the KV cache counts while training too, it gets what the step's sequences need as long as
+# an engine that stays awake keeps its KV cache through training: it gets what the step's sequences need as long as
 # training keeps micro-batches of this many tokens (or one row): rollouts in waves cost more than smaller micro-batches
 LEAST_TRAIN_TOKENS = 4096
 WARN_ABOVE_PLAN = 1.10  # a measured phase this much over its plan is said in the log
@@ -304,13 +304,13 @@ def plan_memory(run: RunShape, size: ModelSize, gpu: GpuBudget | None, hf_config
 def _plan_with(run: RunShape, size: ModelSize, gpu: GpuBudget, trainer: dict, weights: str | None,
                checkpointing: bool, kept: int, transient: int, chunk: int, per_token: int | None,
                kv_needed: int | None, row_tokens: int, common: dict, hf_config=None, folds: int = 0) -> MemoryPlan:
-    budget, margin, capped = gpu.budget, gpu.margin, gpu.cap is not None
+    budget, margin, capped = gpu.budget, gpu.margin, gpu.cap is not None  # (a cap plans as a card of its size)
     notes = []
     held = sum(v for k, v in trainer.items() if k != "gradients")  # what the trainer holds through the step
     context = CONTEXT_BYTES
     sleep_level = batched_tokens = max_seqs = None
     engine = own = vllm_asleep = 0
-    asleep_weights = kept_physical = 0
+    kept_physical = 0
     if weights is not None:
         from grpo.rollout.vllm_lora import engine_lora_rank
 
@@ -322,11 +322,11 @@ def _plan_with(run: RunShape, size: ModelSize, gpu: GpuBudget, trainer: dict, we
                              four_bit=run.strategy.four_bit_base and weights == "adapter", eager=run.eager)
         vllm_asleep = vllm_asleep_bytes(size.shape, max_seqs, lora_rank, run.eager)
         # asleep, the engine keeps its weights at level 0, its LoRA slots always (the base is the trainer's), and
-        # everything without --vllm_sleep; under a cap torch counts its whole pool while it sleeps
+        # everything without --vllm_sleep; what it unmaps is free for training, under a cap too (lent to torch's
+        # cap while it sleeps: grpo.runtime.gpu_budget)
         kept_weights = not run.vllm_sleep or weights != "merged" or sleep_level == 0
         kept_physical = engine if kept_weights else 0
-        asleep_weights = engine if (kept_weights or capped) else 0
-    fixed_train = context + held + trainer["gradients"] + asleep_weights + vllm_asleep + folds
+    fixed_train = context + held + trainer["gradients"] + kept_physical + vllm_asleep + folds
     fixed_rollout = context + held + engine + own
     floor = (run.max_seq_length + FLOOR_SLACK_TOKENS) * per_token if per_token else 0
 
@@ -351,13 +351,13 @@ def _plan_with(run: RunShape, size: ModelSize, gpu: GpuBudget, trainer: dict, we
     else:
         room_rollout = budget - margin - fixed_rollout
         kv_bytes = max(floor, min(kv_needed if run.kv_cache == "auto" else room_rollout, room_rollout))
-        if capped or not run.vllm_sleep:  # the cache counts while training too: leave training its least budget
+        if not run.vllm_sleep:  # the cache stays through training: leave training its least budget
             least = max(row_tokens, LEAST_TRAIN_TOKENS)
             while kv_bytes > floor and training_fit(budget - margin - fixed_train - kv_bytes)[0] < least:
                 kv_bytes = max(floor, kv_bytes - GIB // 4)
-    kv_asleep = kv_bytes if kv_bytes and (capped or not run.vllm_sleep) else 0
+    kv_kept = (kv_bytes or 0) if not run.vllm_sleep else 0
     # the micro-batch token budget and the log-prob chunk
-    fit_tokens, chunk_tokens, chunk = training_fit(budget - margin - fixed_train - kv_asleep)
+    fit_tokens, chunk_tokens, chunk = training_fit(budget - margin - fixed_train - kv_kept)
     if run.micro_batch_tokens == "auto":
         tokens = token_budget(fit_tokens, row_tokens)
     else:
@@ -371,10 +371,7 @@ def _plan_with(run: RunShape, size: ModelSize, gpu: GpuBudget, trainer: dict, we
     # (with adapted fused experts, each layer's folds live through its no-grad forward only: one layer's at a time)
     one_fold = expert_fold_bytes(size.adapted_expert_layer, size.largest_adapted_stack, 1, True, 2) if folds else 0
     forward = STEP_TENSORS_BYTES + (forward + one_fold if run.logprob_pass else 0)
-    # physical peaks (what the driver reports for this process); under a cap torch's count of a phase adds what the
-    # sleeping engine gave back to the driver but its pool still holds: that count is what must fit
-    kv_kept = (kv_bytes or 0) if not run.vllm_sleep else 0
-    given_back = asleep_weights - kept_physical + kv_asleep - kv_kept
+    # physical peaks (what the driver reports for this process): what must fit the budget
     phases = {
         "rollout": fixed_rollout + (kv_bytes or 0) if weights is not None else
         0 if run.engine == "server" else context + held + 2 * (kv_needed or 0) + run.sequences * size.shape.vocab * 4,
@@ -387,24 +384,19 @@ def _plan_with(run: RunShape, size: ModelSize, gpu: GpuBudget, trainer: dict, we
     if load:
         phases = {"load": context + load, **phases}
     phases = {name: int(value) for name, value in phases.items() if value}
-    counted = {name: value + (given_back if name in ("logprobs", "train") else 0) for name, value in phases.items()}
     parts = {"context": context, **trainer, "engine weights": engine, "kv cache": kv_bytes or 0, "vllm": own,
              "activations": activations, "expert transient": folds}
     fits, why_not = True, ""
-    over = {name: value for name, value in counted.items() if value > budget - margin}
+    over = {name: value for name, value in phases.items() if value > budget - margin}
     if over:
         fits = False
         name = max(over, key=over.get)
         why_not = (f"{name} needs {over[name] / GIB:.1f} GiB, more than the {(budget - margin) / GIB:.1f} GiB the "
-                   f"budget leaves after {margin / GIB:.1f} kept back"
-                   + (" (torch's cap counts the sleeping engine's memory)" if counted[name] > phases[name] else ""))
+                   f"budget leaves after {margin / GIB:.1f} kept back")
     elif kv_bytes and per_token and kv_bytes / (per_token * run.longest) < run.sequences:
         at_once = kv_bytes / (per_token * run.longest)
         notes.append(f"the KV cache holds about {at_once:.1f} of the step's {run.sequences} sequences at once "
                      f"({kv_needed / GIB:.1f} GiB would hold them all): vLLM runs the rest in waves")
-    if given_back:
-        notes.append(f"torch's cap (--gpu_memory_gib) counts {given_back / GIB:.2f} GiB of the sleeping engine's "
-                     "memory while training")
     if run.micro_batch_tokens == "auto" and chunk_tokens < run.chunk_tokens:
         notes.append(f"log-probs in chunks of {chunk_tokens} tokens, not {run.chunk_tokens}, to fit")
     return MemoryPlan(gpu.name, budget, capped, weights, sleep_level, kv_bytes, kv_needed, **common,

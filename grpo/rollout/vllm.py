@@ -357,6 +357,12 @@ class VLLMRolloutEngine(RolloutEngine):
             self.llm.sleep(level=level)
         torch.cuda.synchronize()
         self.last_sleep_freed_bytes = torch.cuda.mem_get_info()[0] - before
+        from grpo.runtime.gpu_budget import is_capped, lend_engine_memory
+
+        if is_capped():  # torch's cap still counts what the engine unmapped: lent to training until the wake
+            from grpo.rollout.vllm_memory import asleep_bytes
+
+            lend_engine_memory(asleep_bytes(self._asleep))
         self._sleeps += 1
         log = logger.info if self._sleeps == 1 else logger.debug
         log(f"vLLM asleep: {self.last_sleep_freed_bytes / 2**30:.2f} GiB GPU memory freed")
@@ -369,6 +375,9 @@ class VLLMRolloutEngine(RolloutEngine):
                                "call grpo.sync.weight_sync.sync_weights(engine, ...) after sleep() and before "
                                "generating")
         if self._asleep:
+            from grpo.runtime.gpu_budget import end_engine_loan
+
+            end_engine_loan()  # the cap counts the engine's memory again as it maps it back
             self._make_room(self._asleep)
             if self.sleeps_kv_only:
                 from grpo.rollout.vllm_memory import restore_kv_cache

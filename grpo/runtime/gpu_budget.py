@@ -5,8 +5,12 @@ larger one (e.g. a 24 GB card's budget on an 80 GB H100) to see what fits before
     vLLM       its KV cache in bytes, as the memory plan sized it within the cap (grpo.memory); where the plan cannot
                size it (no plain per-token cache), its --vllm_gpu_memory_utilization share taken of the cap
 
-vLLM's own memory (weights, KV cache) comes from its pool, not torch's allocator, so the cap bounds each side; the
-driver's figure for the whole process (benchmarks/memory_scale.sh) is the one to compare with the card.
+vLLM's memory (weights, KV cache) comes from a pool of torch's allocator, which the cap counts. While the engine
+sleeps, what it unmapped is back with the driver, as on a card of that size, but torch's count still holds it: that
+much is lent to torch for the time (lend_engine_memory, raising the fraction; end_engine_loan before the engine maps
+it again), so that the cap bounds what the process holds on the GPU and training may use the sleeping cache's memory
+as it would on the card. The driver's figure for the whole process (benchmarks/memory_scale.sh) is the one to
+compare with the card.
 """
 from __future__ import annotations
 
@@ -66,7 +70,45 @@ def cap_gpu_memory(cap_gib: Optional[float], device: torch.device) -> None:
     if cap_gib * 2**30 > total:
         raise ConfigError(f"--gpu_memory_gib {cap_gib}: this GPU has {total / 2**30:.1f} GiB")
     torch.cuda.set_per_process_memory_fraction(cap_gib * 2**30 / total, device)
+    _caps[_index(device)] = [int(cap_gib * 2**30), 0]
     logger.info(f"GPU memory capped at {cap_gib:g} GiB of {total / 2**30:.1f} (--gpu_memory_gib)")
+
+
+_caps: dict[int, list[int]] = {}  # device index -> [the cap in bytes, bytes lent to torch while the engine sleeps]
+
+
+def _index(device: Optional[torch.device]) -> int:
+    return torch.cuda.current_device() if device is None or device.index is None else device.index
+
+
+def lend_engine_memory(nbytes: int, device: Optional[torch.device] = None) -> None:
+    """The sleeping engine unmapped `nbytes` of its pool: torch's cap may count that much more until end_engine_loan
+    (module docstring). Nothing without a cap."""
+    cap = _caps.get(_index(device)) if _caps else None
+    if cap is None or nbytes <= 0:
+        return
+    cap[1] = nbytes
+    total = gpu_total_bytes(device)
+    torch.cuda.set_per_process_memory_fraction(min(1.0, (cap[0] + nbytes) / total), _index(device))
+
+
+def end_engine_loan(device: Optional[torch.device] = None) -> None:
+    """Back to the cap itself, before the engine maps its memory again (torch's cached blocks are emptied by then)."""
+    cap = _caps.get(_index(device)) if _caps else None
+    if cap is None or not cap[1]:
+        return
+    cap[1] = 0
+    torch.cuda.set_per_process_memory_fraction(cap[0] / gpu_total_bytes(device), _index(device))
+
+
+def is_capped(device: Optional[torch.device] = None) -> bool:
+    """Whether --gpu_memory_gib holds torch's allocator on this device."""
+    return _index(device) in _caps if _caps else False
+
+
+def engine_loan_bytes(device: Optional[torch.device] = None) -> int:
+    """What is lent to torch's cap now (0 without a cap or with the engine awake)."""
+    return _caps.get(_index(device), [0, 0])[1] if _caps else 0
 
 
 def engine_memory_share(share: float, cap_gib: Optional[float]) -> float:

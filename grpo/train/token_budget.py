@@ -3,12 +3,14 @@ checked once the model and the colocated rollout engine are loaded, before the f
 measured free for training:
 
     room   = free + torch's cached blocks - gradients to come - safety margin
-             and, under --gpu_memory_gib, at most  cap - torch's allocated bytes - gradients to come - margin
+             and, under --gpu_memory_gib, at most
+             cap + lent - torch's allocated bytes - gradients to come - margin
 
 `free` is measured with the rollout engine asleep, as during every update; memory other processes hold is already
 not free, and the cap is this run's own (never the two subtracted together). The cap is torch's per-process
-fraction, which counts every block torch's allocator has handed out, vLLM's pool included: a KV cache asleep is back
-with the driver but still counted against the cap. Where the room holds fewer tokens than planned, the budget is
+fraction, which counts every block torch's allocator has handed out, vLLM's pool included; what the sleeping engine
+unmapped (back with the driver, still in that count) is lent to the cap while it sleeps (grpo.runtime.gpu_budget), as
+a card of the cap's size would have it free. Where the room holds fewer tokens than planned, the budget is
 lowered to what it holds and the log says by how much the plan missed; where not even one row fits, a ConfigError
 with the figures and the options that help stops the run here, before any rollout.
 """
@@ -37,6 +39,7 @@ class GpuFigures:
     usable: int     # --gpu_memory_gib, or the whole GPU
     to_come: int    # not allocated yet, needed by the update: the trainable parameters' gradients
     capped_allocated: int | None = None  # under --gpu_memory_gib: torch's allocated bytes, which its cap counts
+    lent: int = 0   # what the sleeping engine unmapped, lent to the cap meanwhile (grpo.runtime.gpu_budget)
 
     @property
     def margin(self) -> int:
@@ -46,8 +49,8 @@ class GpuFigures:
     def room(self) -> int:
         """What the micro-batch's activations may take."""
         room = self.free + self.cached - self.to_come - self.margin  # others' memory is already not free
-        if self.capped_allocated is not None:  # the run's own cap, which also counts what vLLM's pool holds asleep
-            room = min(room, self.usable - self.capped_allocated - self.to_come - self.margin)
+        if self.capped_allocated is not None:  # the run's own cap, which counts vLLM's pool, less what is lent
+            room = min(room, self.usable + self.lent - self.capped_allocated - self.to_come - self.margin)
         return room
 
 
@@ -63,7 +66,7 @@ def resolve_token_budget(gpu: GpuFigures, kept: int, transient: int, chunk: int,
     fits = int(min(room // (kept + transient), max(room - chunk, 0) // kept))
     figures = (f"{gpu.room / GIB:.1f} GiB free for training ({gpu.usable / GIB:.1f} GiB usable, "
                f"{(gpu.free + gpu.cached) / GIB:.1f} free on the GPU with the rollout engine asleep, " +
-               (f"{gpu.capped_allocated / GIB:.1f} counted by torch's cap, "
+               (f"{(gpu.capped_allocated - gpu.lent) / GIB:.1f} counted by torch's cap, "
                 if gpu.capped_allocated is not None else "") +
                f"{gpu.margin / GIB:.1f} kept back); estimated {ESTIMATE_MARGIN:g} x ({kept / MIB:.2f} + "
                f"{transient / MIB:.2f} MiB per token, {chunk / GIB:.2f} GiB for a log-prob chunk), checkpointing "
@@ -80,8 +83,6 @@ def resolve_token_budget(gpu: GpuFigures, kept: int, transient: int, chunk: int,
                 ["a smaller --max_seq_length", "a larger --sequence_parallel_size", "a larger --gpu_memory_gib (or a GPU with more memory)",
                  "--rollout_weights in_place (lora) or adapter (qlora), where the engine keeps a 16-bit copy",
                  "--tuning_strategy qlora"] +
-                (["a smaller --vllm_kv_cache_gib (under --gpu_memory_gib vLLM's KV cache counts even while it "
-                  "sleeps)"] if gpu.capped_allocated is not None else []) +
                 (["a smaller --logprob_chunk_tokens"] if chunk and not smallest_chunk else [])))
     budget = min(MICRO_BATCH_TOKENS, max(fits // BUDGET_STEP * BUDGET_STEP, row_tokens))
     return budget, f"micro-batches of up to {budget} tokens (--max_tokens_per_micro_batch auto): {figures}"
@@ -132,7 +133,7 @@ def micro_batch_token_budget(config, model, engine, device: torch.device, plan=N
     if device.type != "cuda":
         return planned, chunk_tokens
     from grpo.runtime import distributed as dist_utils
-    from grpo.runtime.gpu_budget import usable_gpu_bytes
+    from grpo.runtime.gpu_budget import engine_loan_bytes, usable_gpu_bytes
 
     kept, transient, chunk, checkpointing = training_estimate(config, model, chunk_tokens, plan.longest)
     engine.sleep(keep_weights=True)  # as during an update; woken at once, so the engine is left as it was
@@ -141,11 +142,12 @@ def micro_batch_token_budget(config, model, engine, device: torch.device, plan=N
         free, total = torch.cuda.mem_get_info(device)
         allocated = torch.cuda.memory_allocated(device)
         cached = torch.cuda.memory_reserved(device) - allocated
+        lent = engine_loan_bytes(device)
     finally:
         engine.wake()
     to_come = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad and p.grad is None)
     gpu = GpuFigures(free, cached, total, usable_gpu_bytes(config.gpu_memory_gib, device), to_come,
-                     capped_allocated=allocated if config.gpu_memory_gib else None)
+                     capped_allocated=allocated if config.gpu_memory_gib else None, lent=lent)
     try:
         measured, line = resolve_token_budget(gpu, kept, transient, chunk, config.max_seq_length, checkpointing,
                                               smallest_chunk=chunk_tokens // 2 < MIN_CHUNK_TOKENS,
