@@ -30,6 +30,14 @@ def test_activation_estimate_worked_by_hand():
 
 
 
+def test_logprob_chunk_and_peak_worked_by_hand():
+    assert logprob_chunk_bytes(4, 32, full_logits=False) == 16 * 4 * 32
+    assert logprob_chunk_bytes(4, 32, full_logits=True) == 0
+    # t kept + max(chunk, t transient): the chunk's logits or one layer's backward, whichever is larger
+    assert micro_batch_bytes(10, 96, 544, 2048) == 960 + 5440
+    assert micro_batch_bytes(2, 96, 544, 2048) == 192 + 2048
+
+
 def test_soft_capped_attention_scores_worked_by_hand():
     """A model with soft-capped attention logits (grpo.model.attention: the eager computation in blocks of
     QUERY_BLOCK queries, each checkpointed) holds one block's scores at a time, N heads x Q queries x S keys for a
@@ -207,7 +215,7 @@ def test_one_row_that_does_not_fit_is_an_error_with_the_figures_and_the_remedies
         resolve_token_budget(figures(58, usable_gib=24, capped_allocated_gib=22), MIB, MIB, GIB, 768, True,
                              smallest_chunk=True)
     assert "0.8 GiB is free for training" in str(err.value)
-    assert "--logprob_chunk_tokens" not in str(err.value) and "--gpu_memory_gib" in str(err.value)
+    assert "--logprob_chunk_tokens" not in str(err.value) and "22.0 counted by torch's cap" in str(err.value)
 
 
 def test_qwen_7b_qlora_within_15_and_16_gib_comes_out_below_the_measured_failure():
@@ -403,3 +411,10 @@ def test_the_sleeping_engines_memory_is_lent_to_the_cap_and_taken_back(monkeypat
     assert fractions == [24 / 80, 26 / 80, 24 / 80] and gpu_budget.engine_loan_bytes(device) == 0
     gpu_budget.lend_engine_memory(70 * GIB, device)  # never past the whole GPU
     assert fractions[-1] == 1.0
+    # a sync maps the weights back alone: the loan ends, then the KV cache still unmapped (1 GiB) is lent again;
+    # nothing left unmapped: no loan
+    gpu_budget.end_engine_loan(device)
+    gpu_budget.lend_engine_memory(GIB, device)
+    assert fractions[-2:] == [24 / 80, 25 / 80]
+    gpu_budget.lend_engine_memory(0, device)
+    assert fractions[-1] == 24 / 80 and gpu_budget.engine_loan_bytes(device) == 0

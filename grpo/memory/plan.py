@@ -367,7 +367,8 @@ def _plan_with(run: RunShape, size: ModelSize, gpu: GpuBudget, trainer: dict, we
     # (eager attention's soft-cap gradients never come either; its scores as measured stay)
     no_grad = 4 * size.shape.intermediate * 2 + eager_gradient_extra(2) * block_scores_per_token(size.shape,
                                                                                                  run.longest)
-    forward = tokens * max(transient - no_grad, 0) + chunk // 2  # (bf16 on a GPU)
+    masks = 2 * 2 * run.longest if size.shape.score_heads else 0  # soft-capped attention's two masks, as in training
+    forward = tokens * (max(transient - no_grad, 0) + masks) + chunk // 2  # (bf16 on a GPU)
     # (with adapted fused experts, each layer's folds live through its no-grad forward only: one layer's at a time)
     one_fold = expert_fold_bytes(size.adapted_expert_layer, size.largest_adapted_stack, 1, True, 2) if folds else 0
     forward = STEP_TENSORS_BYTES + (forward + one_fold if run.logprob_pass else 0)

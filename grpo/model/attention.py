@@ -83,7 +83,10 @@ def soft_capped_attention(module, query: torch.Tensor, key: torch.Tensor, value:
     outputs = []
     for start in range(0, query.shape[2], QUERY_BLOCK):
         q = query[:, :, start:start + QUERY_BLOCK]
-        mask = attention_mask[:, :, start:start + QUERY_BLOCK, : key.shape[2]] if attention_mask is not None else None
+        mask = attention_mask
+        if mask is not None:  # (a mask broadcast over the queries, [B, 1, 1, K], serves every block as it is)
+            mask = mask[:, :, start:start + QUERY_BLOCK] if mask.shape[2] > 1 else mask
+            mask = mask[..., : key.shape[2]]
         if torch.is_grad_enabled() and (q.requires_grad or key.requires_grad or value.requires_grad):
             outputs.append(checkpoint(block, q, mask, use_reentrant=False))
         else:
@@ -92,12 +95,12 @@ def soft_capped_attention(module, query: torch.Tensor, key: torch.Tensor, value:
 
 
 def packing_refusal(config) -> Optional[str]:
-    """Why --padding_free cannot pack this model's micro-batches, or None: eager attention's scores grow with the
-    square of a row, and a packed micro-batch is one row of all its tokens (16,384 tokens, 16 heads: 4 GiB a layer
-    in bf16), where the plan counts rows of one sequence."""
+    """Why --padding_free cannot pack this model's micro-batches, or None: a packed micro-batch is one row of all its
+    tokens, whose additive masks grow with the square of them (16,384 tokens: 0.5 GiB each in bf16) and each of whose
+    query blocks holds scores against all of them, where the plan counts rows of one sequence."""
     if attention_implementation(config) != SOFT_CAPPED:
         return None
-    return (f"--padding_free packs a micro-batch into one row, and this model loads with eager attention (its "
-            f"{ATTENTION_SOFT_CAP} {attention_soft_cap(config):g}, which torch's SDPA kernels leave out), whose "
-            "scores grow with the square of a row's tokens: leave --padding_free off for it (rows of one sequence "
-            "each, as the memory plan counts them)")
+    return (f"--padding_free packs a micro-batch into one row, and this model loads with eager attention in blocks "
+            f"of queries (its {ATTENTION_SOFT_CAP} {attention_soft_cap(config):g}, which torch's SDPA kernels leave "
+            "out), whose masks grow with the square of a row's tokens: leave --padding_free off for it (rows of one "
+            "sequence each, as the memory plan counts them)")

@@ -258,9 +258,16 @@ class VLLMRolloutEngine(RolloutEngine):
 
     def _wake_weights(self) -> None:
         if "weights" in self._asleep:
+            from grpo.runtime.gpu_budget import end_engine_loan, is_capped, lend_engine_memory
+
+            end_engine_loan()  # the cap counts the weights again as they are mapped back; the KV cache stays lent
             self._make_room({"weights"})
             self.llm.wake_up(tags=["weights"])  # parked weights come back before they are partly overwritten
             self._asleep.discard("weights")
+            if is_capped():
+                from grpo.rollout.vllm_memory import asleep_bytes
+
+                lend_engine_memory(asleep_bytes(self._asleep))
 
     def load_adapter(self, tensors: dict[str, torch.Tensor]) -> None:
         """Adapter mode: replace the engine's adapter by these tensors (grpo.sync.weight_sync.iter_adapter_tensors).

@@ -9,8 +9,9 @@ vLLM's memory (weights, KV cache) comes from a pool of torch's allocator, which 
 sleeps, what it unmapped is back with the driver, as on a card of that size, but torch's count still holds it: that
 much is lent to torch for the time (lend_engine_memory, raising the fraction; end_engine_loan before the engine maps
 it again), so that the cap bounds what the process holds on the GPU and training may use the sleeping cache's memory
-as it would on the card. The driver's figure for the whole process (benchmarks/memory_scale.sh) is the one to
-compare with the card.
+as it would on the card. (What torch still holds when the engine maps its memory again is the plan's to keep within
+the cap: vLLM maps it outside torch's count.) The driver's figure for the whole process (benchmarks/memory_scale.sh) is
+the one to compare with the card.
 """
 from __future__ import annotations
 
@@ -85,7 +86,10 @@ def lend_engine_memory(nbytes: int, device: Optional[torch.device] = None) -> No
     """The sleeping engine unmapped `nbytes` of its pool: torch's cap may count that much more until end_engine_loan
     (module docstring). Nothing without a cap."""
     cap = _caps.get(_index(device)) if _caps else None
-    if cap is None or nbytes <= 0:
+    if cap is None:
+        return
+    if nbytes <= 0:  # nothing unmapped (any more): no loan
+        end_engine_loan(device)
         return
     cap[1] = nbytes
     total = gpu_total_bytes(device)
@@ -93,7 +97,8 @@ def lend_engine_memory(nbytes: int, device: Optional[torch.device] = None) -> No
 
 
 def end_engine_loan(device: Optional[torch.device] = None) -> None:
-    """Back to the cap itself, before the engine maps its memory again (torch's cached blocks are emptied by then)."""
+    """Back to the cap itself, before the engine maps its memory again (and before torch's cached blocks are
+    emptied for it: grpo.rollout.vllm)."""
     cap = _caps.get(_index(device)) if _caps else None
     if cap is None or not cap[1]:
         return
