@@ -92,12 +92,22 @@ def cheapest_fixes(run: RunShape, size: ModelSize, gpu: GpuBudget, hf_config, op
                 capable=capable(Strategy.QLORA, ("adapter", "merged")))
     if run.engine == "vllm":  # the trainer's own model generates: no second copy of the weights (decodes slower)
         attempt("--rollout_engine hf", engine="hf")
-    for extra in (4, 8, 16, 24, 32, 48, 64, 96, 128):  # the smallest larger budget that fits
-        cap = math.ceil(gpu.budget / GIB) + extra
-        if _fits(run, size, GpuBudget(max(gpu.total, cap * GIB), None, cap * GIB, gpu.name), hf_config):
+    def fits_in(cap: int) -> bool:
+        return _fits(run, size, GpuBudget(max(gpu.total, cap * GIB), None, cap * GIB, gpu.name), hf_config)
+
+    # the smallest larger budget that fits, in whole GiB: the first of these steps that fits, then halving the gap
+    # below it (a larger budget never plans worse)
+    start, below = math.ceil(gpu.budget / GIB), math.ceil(gpu.budget / GIB)
+    for extra in (4, 8, 16, 24, 32, 48, 64, 96, 128):
+        cap = start + extra
+        if fits_in(cap):
+            while cap - below > 1:
+                middle = (cap + below) // 2
+                cap, below = (middle, below) if fits_in(middle) else (cap, middle)
             here = gpu.free is not None and cap * GIB <= gpu.total
             fixes.append(f"--gpu_memory_gib {cap}" if here else f"a GPU with {cap} GiB (--gpu_memory_gib {cap})")
             break
+        below = cap
     return fixes
 
 
