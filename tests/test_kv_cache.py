@@ -204,7 +204,7 @@ def test_flag_values_and_defaults(monkeypatch):
 
 
 def test_wake_keeps_torch_cache_only_with_room_to_spare():
-    from grpo.rollout.vllm import WAKE_MARGIN_BYTES, room_beside_cache
+    from grpo.rollout.vllm_memory import WAKE_MARGIN_BYTES, room_beside_cache
 
     gib = 2**30
     assert WAKE_MARGIN_BYTES == gib

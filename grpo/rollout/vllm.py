@@ -258,16 +258,14 @@ class VLLMRolloutEngine(RolloutEngine):
 
     def _wake_weights(self) -> None:
         if "weights" in self._asleep:
-            from grpo.runtime.gpu_budget import end_engine_loan, is_capped, lend_engine_memory
+            from grpo.rollout.vllm_memory import lend_unmapped_to_cap
+            from grpo.runtime.gpu_budget import end_engine_loan
 
             end_engine_loan()  # the cap counts the weights again as they are mapped back; the KV cache stays lent
             self._make_room({"weights"})
             self.llm.wake_up(tags=["weights"])  # parked weights come back before they are partly overwritten
             self._asleep.discard("weights")
-            if is_capped():
-                from grpo.rollout.vllm_memory import asleep_bytes
-
-                lend_engine_memory(asleep_bytes(self._asleep))
+            lend_unmapped_to_cap(self._asleep)
 
     def load_adapter(self, tensors: dict[str, torch.Tensor]) -> None:
         """Adapter mode: replace the engine's adapter by these tensors (grpo.sync.weight_sync.iter_adapter_tensors).
@@ -364,12 +362,9 @@ class VLLMRolloutEngine(RolloutEngine):
             self.llm.sleep(level=level)
         torch.cuda.synchronize()
         self.last_sleep_freed_bytes = torch.cuda.mem_get_info()[0] - before
-        from grpo.runtime.gpu_budget import is_capped, lend_engine_memory
+        from grpo.rollout.vllm_memory import lend_unmapped_to_cap
 
-        if is_capped():  # torch's cap still counts what the engine unmapped: lent to training until the wake
-            from grpo.rollout.vllm_memory import asleep_bytes
-
-            lend_engine_memory(asleep_bytes(self._asleep))
+        lend_unmapped_to_cap(self._asleep)  # torch's cap still counts what the engine unmapped: lent until the wake
         self._sleeps += 1
         log = logger.info if self._sleeps == 1 else logger.debug
         log(f"vLLM asleep: {self.last_sleep_freed_bytes / 2**30:.2f} GiB GPU memory freed")
@@ -400,12 +395,11 @@ class VLLMRolloutEngine(RolloutEngine):
         """Before a wake: hand torch's cached blocks (the update's freed activations) back to the driver, through
         which vLLM maps its memory, unless the GPU has room for that memory beside them. Emptying the cache and
         filling it again in the next update cost about 0.1 s a step at 0.68B (benchmarks/RESULTS.md)."""
-        torch.cuda.synchronize()
-        if self.keep_torch_cache:
-            from grpo.rollout.vllm_memory import asleep_bytes
+        from grpo.rollout.vllm_memory import asleep_bytes, room_beside_cache
 
-            if room_beside_cache(torch.cuda.mem_get_info()[0], asleep_bytes(tags)):
-                return
+        torch.cuda.synchronize()
+        if self.keep_torch_cache and room_beside_cache(torch.cuda.mem_get_info()[0], asleep_bytes(tags)):
+            return
         torch.cuda.empty_cache()
 
     # --------------------------------------------------------------------------- tensor-parallel groups
@@ -421,10 +415,6 @@ class VLLMRolloutEngine(RolloutEngine):
         return [p for part in parts for p in part], sum(len(part) for part in parts[:group.rank_in_group])
 
 
-# free memory a wake leaves beside torch's cached blocks, beyond what it maps: vLLM's own temporaries outside torch's
-# cache, and the driver's granularity
-WAKE_MARGIN_BYTES = 2**30
-
 
 def _routed_experts(routed) -> torch.Tensor | None:
     """vLLM's routing of one sample (numpy uint8 / uint16 [tokens, layers, k], or None) as the trainer replays it."""
@@ -433,11 +423,6 @@ def _routed_experts(routed) -> torch.Tensor | None:
     from grpo.model.routing_replay import ROUTING_DTYPE
 
     return torch.from_numpy(routed.astype("int32", copy=False)).to(ROUTING_DTYPE)
-
-
-def room_beside_cache(free_bytes: int, mapped_bytes: int) -> bool:
-    """Whether a wake that maps `mapped_bytes` fits in the driver's `free_bytes` with WAKE_MARGIN_BYTES to spare."""
-    return free_bytes >= mapped_bytes + WAKE_MARGIN_BYTES
 
 
 def _image_lists(images: list | None, count: int) -> list:

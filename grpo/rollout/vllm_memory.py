@@ -5,7 +5,8 @@ vLLM's own sleep releases every allocation of its memory pool, the weights inclu
 memory). When the trainer's base tensors are views of the engine's weights (grpo.sync.shared_base) those must stay,
 so the engine sleeps by releasing the allocations tagged "kv_cache" only, and wakes them through the worker's own
 wake-up for that tag (same addresses, so its CUDA graphs stay valid; the block tables rebuilt); what the cache held
-is gone, as after vLLM's own sleep.
+is gone, as after vLLM's own sleep. Also what a sleep and a wake leave to memory: whether torch's cached blocks can
+stay beside a wake, and the cap's loan of what the sleeping engine unmapped (grpo.runtime.gpu_budget).
 """
 from __future__ import annotations
 
@@ -42,6 +43,25 @@ def release_kv_cache(empty_torch_cache: bool = True) -> int:
         gc.collect()
         torch.cuda.empty_cache()
     return released
+
+
+# free memory a wake leaves beside torch's cached blocks, beyond what it maps: vLLM's own temporaries outside torch's
+# cache, and the driver's granularity
+WAKE_MARGIN_BYTES = 2**30
+
+
+def room_beside_cache(free_bytes: int, mapped_bytes: int) -> bool:
+    """Whether a wake that maps `mapped_bytes` fits in the driver's `free_bytes` with WAKE_MARGIN_BYTES to spare."""
+    return free_bytes >= mapped_bytes + WAKE_MARGIN_BYTES
+
+
+def lend_unmapped_to_cap(tags: set[str]) -> None:
+    """Under --gpu_memory_gib, lend torch's cap what the engine's allocations with these tags unmapped (the cap still
+    counts them: grpo.runtime.gpu_budget); nothing unmapped ends the loan. Nothing without a cap."""
+    from grpo.runtime.gpu_budget import is_capped, lend_engine_memory
+
+    if is_capped():
+        lend_engine_memory(asleep_bytes(tags))
 
 
 def asleep_bytes(tags: set[str]) -> int:
