@@ -172,8 +172,9 @@ def start(model: str, args, budget: float, new: int, name: str):
     out = os.path.join(args.out, "runs", name)
     os.makedirs(out, exist_ok=True)
     env = dict(os.environ, WANDB_MODE="disabled", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1",
-               VLLM_ENABLE_V1_MULTIPROCESSING="0", CUDA_VISIBLE_DEVICES=str(args.gpu))
-    command = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "1", "--master_port",
+               VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    # --include pins the GPU: DeepSpeed's launcher ignores CUDA_VISIBLE_DEVICES (with --num_gpus 1 every run lands on 0)
+    command = [sys.executable, "-m", "deepspeed.launcher.runner", "--include", f"localhost:{args.gpu}", "--master_port",
                str(free_port()), os.path.join(ROOT, "train_grpo.py")] + flags(model, args, budget, new, out)
     log = open(out + ".log", "w")
     return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT), out, time.time()
