@@ -613,3 +613,19 @@ def test_qlora_on_fused_experts_under_zero3_is_refused_before_any_weight_loads(t
     dense = make_tiny_model_dir(str(tmp_path / "dense"))
     prepare_run(tiny_config(dense, registry, str(tmp_path / "dense_out"), tuning_strategy="qlora", deepspeed="zero3"))
     assert four_bit_experts_conflict(config, 2, 4) is None and four_bit_experts_conflict(config, 3, 0) is None
+
+
+def test_plan_only_refuses_qlora_on_fused_experts_under_zero3(tmp_path, capsys):
+    """--plan_only says what the run would say before loading: qlora on fused experts under ZeRO-3 is refused with
+    the same message (exit code 1), and under ZeRO-2 the plan prints."""
+    from grpo.entry.train import main
+
+    folder = make_tiny_moe_model_dir(str(tmp_path / "moe"))
+    flags = ["--model_name_or_path", folder, "--tuning_strategy", "qlora", "--dataset_names", "arith",
+             "--rollout_engine", "hf", "--output_dir", str(tmp_path / "out"), "--plan_only", "--gpu_memory_gib", "24"]
+    assert main(flags + ["--deepspeed", "zero3"]) == 1
+    refused = capsys.readouterr().err
+    assert "--tuning_strategy qlora with ZeRO-3" in refused and "Use --deepspeed zero2" in refused, refused
+    assert main(flags + ["--deepspeed", "zero2"]) == 0
+    assert "planned peak" in capsys.readouterr().out
+    assert not os.path.exists(tmp_path / "out")
