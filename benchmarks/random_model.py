@@ -229,8 +229,8 @@ def write_random_4bit(shape: str, out: str, tokenizer, ids: dict, max_positions:
 
     def tensors():
         for name, param in skeleton.named_parameters():
-            if name.endswith("norm.weight"):
-                yield name, torch.ones(param.shape, dtype=torch.bfloat16)
+            if name.endswith("norm.weight"):  # the model's own neutral scale: Gemma's x (1 + w) takes w = 0, not 1
+                yield name, neutral_norm_weight(skeleton, name)
             elif name.endswith(".bias"):
                 yield name, torch.zeros(param.shape, dtype=torch.bfloat16)
             elif ".layers." in name and name.endswith("_proj.weight"):
@@ -254,6 +254,24 @@ def write_random_4bit(shape: str, out: str, tokenizer, ids: dict, max_positions:
     count = sum(p.numel() for p in skeleton.parameters())
     print(f"{out}: random {shape} ({count / 1e9:.2f}B parameters) in 4 bits, {written / 2**30:.1f} GiB, "
           "tokenizer of SmolLM2-135M-Instruct")
+
+
+def neutral_norm_weight(skeleton, name: str) -> torch.Tensor:
+    """A norm's weight as the model initialises it (bf16, CPU): ones for x w (Llama, Qwen), zeros for Gemma's x (1 + w).
+    Ones there would double every normalized vector (4 norms a block and the final one): a random Gemma-2-9B then
+    had attention logits of std ~5.7 rather than ~1.4, near one-hot, and amplified bf16 rounding into a 3.8-nat
+    engine-vs-trainer log-prob gap (benchmarks/gemma2_gap.py). `skeleton`: the model on the meta device."""
+    import copy
+
+    module = skeleton.get_submodule(name.rsplit(".", 1)[0])
+    shape = module.get_parameter("weight").shape
+    try:
+        probe = copy.deepcopy(module).to_empty(device="cpu")
+        skeleton._init_weights(probe)
+        return probe.weight.detach().to(torch.bfloat16)
+    except Exception as exc:  # noqa: BLE001 - a model whose init cannot run on one module: the usual x w norm
+        print(f"{name}: its init did not run ({type(exc).__name__}: {exc}); ones")
+        return torch.ones(shape, dtype=torch.bfloat16)
 
 
 if __name__ == "__main__":
