@@ -70,7 +70,11 @@ def soft_capped_attention(module, query: torch.Tensor, key: torch.Tensor, value:
     value = value.repeat_interleave(groups, dim=1) if groups > 1 else value
     dropout = dropout if module.training else 0.0
 
-    def block(q, mask):
+    # key and value enter each block as the checkpoint's inputs, not through the closure: what a checkpoint keeps of
+    # its function (the closure) escapes the layers' own checkpointing, so every layer's repeated key and value
+    # (2 q a bytes a token) stayed alive from its forward to its backward (Gemma-2-9B: 0.66 MiB a token, 5.6 GiB
+    # over a micro-batch of two 4,352-token rows, measured on an H200 as training 6.2 GiB above its plan)
+    def block(q, key, value, mask):
         scores = torch.matmul(q, key.transpose(2, 3)) * scaling
         if softcap is not None:
             scores = torch.tanh(scores / softcap) * softcap
@@ -88,9 +92,9 @@ def soft_capped_attention(module, query: torch.Tensor, key: torch.Tensor, value:
             mask = mask[:, :, start:start + QUERY_BLOCK] if mask.shape[2] > 1 else mask
             mask = mask[..., : key.shape[2]]
         if torch.is_grad_enabled() and (q.requires_grad or key.requires_grad or value.requires_grad):
-            outputs.append(checkpoint(block, q, mask, use_reentrant=False))
+            outputs.append(checkpoint(block, q, key, value, mask, use_reentrant=False))
         else:
-            outputs.append(block(q, mask))
+            outputs.append(block(q, key, value, mask))
     return torch.cat(outputs, dim=2).transpose(1, 2).contiguous(), None
 
 
