@@ -180,9 +180,7 @@ def print_plan(config) -> int:
     if config.uses_vllm and not config.gpu_memory_gib and not _cuda_here():
         raise ConfigError("--plan_only: there is no GPU here to plan for; name the card with --gpu_memory_gib "
                           "(e.g. --gpu_memory_gib 24 for a 24 GB card)")
-    model_path = resolve_model_path(config.model_name_or_path)
-    check_plannable_layout(config, model_path)
-    plan, run, size, gpu, hf_config = plan_parts(config, model_path)
+    plan, run, size, gpu, hf_config = plan_parts(config, resolve_model_path(config.model_name_or_path))
     if plan.fits:
         print(plan_table(plan))
         warning = _waves_warning(plan, run, size, gpu, hf_config, config)
@@ -191,15 +189,6 @@ def print_plan(config) -> int:
         return 0
     print(refusal(plan, cheapest_fixes(run, size, gpu, hf_config, config)))
     return 1
-
-
-def check_plannable_layout(config, model_path: str) -> None:
-    """What the run would refuse before loading, whatever the memory: --plan_only refuses it too (qlora's 4-bit
-    fused experts under ZeRO-3)."""
-    from grpo.runtime.deepspeed_config import load_deepspeed_config
-    from grpo.train.setup import check_four_bit_experts_zero
-
-    check_four_bit_experts_zero(config, load_deepspeed_config(config, use_bf16=True), model_path)
 
 
 def agreed_plan(plan: MemoryPlan | None, config, model_path: str, completion_tokens: int) -> MemoryPlan | None:

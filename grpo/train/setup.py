@@ -278,6 +278,15 @@ def resolve_model_routing_replay(config: GRPOConfig, model_path: str, agent_data
     return resolve_routing_replay(config, model_config, agent_datasets)
 
 
+def check_layout_before_loading(config: GRPOConfig) -> None:
+    """--plan_only: the refusals of load_run_data that no memory lifts (qlora's 4-bit fused experts under ZeRO-3)."""
+    from grpo.model.embedded import resolve_model_path
+    from grpo.runtime.deepspeed_config import load_deepspeed_config
+
+    check_four_bit_experts_zero(config, load_deepspeed_config(config, use_bf16=True),
+                                resolve_model_path(config.model_name_or_path))
+
+
 def check_four_bit_experts_zero(config: GRPOConfig, ds_config: dict, model_path: str) -> None:
     """qlora on a mixture of fused experts under ZeRO-3 refused before any weight loads
     (grpo.config.sections.model.four_bit_experts_conflict); the model is built on the meta device to count its fused
