@@ -125,6 +125,27 @@ def test_padding_free_is_refused_before_loading_a_soft_capped_model(tmp_path):
     assert plan("qwen2.5-7b") == 0
 
 
+def test_sequence_parallel_is_refused_before_loading_a_soft_capped_model(tmp_path, monkeypatch):
+    """DeepSpeed's Ulysses attention wraps SDPA (which drops the soft-cap) or flash attention, not grpo's eager
+    blocks: --sequence_parallel_size on a soft-capped model is refused from its config, before any weight loads,
+    saying what to use; a plain model plans."""
+    from grpo.config import parse_args
+    from grpo.errors import ConfigError
+    from grpo.memory import planner
+
+    monkeypatch.setenv("WORLD_SIZE", "2")  # two ranks, one sequence-parallel group
+
+    def plan(model):
+        return planner.print_plan(parse_args(["--model_name_or_path", f"tests/model_configs/{model}", "--plan_only",
+                                              "--gpu_memory_gib", "24", "--sequence_parallel_size", "2",
+                                              "--output_dir", str(tmp_path)]))
+
+    with pytest.raises(ConfigError, match=r"--sequence_parallel_size 2: .*attn_logit_softcapping 50.*"
+                                          r"use --sequence_parallel_size 1"):
+        plan("gemma-2-9b")
+    assert plan("qwen2.5-7b") == 0
+
+
 @pytest.mark.parametrize("groups", [1, 2])
 def test_checkpointed_layers_keep_no_keys_or_values_until_their_backward(groups):
     """With the layers checkpointed, a layer's forward keeps its input alone for the backward (the memory plan's

@@ -132,12 +132,12 @@ def plan_parts(config, model_path: str, completion_tokens: int | None = None, gp
     """(plan, run shape, model counts, budget, model config): the plan and what advice re-plans from. `gpu` None:
     this rank's GPU, else the card --gpu_memory_gib names, else a CPU run (always one with `on_gpu` False)."""
     hf_config = load_model_config(model_path, config.trust_remote_code)
-    if config.padding_free:
-        from grpo.model.attention import packing_refusal
+    from grpo.model.attention import packing_refusal, sequence_parallel_refusal
 
-        refused = packing_refusal(hf_config)
-        if refused:
-            raise ConfigError(refused)
+    refused = (packing_refusal(hf_config) if config.padding_free else None) or sequence_parallel_refusal(
+        hf_config, config.sequence_parallel_size)
+    if refused:  # what the model's attention cannot do, whatever the memory
+        raise ConfigError(refused)
     size = model_size(hf_config, config)
     if gpu is None and on_gpu is not False:
         gpu = local_gpu_budget(config.gpu_memory_gib)

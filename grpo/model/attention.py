@@ -108,3 +108,15 @@ def packing_refusal(config) -> Optional[str]:
             f"of queries (its {ATTENTION_SOFT_CAP} {attention_soft_cap(config):g}, which torch's SDPA kernels leave "
             "out), whose masks grow with the square of a row's tokens: leave --padding_free off for it (rows of one "
             "sequence each, as the memory plan counts them)")
+
+
+def sequence_parallel_refusal(config, sp_size: int) -> Optional[str]:
+    """Why --sequence_parallel_size cannot shard this model's attention, or None: DeepSpeed's Ulysses attention wraps
+    SDPA or flash attention (grpo.runtime.sequence_parallel), and a soft-capped model loads with grpo's eager
+    attention, since SDPA would drop the soft-cap."""
+    if sp_size <= 1 or attention_implementation(config) != SOFT_CAPPED:
+        return None
+    return (f"--sequence_parallel_size {sp_size}: this model soft-caps its attention logits ({ATTENTION_SOFT_CAP} "
+            f"{attention_soft_cap(config):g}) and loads with grpo's eager attention in blocks of queries, which "
+            "DeepSpeed's Ulysses attention does not wrap (it wraps SDPA, which would drop the soft-cap, or flash "
+            "attention); use --sequence_parallel_size 1 (long rows fit: one block of queries' scores at a time)")
