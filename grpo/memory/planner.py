@@ -132,11 +132,8 @@ def plan_parts(config, model_path: str, completion_tokens: int | None = None, gp
     """(plan, run shape, model counts, budget, model config): the plan and what advice re-plans from. `gpu` None:
     this rank's GPU, else the card --gpu_memory_gib names, else a CPU run (always one with `on_gpu` False)."""
     hf_config = load_model_config(model_path, config.trust_remote_code)
-    from grpo.model.attention import packing_refusal, sequence_parallel_refusal
-
-    refused = (packing_refusal(hf_config) if config.padding_free else None) or sequence_parallel_refusal(
-        hf_config, config.sequence_parallel_size)
-    if refused:  # what the model's attention cannot do, whatever the memory
+    refused = layout_refusal(config, hf_config)
+    if refused:  # what no memory lifts: the run and --plan_only refuse it alike, before any weight loads
         raise ConfigError(refused)
     size = model_size(hf_config, config)
     if gpu is None and on_gpu is not False:
@@ -145,6 +142,37 @@ def plan_parts(config, model_path: str, completion_tokens: int | None = None, gp
             gpu = named_card(config.gpu_memory_gib)
     run = run_shape(config, hf_config, size, model_path, completion_tokens, world)
     return plan_memory(run, size, gpu, hf_config), run, size, gpu, hf_config
+
+
+def layout_refusal(config, hf_config) -> str | None:
+    """Why these options cannot run this model whatever the memory, or None: what its attention cannot do
+    (--padding_free, --sequence_parallel_size on soft-capped attention: grpo.model.attention), and qlora's 4-bit fused
+    experts under ZeRO-3 (grpo.config.sections.model.four_bit_experts_conflict)."""
+    from grpo.model.attention import packing_refusal, sequence_parallel_refusal
+
+    return ((packing_refusal(hf_config) if config.padding_free else None)
+            or sequence_parallel_refusal(hf_config, config.sequence_parallel_size)
+            or _four_bit_experts_refusal(config, hf_config))
+
+
+def _four_bit_experts_refusal(config, hf_config) -> str | None:
+    """ZeRO-3 would turn qlora's 4-bit fused experts into 16-bit partitions; the model is built on the meta device to
+    count its fused expert stacks only for that combination."""
+    if not config.strategy.four_bit_base:
+        return None
+    from grpo.runtime.deepspeed_config import load_deepspeed_config, zero_stage
+
+    stage = zero_stage(load_deepspeed_config(config, use_bf16=True))
+    from grpo.model.routing_replay import is_mixture_of_experts
+
+    if stage != 3 or not is_mixture_of_experts(hf_config):
+        return None
+    from grpo.config.sections.model import four_bit_experts_conflict
+    from grpo.memory.model_size import build_on_meta
+    from grpo.model.quantized_experts import fused_expert_slots
+
+    stacks = len(fused_expert_slots(build_on_meta(hf_config, config.trust_remote_code)))
+    return four_bit_experts_conflict(config, stage, stacks)
 
 
 def checked_plan(config, model_path: str, completion_tokens: int | None = None,

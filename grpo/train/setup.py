@@ -248,7 +248,6 @@ def load_run_data(config: GRPOConfig, rewards, rank: int, world: int) -> RunData
     if config.rollout_engine == "vllm" and config.vllm_tp > 1:
         check_tensor_parallel(model_path, config)
     check_checkpoint_weights(config, model_path)  # qlora's re-quantization and loftq read its 16-bit weights
-    check_four_bit_experts_zero(config, ds_config, model_path)  # qlora's 4-bit experts cannot be ZeRO-3 partitions
     check_positions(model_path, config)  # vLLM would refuse a longer --max_seq_length after loading the model
     # --routing_replay: on for a mixture of experts by default
     resolve_model_routing_replay(config, model_path, agent_datasets)
@@ -276,39 +275,6 @@ def resolve_model_routing_replay(config: GRPOConfig, model_path: str, agent_data
 
     model_config = AutoConfig.from_pretrained(model_path, trust_remote_code=config.trust_remote_code)
     return resolve_routing_replay(config, model_config, agent_datasets)
-
-
-def check_layout_before_loading(config: GRPOConfig) -> None:
-    """--plan_only: the refusals of load_run_data that no memory lifts (qlora's 4-bit fused experts under ZeRO-3)."""
-    from grpo.model.embedded import resolve_model_path
-    from grpo.runtime.deepspeed_config import load_deepspeed_config
-
-    check_four_bit_experts_zero(config, load_deepspeed_config(config, use_bf16=True),
-                                resolve_model_path(config.model_name_or_path))
-
-
-def check_four_bit_experts_zero(config: GRPOConfig, ds_config: dict, model_path: str) -> None:
-    """qlora on a mixture of fused experts under ZeRO-3 refused before any weight loads
-    (grpo.config.sections.model.four_bit_experts_conflict); the model is built on the meta device to count its fused
-    expert stacks only for that combination."""
-    from grpo.config.sections.model import four_bit_experts_conflict
-    from grpo.runtime.deepspeed_config import zero_stage
-
-    if not (config.strategy.four_bit_base and zero_stage(ds_config) == 3):
-        return
-    from transformers import AutoConfig
-
-    from grpo.memory.model_size import build_on_meta
-    from grpo.model.quantized_experts import fused_expert_slots
-    from grpo.model.routing_replay import is_mixture_of_experts
-
-    model_config = AutoConfig.from_pretrained(model_path, trust_remote_code=config.trust_remote_code)
-    if not is_mixture_of_experts(model_config):
-        return
-    stacks = len(fused_expert_slots(build_on_meta(model_config, config.trust_remote_code)))
-    conflict = four_bit_experts_conflict(config, zero_stage(ds_config), stacks)
-    if conflict:
-        raise ConfigError(conflict)
 
 
 def longest_completion(config: GRPOConfig, episode_datasets: dict) -> int:
