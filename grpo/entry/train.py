@@ -14,9 +14,7 @@ def main(argv=None) -> int:
         config = parse_args(argv)
         if config.plan_only:  # the memory plan alone: no data, no weights
             from grpo.memory.planner import print_plan
-            from grpo.train.setup import check_layout_before_loading
 
-            check_layout_before_loading(config)  # what the run would refuse whatever the memory, refused here too
             return print_plan(config)
         from grpo.runtime.roles import rollout_index, rollout_ranks_of
 
