@@ -13,6 +13,7 @@ from grpo.config.choices import AGGREGATIONS
 from grpo.train.micro_batches import cut_rows
 from grpo.train.step_data import StepData
 from grpo.train.update import step_micro_batches, step_normaliser, update
+from tests.spawn_ranks import end_rank
 from tests.optimize_setup import make_engine, make_step, old_and_ref, step_config
 
 
@@ -48,6 +49,4 @@ def main(model_dir: str, out: str, zero_stage: int) -> None:
 if __name__ == "__main__":
     args = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]  # the launcher adds --local_rank=N
     main(args[0], args[1], int(args[2]))
-    # the group ended on every rank together: left to the interpreter's exit, its teardown can abort a rank
-    # ("terminate called without an active exception") after its work passed
-    dist_utils.shutdown()
+    end_rank()

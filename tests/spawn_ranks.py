@@ -15,13 +15,23 @@ def join_world(rank: int, port: int, world: int = 2) -> None:
                       LOCAL_RANK=str(rank))
 
 
-def _run_rank(rank, rank_main, port, *args) -> None:
+def end_rank() -> None:
+    """End this rank once its work passed: the group ended together (as train_grpo.py does), then the process left
+    without the interpreter's teardown, where gloo's worker threads can still abort it ("terminate called without
+    an active exception") after every check passed. Only a rank that got here exits 0."""
+    import sys
+
     from grpo.runtime.distributed import shutdown
 
-    rank_main(rank, port, *args)
-    # left to the interpreter's exit, the group's teardown can abort a rank ("terminate called without an active
-    # exception") after its work passed: end it together, as train_grpo.py does
     shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def _run_rank(rank, rank_main, port, *args) -> None:
+    rank_main(rank, port, *args)
+    end_rank()
 
 
 def spawn_ranks(rank_main, *args, nprocs: int = 2) -> None:

@@ -218,11 +218,11 @@ def test_wake_keeps_torch_cache_only_with_room_to_spare():
 # two gloo ranks whose GPUs have different memory free: both must plan from the least (the ranks of a
 # tensor-parallel group size their KV caches alike)
 RANKS_AGREE = """
-import os, socket, sys, torch, torch.distributed as dist, torch.multiprocessing as mp
+import sys, torch, torch.distributed as dist
+from tests.spawn_ranks import join_world, spawn_ranks
 
 def rank_main(rank, port, model):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
-                      LOCAL_RANK=str(rank))
+    join_world(rank, port)
     dist.init_process_group("gloo", rank=rank, world_size=2)
     gib = 2**30
     from grpo.config.options import GRPOConfig
@@ -243,15 +243,9 @@ def rank_main(rank, port, model):
     others = figures.clone()
     dist.all_reduce(others, op=dist.ReduceOp.MAX)
     assert torch.equal(figures, others), (figures, others)  # the same cache and budget on both ranks
-    from grpo.runtime.distributed import shutdown
-
-    shutdown()  # the group ended together (left to the exit, its teardown can abort a rank after its work passed)
 
 if __name__ == "__main__":
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(rank_main, args=(port, sys.argv[1]), nprocs=2)
+    spawn_ranks(rank_main, sys.argv[1])
     print("agreed")
 """
 
