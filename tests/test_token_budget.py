@@ -31,7 +31,7 @@ def test_activation_estimate_worked_by_hand():
 
 
 def test_logprob_chunk_and_peak_worked_by_hand():
-    assert logprob_chunk_bytes(4, 32, full_logits=False) == 16 * 4 * 32
+    assert logprob_chunk_bytes(4, 32, full_logits=False) == 20 * 4 * 32 == 2560
     assert logprob_chunk_bytes(4, 32, full_logits=True) == 0
     # t kept + max(chunk, t transient): the chunk's logits or one layer's backward, whichever is larger
     assert micro_batch_bytes(10, 96, 544, 2048) == 960 + 5440
@@ -97,10 +97,10 @@ def test_the_estimate_reads_the_model_as_it_is_trained():
     model = get_peft_model(Qwen2ForCausalLM(cfg), LoraConfig(r=2, lora_dropout=0.05, target_modules="all-linear"))
     config = GRPOConfig(logprob_chunk_tokens=8)
     # fp32 here: a = b = 4, d = 1; layer = 8 x 64 + 4 x 64 x 4 + 3 x 160 x 4 + 5 (5 x 64 + 64 + 160) = 6176,
-    # ends = 64 x 12 = 768, backward = 4 x 160 x 4 = 2560, chunk = 16 x 8 x 100
-    assert training_estimate(config, model) == (2 * 6176 + 768, 2560, 12800, False)
+    # ends = 64 x 12 = 768, backward = 4 x 160 x 4 = 2560, chunk = 20 x 8 x 100
+    assert training_estimate(config, model) == (2 * 6176 + 768, 2560, 16_000, False)
     _enable_checkpointing(model)
-    assert training_estimate(config, model) == (2 * 64 * 4 + 768, 6176 + 2560, 12800, True)
+    assert training_estimate(config, model) == (2 * 64 * 4 + 768, 6176 + 2560, 16_000, True)
     # full logits (--logprob_chunk_tokens 0): 14 V per token kept, no chunk
     assert training_estimate(GRPOConfig(logprob_chunk_tokens=0), model) == (1280 + 1400, 8736, 0, True)
 
@@ -233,8 +233,10 @@ def test_qwen_7b_qlora_within_15_and_16_gib_comes_out_below_the_measured_failure
         chunk_tokens, chunk_bytes = fitted_chunk_tokens(gpu.room / ESTIMATE_MARGIN, 1024, chunk, kept, transient)
         return resolve_token_budget(gpu, kept, transient, chunk_bytes, 768, True)[0], chunk_tokens
 
-    assert auto(16) == (5120, 1024)  # 5.4 / 1.5 = 3.6 GiB: min(3.6 GiB / 0.64 MiB, (3.6 - 2.32) GiB / 0.22 MiB)
-    assert auto(15) == (4096, 512)   # 2.93 GiB: the 2.32 GiB chunk binds (> 2.93 x 0.42 / 0.64), halved to 1.16
+    # 5.4 / 1.5 = 3.6 GiB: the 2.90 GiB chunk binds (above 3.6 - 0.22 MiB x 5760 tokens = 2.36), halved to 1.45;
+    # then min(3.6 GiB / 0.64 MiB, (3.6 - 1.45) GiB / 0.22 MiB) = 5760 tokens
+    assert auto(16) == (5120, 512)
+    assert auto(15) == (4096, 512)   # 2.93 GiB: the chunk binds (above 1.92), halved to 1.45; 4693 tokens
 
 
 def test_cpu_and_explicit_values_are_kept():
@@ -295,8 +297,8 @@ def test_on_a_gpu_the_plans_budget_is_lowered_only_where_the_measured_room_holds
                       num_key_value_heads=2, vocab_size=100, tie_word_embeddings=False)
     model = get_peft_model(Qwen2ForCausalLM(cfg), LoraConfig(r=2, lora_dropout=0.05, target_modules="all-linear"))
     config = GRPOConfig(logprob_chunk_tokens=8)
-    # as worked above (fp32, no checkpointing): kept 13,120 and transient 2560 bytes a token; chunk 16 x 8 x 100
-    assert training_estimate(config, model) == (13_120, 2560, 12_800, False)
+    # as worked above (fp32, no checkpointing): kept 13,120 and transient 2560 bytes a token; chunk 20 x 8 x 100
+    assert training_estimate(config, model) == (13_120, 2560, 16_000, False)
     to_come = sum(p.numel() * 4 for p in model.parameters() if p.requires_grad)
     # an 80 GiB GPU (4 GiB kept back) with the gradients, the margin and 1.5 x 3000 x 15,680 bytes free: 3000 tokens
     # fit by the activations ((room / 1.5 - chunk) / kept = 3584 does not bind) -> 2048 in steps of 1024

@@ -53,6 +53,7 @@ class ModelShape:
     routed_picks: int = 0  # R: a replayed mixture of experts' picks per token (layers x top_k), else 0
     score_heads: int = 0   # N: attention heads whose scores the eager computation materializes (soft-capped
                            # attention logits: grpo.model.attention), else 0 (SDPA keeps none)
+    capped_logits: bool = False  # a final logit soft-cap (Gemma 2), applied to each log-prob chunk
 
 
 def model_shape(model_config) -> ModelShape:
@@ -66,7 +67,7 @@ def model_shape(model_config) -> ModelShape:
     picks = math.prod(routing_shape(cfg)) if replay_family(cfg) else 0
     score_heads = heads if attention_implementation(model_config) == SOFT_CAPPED else 0
     return ModelShape(hidden, intermediate, cfg.num_hidden_layers, heads * head_dim, cfg.vocab_size, picks,
-                      score_heads)
+                      score_heads, bool(logit_soft_cap(model_config)))
 
 
 def block_scores_per_token(s: ModelShape, row_tokens: int) -> int:
@@ -140,11 +141,20 @@ def expert_fold_bytes(layer_stacks: int, largest_stack: int, layers: int, checkp
     return float_bytes * ((1 if checkpointing else layers) * layer_stacks + largest_stack)
 
 
-def logprob_chunk_bytes(chunk_tokens: int, vocab: int, full_logits: bool) -> int:
-    """One log-prob chunk's logits, whatever the micro-batch: 16 c V bytes (fp32 logits, their temperature-scaled
-    copy, logsumexp's exponentials, the gradient), at the start of the backward, beside the kept activations only;
-    none on the full-logits path (counted per token there)."""
-    return 0 if full_logits else 16 * chunk_tokens * vocab
+def logprob_chunk_bytes(chunk_tokens: int, vocab: int, full_logits: bool, capped_logits: bool = False) -> int:
+    """One log-prob chunk's logits in the backward, whatever the micro-batch: (20 + 2 s) c V bytes (s = 1 with a
+    final logit soft-cap), at the start of the backward, beside the kept activations only; none on the full-logits
+    path (counted per token there):
+
+        20 c V   the chunk's recomputed logits z in fp32 (4; the bf16 head output and the unscaled copy are freed by
+                 then), the gradient gather's backward scatters into (4), and logsumexp's backward: z - logsumexp(z)
+                 (4), its exp (4), the product with the incoming gradient (4)
+      +  2 c V   [soft-cap] the cap's tanh output in bf16, kept for its backward
+
+    Traced allocation by allocation on CPU (torch's profiler, bf16 head: 20.0 and 22.0 c V, with and without
+    temperature or entropy; tests/test_logprob_chunk_memory.py); on a GPU a [1,024, 151,936] chunk measured 3.10 GiB
+    (21.4 c V, benchmarks/RESULTS.md). A no-grad pass holds half: z and one temporary (logsumexp's, the temperature's)."""
+    return 0 if full_logits else (20 + 2 * int(capped_logits)) * chunk_tokens * vocab
 
 
 def micro_batch_bytes(tokens: int, kept: int, transient: int, chunk: int) -> int:

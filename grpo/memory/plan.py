@@ -263,7 +263,7 @@ def plan_memory(run: RunShape, size: ModelSize, gpu: GpuBudget | None, hf_config
     kept, transient = activation_bytes_per_token(size.shape, checkpointing, float_bytes,
                                                  float_bytes if run.strategy.has_adapter else 0,
                                                  run.lora_dropout, run.full_logits, row_tokens=run.longest)
-    chunk = logprob_chunk_bytes(run.chunk_tokens, size.shape.vocab, run.full_logits)
+    chunk = logprob_chunk_bytes(run.chunk_tokens, size.shape.vocab, run.full_logits, size.shape.capped_logits)
     per_token = kv_bytes_per_token(hf_config, run.tp)
     kv_needed = auto_kv_cache_bytes(per_token, run.sequences, run.longest, run.max_seq_length)
     trainer = trainer_parts(run, size, float_bytes)
@@ -368,7 +368,8 @@ def _plan_with(run: RunShape, size: ModelSize, gpu: GpuBudget, trainer: dict, we
     no_grad = 4 * size.shape.intermediate * 2 + eager_gradient_extra(2) * block_scores_per_token(size.shape,
                                                                                                  run.longest)
     masks = 2 * 2 * run.longest if size.shape.score_heads else 0  # soft-capped attention's two masks, as in training
-    forward = tokens * (max(transient - no_grad, 0) + masks) + chunk // 2  # (bf16 on a GPU)
+    # (bf16 on a GPU; a chunk without gradients holds half its training bytes: logprob_chunk_bytes)
+    forward = tokens * (max(transient - no_grad, 0) + masks) + chunk // 2
     # (with adapted fused experts, each layer's folds live through its no-grad forward only: one layer's at a time)
     one_fold = expert_fold_bytes(size.adapted_expert_layer, size.largest_adapted_stack, 1, True, 2) if folds else 0
     forward = STEP_TENSORS_BYTES + (forward + one_fold if run.logprob_pass else 0)

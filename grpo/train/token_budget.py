@@ -115,7 +115,8 @@ def training_estimate(config, model, chunk_tokens: int | None = None,
         dropout=bool(adapters) and config.lora_dropout > 0, full_logits=full_logits,
         row_tokens=config.max_seq_length if row_tokens is None else row_tokens)
     chunk_tokens = config.logprob_chunk_tokens if chunk_tokens is None else chunk_tokens
-    return kept, transient, logprob_chunk_bytes(chunk_tokens, shape.vocab, full_logits), checkpointing
+    return kept, transient, logprob_chunk_bytes(chunk_tokens, shape.vocab, full_logits, shape.capped_logits), \
+        checkpointing
 
 
 def micro_batch_token_budget(config, model, engine, device: torch.device, plan=None) -> tuple[int, int]:
