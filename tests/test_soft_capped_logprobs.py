@@ -192,3 +192,38 @@ def test_checkpointed_layers_keep_no_keys_or_values_until_their_backward(groups)
     assert [ref for ref in seen if ref() is not None] == []  # all freed while the graph waits for its backward
     loss.backward()  # (and the backward still reaches every layer)
     assert all(p.grad is not None for p in model.model.layers[0].self_attn.parameters())
+
+
+def test_a_soft_capped_reward_model_scores_with_its_cap(tmp_path, grpo_log):
+    """A Gemma 2 reward model loads with the attention that keeps its cap, as the policy does: its scores are the
+    eager model's, not those of the model without the cap (what SDPA computes)."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from grpo.model.attention import SOFT_CAPPED, attention_implementation
+    from grpo.rewards.reward_model import register_reward_models
+    from .tiny_models import make_tiny_gemma2_model_dir
+
+    folder = make_tiny_gemma2_model_dir(str(tmp_path / "gemma2_rm"), attention_cap=2.0, reward_model=True)
+    (rm,) = register_reward_models([folder], torch.device("cpu"), attention=attention_implementation)
+    completions = ["The answer is 7", "boxed { 9 }"]
+    messages = [[{"role": "user", "content": "What is 2 + 2 ?"}]] * 2
+    scores = rm(completions, ["4"] * 2, prompts=["x"] * 2, prompt_messages=messages)
+    assert rm.model.config._attn_implementation == SOFT_CAPPED
+    assert any("reward model 'gemma2_rm' loaded" in line and SOFT_CAPPED in line for line in grpo_log), grpo_log
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+
+    def scored(**overrides):
+        model = AutoModelForSequenceClassification.from_pretrained(folder, attn_implementation="eager",
+                                                                   dtype=torch.float32, **overrides).eval()
+        out = []
+        for completion in completions:
+            text = tokenizer.apply_chat_template(messages[0] + [{"role": "assistant", "content": completion}],
+                                                 tokenize=False)
+            with torch.no_grad():
+                out.append(model(**tokenizer(text, return_tensors="pt", add_special_tokens=False)).logits[0, 0].item())
+        return out
+
+    assert scores == pytest.approx(scored(), abs=1e-5)
+    uncapped = scored(attn_logit_softcapping=None)
+    assert max(abs(a - b) for a, b in zip(scores, uncapped)) > 0.01, (scores, uncapped)  # the cap bites

@@ -90,19 +90,22 @@ def make_tiny_reward_model_dir(path: str, seed: int = 0) -> str:
     return path
 
 
-def make_tiny_gemma2_model_dir(path: str, attention_cap: float = 50.0, seed: int = 0) -> str:
+def make_tiny_gemma2_model_dir(path: str, attention_cap: float = 50.0, seed: int = 0,
+                               reward_model: bool = False) -> str:
     """A tiny random Gemma 2 (soft-capped attention logits and final logits, alternating sliding-window layers) with
-    the tiny tokenizer. Its queries and keys are drawn large (q.k of several units) so that an `attention_cap` of a
-    few units bends the attention logits."""
-    from transformers import Gemma2Config, Gemma2ForCausalLM
+    the tiny tokenizer; with `reward_model` a sequence classifier with one output instead of a causal LM. Its queries
+    and keys are drawn large (q.k of several units) so that an `attention_cap` of a few units bends the attention
+    logits."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM, Gemma2ForSequenceClassification
 
     tokenizer = make_tiny_tokenizer()
     config = Gemma2Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
                           attn_logit_softcapping=attention_cap, final_logit_softcapping=30.0, sliding_window=8,
-                          pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None)
+                          pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
+                          num_labels=1)
     torch.manual_seed(seed)
-    model = Gemma2ForCausalLM(config)
+    model = (Gemma2ForSequenceClassification if reward_model else Gemma2ForCausalLM)(config)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith(("q_proj.weight", "k_proj.weight")):

@@ -3,13 +3,15 @@
 `--reward_model path/to/my_rm` registers the reward `my_rm` (the folder's name), usable in dataset_config.json's
 "rewards" with a weight like any other. The model's own tokenizer and chat template render the conversation
 (the prompt's messages, then the completion as the assistant's turn); it runs batched, without gradients, on the
-rank's device (bf16 on GPU), loaded on first use.
+rank's device (bf16 on GPU), loaded on first use. A model whose attention logits are soft-capped (a Gemma 2 reward
+model) loads with the attention its caller names for its config (grpo.model.attention: torch's SDPA kernels would
+drop the cap and score with another model).
 """
 from __future__ import annotations
 
 import logging
 import os
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -24,7 +26,8 @@ class RewardModel:
     """A batched reward function backed by a sequence-classification model with a single output (num_labels=1)."""
 
     def __init__(self, path: str, device: torch.device, dtype: torch.dtype = torch.float32, batch_size: int = 16,
-                 max_length: Optional[int] = None, trust_remote_code: bool = False):
+                 max_length: Optional[int] = None, trust_remote_code: bool = False,
+                 attention: Optional[Callable[[object], Optional[str]]] = None):
         from transformers import AutoConfig
 
         self.path, self.device, self.dtype, self.batch_size = path, torch.device(device), dtype, batch_size
@@ -44,6 +47,8 @@ class RewardModel:
         if config.num_labels != 1:
             raise ConfigError(f"--reward_model {path}: the classification head has {config.num_labels} outputs; a "
                               f"reward model must have exactly one (num_labels=1), its score")
+        # the attention to load with where transformers' default would compute another model, else None
+        self.attention = attention(config) if attention is not None else None
         self.model = None
         self.tokenizer = None
 
@@ -54,12 +59,14 @@ class RewardModel:
         self.tokenizer.padding_side = "right"
         if self.tokenizer.pad_token is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
+        kwargs = {"attn_implementation": self.attention} if self.attention else {}
         self.model = AutoModelForSequenceClassification.from_pretrained(
-            self.path, dtype=self.dtype, trust_remote_code=self.trust_remote_code).to(self.device).eval()
+            self.path, dtype=self.dtype, trust_remote_code=self.trust_remote_code, **kwargs).to(self.device).eval()
         self.model.requires_grad_(False)
         if self.model.config.pad_token_id is None:
             self.model.config.pad_token_id = self.tokenizer.pad_token_id
-        logger.info(f"reward model '{self.__name__}' loaded from {self.path} ({self.dtype}, {self.device})")
+        attention = f", attention {self.attention}" if self.attention else ""
+        logger.info(f"reward model '{self.__name__}' loaded from {self.path} ({self.dtype}, {self.device}{attention})")
 
     def render(self, completion: str, prompt: str, messages) -> str:
         """The conversation as the reward model's chat template writes it (plain prompt + completion without one)."""
@@ -89,9 +96,12 @@ class RewardModel:
 
 
 def register_reward_models(paths: Sequence[str], device, dtype: torch.dtype = torch.float32,
-                           trust_remote_code: bool = False) -> list[RewardModel]:
-    """Check each folder now (a classification head with one output) and register it under its folder name."""
-    models = [RewardModel(path, device, dtype, trust_remote_code=trust_remote_code) for path in paths]
+                           trust_remote_code: bool = False,
+                           attention: Optional[Callable[[object], Optional[str]]] = None) -> list[RewardModel]:
+    """Check each folder now (a classification head with one output) and register it under its folder name;
+    `attention(config)`: the attention implementation a model must load with, or None for transformers' default."""
+    models = [RewardModel(path, device, dtype, trust_remote_code=trust_remote_code, attention=attention)
+              for path in paths]
     for rm in models:
         register_reward(rm.__name__)(rm)
     return models

@@ -97,12 +97,15 @@ def load_rewards(config: GRPOConfig, reward_funcs: Sequence[Callable] = ()):
     if config.reward_module:
         load_reward_module(config.reward_module)
     if config.reward_model:
+        from grpo.model.attention import attention_implementation
         from grpo.rewards.reward_model import register_reward_models
         from grpo.runtime import distributed as dist_utils
         from grpo.runtime.deepspeed_config import default_dtype
 
-        # checked and registered now (by folder name), weights loaded on first use
-        register_reward_models(config.reward_model, dist_utils.device(), default_dtype(), config.trust_remote_code)
+        # checked and registered now (by folder name), weights loaded on first use; a soft-capped one with the
+        # attention that keeps its cap, as the policy
+        register_reward_models(config.reward_model, dist_utils.device(), default_dtype(), config.trust_remote_code,
+                               attention=attention_implementation)
     registry = load_dataset_registry(config.dataset_config_path)
     check_dataset_names(registry, config.dataset_config_path, config.dataset_names, config.eval_dataset_names,
                         config.effective_train_split_ratio)
