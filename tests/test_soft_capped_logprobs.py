@@ -226,4 +226,4 @@ def test_a_soft_capped_reward_model_scores_with_its_cap(tmp_path, grpo_log):
 
     assert scores == pytest.approx(scored(), abs=1e-5)
     uncapped = scored(attn_logit_softcapping=None)
-    assert max(abs(a - b) for a, b in zip(scores, uncapped)) > 0.01, (scores, uncapped)  # the cap bites
+    assert max(abs(a - b) for a, b in zip(scores, uncapped)) > 2e-3, (scores, uncapped)  # the cap bites
