@@ -46,11 +46,18 @@ def plan_cell(model: str, args, budget: float, new: int) -> dict:
     from grpo.memory.advice import cheapest_fixes
     from grpo.memory.planner import named_card, plan_parts
 
+    from grpo.errors import ConfigError
+    from grpo.model.model_source import check_positions
+
     config = parse_args(flags(model, args, budget, new, "/tmp/unused"))
     import torch
 
     gpu = None if torch.cuda.is_available() else named_card(budget)
-    plan, run, size, gpu, hf_config = plan_parts(config, model, gpu=gpu)
+    try:  # what no memory lifts (the model's positions, a layout): refused before loading, as the run is
+        check_positions(model, config)
+        plan, run, size, gpu, hf_config = plan_parts(config, model, gpu=gpu)
+    except ConfigError as exc:
+        return {"fits": False, "planned_gib": {}, "why_not": str(exc), "fixes": [str(exc).rsplit(": ", 1)[-1]]}
     row = {"fits": plan.fits, "planned_gib": {k: round(v / GIB, 2) for k, v in plan.phases.items()},
            "weights": plan.rollout_weights, "kv_gib": round((plan.kv_cache_bytes or 0) / GIB, 2),
            "at_once": round(plan.sequences_at_once, 1), "micro_batch": plan.micro_batch_tokens}
@@ -282,12 +289,13 @@ def main() -> None:
         for c in cells:
             plan = (f"{c['weights']}, KV {c['kv_gib']} ({c['at_once']} at once), mb {c['micro_batch']}" if c["fits"]
                     else f"refused: {'; '.join(c['fixes'][:2])}")
-            print(f"| {c['shape']} | {c['budget']:g} | {c['new']} | {plan} | {max(c['planned_gib'].values())} |")
+            print(f"| {c['shape']} | {c['budget']:g} | {c['new']} | {plan} | "
+                  f"{max(c['planned_gib'].values(), default='-')} |")
         return
     print("| shape | budget GiB | new tokens | plan | rc | planned peak | measured peak | within |")
     print("|---|---|---|---|---|---|---|---|")
     for c in cells:
-        planned = max(c["planned_gib"].values())
+        planned = max(c["planned_gib"].values(), default="-")
         if not c["fits"]:
             print(f"| {c['shape']} | {c['budget']:g} | {c['new']} | refused: {'; '.join(c['fixes'][:2])} | - | "
                   f"{planned} | - | - |")

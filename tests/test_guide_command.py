@@ -234,3 +234,22 @@ def test_a_max_seq_length_past_the_models_positions_is_refused_for_vllm_before_l
     finally:
         logging.getLogger("grpo").removeHandler(handler)
     assert any(f"not trained on positions past {positions}" in message for message in warned), warned
+
+
+def test_plan_only_refuses_a_length_past_the_models_positions_as_the_run_does(capsys):
+    """--plan_only says what the run would: Gemma-2-9B allows 8,192 positions, so 256 + 8,192 tokens with vLLM are
+    refused (before any plan is printed), while 4,096 new tokens plan."""
+    import os
+
+    from grpo.entry.train import main
+
+    gemma = os.path.join(os.path.dirname(os.path.abspath(__file__)), "model_configs", "gemma-2-9b")
+    flags = ["--model_name_or_path", gemma, "--tuning_strategy", "qlora", "--rollout_engine", "vllm",
+             "--per_device_train_batch_size", "4", "--k_samples", "8", "--gpu_memory_gib", "24", "--plan_only"]
+    assert main(flags + ["--rollout_max_new_tokens", "8192"]) == 1
+    out, err = capsys.readouterr()
+    assert "memory plan" not in out
+    assert ("error: --max_seq_length 8448 (--max_prompt_length 256 + up to --rollout_max_new_tokens 8192) is more "
+            "than the 8192 positions the model's config.json allows (max_position_embeddings); vLLM refuses") in err
+    assert main(flags + ["--rollout_max_new_tokens", "4096"]) == 0
+    assert capsys.readouterr().out.startswith("memory plan for a 24 GiB card")

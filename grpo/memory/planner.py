@@ -208,7 +208,11 @@ def print_plan(config) -> int:
     if config.uses_vllm and not config.gpu_memory_gib and not _cuda_here():
         raise ConfigError("--plan_only: there is no GPU here to plan for; name the card with --gpu_memory_gib "
                           "(e.g. --gpu_memory_gib 24 for a 24 GB card)")
-    plan, run, size, gpu, hf_config = plan_parts(config, resolve_model_path(config.model_name_or_path))
+    from grpo.model.model_source import check_positions
+
+    model_path = resolve_model_path(config.model_name_or_path)
+    check_positions(model_path, config)  # refused (or a default --max_seq_length cut) as the run does, before planning
+    plan, run, size, gpu, hf_config = plan_parts(config, model_path)
     if plan.fits:
         print(plan_table(plan))
         warning = _waves_warning(plan, run, size, gpu, hf_config, config)
