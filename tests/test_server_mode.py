@@ -332,6 +332,13 @@ def test_a_stream_two_steps_deep_trains_no_group_over_the_bound_and_resumes_on_t
     assert rows[0]["stream/staleness_max"] == 0 and max(r["stream/staleness_max"] for r in rows) == 2
     assert all(r["stream/groups_regenerated"] == 0 for r in rows)  # the requests ahead keep the bound
     assert all(0.0 < r["rollout/is_weight_mean"] <= 2.0 for r in rows)  # each token weighed by its own policy
+    # the engine sampled each token from the version it reported: the tokens of the trained version itself score
+    # alike on both sides (fp32); the older ones differ by the updates since
+    fresh = [r["rollout/logprob_diff_behind_0"] for r in rows if "rollout/logprob_diff_behind_0" in r]
+    assert fresh and max(fresh) < 1e-4, fresh
+    older = [r[key] for r in rows for key in ("rollout/logprob_diff_behind_1", "rollout/logprob_diff_behind_2")
+             if key in r]
+    assert older and max(older) > 1e-3, older
     for key in ("stream/partial_share", "stream/rollout_idle_s", "stream/trainer_wait_s", "stream/staleness_mean"):
         assert all(key in r for r in rows), key
     first = prompts_by_step(out)

@@ -54,6 +54,27 @@ def test_staleness_metrics_count_tokens_partial_completions_and_the_histogram():
     assert staleness_metrics([None, None], current=5) == {}
 
 
+def test_each_tokens_staleness_rides_in_the_batch_and_sorts_the_engines_gap():
+    import torch
+
+    from grpo.train.step_data import build_rollout_batch
+    from grpo.train.update import add_gap_by_staleness
+
+    completions = [Completion(0, [7, 8, 9], [-1.0] * 3, "length", versions=[3, 3, 4]),
+                   Completion(0, [7], [-1.0], "stop", versions=[5])]
+    batch = build_rollout_batch([[1, 2]], completions, pad_id=0, version=5)
+    assert batch.staleness.tolist() == [[2, 2, 1], [0, 0, 0]]  # version 5 trains: 5 - 3, 5 - 4; padding 0
+    assert build_rollout_batch([[1, 2]], completions, pad_id=0).staleness is None  # no version given
+    unversioned = [completions[0], Completion(0, [7], [-1.0], "stop")]
+    assert build_rollout_batch([[1, 2]], unversioned, pad_id=0, version=5).staleness is None
+    # gaps by versions behind, over the tokens in the loss (the padding's gap of 9 left out), across micro-batches
+    gaps = {}
+    add_gap_by_staleness(gaps, torch.tensor([[0.3, 0.1, 0.2], [0.01, 9.0, 9.0]]), batch.staleness,
+                         batch.completion_mask)
+    add_gap_by_staleness(gaps, torch.tensor([[0.5]]), torch.tensor([[1]]), torch.tensor([[1.0]]))
+    assert gaps == {0: [pytest.approx(0.01), 1], 1: [pytest.approx(0.7), 2], 2: [pytest.approx(0.4), 2]}
+
+
 def test_the_trainer_keeps_k_requests_ahead_and_none_past_the_last_step():
     assert steps_to_post(0, 1, step=0, total_steps=4) == 1  # --async_rollout: the next step's
     assert steps_to_post(0, 3, step=0, total_steps=10) == 3

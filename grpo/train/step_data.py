@@ -7,6 +7,8 @@
     prompt_index     # [N]      which prompt of the step each row completes
     routed_experts   # [N, P+T, layers, k]  int, the experts the engine routed each token to (a mixture of experts
                                  under --routing_replay), -1 where nothing was routed (padding, each row's last token)
+    staleness        # [N, T]    long, versions behind the trained policy that sampled each completion token
+                                 (streamed rollouts: Completion.versions), 0 on padding; None without versions
     images           # per prompt: its processed images (vision-language models) or None; shared by its k rows
 Every completion starts at column P, so one forward with `logits_to_keep=T+1` yields exactly the logits
 that predict the completion tokens, and the prompt never enters the (large) logits tensor.
@@ -37,6 +39,8 @@ class RolloutBatch:
     images: Optional[list] = field(default=None, metadata={"columns": "shared"})
     # [N, P+T, layers, k] int, the engine's routing of each token (--routing_replay); None without
     routed_experts: Optional[torch.Tensor] = field(default=None, metadata={"columns": "sequence"})
+    # [N, T] long, versions behind of each completion token (streamed rollouts); None without versions
+    staleness: Optional[torch.Tensor] = field(default=None, metadata={"columns": "completion"})
 
     @property
     def completion_id_lists(self) -> list[list[int]]:
@@ -72,8 +76,11 @@ def _apply(value, fn):
 
 
 def build_rollout_batch(prompt_ids: list[list[int]], completions: list[Completion], pad_id: int,
-                        mask_truncated: bool = False, images: Optional[list] = None) -> RolloutBatch:
-    """Pad prompts (left) and completions (right) into one batch; completion i belongs to its prompt_index."""
+                        mask_truncated: bool = False, images: Optional[list] = None,
+                        version: Optional[int] = None) -> RolloutBatch:
+    """Pad prompts (left) and completions (right) into one batch; completion i belongs to its prompt_index.
+    `version`: the policy version the step trains (its optimizer steps so far), for each token's staleness where
+    every completion carries its tokens' versions."""
     prompt_width = max(len(prompt_ids[c.prompt_index]) for c in completions)
     comp_width = max(1, max(len(c.token_ids) for c in completions))
     n = len(completions)
@@ -84,6 +91,9 @@ def build_rollout_batch(prompt_ids: list[list[int]], completions: list[Completio
     # the engine's log-probs, when it returned them for every token (see SamplingSettings.logprobs)
     with_logprobs = all(len(c.logprobs) == len(c.token_ids) for c in completions)
     rollout_lp = torch.zeros((n, comp_width), dtype=torch.float32) if with_logprobs else None
+    with_versions = version is not None and all(c.versions is not None and len(c.versions) == len(c.token_ids)
+                                                for c in completions)
+    staleness = torch.zeros((n, comp_width), dtype=torch.long) if with_versions else None
     truncated = torch.zeros(n, dtype=torch.bool)
     for i, c in enumerate(completions):
         p = prompt_ids[c.prompt_index]
@@ -96,6 +106,8 @@ def build_rollout_batch(prompt_ids: list[list[int]], completions: list[Completio
             comp_ids[i, :t] = torch.tensor(c.token_ids)
             if rollout_lp is not None:
                 rollout_lp[i, :t] = torch.tensor(c.logprobs, dtype=torch.float32)
+            if staleness is not None:
+                staleness[i, :t] = version - torch.tensor(c.versions, dtype=torch.long)
         truncated[i] = c.finish_reason == "length"
         if not (mask_truncated and truncated[i]):
             comp_mask[i, :t] = 1.0 if c.mask is None else _episode_mask(c)
@@ -104,7 +116,7 @@ def build_rollout_batch(prompt_ids: list[list[int]], completions: list[Completio
     routed = routing_columns(completions, [len(prompt_ids[c.prompt_index]) for c in completions], prompt_width,
                              comp_width)
     return RolloutBatch(input_ids, attention, comp_ids, comp_mask, rollout_lp, truncated, prompt_index,
-                        images if has_images else None, routed)
+                        images if has_images else None, routed, staleness)
 
 
 def routing_columns(completions: list[Completion], prompt_lengths: list[int], prompt_width: int,

@@ -268,7 +268,7 @@ class GRPOTrainer:
     def _rollout_batch(self, rollout: RolloutRound) -> RolloutBatch:
         return build_rollout_batch([p["prompt_ids"] for p in rollout.prompts], rollout.completions,
                                    self.tokenizer.pad_token_id, mask_truncated=self.config.mask_truncated_completions,
-                                   images=rollout.images)
+                                   images=rollout.images, version=self.state.step)
 
     @phase("micro-batches")
     def _micro_batches(self, batch: RolloutBatch) -> list[MicroBatch]:

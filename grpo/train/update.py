@@ -130,6 +130,7 @@ def update(engine, step: StepData, cfg: GRPOConfig, first_pass: bool = True) -> 
     read_old = step.old_logprobs is not None and not filling_old
     read_sampled = step.sampled_logprobs is not None and not filling_sampled
     agreement = RouterAgreement()  # --routing_replay: the trainer's own top-k against the engine's, first pass
+    gap_by_staleness: dict[int, list[float]] = {}  # versions behind -> [gap sum, tokens] (streamed rollouts)
     for index, mb in enumerate(step.micro_batches):
         last = index == len(step.micro_batches) - 1
         engine.set_gradient_accumulation_boundary(last)
@@ -162,6 +163,8 @@ def update(engine, step: StepData, cfg: GRPOConfig, first_pass: bool = True) -> 
             if unreplayed is not None:
                 own_routing = (unreplayed - b.rollout_logprobs).abs() * b.completion_mask
                 rollout_metrics[f"{step.mismatch_key}_unreplayed_mean"] = own_routing.sum().item() / tokens
+            if b.staleness is not None:
+                add_gap_by_staleness(gap_by_staleness, diff, b.staleness.to(diff.device), b.completion_mask)
         is_weights = None
         if cfg.is_correction:  # (the rollout always asks for log-probs then)
             # the rollout engine sampled from a slightly different policy: weight (truncated IS) or mask its tokens
@@ -204,6 +207,8 @@ def update(engine, step: StepData, cfg: GRPOConfig, first_pass: bool = True) -> 
         metrics["loss"], metrics["pg_loss"] = (value / cfg.sequence_parallel_size  # each group's N ranks alike
                                                for value in dist_utils.all_sum([loss_total, pg_total]))
     metrics.update(combine_micro_batch_metrics(rollout_per_micro_batch))
+    metrics.update({f"rollout/logprob_diff_behind_{d}": total / count
+                    for d, (total, count) in sorted(gap_by_staleness.items())})
     if agreement.share is not None:
         metrics["rollout/router_agreement"] = agreement.share
     return UpdateResult(metrics, bad)
@@ -217,6 +222,20 @@ def loss_settings(cfg: GRPOConfig) -> LossSettings:
                         importance_sampling_level=cfg.importance_sampling_level, clip_ratio_c=cfg.clip_ratio_c,
                         entropy_coef=cfg.entropy_coef, loss_type=cfg.loss_type, sapo_tau_pos=cfg.sapo_tau_pos,
                         sapo_tau_neg=cfg.sapo_tau_neg)
+
+
+def add_gap_by_staleness(into: dict, gap: torch.Tensor, staleness: torch.Tensor, mask: torch.Tensor) -> None:
+    """Add a micro-batch's per-token |trainer - engine| log-prob gap [n, t] to `into`, by the versions behind of
+    each token [n, t] (mask [n, t]: the tokens in the loss): into[d] = [sum of gaps, tokens]. Their means,
+    rollout/logprob_diff_behind_<d>: d = 0 is the engine's own mismatch (the trainer holds the very version that
+    sampled those tokens), d > 0 adds d updates of policy change; a d = 0 gap above the on-policy steps' says the
+    engine did not sample from the version it reported."""
+    kept = mask > 0
+    for d in staleness[kept].unique().tolist():
+        chosen = kept & (staleness == d)
+        entry = into.setdefault(int(d), [0.0, 0])
+        entry[0] += gap[chosen].sum().item()
+        entry[1] += int(chosen.sum().item())
 
 
 def combine_micro_batch_metrics(per_micro_batch: list[tuple[dict, float]]) -> dict:
