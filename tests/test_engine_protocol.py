@@ -65,3 +65,27 @@ def test_a_colocated_engine_generates_when_collected(tiny_model):
     assert [c.token_ids for c in completions] == [c.token_ids for c in engine.generate([[5, 6, 7]], sampling)]
     with pytest.raises(NotImplementedError, match="holds no weights"):
         RolloutEngine.load_weights(engine, [])
+
+
+def test_new_weights_never_sample_on_the_old_weights_cached_prefixes():
+    """After a weight update the engine drops vLLM's cached KV blocks; vLLM refusing that (a request still holding
+    blocks) is an error, not rollouts whose prompts attend to the old weights' keys and values."""
+    from grpo.errors import TrainingError
+    from grpo.rollout.vllm import VLLMRolloutEngine
+
+    class PrefixCache:
+        def __init__(self, answer):
+            self.answer, self.resets = answer, 0
+
+        def reset_prefix_cache(self):
+            self.resets += 1
+            return self.answer
+
+    engine = object.__new__(VLLMRolloutEngine)
+    for answer in (True, None):  # (None: a vLLM whose reset says nothing)
+        engine.llm = PrefixCache(answer)
+        engine._forget_cached_prefixes()
+        assert engine.llm.resets == 1
+    engine.llm = PrefixCache(False)
+    with pytest.raises(TrainingError, match="vLLM refused to reset its prefix cache after a weight update"):
+        engine._forget_cached_prefixes()

@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Iterable
 
 import torch
 
-from grpo.errors import ConfigError
+from grpo.errors import ConfigError, TrainingError
 from grpo.rollout.engine import Completion, RolloutEngine, SamplingSettings
 
 if TYPE_CHECKING:
@@ -235,7 +235,14 @@ class VLLMRolloutEngine(RolloutEngine):
             self.llm.apply_model(lambda model: model.load_weights(tensors))
         if complete:
             self.weights_dropped = False
-        self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+        self._forget_cached_prefixes()  # cached KV blocks were computed with the old weights
+
+    def _forget_cached_prefixes(self) -> None:
+        """Drop vLLM's cached KV blocks after new weights (a prompt sharing their prefix would attend to the old
+        weights' keys and values); vLLM refuses while a request runs, which no sync leaves: say so, never sample on."""
+        if self.llm.reset_prefix_cache() is False:
+            raise TrainingError("vLLM refused to reset its prefix cache after a weight update (blocks still in use): "
+                                "the next rollouts would reuse keys and values computed with the old weights")
 
     def weight_views(self, policy) -> dict[str, torch.Tensor]:
         """Merged weights on one GPU: the engine's own blocks of the checkpoint's tensors that a sync can overwrite in
@@ -283,7 +290,7 @@ class VLLMRolloutEngine(RolloutEngine):
         load_adapter_tensors(self.llm, tensors)
         self._pending_adapter = None
         self._adapter_loaded = True
-        self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old adapter
+        self._forget_cached_prefixes()  # cached KV blocks were computed with the old adapter
 
     def load_merge(self, layers: list) -> None:
         """In-place mode: the adapter to merge into the shared base from now on, (weight, B, A, scale) per LoRA
@@ -296,7 +303,7 @@ class VLLMRolloutEngine(RolloutEngine):
     def _merge_adapter(self) -> None:
         if self.merges_in_place and not self._in_place.whole:  # (an unmerge cut off halfway leaves some merged)
             self._in_place.merge()
-            self.llm.reset_prefix_cache()  # cached KV blocks were computed with other weights
+            self._forget_cached_prefixes()  # cached KV blocks were computed with other weights
 
     def release_base(self) -> None:
         """In-place mode: take the adapter out of the shared base, exactly, before the trainer reads it (its
