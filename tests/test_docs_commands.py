@@ -265,3 +265,16 @@ def test_the_readme_registry_and_reward_examples_work_when_pasted(tmp_path):
     load_dataset_registry(str(tree / "configs" / "dataset_config.json"))
     train, held_out = load_prompt_datasets(str(tree / "configs" / "dataset_config.json"), [name], 0.75, 0)
     assert len(train) + len(held_out) == 8
+
+
+def test_the_matrix_plans_in_memory_md_are_the_planners():
+    """docs/memory.md's table of the matrix's plans is what `python benchmarks/memory_matrix.py --plan_only` prints
+    with today's planner (no GPU: each budget as a card of its size), row for row."""
+    proc = subprocess.run([sys.executable, "benchmarks/memory_matrix.py", "--plan_only"], capture_output=True,
+                          text=True, cwd=ROOT, timeout=300, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    printed = [line for line in proc.stdout.splitlines() if line.startswith("| ") and not line.startswith("| shape")]
+    shapes = tuple({row.split(" | ")[0] + " | " for row in printed})  # "| qwen2.5-7b | ", ...
+    documented = [line for line in (ROOT / "docs" / "memory.md").read_text().splitlines()
+                  if line.startswith(shapes) and line.count(" | ") == 4]
+    assert len(printed) == 60 and documented == printed, "refresh the table with the command's output"
