@@ -222,7 +222,7 @@ def main() -> None:
                         help="earlier --out folders: their measured runs against the current plan (no GPU)")
     parser.add_argument("--limit", type=int, default=900, help="seconds a run may take")
     parser.add_argument("--cells", nargs="+", default=None, metavar="SHAPE:GIB:NEW",
-                        help="these cells only, run in the order given (instead of shapes x budgets x new tokens, "
+                        help="these cells only, started in the order given where they fit (instead of shapes x budgets x new tokens, "
                              "shortest first), e.g. mistral-7b:24:4096 qwen3-8b:40:512")
     parser.add_argument("--extra", nargs=argparse.REMAINDER, default=[])
     args = parser.parse_args()
@@ -264,13 +264,16 @@ def main() -> None:
     while queue or running:
         # a run starts when its whole budget is free beside what the running ones may hold (their planned peaks
         # +10%, the most the plan allows itself), and free on the GPU itself beside other jobs there (room_for):
-        # each run then plans with its own budget, never with less
-        while (queue and len(running) < args.lanes
-               and sum(reserved(c) for c, *_ in running) + queue[0]["budget"] <= args.gpu_gib
-               and room_for(queue[0], running, args.gpu)):
-            cell = queue.pop(0)
-            name = f"{cell['shape']}-{args.strategy}-{cell['budget']:g}gib-{cell['new']}new"
-            running.append((cell, *start(cell["model"], args, cell["budget"], cell["new"], name)))
+        # each run then plans with its own budget, never with less. The first queued cell that fits starts (a
+        # smaller one fills the room a larger one ahead of it waits for), while a lane is free
+        for cell in list(queue):
+            if len(running) >= args.lanes:
+                break
+            if (sum(reserved(c) for c, *_ in running) + cell["budget"] <= args.gpu_gib
+                    and room_for(cell, running, args.gpu)):
+                queue.remove(cell)
+                name = f"{cell['shape']}-{args.strategy}-{cell['budget']:g}gib-{cell['new']}new"
+                running.append((cell, *start(cell["model"], args, cell["budget"], cell["new"], name)))
         time.sleep(5)
         for item in list(running):
             cell, process, out, began = item
