@@ -222,8 +222,8 @@ def main() -> None:
                         help="earlier --out folders: their measured runs against the current plan (no GPU)")
     parser.add_argument("--limit", type=int, default=900, help="seconds a run may take")
     parser.add_argument("--cells", nargs="+", default=None, metavar="SHAPE:GIB:NEW",
-                        help="these cells only, started in the order given where they fit (instead of shapes x budgets x new tokens, "
-                             "shortest first), e.g. mistral-7b:24:4096 qwen3-8b:40:512")
+                        help="these cells only, started in the order given where they fit (instead of shapes x "
+                             "budgets x new tokens, shortest first), e.g. mistral-7b:24:4096 qwen3-8b:40:512")
     parser.add_argument("--extra", nargs=argparse.REMAINDER, default=[])
     args = parser.parse_args()
     wanted = None
