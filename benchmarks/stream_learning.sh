@@ -81,13 +81,19 @@ def step_mean(folder, k, key):
     return mean([r.get(key) for r in rows(folder, k)])
 
 
+def older_gap(folder, k):
+    """The engine-vs-trainer gap over tokens 1 or more versions behind, per step (mean of the steps' buckets)."""
+    return mean([mean([v for key, v in r.items() if key.startswith("rollout/logprob_diff_behind_")
+                       and not key.endswith("_0")]) for r in rows(folder, k)])
+
+
 def shown(value, digits=3):
     return "-" if value is None else f"{value:.{digits}f}"
 
 
 print("| K | seed | steps | held-out accuracy | held-out reward | staleness mean | partial share | rollout idle s / "
-      "step | trainer wait s / step |")
-print("|---|---|---|---|---|---|---|---|---|")
+      "step | trainer wait s / step | engine gap, tokens 0 / 1+ versions behind |")
+print("|---|---|---|---|---|---|---|---|---|---|")
 for k in ks:
     for folder, seed in zip(folders, seeds or [os.environ.get("SEED", "42")]):
         steps = max((r["step"] for r in rows(folder, k) if "loss" in r), default=0)
@@ -96,7 +102,8 @@ for k in ks:
               f"{shown(step_mean(folder, k, 'stream/staleness_mean'), 2)} | "
               f"{shown(step_mean(folder, k, 'stream/partial_share'), 2)} | "
               f"{shown(step_mean(folder, k, 'stream/rollout_idle_s'), 2)} | "
-              f"{shown(step_mean(folder, k, 'stream/trainer_wait_s'), 2)} |")
+              f"{shown(step_mean(folder, k, 'stream/trainer_wait_s'), 2)} | "
+              f"{shown(step_mean(folder, k, 'rollout/logprob_diff_behind_0'))} / {shown(older_gap(folder, k))} |")
 # each K's accuracy: over the seeds that finished (all of them, or the comparison is not made)
 accuracy = {k: [held_out(folder, k) for folder in folders] for k in ks}
 means = {k: mean(values) if None not in values else None for k, values in accuracy.items()}
