@@ -75,7 +75,7 @@ def main() -> None:
     tokens = a.rows * row
     plan_kept, plan_transient = activation_bytes_per_token(model_shape(cfg), True, dtype.itemsize, dtype.itemsize,
                                                            False, False, row_tokens=row)
-    chunk = logprob_chunk_bytes(a.chunk, a.vocab, False, model_shape(cfg).capped_logits)
+    chunk = logprob_chunk_bytes(a.chunk, a.vocab, False, model_shape(cfg).capped_logits, dtype.itemsize)
     print(json.dumps(dict(vars(a), tokens=tokens, fwd_peak_mib=round(forward / MIB, 1),
                           kept_after_fwd_mib=round(kept / MIB, 1), bwd_peak_mib=round(backward / MIB, 1),
                           plan_kept_mib=round(tokens * plan_kept / MIB, 1),

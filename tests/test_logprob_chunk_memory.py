@@ -1,6 +1,7 @@
 """The log-prob chunk's bytes in the memory plan (grpo.memory.activations.logprob_chunk_bytes: 20 c V in the
-backward, 22 behind a final logit soft-cap, half without gradients) against what the chunked log-probs really allocate, counted by torch's profiler
-allocation by allocation on CPU: the equation is the code's, not a guess."""
+backward, 22 behind a final logit soft-cap in bf16 (24 in fp32), half without gradients) against what the chunked
+log-probs really allocate, counted by torch's profiler allocation by allocation on CPU: the equation is the code's,
+not a guess."""
 import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -26,13 +27,14 @@ def peak_allocated(fn) -> int:
     return peak
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("temperature,entropy,capped", [(1.0, False, False), (0.7, False, False),
                                                         (0.7, True, False), (1.0, True, True), (0.7, False, True)])
-def test_a_chunks_backward_holds_what_the_plan_counts(temperature, entropy, capped):
+def test_a_chunks_backward_holds_what_the_plan_counts(temperature, entropy, capped, dtype):
     torch.manual_seed(0)
-    head = torch.nn.Linear(HIDDEN, VOCAB, bias=False).to(torch.bfloat16).requires_grad_(False)
+    head = torch.nn.Linear(HIDDEN, VOCAB, bias=False).to(dtype).requires_grad_(False)
     head = SoftCappedHead(head, 30.0) if capped else head  # Gemma 2's final logit soft-cap
-    hidden = torch.randn(CHUNK, HIDDEN, dtype=torch.bfloat16, requires_grad=True)
+    hidden = torch.randn(CHUNK, HIDDEN, dtype=dtype, requires_grad=True)
     ids = torch.randint(0, VOCAB, (CHUNK,))
 
     def step():
@@ -44,7 +46,7 @@ def test_a_chunks_backward_holds_what_the_plan_counts(temperature, entropy, capp
             hidden_token_logprobs(hidden, head, ids, temperature, chunk_tokens=CHUNK, with_entropy=False)
 
     step()  # (first calls allocate once-only workspaces)
-    planned = logprob_chunk_bytes(CHUNK, VOCAB, full_logits=False, capped_logits=capped)
+    planned = logprob_chunk_bytes(CHUNK, VOCAB, full_logits=False, capped_logits=capped, act_bytes=dtype.itemsize)
     trained = peak_allocated(step)
     # the [c, V] tensors are the peak; the rest (hidden's gradient, [c] vectors) is under 1% of it here
     assert planned <= trained <= 1.02 * planned, (trained / (CHUNK * VOCAB), "bytes per c V")

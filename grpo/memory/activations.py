@@ -141,20 +141,21 @@ def expert_fold_bytes(layer_stacks: int, largest_stack: int, layers: int, checkp
     return float_bytes * ((1 if checkpointing else layers) * layer_stacks + largest_stack)
 
 
-def logprob_chunk_bytes(chunk_tokens: int, vocab: int, full_logits: bool, capped_logits: bool = False) -> int:
-    """One log-prob chunk's logits in the backward, whatever the micro-batch: (20 + 2 s) c V bytes (s = 1 with a
-    final logit soft-cap), at the start of the backward, beside the kept activations only; none on the full-logits
-    path (counted per token there):
+def logprob_chunk_bytes(chunk_tokens: int, vocab: int, full_logits: bool, capped_logits: bool = False,
+                        act_bytes: int = 2) -> int:
+    """One log-prob chunk's logits in the backward, whatever the micro-batch: (20 + a s) c V bytes (s = 1 with a final
+    logit soft-cap, a = act_bytes: the head's output, 2 in bf16), at the start of the backward, beside the kept
+    activations only; none on the full-logits path (counted per token there):
 
         20 c V   the chunk's recomputed logits z in fp32 (4; the bf16 head output and the unscaled copy are freed by
                  then), the gradient gather's backward scatters into (4), and logsumexp's backward: z - logsumexp(z)
                  (4), its exp (4), the product with the incoming gradient (4)
-      +  2 c V   [soft-cap] the cap's tanh output in bf16, kept for its backward
+      +  a c V   [soft-cap] the cap's tanh output, kept for its backward
 
-    Traced allocation by allocation on CPU (torch's profiler, bf16 head: 20.0 and 22.0 c V, with and without
-    temperature or entropy; tests/test_logprob_chunk_memory.py); on a GPU a [1,024, 151,936] chunk measured 3.10 GiB
-    (21.4 c V, benchmarks/RESULTS.md). A no-grad pass holds half: z and one temporary (logsumexp's, the temperature's)."""
-    return 0 if full_logits else (20 + 2 * int(capped_logits)) * chunk_tokens * vocab
+    Traced allocation by allocation on CPU (torch's profiler: 20.0 c V with and without temperature or entropy, 22.0
+    behind a soft-cap in bf16, 24.0 in fp32; tests/test_logprob_chunk_memory.py); on a GPU a [1,024, 151,936] chunk
+    measured 3.10 GiB (21.4 c V, benchmarks/RESULTS.md). A no-grad pass holds half: z and one temporary."""
+    return 0 if full_logits else (20 + act_bytes * int(capped_logits)) * chunk_tokens * vocab
 
 
 def micro_batch_bytes(tokens: int, kept: int, transient: int, chunk: int) -> int:

@@ -263,7 +263,8 @@ def plan_memory(run: RunShape, size: ModelSize, gpu: GpuBudget | None, hf_config
     kept, transient = activation_bytes_per_token(size.shape, checkpointing, float_bytes,
                                                  float_bytes if run.strategy.has_adapter else 0,
                                                  run.lora_dropout, run.full_logits, row_tokens=run.longest)
-    chunk = logprob_chunk_bytes(run.chunk_tokens, size.shape.vocab, run.full_logits, size.shape.capped_logits)
+    chunk = logprob_chunk_bytes(run.chunk_tokens, size.shape.vocab, run.full_logits, size.shape.capped_logits,
+                                float_bytes)
     per_token = kv_bytes_per_token(hf_config, run.tp)
     kv_needed = auto_kv_cache_bytes(per_token, run.sequences, run.longest, run.max_seq_length)
     trainer = trainer_parts(run, size, float_bytes)

@@ -109,14 +109,15 @@ def training_estimate(config, model, chunk_tokens: int | None = None,
     base = module.get_base_model() if hasattr(module, "get_base_model") else module
     shape = model_shape(base.config)
     adapters = [p for name, p in model.named_parameters() if "lora_A" in name]
+    act_bytes = base.get_input_embeddings().weight.element_size()
     kept, transient = activation_bytes_per_token(
-        shape, checkpointing, act_bytes=base.get_input_embeddings().weight.element_size(),
+        shape, checkpointing, act_bytes=act_bytes,
         adapter_bytes=adapters[0].element_size() if adapters else 0,
         dropout=bool(adapters) and config.lora_dropout > 0, full_logits=full_logits,
         row_tokens=config.max_seq_length if row_tokens is None else row_tokens)
     chunk_tokens = config.logprob_chunk_tokens if chunk_tokens is None else chunk_tokens
-    return kept, transient, logprob_chunk_bytes(chunk_tokens, shape.vocab, full_logits, shape.capped_logits), \
-        checkpointing
+    return kept, transient, logprob_chunk_bytes(chunk_tokens, shape.vocab, full_logits, shape.capped_logits,
+                                                act_bytes), checkpointing
 
 
 def micro_batch_token_budget(config, model, engine, device: torch.device, plan=None) -> tuple[int, int]:
