@@ -65,13 +65,15 @@ def test_each_tokens_staleness_rides_in_the_batch_and_sorts_the_engines_gap():
     batch = build_rollout_batch([[1, 2]], completions, pad_id=0, version=5)
     assert batch.staleness.tolist() == [[2, 2, 1], [0, 0, 0]]  # version 5 trains: 5 - 3, 5 - 4; padding 0
     assert build_rollout_batch([[1, 2]], completions, pad_id=0).staleness is None  # no version given
-    unversioned = [completions[0], Completion(0, [7], [-1.0], "stop")]
-    assert build_rollout_batch([[1, 2]], unversioned, pad_id=0, version=5).staleness is None
+    unversioned = [completions[0], Completion(0, [7], [-1.0], "stop")]  # (an episode may end without versions)
+    assert build_rollout_batch([[1, 2]], unversioned, pad_id=0, version=5).staleness.tolist() == \
+        [[2, 2, 1], [-1, 0, 0]]  # (padding 0, out of the loss)
+    assert build_rollout_batch([[1, 2]], unversioned[1:], pad_id=0, version=5).staleness is None
     # gaps by versions behind, over the tokens in the loss (the padding's gap of 9 left out), across micro-batches
     gaps = {}
     add_gap_by_staleness(gaps, torch.tensor([[0.3, 0.1, 0.2], [0.01, 9.0, 9.0]]), batch.staleness,
                          batch.completion_mask)
-    add_gap_by_staleness(gaps, torch.tensor([[0.5]]), torch.tensor([[1]]), torch.tensor([[1.0]]))
+    add_gap_by_staleness(gaps, torch.tensor([[0.5, 7.0]]), torch.tensor([[1, -1]]), torch.tensor([[1.0, 1.0]]))
     assert gaps == {0: [pytest.approx(0.01), 1], 1: [pytest.approx(0.7), 2], 2: [pytest.approx(0.4), 2]}
 
 

@@ -8,7 +8,8 @@
     routed_experts   # [N, P+T, layers, k]  int, the experts the engine routed each token to (a mixture of experts
                                  under --routing_replay), -1 where nothing was routed (padding, each row's last token)
     staleness        # [N, T]    long, versions behind the trained policy that sampled each completion token
-                                 (streamed rollouts: Completion.versions), 0 on padding; None without versions
+                                 (streamed rollouts: Completion.versions), 0 on padding, -1 on a row without
+                                 versions; None when no row has them
     images           # per prompt: its processed images (vision-language models) or None; shared by its k rows
 Every completion starts at column P, so one forward with `logits_to_keep=T+1` yields exactly the logits
 that predict the completion tokens, and the prompt never enters the (large) logits tensor.
@@ -91,9 +92,9 @@ def build_rollout_batch(prompt_ids: list[list[int]], completions: list[Completio
     # the engine's log-probs, when it returned them for every token (see SamplingSettings.logprobs)
     with_logprobs = all(len(c.logprobs) == len(c.token_ids) for c in completions)
     rollout_lp = torch.zeros((n, comp_width), dtype=torch.float32) if with_logprobs else None
-    with_versions = version is not None and all(c.versions is not None and len(c.versions) == len(c.token_ids)
-                                                for c in completions)
-    staleness = torch.zeros((n, comp_width), dtype=torch.long) if with_versions else None
+    versioned = [version is not None and c.versions is not None and len(c.versions) == len(c.token_ids)
+                 for c in completions]
+    staleness = torch.zeros((n, comp_width), dtype=torch.long) if any(versioned) else None
     truncated = torch.zeros(n, dtype=torch.bool)
     for i, c in enumerate(completions):
         p = prompt_ids[c.prompt_index]
@@ -107,7 +108,7 @@ def build_rollout_batch(prompt_ids: list[list[int]], completions: list[Completio
             if rollout_lp is not None:
                 rollout_lp[i, :t] = torch.tensor(c.logprobs, dtype=torch.float32)
             if staleness is not None:
-                staleness[i, :t] = version - torch.tensor(c.versions, dtype=torch.long)
+                staleness[i, :t] = version - torch.tensor(c.versions, dtype=torch.long) if versioned[i] else -1
         truncated[i] = c.finish_reason == "length"
         if not (mask_truncated and truncated[i]):
             comp_mask[i, :t] = 1.0 if c.mask is None else _episode_mask(c)
