@@ -241,8 +241,8 @@ class VLLMRolloutEngine(RolloutEngine):
         """Drop vLLM's cached KV blocks after new weights (a prompt sharing their prefix would attend to the old
         weights' keys and values); vLLM refuses while a request runs, which no sync leaves: say so, never sample on."""
         if self.llm.reset_prefix_cache() is False:
-            raise TrainingError("vLLM refused to reset its prefix cache after a weight update (blocks still in use): "
-                                "the next rollouts would reuse keys and values computed with the old weights")
+            raise TrainingError("vLLM refused to reset its prefix cache (blocks still in use): the next rollouts "
+                                "would reuse keys and values of other weights, or of a released cache")
 
     def weight_views(self, policy) -> dict[str, torch.Tensor]:
         """Merged weights on one GPU: the engine's own blocks of the checkpoint's tensors that a sync can overwrite in
@@ -363,7 +363,7 @@ class VLLMRolloutEngine(RolloutEngine):
         if self.sleeps_kv_only:
             from grpo.rollout.vllm_memory import release_kv_cache
 
-            self.llm.reset_prefix_cache()  # the cached blocks' contents are about to go
+            self._forget_cached_prefixes()  # the cached blocks' contents are about to go
             release_kv_cache(empty_torch_cache=not self.keep_torch_cache)
         else:
             self.llm.sleep(level=level)
