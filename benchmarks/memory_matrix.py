@@ -261,6 +261,9 @@ def main() -> None:
         import torch
 
         args.gpu_gib = torch.cuda.get_device_properties(0).total_memory / GIB - 4
+    for cell in [c for c in queue if c["budget"] > args.gpu_gib]:  # (it would wait for ever)
+        print(f"left out: {cell['shape']} at {cell['budget']:g} GiB, more than --gpu_gib {args.gpu_gib:g}", flush=True)
+        queue.remove(cell)
     while queue or running:
         # a run starts when its whole budget is free beside what the running ones may hold (their planned peaks
         # +10%, the most the plan allows itself), and free on the GPU itself beside other jobs there (room_for):

@@ -12,7 +12,8 @@
 # Knobs: OUT KS MAX_STEPS BATCH MAX_NEW SEGMENT (--rollout_segment_tokens, 0: whole completions) EVAL_PROMPTS
 # TOLERANCE SEED (one run per K into $OUT/k<K>) or SEEDS (several: $OUT/s<seed>/k<K>) PORT EXTRA_ARGS ENGINE (hf or vllm: the rollout engine, else chosen as above) TABLE_ONLY (1: only
 # the table of the runs already in $OUT, e.g. after the K's ran at once, each its own invocation:
-#   for k in 1 2 4; do KS=$k PORT=$((29620 + k)) bash benchmarks/stream_learning.sh & done; wait
+#   for k in 1 2 4; do KS=$k PORT=$((29620 + 10 * k)) bash benchmarks/stream_learning.sh & done; wait
+# (each invocation takes a port a run from PORT on: space them by its runs, K's x seeds)
 #   TABLE_ONLY=1 bash benchmarks/stream_learning.sh)
 set -uo pipefail
 cd "$(dirname "$0")/.."
