@@ -112,8 +112,8 @@ if len(folders) > 1:
     print("\nmean held-out accuracy over seeds " + ", ".join(seeds) + ": " +
           ", ".join(f"K = {k} {shown(means[k])}" for k in ks))
 base = means[ks[0]]
-gaps = {k: round(abs(means[k] - base), 3) for k in ks[1:] if means[k] is not None and base is not None}
+gaps = {k: abs(means[k] - base) for k in ks[1:] if means[k] is not None and base is not None}
 ok = base is not None and len(gaps) == len(ks) - 1 and all(g <= tolerance for g in gaps.values())
-print(f"\nwithin {tolerance} of K = {ks[0]}: {'yes' if ok else 'NO'} ({gaps})")
+print(f"\nwithin {tolerance} of K = {ks[0]}: {'yes' if ok else 'NO'} ({ {k: round(g, 3) for k, g in gaps.items()} })")
 sys.exit(0 if ok else 1)
 EOF
