@@ -153,8 +153,8 @@ def logprob_chunk_bytes(chunk_tokens: int, vocab: int, full_logits: bool, capped
       +  a c V   [soft-cap] the cap's tanh output, kept for its backward
 
     Traced allocation by allocation on CPU (torch's profiler: 20.0 c V with and without temperature or entropy, 22.0
-    behind a soft-cap in bf16, 24.0 in fp32; tests/test_logprob_chunk_memory.py); on a GPU a [1,024, 151,936] chunk
-    measured 3.10 GiB (21.4 c V, benchmarks/RESULTS.md). A no-grad pass holds half: z and one temporary."""
+    behind a soft-cap in bf16, 24.0 in fp32; tests/test_logprob_chunk_memory.py); a whole VL pass with one [1,024,
+    151,936] chunk rose 3.10 GiB in RSS (21.4 c V, fp32, benchmarks/RESULTS.md). A no-grad pass holds half."""
     return 0 if full_logits else (20 + act_bytes * int(capped_logits)) * chunk_tokens * vocab
 
 
