@@ -43,10 +43,9 @@ def flags(model: str, args, budget: float, new: int, out: str) -> list[str]:
 
 def plan_cell(model: str, args, budget: float, new: int) -> dict:
     from grpo.config import parse_args
+    from grpo.errors import ConfigError
     from grpo.memory.advice import cheapest_fixes
     from grpo.memory.planner import named_card, plan_parts
-
-    from grpo.errors import ConfigError
     from grpo.model.model_source import check_positions
 
     config = parse_args(flags(model, args, budget, new, "/tmp/unused"))

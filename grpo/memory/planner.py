@@ -158,15 +158,15 @@ def layout_refusal(config, hf_config) -> str | None:
 def _four_bit_experts_refusal(config, hf_config) -> str | None:
     """ZeRO-3 would turn qlora's 4-bit fused experts into 16-bit partitions; the model is built on the meta device to
     count its fused expert stacks only for that combination."""
-    if not config.strategy.four_bit_base:
-        return None
+    from grpo.model.routing_replay import is_mixture_of_experts
     from grpo.runtime.deepspeed_config import load_deepspeed_config, zero_stage
 
+    if not config.strategy.four_bit_base:
+        return None
     stage = zero_stage(load_deepspeed_config(config, use_bf16=True))
-    from grpo.model.routing_replay import is_mixture_of_experts
-
     if stage != 3 or not is_mixture_of_experts(hf_config):
         return None
+    # (the model code, only for that combination)
     from grpo.config.sections.model import four_bit_experts_conflict
     from grpo.memory.model_size import build_on_meta
     from grpo.model.quantized_experts import fused_expert_slots

@@ -227,16 +227,18 @@ def loss_settings(cfg: GRPOConfig) -> LossSettings:
 def add_gap_by_staleness(into: dict, gap: torch.Tensor, staleness: torch.Tensor, mask: torch.Tensor) -> None:
     """Add a micro-batch's per-token |trainer - engine| log-prob gap [n, t] to `into`, by the versions behind of
     each token [n, t] (-1: unknown, left out; mask [n, t]: the tokens in the loss): into[d] = [sum of gaps, tokens].
-    Their means,
-    rollout/logprob_diff_behind_<d>: d = 0 is the engine's own mismatch (the trainer holds the very version that
-    sampled those tokens), d > 0 adds d updates of policy change; a d = 0 gap above the on-policy steps' says the
-    engine did not sample from the version it reported."""
+    Their means, rollout/logprob_diff_behind_<d>: d = 0 is the engine's own mismatch (the trainer holds the very
+    version that sampled those tokens), d > 0 adds d updates of policy change; a d = 0 gap above the on-policy
+    steps' says the engine did not sample from the version it reported."""
     kept = (mask > 0) & (staleness >= 0)
-    for d in staleness[kept].unique().tolist():
-        chosen = kept & (staleness == d)
-        entry = into.setdefault(int(d), [0.0, 0])
-        entry[0] += gap[chosen].sum().item()
-        entry[1] += int(chosen.sum().item())
+    behind = staleness[kept]
+    sums = torch.bincount(behind, weights=gap[kept].double()).tolist()  # (one host read each, whatever the d's)
+    counts = torch.bincount(behind).tolist()
+    for d, (total, count) in enumerate(zip(sums, counts)):
+        if count:
+            entry = into.setdefault(d, [0.0, 0])
+            entry[0] += total
+            entry[1] += count
 
 
 def combine_micro_batch_metrics(per_micro_batch: list[tuple[dict, float]]) -> dict:
